@@ -1,0 +1,47 @@
+"""tiergate's engine: paged KV cache, tier-aware continuous batching, model execution.
+
+Usable on its own: no database, no HTTP, nothing else of the project.
+"""
+
+from engine.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
+from engine.errors import (
+    ContextLengthExceededError,
+    EngineDeadError,
+    EngineError,
+    InvalidRequestError,
+)
+from engine.llm_engine import LLMEngine, TenantContext
+from engine.outputs import RequestMetrics, RequestOutput
+from engine.queues import FCFSQueue, WaitingQueue
+from engine.request import Request, RequestStatus
+from engine.runner import ModelRunner, ModelRunnerOutput, TokenLogprobs
+from engine.sampling_params import SamplingParams
+from engine.scheduler_output import ScheduledChunk, SchedulerOutput
+from engine.scheduler_stats import SchedulerStats, TierStats
+
+__all__ = [
+    "CacheConfig",
+    "ConfigError",
+    "ContextLengthExceededError",
+    "EngineConfig",
+    "EngineDeadError",
+    "EngineError",
+    "FCFSQueue",
+    "InvalidRequestError",
+    "LLMEngine",
+    "ModelRunner",
+    "ModelRunnerOutput",
+    "Request",
+    "RequestMetrics",
+    "RequestOutput",
+    "RequestStatus",
+    "SamplingParams",
+    "ScheduledChunk",
+    "SchedulerConfig",
+    "SchedulerOutput",
+    "SchedulerStats",
+    "TenantContext",
+    "TierStats",
+    "TokenLogprobs",
+    "WaitingQueue",
+]

@@ -1,0 +1,65 @@
+"""Typed configuration of the engine; validated once, plain values below it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.errors import EngineError
+
+
+class ConfigError(EngineError):
+    """An engine setting out of range."""
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048  # token budget of one step (decodes + prefill chunks)
+    max_num_seqs: int = 64  # requests running at once
+    max_model_len: int = 4096  # prompt + output tokens of one request
+    # A more important tier may preempt running requests of less important tiers (tiered);
+    # off gives the single-class behaviour of a vLLM-style engine (FCFS baseline).
+    enable_priority_preemption: bool = True
+    # Thrash guard: a request admitted fewer than this many steps ago is not preempted to
+    # admit another request (growth pressure may still preempt it).
+    preemption_min_run_steps: int = 4
+    # Thrash guard: requests preempted this many times are the last victims of admission
+    # preemption.
+    max_preemptions_per_request: int = 3
+
+    def validate(self) -> None:
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ConfigError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        if self.max_model_len < 2:
+            raise ConfigError("max_model_len must be >= 2")
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16  # tokens per KV block
+    enable_prefix_caching: bool = True
+    # priority -> share of the KV pool reserved for that tier (usable by it and higher tiers)
+    reserved_fractions: dict[int, float] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        if self.block_size < 1:
+            raise ConfigError("block_size must be >= 1")
+        if any(f < 0 for f in self.reserved_fractions.values()):
+            raise ConfigError("reserved fractions must be >= 0")
+        if sum(self.reserved_fractions.values()) > 1.0:
+            raise ConfigError("reserved fractions add up to more than the whole pool")
+
+    def reserved_blocks(self, num_blocks: int) -> dict[int, int]:
+        return {p: int(f * num_blocks) for p, f in self.reserved_fractions.items()}
+
+
+@dataclass
+class EngineConfig:
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    eos_token_id: int | None = None  # ends a request unless ignore_eos
+    # Engine steps whose measured time feeds the rate estimates (EMA weight of a new step).
+    rate_ema_alpha: float = 0.2
+
+    def validate(self) -> None:
+        self.scheduler.validate()
+        self.cache.validate()

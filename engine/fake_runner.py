@@ -1,0 +1,120 @@
+"""FakeModelRunner: a deterministic stand-in for the model, for tests and simulation only.
+
+It keeps a fake KV cache that stores each token id in its slot, and "samples" the next token
+as a hash of the whole context read back through the block table. A paging bug (a wrong block
+table, a missed copy-on-write, a block reused while still held) changes the context it reads
+and so the tokens it produces. Its step time follows a cost model, so schedulers can be
+compared on a simulated machine. Never a default: the engine's real runner is TorchModelRunner.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from array import array
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.runner import ModelRunnerOutput
+from engine.scheduler_output import SchedulerOutput
+
+
+@dataclass
+class CostModel:
+    """Step time of the simulated machine: fixed + per batched token + per attended token."""
+
+    step_overhead_s: float = 0.004
+    per_token_s: float = 0.00005  # linear layers, per token in the batch
+    per_context_token_s: float = 2e-8  # attention, per (token, context token) pair
+    flops_per_token: float = 1e8  # 2 x parameters, for metering
+    flops_per_context_token: float = 1e4  # attention FLOPs per attended token
+
+    def step_time_s(self, num_tokens: int, num_attended: int) -> float:
+        return (
+            self.step_overhead_s
+            + self.per_token_s * num_tokens
+            + self.per_context_token_s * num_attended
+        )
+
+
+def fake_next_token(context: list[int], vocab_size: int) -> int:
+    """token = f(context): ids 3..vocab_size-1 (0-2 are special)."""
+    digest = hashlib.blake2b(array("q", context).tobytes(), digest_size=8).digest()
+    return 3 + int.from_bytes(digest, "little") % (vocab_size - 3)
+
+
+class FakeModelRunner:
+    """Test and simulation tool implementing the ModelRunner protocol."""
+
+    def __init__(
+        self,
+        num_kv_blocks: int,
+        block_size: int = 16,
+        vocab_size: int = 32000,
+        cost_model: CostModel | None = None,
+        advance_clock: Callable[[float], None] | None = None,
+        sleep: bool = False,
+    ) -> None:
+        self._num_kv_blocks = num_kv_blocks
+        self._block_size = block_size
+        self.vocab_size = vocab_size
+        self.cost_model = cost_model or CostModel()
+        # Simulation: advance a virtual clock by the modelled step time instead of sleeping.
+        self.advance_clock = advance_clock
+        self.sleep = sleep  # real time: sleep for the modelled step time
+        self.extra_delay_s = 0.0  # test-only slow-down added to every step
+        self.fail_next_step = False  # test-only: raise in the next execute
+        self.num_steps = 0
+        # kv[block][offset] = token id written there, or -1
+        self._kv: list[list[int]] = [[-1] * block_size for _ in range(num_kv_blocks)]
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self._num_kv_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    def estimate_flops(self, num_new_tokens: int, num_context_tokens: int) -> float:
+        start = num_context_tokens - num_new_tokens
+        num_attended = num_new_tokens * (start + num_context_tokens + 1) // 2
+        return (
+            self.cost_model.flops_per_token * num_new_tokens
+            + self.cost_model.flops_per_context_token * num_attended
+        )
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if self.fail_next_step:
+            self.fail_next_step = False
+            raise RuntimeError("FakeModelRunner: injected step failure")
+        self.num_steps += 1
+        for src, dst in scheduler_output.blocks_to_copy:
+            self._kv[dst] = list(self._kv[src])
+        sampled: dict[str, int] = {}
+        num_attended = 0
+        bs = self._block_size
+        for chunk in scheduler_output.chunks:
+            for i, token_id in enumerate(chunk.token_ids):
+                pos = chunk.start_pos + i
+                self._kv[chunk.block_table[pos // bs]][pos % bs] = token_id
+            num_attended += chunk.num_tokens * (chunk.start_pos + chunk.num_context_tokens + 1) // 2
+            if chunk.needs_sample:
+                context = self._read_context(chunk.block_table, chunk.num_context_tokens)
+                sampled[chunk.request_id] = fake_next_token(context, self.vocab_size)
+        step_time = self.cost_model.step_time_s(scheduler_output.num_batched_tokens, num_attended)
+        step_time += self.extra_delay_s
+        if self.advance_clock is not None:
+            self.advance_clock(step_time)
+        elif self.sleep:
+            time.sleep(step_time)
+        return ModelRunnerOutput(sampled_token_ids=sampled)
+
+    def _read_context(self, block_table: list[int], num_tokens: int) -> list[int]:
+        bs = self._block_size
+        context: list[int] = []
+        for index in range(-(-num_tokens // bs)):
+            context.extend(self._kv[block_table[index]])
+        del context[num_tokens:]
+        assert -1 not in context, "read a KV slot that was never written"
+        return context

@@ -1,0 +1,51 @@
+"""Model FLOPs of a forward pass: the one formula metering and benchmarks share.
+
+Linear layers cost 2 FLOPs per weight per token (q/k/v/o, gate/up/down of every layer); the
+lm_head only for tokens whose logits are computed (the runner computes logits for sampled
+rows only). Attention costs 4 * head_dim * num_heads FLOPs per (query token, visible key) per
+layer: QK^T and PV, 2 FLOPs per multiply-add each. Embedding lookups, norms, RoPE and softmax
+are ignored (they are memory-bound and small).
+"""
+
+from __future__ import annotations
+
+from engine.models.config import ModelConfig
+
+__all__ = ["forward_flops", "linear_params_per_token"]
+
+
+def linear_params_per_token(config: ModelConfig) -> int:
+    """Weights of the decoder layers' linear projections (without the lm_head)."""
+    e = config.hidden_size
+    attention = e * (config.q_size + 2 * config.kv_size) + config.q_size * e
+    mlp = 3 * e * config.intermediate_size
+    return config.num_layers * (attention + mlp)
+
+
+def _visible_keys(num_new_tokens: int, num_context_tokens: int, window: int | None) -> int:
+    """Sum over the new tokens of the keys each attends to (itself included)."""
+    first = num_context_tokens - num_new_tokens + 1  # context of the first new token
+    last = num_context_tokens
+    if window is None or window >= last:
+        return (first + last) * num_new_tokens // 2
+    if window <= first:
+        return window * num_new_tokens
+    # Contexts first..window grow, window+1..last are clipped to window.
+    return (first + window) * (window - first + 1) // 2 + window * (last - window)
+
+
+def forward_flops(
+    config: ModelConfig, num_new_tokens: int, num_context_tokens: int, num_sampled_tokens: int
+) -> float:
+    """FLOPs to compute num_new_tokens ending at num_context_tokens of context (cached prefix
+    plus the new tokens), with lm_head logits for num_sampled_tokens of them."""
+    if num_new_tokens <= 0:
+        return 0.0
+    linear = 2 * linear_params_per_token(config) * num_new_tokens
+    lm_head = 2 * config.hidden_size * config.vocab_size * num_sampled_tokens
+    per_key = 4 * config.head_dim * config.num_heads
+    attention = sum(
+        per_key * _visible_keys(num_new_tokens, num_context_tokens, window)
+        for window in config.sliding_windows
+    )
+    return float(linear + lm_head + attention)

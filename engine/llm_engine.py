@@ -1,0 +1,255 @@
+"""LLMEngine: add requests, step (schedule, run, post-process), read outputs. Not thread-safe;
+engine.async_engine runs it in its own thread."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+from engine.errors import ContextLengthExceededError, InvalidRequestError
+from engine.kv_manager import KVCacheManager
+from engine.outputs import RequestMetrics, RequestOutput
+from engine.queues import FCFSQueue, WaitingQueue
+from engine.request import Request, RequestStatus
+from engine.runner import ModelRunner, ModelRunnerOutput
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.scheduler_output import SchedulerOutput
+from engine.scheduler_stats import SchedulerStats
+from engine.text_output import TextOutputState, Tokenizer
+
+logger = logging.getLogger(__name__)
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass
+class TenantContext:
+    """Who a request belongs to and what the policies granted it."""
+
+    tenant_id: str = "default"
+    tier: str = "standard"  # label
+    priority: int = 1  # lower is more important
+    weight: float = 1.0  # fair-share weight inside the tier
+    cache_salt: str = ""  # prefix-cache isolation key
+    kv_cap_blocks: int | None = None  # most KV blocks the tenant may hold
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner: ModelRunner,
+        waiting_queue: WaitingQueue | None = None,
+        tokenizer: Tokenizer | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        config.validate()
+        if runner.block_size != config.cache.block_size:
+            raise InvalidRequestError("runner and cache config disagree on block_size")
+        self.config = config
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.clock = clock
+        num_blocks = runner.num_kv_blocks
+        self.kv = KVCacheManager(
+            num_blocks,
+            config.cache.block_size,
+            config.cache.enable_prefix_caching,
+            config.cache.reserved_blocks(num_blocks),
+        )
+        self.scheduler = Scheduler(config.scheduler, self.kv, waiting_queue if waiting_queue is not None else FCFSQueue())
+        self._groups: dict[str, list[Request]] = {}  # caller's id -> its samples
+        self._text: dict[str, TextOutputState] = {}  # sample request id -> text state
+        self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
+        self.num_steps_failed = 0
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        tenant: TenantContext | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request; n > 1 samples share the prompt's KV blocks."""
+        tenant = tenant or TenantContext()
+        if request_id in self._groups:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        max_tokens = self._validate(prompt_token_ids, sampling_params, tenant)
+        if sampling_params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer", param="stop")
+        arrival = self.clock() if arrival_time is None else arrival_time
+        samples: list[Request] = []
+        for index in range(sampling_params.n):
+            samples.append(
+                Request(
+                    request_id=request_id if sampling_params.n == 1 else f"{request_id}#{index}",
+                    prompt_token_ids=list(prompt_token_ids),
+                    sampling_params=sampling_params,
+                    arrival_time=arrival,
+                    tenant_id=tenant.tenant_id,
+                    tier=tenant.tier,
+                    priority=tenant.priority,
+                    weight=tenant.weight,
+                    cache_salt=tenant.cache_salt,
+                    kv_cap_blocks=tenant.kv_cap_blocks,
+                    eos_token_id=self.config.eos_token_id,
+                    max_tokens=max_tokens,
+                    group_id=request_id,
+                    sample_index=index,
+                    fork_parent=samples[0] if index > 0 else None,
+                )
+            )
+        self._groups[request_id] = samples
+        for sample in samples:
+            if self.tokenizer is not None:
+                self._text[sample.request_id] = TextOutputState(
+                    self.tokenizer, sample.prompt_token_ids, sampling_params
+                )
+            self.scheduler.add_request(sample)
+
+    def _validate(
+        self, prompt_token_ids: list[int], params: SamplingParams, tenant: TenantContext
+    ) -> int:
+        """Check the request can ever run; returns the resolved max_tokens."""
+        max_model_len = self.config.scheduler.max_model_len
+        num_prompt = len(prompt_token_ids)
+        if num_prompt == 0:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        if num_prompt >= max_model_len:
+            raise ContextLengthExceededError(
+                f"the prompt has {num_prompt} tokens; this model's context is {max_model_len}",
+                param="messages",
+            )
+        max_tokens = params.max_tokens or (max_model_len - num_prompt)
+        if num_prompt + max_tokens > max_model_len:
+            raise ContextLengthExceededError(
+                f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) exceeds this "
+                f"model's context of {max_model_len} tokens",
+                param="max_tokens",
+            )
+        bs = self.config.cache.block_size
+        num_blocks_needed = -(-(num_prompt + max_tokens) // bs)
+        num_reachable = self.kv.num_blocks - sum(
+            n for p, n in self.kv.reserved_blocks.items() if p < tenant.priority
+        )
+        if tenant.kv_cap_blocks is not None:
+            num_reachable = min(num_reachable, tenant.kv_cap_blocks)
+        if num_blocks_needed > num_reachable:
+            raise ContextLengthExceededError(
+                f"prompt + max_tokens needs {num_blocks_needed * bs} tokens of KV cache; "
+                f"this tenant can hold at most {num_reachable * bs}",
+                param="max_tokens",
+            )
+        return max_tokens
+
+    def abort(self, request_id: str) -> None:
+        """End every sample of a request now (client gone); frees its blocks before the next
+        step. Its final output (finish_reason "abort") comes with the next step()."""
+        for sample in self._groups.get(request_id, []):
+            request = self.scheduler.finish_request(sample.request_id, RequestStatus.FINISHED_ABORTED)
+            if request is not None:
+                request.finish_time = self.clock()
+                self._pending.append(self._make_output(request, [], []))
+                self._forget(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self._pending)
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            return outputs
+        started = self.clock()
+        try:
+            runner_output = self.runner.execute(scheduler_output)
+        except Exception as exc:  # a failed step fails its requests, not the engine
+            logger.exception("engine step %d failed", scheduler_output.step_id)
+            self.num_steps_failed += 1
+            return outputs + self._fail_step(scheduler_output, exc)
+        now = self.clock()
+        self.scheduler.record_step(scheduler_output, now - started)
+        return outputs + self._process(scheduler_output, runner_output, now)
+
+    def _process(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput, now: float
+    ) -> list[RequestOutput]:
+        updated, _ = self.scheduler.update_from_output(scheduler_output, runner_output, now)
+        outputs = []
+        for request in updated:
+            new_tokens = request.output_token_ids[-1:]
+            logprobs = runner_output.logprobs.get(request.request_id)
+            text_state = self._text.get(request.request_id)
+            if text_state is not None and not request.is_finished:
+                # Stop strings end the request from here, across token boundaries.
+                if text_state.append(new_tokens, finished=False):
+                    self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+                    request.stop_reason = text_state.stop_reason
+                    request.finish_time = now
+            elif text_state is not None:
+                text_state.append(new_tokens, finished=True)
+            outputs.append(self._make_output(request, new_tokens, [logprobs] if logprobs else []))
+            if request.is_finished:
+                self._forget(request)
+        return outputs
+
+    def _fail_step(self, scheduler_output: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+        outputs = []
+        for chunk in scheduler_output.chunks:
+            request = self.scheduler.finish_request(chunk.request_id, RequestStatus.FINISHED_ERROR)
+            if request is None:
+                continue
+            request.finish_time = self.clock()
+            output = self._make_output(request, [], [])
+            output.error = f"engine step failed: {type(exc).__name__}"
+            outputs.append(output)
+            self._forget(request)
+        return outputs
+
+    def _make_output(
+        self, request: Request, new_tokens: list[int], logprobs: list
+    ) -> RequestOutput:
+        text_state = self._text.get(request.request_id)
+        return RequestOutput(
+            request_id=request.group_id,
+            sample_index=request.sample_index,
+            new_token_ids=new_tokens,
+            new_text=text_state.take_delta() if text_state else "",
+            finished=request.is_finished,
+            finish_reason=_FINISH_REASONS.get(request.status),
+            stop_reason=request.stop_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            num_output_tokens=request.num_output_tokens,
+            logprobs=logprobs,
+            metrics=RequestMetrics(
+                arrival_time=request.arrival_time,
+                first_token_time=request.first_token_time,
+                finish_time=request.finish_time,
+                num_preemptions=request.num_preemptions,
+                preempted_by_tenant_id=request.preempted_by_tenant_id,
+            ),
+        )
+
+    def _forget(self, request: Request) -> None:
+        self._text.pop(request.request_id, None)
+        group = self._groups.get(request.group_id)
+        if group is not None and all(s.is_finished for s in group):
+            del self._groups[request.group_id]

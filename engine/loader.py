@@ -1,0 +1,187 @@
+"""Build a CausalLM from a HF checkpoint directory (safetensors, single or sharded), or from
+seeded random weights in HF naming (benchmarks and tests)."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.models.config import ModelConfig, ModelConfigError
+from engine.models.decoder import CausalLM
+
+__all__ = [
+    "checkpoint_tensors",
+    "load_model",
+    "load_weights",
+    "random_hf_state_dict",
+    "random_model",
+]
+
+# HF projection -> (our fused parameter, shard index inside it).
+_FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+_FUSED_NAME = re.compile(r"^(layers\.\d+\.(?:self_attn|mlp))\.(\w+_proj)\.(weight|bias)$")
+# Buffers some old checkpoints carry; recomputed here.
+_IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+
+
+def checkpoint_tensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) of every tensor in model.safetensors or the shards of its index."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+    elif (model_dir / "model.safetensors").exists():
+        files = ["model.safetensors"]
+    else:
+        raise ModelConfigError(f"no model.safetensors or its index in {model_dir}")
+    for file in files:
+        with safe_open(str(model_dir / file), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                yield name, f.get_tensor(name)
+
+
+def _shard_slices(model: CausalLM) -> dict[str, list[slice]]:
+    """Row ranges of each shard inside a fused parameter."""
+    c = model.config
+    q, kv, inter = c.q_size, c.kv_size, c.intermediate_size
+    return {
+        "qkv_proj": [slice(0, q), slice(q, q + kv), slice(q + kv, q + 2 * kv)],
+        "gate_up_proj": [slice(0, inter), slice(inter, 2 * inter)],
+    }
+
+
+def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy HF-named tensors into the model (casting to its dtype); every parameter must be set."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    slices = _shard_slices(model)
+    loaded: set[tuple[str, int]] = set()  # (parameter name, shard index; -1 for a whole tensor)
+    tied = model.config.tie_word_embeddings
+    for hf_name, tensor in tensors:
+        name = hf_name.removeprefix("model.")
+        if _IGNORED.search(name) or (tied and name == "lm_head.weight"):
+            continue  # lm_head shares the embedding when tied
+        match = _FUSED_NAME.match(name)
+        if match and match.group(2) in _FUSED:
+            fused, shard = _FUSED[match.group(2)]
+            target = f"{match.group(1)}.{fused}.{match.group(3)}"
+            rows = slices[fused][shard]
+        else:
+            target, shard, rows = name, -1, slice(None)
+        if target not in params:
+            raise ModelConfigError(f"checkpoint tensor {hf_name} has no place in the model")
+        destination = params[target].data[rows]
+        if destination.shape != tensor.shape:
+            raise ModelConfigError(
+                f"{hf_name}: checkpoint shape {tuple(tensor.shape)}, "
+                f"model expects {tuple(destination.shape)}"
+            )
+        destination.copy_(tensor)
+        loaded.add((target, shard))
+    _check_complete(params, slices, loaded, tied)
+
+
+def _check_complete(
+    params: dict[str, torch.nn.Parameter],
+    slices: dict[str, list[slice]],
+    loaded: set[tuple[str, int]],
+    tied: bool,
+) -> None:
+    missing = []
+    for name in params:
+        if tied and name == "lm_head.weight":
+            continue
+        fused = name.split(".")[-2]
+        shards = range(len(slices[fused])) if fused in slices else [-1]
+        missing += [f"{name}[{s}]" for s in shards if (name, s) not in loaded]
+    if missing:
+        raise ModelConfigError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+def _empty_model(
+    config: ModelConfig, dtype: torch.dtype, device: torch.device, max_model_len: int
+) -> CausalLM:
+    with torch.device("meta"):
+        model = CausalLM(config, max_positions=max_model_len)
+    model = model.to_empty(device=device).to(dtype)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    return model
+
+
+def load_model(
+    model_dir: str | Path,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
+    max_model_len: int | None = None,
+) -> CausalLM:
+    """Read config.json and the safetensors weights of a HF checkpoint directory."""
+    config = ModelConfig.from_file(model_dir)
+    max_len = max_model_len or config.max_position_embeddings
+    model = _empty_model(config, dtype or config.dtype, torch.device(device), max_len)
+    load_weights(model, checkpoint_tensors(model_dir))
+    model.build_rotary_table()
+    return model.eval()
+
+
+def random_hf_state_dict(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+    """Seeded random float32 weights under HF names (normal(0, 0.02), norms 1, biases 0).
+
+    The same dict loads into this engine (load_weights) and into a transformers model
+    (load_state_dict), so benchmarks compare both on identical weights.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    e, inter = config.hidden_size, config.intermediate_size
+
+    def normal(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator) * 0.02
+
+    state = {"model.embed_tokens.weight": normal(config.vocab_size, e)}
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        state[p + "input_layernorm.weight"] = torch.ones(e)
+        state[p + "post_attention_layernorm.weight"] = torch.ones(e)
+        for proj, rows in (("q", config.q_size), ("k", config.kv_size), ("v", config.kv_size)):
+            state[p + f"self_attn.{proj}_proj.weight"] = normal(rows, e)
+            if config.has_qkv_bias:
+                state[p + f"self_attn.{proj}_proj.bias"] = torch.zeros(rows)
+        state[p + "self_attn.o_proj.weight"] = normal(e, config.q_size)
+        if config.has_o_bias:
+            state[p + "self_attn.o_proj.bias"] = torch.zeros(e)
+        if config.has_qk_norm:
+            state[p + "self_attn.q_norm.weight"] = torch.ones(config.head_dim)
+            state[p + "self_attn.k_norm.weight"] = torch.ones(config.head_dim)
+        for proj, (rows, cols) in (("gate", (inter, e)), ("up", (inter, e)), ("down", (e, inter))):
+            state[p + f"mlp.{proj}_proj.weight"] = normal(rows, cols)
+            if config.has_mlp_bias:
+                state[p + f"mlp.{proj}_proj.bias"] = torch.zeros(rows)
+    state["model.norm.weight"] = torch.ones(e)
+    if not config.tie_word_embeddings:
+        state["lm_head.weight"] = normal(config.vocab_size, e)
+    return state
+
+
+def random_model(
+    config: ModelConfig,
+    seed: int,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    max_model_len: int | None = None,
+) -> CausalLM:
+    """A model with the weights of random_hf_state_dict(config, seed)."""
+    max_len = max_model_len or config.max_position_embeddings
+    model = _empty_model(config, dtype, torch.device(device), max_len)
+    load_weights(model, random_hf_state_dict(config, seed).items())
+    model.build_rotary_table()
+    return model.eval()

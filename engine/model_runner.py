@@ -1,0 +1,199 @@
+"""TorchModelRunner: runs a scheduled step of a real model over the paged KV cache.
+
+One step is one forward over every scheduled token (decodes first, then prefill chunks) as a
+single flat batch without padding; the lm_head runs only for the rows that sample, and the
+sampler picks their next tokens. On CUDA, decode-only steps replay captured CUDA graphs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.attention import PagedAttention
+from engine.cuda_graphs import DecodeCudaGraphs
+from engine.flops import forward_flops
+from engine.loader import load_model, random_model
+from engine.models.batch import ForwardBatch
+from engine.models.config import ModelConfig, ModelConfigError
+from engine.models.decoder import CausalLM, KVCache
+from engine.runner import ModelRunnerOutput
+from engine.sampler import Sampler
+from engine.scheduler_output import ScheduledChunk, SchedulerOutput
+
+__all__ = ["RunnerConfig", "TorchModelRunner", "kv_bytes_per_block"]
+
+# logits float32[S, V] and the chunks that sample (same order) -> sampled tokens.
+SampleFn = Callable[[torch.Tensor, list[ScheduledChunk]], ModelRunnerOutput]
+
+
+@dataclass
+class RunnerConfig:
+    """How the runner sizes its KV cache and batches."""
+
+    block_size: int = 16  # tokens per KV block
+    num_kv_blocks: int | None = None  # KV blocks to allocate; None: derive from kv_cache_bytes
+    kv_cache_bytes: int = 1 << 30  # KV budget over all layers, K and V (when num_kv_blocks is None)
+    max_num_batched_tokens: int = 2048  # most tokens one step may carry
+    max_num_seqs: int = 64  # most sequences one step may carry (largest CUDA graph)
+    max_model_len: int = 4096  # longest sequence (RoPE table, CUDA graph block tables)
+    use_cuda_graphs: bool = True  # capture decode-only steps on CUDA
+    sampler_seed: int | None = None  # seed of the sampler's generator for unseeded requests
+
+
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one KV block takes over all layers, K and V."""
+    element_size = torch.empty(0, dtype=dtype).element_size()
+    return 2 * config.num_layers * block_size * config.kv_size * element_size
+
+
+class TorchModelRunner:
+    """The ModelRunner of real models (engine.runner.ModelRunner)."""
+
+    def __init__(
+        self, model: CausalLM, config: RunnerConfig, sampler: SampleFn | None = None
+    ) -> None:
+        self.model = model
+        self.config = config
+        self.model_config = model.config
+        weight = model.embed_tokens.weight
+        self.device, self.dtype = weight.device, weight.dtype
+        if config.max_model_len > model.max_positions:
+            raise ModelConfigError("max_model_len exceeds the model's RoPE table")
+        num_blocks = config.num_kv_blocks
+        if num_blocks is None:
+            per_block = kv_bytes_per_block(self.model_config, config.block_size, self.dtype)
+            num_blocks = config.kv_cache_bytes // per_block
+        if num_blocks < 1:
+            raise ModelConfigError("the KV cache budget holds no block")
+        self._num_kv_blocks = int(num_blocks)
+        shape = (num_blocks, config.block_size, self.model_config.num_kv_heads,
+                 self.model_config.head_dim)
+        self.kv_caches: list[KVCache] = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(self.model_config.num_layers)
+        ]
+        self.attention = PagedAttention(self.device)
+        self.sampler: SampleFn = sampler or Sampler(
+            self.model_config.vocab_size, seed=config.sampler_seed
+        )
+        self.graphs: DecodeCudaGraphs | None = None
+        if config.use_cuda_graphs and self.device.type == "cuda":
+            max_blocks_per_seq = -(-config.max_model_len // config.block_size)
+            self.graphs = DecodeCudaGraphs(
+                model, self.kv_caches, self.attention, config.max_num_seqs, max_blocks_per_seq,
+                config.block_size,
+            )
+
+    @classmethod
+    def from_model_dir(
+        cls,
+        model_dir: str | Path,
+        config: RunnerConfig,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str = "cpu",
+        sampler: SampleFn | None = None,
+    ) -> TorchModelRunner:
+        """Load a HF checkpoint directory (config.json + safetensors)."""
+        model = load_model(model_dir, dtype, device, config.max_model_len)
+        return cls(model, config, sampler)
+
+    @classmethod
+    def from_random(
+        cls,
+        model_config: ModelConfig,
+        seed: int,
+        config: RunnerConfig,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        sampler: SampleFn | None = None,
+    ) -> TorchModelRunner:
+        """A model with seeded random weights (engine.loader.random_hf_state_dict)."""
+        model = random_model(model_config, seed, dtype, device, config.max_model_len)
+        return cls(model, config, sampler)
+
+    # -- ModelRunner ---------------------------------------------------------------------------
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self._num_kv_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    def estimate_flops(self, num_new_tokens: int, num_context_tokens: int) -> float:
+        """forward_flops with one lm_head row: every chunk is counted as sampling one token
+        (exact for decodes and last prefill chunks; one row too many for earlier chunks)."""
+        return forward_flops(self.model_config, num_new_tokens, num_context_tokens, 1)
+
+    @torch.inference_mode()
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Copy blocks, then one forward over every chunk, then sample the chunks that ask."""
+        if scheduler_output.blocks_to_copy:
+            self._copy_blocks(scheduler_output.blocks_to_copy)
+        chunks = scheduler_output.chunks
+        if not chunks:
+            return ModelRunnerOutput(sampled_token_ids={})
+        batch = self._build_batch(chunks)
+        if self.graphs is not None and self.graphs.can_run(chunks, batch):
+            logits = self.graphs.run(batch)
+        else:
+            self.attention.prepare(
+                batch.block_tables, batch.query_start_loc, batch.context_lens, self.block_size
+            )
+            logits = self.model(batch, self.kv_caches, self.attention)  # [S, V]
+        output = self.sampler(logits, [c for c in chunks if c.needs_sample])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the step's time is device time
+        return output
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.int64, device=self.device)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.int64, device=self.device)
+        for k_cache, v_cache in self.kv_caches:
+            k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
+            v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
+
+    def _build_batch(self, chunks: list[ScheduledChunk]) -> ForwardBatch:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start_loc = [0]
+        context_lens: list[int] = []
+        logits_indices: list[int] = []
+        tables: list[list[int]] = []
+        for chunk in chunks:
+            start, end = chunk.start_pos, chunk.start_pos + len(chunk.token_ids)
+            table = chunk.block_table
+            assert len(table) * bs >= end, f"{chunk.request_id}: block table too short"
+            input_ids += chunk.token_ids
+            positions += range(start, end)
+            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            query_start_loc.append(len(input_ids))
+            context_lens.append(end)
+            if chunk.needs_sample:
+                logits_indices.append(len(input_ids) - 1)
+            tables.append(table[: -(-end // bs)])
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+
+        def tensor(values: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
+        return ForwardBatch(
+            input_ids=tensor(input_ids, torch.int64),
+            positions=tensor(positions, torch.int64),
+            slot_mapping=tensor(slots, torch.int64),
+            block_tables=tensor(padded, torch.int32),
+            query_start_loc=tensor(query_start_loc, torch.int32),
+            context_lens=tensor(context_lens, torch.int32),
+            logits_indices=tensor(logits_indices, torch.int64),
+        )

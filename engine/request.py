@@ -1,0 +1,101 @@
+"""One sequence the engine schedules: its tokens, its tier and tenant, its progress."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued, holds no KV blocks
+    RUNNING = "running"  # admitted, holds KV blocks
+    PREEMPTED = "preempted"  # blocks freed, back in the waiting queue, keeps its output
+    FINISHED_STOPPED = "finished_stopped"  # EOS, stop token or stop string
+    FINISHED_LENGTH = "finished_length"  # max_tokens or context length reached
+    FINISHED_ABORTED = "finished_aborted"  # client went away or was aborted by the caller
+    FINISHED_ERROR = "finished_error"  # a step failed while this request was in it
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = {
+    RequestStatus.FINISHED_STOPPED,
+    RequestStatus.FINISHED_LENGTH,
+    RequestStatus.FINISHED_ABORTED,
+    RequestStatus.FINISHED_ERROR,
+}
+
+
+@dataclass(eq=False)
+class Request:
+    """A single sequence. Parallel samples (n > 1) are one Request each, sharing a group id."""
+
+    request_id: str  # unique in the engine; samples are "<group>#<index>" when n > 1
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float  # engine clock seconds; kept across preemptions for ordering
+    tenant_id: str = "default"
+    tier: str = "standard"  # tier name, used as a label
+    priority: int = 1  # lower is more important (premium 0, standard 1, batch 2)
+    weight: float = 1.0  # the tenant's fair-share weight
+    cache_salt: str = ""  # extra key of every block hash: tenants never share cached blocks
+    kv_cap_blocks: int | None = None  # most KV blocks this tenant may hold at once
+    eos_token_id: int | None = None
+    max_tokens: int = 0  # resolved output limit (sampling max_tokens or context room)
+    group_id: str = ""  # id shared by the samples of one prompt
+    sample_index: int = 0  # index among the group's samples
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    num_cached_tokens: int = -1  # prefix-cache hit at first admission; -1 before it
+    num_preemptions: int = 0
+    # Highest num_computed_tokens ever reached; tokens computed again below it are recompute.
+    num_computed_high_water: int = 0
+    # Tenant whose request caused this one's latest preemption (charged for the recompute).
+    preempted_by_tenant_id: str | None = None
+    admitted_step: int = -1  # engine step at which it was last admitted (thrash guard)
+    admission_seq: int = -1  # monotonic admission counter: "latest admitted" ordering
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None  # the stop token id or stop string that matched
+    # Samples 1..n-1 of a group wait until sample 0 has computed the prompt, then fork.
+    fork_parent: Request | None = None
+
+    def __post_init__(self) -> None:
+        if not self.group_id:
+            self.group_id = self.request_id
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_prefill_done(self) -> bool:
+        """True once only the newest sampled token is left to compute (decode phase)."""
+        return self.num_uncomputed_tokens <= 1 and self.num_output_tokens > 0
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished

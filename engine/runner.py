@@ -1,0 +1,52 @@
+"""The seam between the engine step and whatever executes the model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from engine.scheduler_output import SchedulerOutput
+
+
+@dataclass
+class TokenLogprobs:
+    """Log-probabilities around one sampled token."""
+
+    token_id: int  # the sampled token
+    logprob: float  # its log-probability under the (penalised, unscaled-by-temperature) logits
+    rank: int  # 1-based rank of the sampled token
+    top: list[tuple[int, float]] = field(default_factory=list)  # top-k (token id, logprob)
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Result of one step: one new token per chunk that asked to be sampled."""
+
+    sampled_token_ids: dict[str, int]  # request_id -> the token sampled this step
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # when requested
+
+
+class ModelRunner(Protocol):
+    """Executes a scheduled step over the paged KV cache.
+
+    Implementations: engine.model_runner.TorchModelRunner (real models),
+    engine.fake_runner.FakeModelRunner (a test and simulation tool, never a default).
+    """
+
+    @property
+    def num_kv_blocks(self) -> int:
+        """KV blocks the runner allocated; the block pool manages exactly this many."""
+        ...
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV block."""
+        ...
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Copy blocks, write the new K/V, run the model, sample. Blocks until done."""
+        ...
+
+    def estimate_flops(self, num_new_tokens: int, num_context_tokens: int) -> float:
+        """Model FLOPs to compute num_new_tokens that end at num_context_tokens of context."""
+        ...

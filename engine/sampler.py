@@ -1,0 +1,377 @@
+"""Picks the next token of every sampled row from its logits: penalties, filters, seeds, logprobs.
+
+The pipeline, in order (vLLM V1's order):
+
+1. repetition penalty (HF: over prompt and output tokens), then frequency and presence
+   penalties (OpenAI: over output tokens only);
+2. logprobs, when asked, are taken here: log_softmax of the penalised logits, before min_tokens
+   suppression, temperature and the truncation filters. This is what TokenLogprobs documents.
+   vLLM V1's default `raw_logprobs` reads the logits before penalties too; they differ only for
+   requests that set penalties. Pass `logprobs_mode="raw"` for that behaviour;
+3. min_tokens: while fewer outputs exist, the stop token ids and (unless ignore_eos, as in
+   vLLM) the EOS token get -inf. ignore_eos itself is the engine's business: it stops on EOS
+   or not, the sampler never suppresses EOS for it;
+4. greedy rows (temperature 0) take the argmax; the others are divided by their temperature,
+   filtered by min-p, top-k, then top-p (top-p measured after top-k), and sampled with the
+   exponential-race trick: argmax(p / E) with E ~ Exp(1) picks a token with probability p.
+
+Seeds are stateless: a seeded row's noise is a counter-based hash (splitmix64) of
+(seed, sample_index, number of outputs so far, token id), so the same request gives the same
+tokens whatever else is in the batch, on any device, and across preemption and resume. Rows
+without a seed draw their noise from one generator shared by the sampler.
+
+Everything runs as batched tensor ops grouped by feature; the only device-to-host copies are
+the final `.tolist()` calls.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from engine.runner import ModelRunnerOutput, TokenLogprobs
+from engine.scheduler_output import ScheduledChunk
+
+__all__ = ["Sampler", "derive_seed", "filtered_probs", "seeded_exponential"]
+
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15  # splitmix64 increment
+_MIX1 = 0xBF58476D1CE4E5B9
+_MIX2 = 0x94D049BB133111EB
+
+
+def _signed64(value: int) -> int:
+    """An unsigned 64-bit value as the int64 with the same bits (torch has no uint64 math)."""
+    value &= _MASK64
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _mix64(value: int) -> int:
+    """splitmix64 finaliser on Python ints."""
+    value = (value ^ (value >> 30)) * _MIX1 & _MASK64
+    value = (value ^ (value >> 27)) * _MIX2 & _MASK64
+    return value ^ (value >> 31)
+
+
+def derive_seed(seed: int, sample_index: int, num_output_tokens: int) -> int:
+    """The key of one sampling event of a seeded request, as a signed 64-bit int."""
+    key = _mix64((seed + _GOLDEN) & _MASK64)
+    key = _mix64((key ^ sample_index) + _GOLDEN & _MASK64)
+    key = _mix64((key ^ num_output_tokens) + _GOLDEN & _MASK64)
+    return _signed64(key)
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns (torch's >> is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def seeded_exponential(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Exp(1) noise [R, V] where element (r, v) depends only on (keys[r], v).
+
+    Element v of row r is output v of a splitmix64 stream started at keys[r]; int64 products
+    wrap around as unsigned arithmetic would. The top 24 bits make a uniform in (0, 1).
+    """
+    # keys: int64[R]
+    offsets = torch.arange(1, vocab_size + 1, device=keys.device, dtype=torch.int64)
+    z = keys[:, None] + offsets[None, :] * _signed64(_GOLDEN)  # [R, V]
+    z = (z ^ _shift_right(z, 30)) * _signed64(_MIX1)
+    z = (z ^ _shift_right(z, 27)) * _signed64(_MIX2)
+    z = z ^ _shift_right(z, 31)
+    uniform = (_shift_right(z, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    return -torch.log(uniform)
+
+
+def filtered_probs(
+    logits: torch.Tensor,  # [R, V]
+    temperature: torch.Tensor,  # float32[R], > 0
+    top_k: torch.Tensor,  # int64[R], in [1, V]; V disables
+    top_p: torch.Tensor,  # float32[R], in (0, 1]; 1 disables
+    min_p: torch.Tensor,  # float32[R], in [0, 1]; 0 disables
+    *,
+    use_top_k: bool = True,  # False: no row uses top-k (skips the work)
+    use_top_p: bool = True,  # False: no row uses top-p
+    use_min_p: bool = True,  # False: no row uses min-p
+) -> torch.Tensor:  # [R, V] probabilities, zero outside the kept set
+    """Temperature, then min-p, top-k and top-p (top-p measured on the top-k renormalised mass)."""
+    logits = logits / temperature[:, None]
+    if use_min_p:
+        probs = torch.softmax(logits, dim=-1)
+        threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    if use_top_k or use_top_p:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)  # [R, V]
+        positions = torch.arange(logits.shape[1], device=logits.device)[None, :]
+        # Top-k keeps the k largest (and anything tied with the k-th).
+        kth = sorted_logits.gather(1, (top_k - 1)[:, None])
+        drop_sorted = sorted_logits < kth
+        if use_top_p:
+            # Top-p keeps the shortest prefix whose mass reaches p (at least one token).
+            kept = sorted_logits.masked_fill(drop_sorted, float("-inf"))
+            sorted_probs = torch.softmax(kept, dim=-1)
+            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+            drop_p = (mass_before >= top_p[:, None]) & (top_p < 1.0)[:, None]
+            drop_sorted = drop_sorted | (drop_p & (positions > 0))
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return torch.softmax(logits, dim=-1)
+
+
+@dataclass
+class _BatchParams:
+    """Per-row sampling parameters of one call, as device tensors and Python flags."""
+
+    temperature: torch.Tensor  # float32[N]; only meaningful for random rows
+    top_k: torch.Tensor  # int64[N]; vocab_size where disabled
+    top_p: torch.Tensor  # float32[N]
+    min_p: torch.Tensor  # float32[N]
+    greedy_rows: list[int]  # rows with temperature 0
+    random_rows: list[int]  # the other rows
+    seeded_keys: dict[int, int]  # row -> derive_seed(...) for seeded random rows
+    has_top_k: bool  # some random row uses top-k
+    has_top_p: bool  # some random row uses top-p
+    has_min_p: bool  # some random row uses min-p
+
+
+class Sampler:
+    """Samples one token per row of logits; rows follow the order of the chunks that sample."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        seed: int | None = None,
+        logprobs_mode: Literal["penalized", "raw"] = "penalized",
+    ) -> None:
+        self.vocab_size = vocab_size  # logits columns past this (padding) are dropped
+        self.logprobs_mode = logprobs_mode  # see the module docstring, step 2
+        self._seed = seed  # seeds the shared generator of unseeded rows, for reproducible runs
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        if device not in self._generators:
+            generator = torch.Generator(device=device)
+            if self._seed is None:
+                generator.seed()
+            else:
+                generator.manual_seed(self._seed)
+            self._generators[device] = generator
+        return self._generators[device]
+
+    def __call__(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> ModelRunnerOutput:
+        """logits: float32[num_sampled, >= vocab_size], one row per chunk with needs_sample."""
+        assert logits.shape[0] == len(chunks), "one logits row per sampled chunk"
+        if not chunks:
+            return ModelRunnerOutput(sampled_token_ids={})
+        logits = logits[:, : self.vocab_size].to(torch.float32)
+        raw_logits = logits
+        logits = self._apply_penalties(logits, chunks)
+
+        logprob_rows = [i for i, c in enumerate(chunks) if c.sampling_params.logprobs is not None]
+        logprobs = None
+        if logprob_rows:
+            source = raw_logits if self.logprobs_mode == "raw" else logits
+            logprobs = torch.log_softmax(source[logprob_rows], dim=-1)  # [L, V]
+
+        logits = self._apply_min_tokens(logits, chunks)
+        params = self._batch_params(chunks, logits.device)
+        sampled = self._sample(logits, params)  # int64[N]
+
+        token_ids: list[int] = sampled.tolist()
+        output = ModelRunnerOutput(
+            sampled_token_ids={c.request_id: t for c, t in zip(chunks, token_ids, strict=True)}
+        )
+        if logprobs is not None:
+            output.logprobs = self._gather_logprobs(logprobs, sampled, chunks, logprob_rows)
+        return output
+
+    # -- penalties ---------------------------------------------------------------------------
+
+    def _apply_penalties(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        rows = [
+            i
+            for i, c in enumerate(chunks)
+            if c.sampling_params.repetition_penalty != 1.0
+            or c.sampling_params.presence_penalty != 0.0
+            or c.sampling_params.frequency_penalty != 0.0
+        ]
+        if not rows:
+            return logits
+        device = logits.device
+        penalised = [chunks[i] for i in rows]
+        output_counts = self._token_counts([c.output_token_ids for c in penalised], device)
+        prompt_seen = self._token_counts([c.prompt_token_ids for c in penalised], device) > 0
+        repetition = self._row_tensor([c.sampling_params.repetition_penalty for c in penalised],
+                                      device)
+        frequency = self._row_tensor([c.sampling_params.frequency_penalty for c in penalised],
+                                     device)
+        presence = self._row_tensor([c.sampling_params.presence_penalty for c in penalised], device)
+
+        row_index = torch.tensor(rows, device=device)
+        selected = logits[row_index]  # [P, V]
+        # HF repetition penalty: divide positive logits, multiply negative ones.
+        seen = prompt_seen | (output_counts > 0)
+        scaled = torch.where(selected > 0, selected / repetition, selected * repetition)
+        selected = torch.where(seen, scaled, selected)
+        # OpenAI penalties: per occurrence, and once for any occurrence.
+        selected = selected - frequency * output_counts - presence * (output_counts > 0).float()
+        logits = logits.clone()
+        logits[row_index] = selected
+        return logits
+
+    def _token_counts(self, token_lists: list[list[int]], device: torch.device) -> torch.Tensor:
+        """float32[len(token_lists), V]: how often each token id occurs in each list."""
+        counts = torch.zeros(len(token_lists), self.vocab_size, device=device)
+        lengths = torch.tensor([len(tokens) for tokens in token_lists], device=device)
+        flat = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.int64,
+                            device=device)
+        if flat.numel():
+            rows = torch.repeat_interleave(torch.arange(len(token_lists), device=device), lengths)
+            counts.index_put_((rows, flat), torch.ones_like(flat, dtype=torch.float32),
+                              accumulate=True)
+        return counts
+
+    @staticmethod
+    def _row_tensor(values: list[float], device: torch.device) -> torch.Tensor:
+        """float32[len(values), 1], to broadcast over the vocabulary."""
+        return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
+
+    # -- min_tokens ----------------------------------------------------------------------------
+
+    @staticmethod
+    def _apply_min_tokens(logits: torch.Tensor, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        rows: list[int] = []
+        token_ids: list[int] = []
+        for i, chunk in enumerate(chunks):
+            params = chunk.sampling_params
+            if len(chunk.output_token_ids) >= params.min_tokens:
+                continue
+            suppressed = set(params.stop_token_ids)
+            if chunk.eos_token_id is not None and not params.ignore_eos:
+                suppressed.add(chunk.eos_token_id)
+            suppressed = {t for t in suppressed if t < logits.shape[1]}
+            rows.extend([i] * len(suppressed))
+            token_ids.extend(sorted(suppressed))
+        if not rows:
+            return logits
+        logits = logits.clone()
+        index = (torch.tensor(rows, device=logits.device),
+                 torch.tensor(token_ids, device=logits.device))
+        logits[index] = float("-inf")
+        return logits
+
+    # -- sampling ------------------------------------------------------------------------------
+
+    def _batch_params(self, chunks: list[ScheduledChunk], device: torch.device) -> _BatchParams:
+        params = [c.sampling_params for c in chunks]
+        greedy_rows = [i for i, p in enumerate(params) if p.is_greedy]
+        random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+        seeded_keys = {
+            i: derive_seed(seed, chunks[i].sample_index, len(chunks[i].output_token_ids))
+            for i in random_rows
+            if (seed := params[i].seed) is not None
+        }
+        randoms = [params[i] for i in random_rows]
+        return _BatchParams(
+            temperature=torch.tensor([p.temperature for p in params], device=device),
+            top_k=torch.tensor(
+                [min(p.top_k, self.vocab_size) if p.top_k > 0 else self.vocab_size for p in params],
+                dtype=torch.int64,
+                device=device,
+            ),
+            top_p=torch.tensor([p.top_p for p in params], device=device),
+            min_p=torch.tensor([p.min_p for p in params], device=device),
+            greedy_rows=greedy_rows,
+            random_rows=random_rows,
+            seeded_keys=seeded_keys,
+            has_top_k=any(0 < p.top_k < self.vocab_size for p in randoms),
+            has_top_p=any(p.top_p < 1.0 for p in randoms),
+            has_min_p=any(p.min_p > 0.0 for p in randoms),
+        )
+
+    def _sample(self, logits: torch.Tensor, params: _BatchParams) -> torch.Tensor:
+        """int64[N]: greedy rows by argmax, random rows by filtered sampling."""
+        if not params.random_rows:
+            return logits.argmax(dim=-1)
+        all_random = len(params.random_rows) == logits.shape[0]
+        index = None if all_random else torch.tensor(params.random_rows, device=logits.device)
+
+        def pick(t: torch.Tensor) -> torch.Tensor:
+            return t if index is None else t[index]
+
+        probs = filtered_probs(
+            pick(logits),
+            pick(params.temperature),
+            pick(params.top_k),
+            pick(params.top_p),
+            pick(params.min_p),
+            use_top_k=params.has_top_k,
+            use_top_p=params.has_top_p,
+            use_min_p=params.has_min_p,
+        )
+        noise = self._noise(probs, params)
+        random_sampled = (probs / noise).argmax(dim=-1)
+        if index is None:
+            return random_sampled
+        sampled = logits.argmax(dim=-1)
+        sampled[index] = random_sampled
+        return sampled
+
+    def _noise(self, probs: torch.Tensor, params: _BatchParams) -> torch.Tensor:
+        """Exp(1) noise [R, V] for the random rows: hashed for seeded rows, shared otherwise."""
+        noise = torch.empty_like(probs)
+        num_rows = probs.shape[0]
+        seeded_positions = [
+            pos for pos, row in enumerate(params.random_rows) if row in params.seeded_keys
+        ]
+        if len(seeded_positions) < num_rows:
+            noise.exponential_(generator=self._generator(probs.device))
+        if seeded_positions:
+            keys = torch.tensor(
+                [params.seeded_keys[params.random_rows[pos]] for pos in seeded_positions],
+                dtype=torch.int64,
+                device=probs.device,
+            )
+            hashed = seeded_exponential(keys, probs.shape[1])
+            if len(seeded_positions) == num_rows:
+                noise = hashed
+            else:
+                noise[torch.tensor(seeded_positions, device=probs.device)] = hashed
+        return noise
+
+    # -- logprobs ------------------------------------------------------------------------------
+
+    @staticmethod
+    def _gather_logprobs(
+        logprobs: torch.Tensor,  # [L, V]
+        sampled: torch.Tensor,  # int64[N]
+        chunks: list[ScheduledChunk],
+        rows: list[int],  # the L rows that asked for logprobs
+    ) -> dict[str, TokenLogprobs]:
+        sampled_ids = sampled[torch.tensor(rows, device=sampled.device)][:, None]  # [L, 1]
+        sampled_logprob = logprobs.gather(1, sampled_ids)  # [L, 1]
+        # 1-based rank: tokens strictly more likely, plus one.
+        ranks = (logprobs > sampled_logprob).sum(dim=-1) + 1
+        num_top = max(chunks[i].sampling_params.logprobs or 0 for i in rows)
+        top_values, top_ids = logprobs.topk(num_top, dim=-1) if num_top else (None, None)
+
+        ids_list: list[int] = sampled_ids[:, 0].tolist()
+        logprob_list: list[float] = sampled_logprob[:, 0].tolist()
+        rank_list: list[int] = ranks.tolist()
+        top_value_list: list[list[float]] = top_values.tolist() if top_values is not None else []
+        top_id_list: list[list[int]] = top_ids.tolist() if top_ids is not None else []
+        result: dict[str, TokenLogprobs] = {}
+        for pos, row in enumerate(rows):
+            chunk = chunks[row]
+            num = chunk.sampling_params.logprobs or 0
+            top = (
+                list(zip(top_id_list[pos][:num], top_value_list[pos][:num], strict=True))
+                if num
+                else []
+            )
+            result[chunk.request_id] = TokenLogprobs(
+                token_id=ids_list[pos], logprob=logprob_list[pos], rank=rank_list[pos], top=top
+            )
+        return result

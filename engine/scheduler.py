@@ -1,0 +1,346 @@
+"""Iteration-level scheduling under one token budget, tier priority and preemption by recompute.
+
+Each step: running decodes first, then chunks of prefills in progress, then new admissions in
+the waiting queue's order. A request that cannot grow preempts, in order, the running requests
+of the least important tier (most blocks, latest arrival first); within its own tier, the
+latest admitted. A waiting request may preempt running requests of less important tiers to
+get in (when priority preemption is on), never of its own or a more important tier.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.config import SchedulerConfig
+from engine.kv_manager import ComputedBlocks, KVCacheManager
+from engine.queues import WaitingQueue
+from engine.request import Request, RequestStatus
+from engine.runner import ModelRunnerOutput
+from engine.scheduler_output import ScheduledChunk, SchedulerOutput
+from engine.scheduler_stats import SchedulerStats, StepRates, build_stats
+from engine.stop_check import check_token_stop
+
+
+@dataclass
+class _StepPlan:
+    """Bookkeeping while one step is being built."""
+
+    budget: int  # tokens left in this step
+    num_new_tokens: dict[str, int] = field(default_factory=dict)  # request id -> chunk length
+    preempted: list[Request] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_manager: KVCacheManager,
+        waiting: WaitingQueue,
+        rates: StepRates | None = None,
+    ) -> None:
+        self.config = config
+        self.kv = kv_manager
+        self.waiting = waiting
+        self.rates = rates if rates is not None else StepRates()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_steps = 0
+        self._num_admissions = 0
+        self._finished_ids: set[str] = set()
+        self.num_preemptions_total = 0
+
+    # -- requests in and out -------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        assert request.request_id not in self.requests, "duplicate request id"
+        self.requests[request.request_id] = request
+        request.status = RequestStatus.WAITING
+        self.waiting.add(request)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """End a request (abort, stop string, error); frees its blocks at once."""
+        assert status.is_finished
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(request)
+        request.status = status
+        self.kv.free(request)
+        self.kv.forget(request)
+        self._finished_ids.add(request_id)
+        return request
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        plan = _StepPlan(budget=self.config.max_num_batched_tokens)
+        # Decodes first, then prefills in progress (more important tiers first).
+        order = sorted(
+            self.running, key=lambda r: (not r.is_prefill_done, self._effective_priority(r))
+        )
+        for request in order:
+            if plan.budget == 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this step
+            self._schedule_running(request, plan)
+        self._schedule_waiting(plan)
+        return self._build_output(plan)
+
+    def _schedule_running(self, request: Request, plan: _StepPlan) -> None:
+        num_new = min(request.num_uncomputed_tokens, plan.budget)
+        while not self.kv.can_allocate(request, num_new):
+            victim = self._growth_victim(request, num_new)
+            self._preempt(victim, plan, preempted_by=request)
+            if victim is request:
+                return
+        self.kv.allocate(request, num_new)
+        self._commit_chunk(request, num_new, plan)
+
+    def _schedule_waiting(self, plan: _StepPlan) -> None:
+        skip_tenants: set[str] = set()
+        while plan.budget > 0:
+            request = self.waiting.peek(skip_tenants)
+            if request is None:
+                return
+            if len(self.running) >= self.config.max_num_seqs:
+                victims = self._admission_victims(request)
+                if not victims:
+                    return
+                self._preempt(victims[0], plan, preempted_by=request)
+            if request.fork_parent is not None:
+                ready = self._try_fork(request, plan)
+                if ready is None:
+                    skip_tenants.add(request.tenant_id)
+                    continue
+            computed = ComputedBlocks()
+            if self.kv.num_blocks_held(request.request_id) == 0:
+                computed = self.kv.get_computed_blocks(request)
+            num_uncomputed = request.num_tokens - request.num_computed_tokens - computed.num_tokens
+            num_new = min(num_uncomputed, plan.budget)
+            if self.kv.exceeds_tenant_cap(request, num_new, computed):
+                self._undo_fork(request)
+                skip_tenants.add(request.tenant_id)
+                continue
+            if not self.kv.can_allocate(request, num_new, computed):
+                if not self._preempt_to_admit(request, num_new, computed, plan):
+                    self._undo_fork(request)
+                    return  # the head cannot get in: nobody behind it may overtake
+                num_new = min(num_new, plan.budget)
+            self.waiting.remove(request)
+            self.kv.allocate(request, num_new, computed)
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = computed.num_tokens
+            request.status = RequestStatus.RUNNING
+            request.admitted_step = self.num_steps
+            request.admission_seq = self._num_admissions
+            self._num_admissions += 1
+            self.running.append(request)
+            self._commit_chunk(request, num_new, plan)
+
+    def _try_fork(self, child: Request, plan: _StepPlan) -> bool | None:
+        """Share the prompt blocks of sample 0 with a later sample once they are computed.
+
+        True: forked (one token left to compute). False: fall back to a normal prefill.
+        None: sample 0 has not finished its prompt yet; wait.
+        """
+        parent = child.fork_parent
+        assert parent is not None
+        # The prompt's KV must have been written by an earlier step, not just scheduled.
+        num_written = parent.num_computed_tokens - plan.num_new_tokens.get(parent.request_id, 0)
+        if parent.status == RequestStatus.RUNNING and num_written >= parent.num_prompt_tokens:
+            self.kv.fork(parent, child, parent.num_prompt_tokens)
+            # Recompute the last prompt token in a private copy of its block to get logits.
+            child.num_computed_tokens = child.num_prompt_tokens - 1
+            return True
+        if parent.status in (RequestStatus.WAITING, RequestStatus.RUNNING):
+            return None
+        child.fork_parent = None
+        return False
+
+    def _undo_fork(self, child: Request) -> None:
+        if child.fork_parent is not None and self.kv.num_blocks_held(child.request_id):
+            self.kv.free(child)
+            child.num_computed_tokens = 0
+
+    def _commit_chunk(self, request: Request, num_new: int, plan: _StepPlan) -> None:
+        plan.num_new_tokens[request.request_id] = num_new
+        plan.budget -= num_new
+        if request.fork_parent is not None:
+            request.fork_parent = None
+        # Fair-share service counts prompt tokens once: recompute after preemption is free.
+        start = max(request.num_computed_tokens, request.num_computed_high_water)
+        num_input = max(0, min(request.num_computed_tokens + num_new, request.num_prompt_tokens)
+                        - start)
+        request.num_computed_tokens += num_new
+        if num_input:
+            self.waiting.on_service(request, num_input, 0)
+
+    # -- preemption ----------------------------------------------------------------------------
+
+    def _growth_victim(self, request: Request, num_new: int) -> Request:
+        """Who gives up blocks so request can grow: a less important tier, else the latest
+        admitted of its own tier (possibly request itself). Never a more important tier.
+        Over its tenant's KV cap, only the tenant's own requests can make room."""
+        own_priority = self._effective_priority(request)
+        candidates = [r for r in self.running if self._effective_priority(r) >= own_priority]
+        if self.kv.exceeds_tenant_cap(request, num_new):
+            candidates = [r for r in candidates if r.tenant_id == request.tenant_id]
+        lowest = max(self._effective_priority(r) for r in candidates)
+        if lowest > own_priority:
+            return max(
+                (r for r in candidates if self._effective_priority(r) == lowest),
+                key=lambda r: (self.kv.num_blocks_held(r.request_id), r.arrival_time),
+            )
+        return max(candidates, key=lambda r: r.admission_seq)
+
+    def _preempt_to_admit(
+        self, request: Request, num_new: int, computed: ComputedBlocks, plan: _StepPlan
+    ) -> bool:
+        """Preempt running requests of less important tiers so request fits; all or nothing."""
+        victims: list[Request] = []
+        num_freed = num_refunded = 0
+        for victim in self._admission_victims(request):
+            victims.append(victim)
+            num_freed += self.kv.num_exclusive_blocks(victim.request_id)
+            num_refunded += plan.num_new_tokens.get(victim.request_id, 0)
+            num_fit = min(num_new, plan.budget + num_refunded)
+            if self.kv.can_allocate(request, num_fit, computed, num_freed):
+                for chosen in victims:
+                    self._preempt(chosen, plan, preempted_by=request)
+                return self.kv.can_allocate(request, min(num_new, plan.budget), computed)
+        return False
+
+    def _admission_victims(self, request: Request) -> list[Request]:
+        """Running requests a waiting request may preempt, best victim first: less important
+        tiers only, least important first, then most blocks, then latest arrival.
+
+        Thrash guard: a request admitted fewer than preemption_min_run_steps steps ago is
+        never a victim, so every resume makes progress; requests already preempted
+        max_preemptions_per_request times go last.
+        """
+        if not self.config.enable_priority_preemption:
+            return []
+        guard_step = self.num_steps - self.config.preemption_min_run_steps
+        candidates = [
+            r for r in self.running if r.priority > request.priority and r.admitted_step <= guard_step
+        ]
+        limit = self.config.max_preemptions_per_request
+        candidates.sort(
+            key=lambda r: (
+                r.num_preemptions < limit,
+                r.priority,
+                self.kv.num_blocks_held(r.request_id),
+                r.arrival_time,
+            ),
+            reverse=True,
+        )
+        return candidates
+
+    def _preempt(self, victim: Request, plan: _StepPlan, preempted_by: Request) -> None:
+        """Free the victim's blocks, keep its tokens, requeue it at the head of its tier."""
+        refund = plan.num_new_tokens.pop(victim.request_id, 0)
+        if refund:
+            plan.budget += refund
+            victim.num_computed_tokens -= refund
+        self.running.remove(victim)
+        self.kv.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_high_water = max(
+            victim.num_computed_high_water, victim.num_computed_tokens
+        )
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        if preempted_by is not victim:
+            victim.preempted_by_tenant_id = preempted_by.tenant_id
+        plan.preempted.append(victim)
+        self.num_preemptions_total += 1
+        self.waiting.prepend(victim)
+
+    def _effective_priority(self, request: Request) -> int:
+        """Tiers only matter for preemption when priority preemption is on."""
+        return request.priority if self.config.enable_priority_preemption else 0
+
+    # -- output --------------------------------------------------------------------------------
+
+    def _build_output(self, plan: _StepPlan) -> SchedulerOutput:
+        chunks: list[ScheduledChunk] = []
+        for request in self.running:
+            num_new = plan.num_new_tokens.get(request.request_id)
+            if num_new is None:
+                continue
+            start = request.num_computed_tokens - num_new
+            tokens = request.all_token_ids
+            chunks.append(
+                ScheduledChunk(
+                    request_id=request.request_id,
+                    token_ids=tokens[start : start + num_new],
+                    start_pos=start,
+                    block_table=self.kv.block_ids(request.request_id),
+                    needs_sample=start + num_new == len(tokens),
+                    is_prefill=not (num_new == 1 and request.is_prefill_done),
+                    sampling_params=request.sampling_params,
+                    prompt_token_ids=request.prompt_token_ids,
+                    output_token_ids=request.output_token_ids,
+                    eos_token_id=request.eos_token_id,
+                    sample_index=request.sample_index,
+                )
+            )
+        chunks.sort(key=lambda c: c.is_prefill)
+        output = SchedulerOutput(
+            step_id=self.num_steps,
+            chunks=chunks,
+            num_batched_tokens=sum(c.num_tokens for c in chunks),
+            blocks_to_copy=self.kv.take_pending_copies(),
+            finished_request_ids=self._finished_ids,
+            preempted_request_ids=[r.request_id for r in plan.preempted],
+        )
+        self._finished_ids = set()
+        self.num_steps += 1
+        return output
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput, now: float
+    ) -> tuple[list[Request], list[Request]]:
+        """Append sampled tokens and apply token-level stops.
+
+        Returns (requests that got a token, requests that finished this step).
+        """
+        updated: list[Request] = []
+        finished: list[Request] = []
+        for chunk in scheduler_output.chunks:
+            request = self.requests.get(chunk.request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            self.kv.cache_full_blocks(request)
+            token_id = runner_output.sampled_token_ids.get(chunk.request_id)
+            if token_id is None:
+                continue
+            request.output_token_ids.append(token_id)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            self.waiting.on_service(request, 0, 1)
+            updated.append(request)
+            status = check_token_stop(request, self.config.max_model_len)
+            if status is not None:
+                self.finish_request(request.request_id, status)
+                request.finish_time = now
+                finished.append(request)
+        return updated, finished
+
+    def record_step(self, scheduler_output: SchedulerOutput, step_time_s: float) -> None:
+        """Feed the measured step time into the rate estimates used for queue-wait estimates."""
+        num_prefill = sum(c.num_tokens for c in scheduler_output.chunks if c.is_prefill)
+        num_decode = scheduler_output.num_batched_tokens - num_prefill
+        had_backlog = num_prefill > 0 or len(self.waiting) > 0
+        self.rates.record(num_prefill, num_decode, step_time_s, had_backlog)
+
+    def stats(self) -> SchedulerStats:
+        return build_stats(self.running, self.waiting, self.kv, self.rates,
+                           self.config.enable_priority_preemption)

@@ -1,0 +1,138 @@
+"""Scheduler statistics the admission layer reads, and the queue-wait estimate built on them."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from engine.kv_manager import KVCacheManager
+from engine.request import Request, RequestStatus
+
+# Steps kept for the measured rates.
+_RATE_WINDOW_STEPS = 64
+
+
+class StepRates:
+    """Measured prefill and decode throughput over the last steps.
+
+    The prefill rate is taken over steps that had prefill work waiting, including steps that
+    ran none (KV full, budget spent on decodes): it is the rate at which the backlog drains.
+    """
+
+    def __init__(self, window_steps: int = _RATE_WINDOW_STEPS) -> None:
+        # (prefill tokens, decode tokens, step seconds, had a prefill backlog)
+        self._steps: deque[tuple[int, int, float, bool]] = deque(maxlen=window_steps)
+
+    def record(
+        self, num_prefill_tokens: int, num_decode_tokens: int, step_time_s: float,
+        had_backlog: bool = True,
+    ) -> None:
+        self._steps.append((num_prefill_tokens, num_decode_tokens, step_time_s, had_backlog))
+
+    @property
+    def prefill_tokens_per_s(self) -> float | None:
+        steps = [s for s in self._steps if s[3]]
+        seconds = sum(s[2] for s in steps)
+        return sum(s[0] for s in steps) / seconds if seconds > 0 else None
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        steps = [s for s in self._steps if s[1] > 0]
+        seconds = sum(s[2] for s in steps)
+        return sum(s[1] for s in steps) / seconds if seconds > 0 else None
+
+    @property
+    def mean_step_time_s(self) -> float | None:
+        return sum(s[2] for s in self._steps) / len(self._steps) if self._steps else None
+
+
+@dataclass
+class TierStats:
+    priority: int  # lower is more important
+    tier: str  # label seen on the tier's requests
+    num_running: int = 0
+    num_waiting: int = 0  # waiting and preempted
+    num_pending_prefill_tokens: int = 0  # prompt (or recompute) tokens not yet computed
+    num_kv_blocks: int = 0  # distinct KV blocks held by the tier's requests
+    num_kv_blocks_reserved: int = 0
+
+
+@dataclass
+class SchedulerStats:
+    tiers: dict[int, TierStats] = field(default_factory=dict)  # by priority
+    num_kv_blocks_total: int = 0
+    num_kv_blocks_used: int = 0  # held by some request
+    num_kv_blocks_cached: int = 0  # holding a prefix-cache entry (free or in use)
+    prefix_cache_hit_ratio: float = 0.0  # block hits / block lookups since start
+    prefill_tokens_per_s: float | None = None  # backlog drain rate (None: not measured yet)
+    decode_tokens_per_s: float | None = None
+    mean_step_time_s: float | None = None
+    priority_preemption: bool = True  # whether tiers are ordered (False: FCFS)
+
+    @property
+    def kv_usage(self) -> float:
+        return self.num_kv_blocks_used / self.num_kv_blocks_total if self.num_kv_blocks_total else 0
+
+    def estimate_queue_wait_s(self, priority: int, num_prompt_tokens: int) -> float:
+        """Seconds until a new request of this priority would have its prompt computed.
+
+        The prefill work ahead of it (its own and more important tiers; every tier under
+        FCFS) plus its own prompt, divided by the measured backlog drain rate. 0 until a
+        rate has been measured.
+        """
+        rate = self.prefill_tokens_per_s
+        if not rate:
+            return 0.0
+        num_ahead = sum(
+            t.num_pending_prefill_tokens
+            for p, t in self.tiers.items()
+            if p <= priority or not self.priority_preemption
+        )
+        return (num_ahead + num_prompt_tokens) / rate
+
+
+def build_stats(
+    running: Iterable[Request],
+    waiting: Iterable[Request],
+    kv: KVCacheManager,
+    rates: StepRates,
+    priority_preemption: bool,
+) -> SchedulerStats:
+    tiers: dict[int, TierStats] = {}
+
+    def tier_of(request: Request) -> TierStats:
+        stats = tiers.get(request.priority)
+        if stats is None:
+            stats = tiers[request.priority] = TierStats(request.priority, request.tier)
+        return stats
+
+    for request in running:
+        stats = tier_of(request)
+        stats.num_running += 1
+        if not request.is_prefill_done:
+            stats.num_pending_prefill_tokens += request.num_uncomputed_tokens
+    for request in waiting:
+        stats = tier_of(request)
+        stats.num_waiting += 1
+        if request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            stats.num_pending_prefill_tokens += request.num_tokens
+    for priority, num_reserved in kv.reserved_blocks.items():
+        if priority in tiers:
+            tiers[priority].num_kv_blocks_reserved = num_reserved
+    for priority, stats in tiers.items():
+        stats.num_kv_blocks = kv.num_tier_blocks(priority)
+    pool = kv.pool
+    return SchedulerStats(
+        tiers=tiers,
+        num_kv_blocks_total=kv.num_blocks,
+        num_kv_blocks_used=kv.num_used_blocks,
+        num_kv_blocks_cached=pool.num_cached_blocks,
+        prefix_cache_hit_ratio=(
+            pool.num_prefix_hits / pool.num_prefix_queries if pool.num_prefix_queries else 0.0
+        ),
+        prefill_tokens_per_s=rates.prefill_tokens_per_s,
+        decode_tokens_per_s=rates.decode_tokens_per_s,
+        mean_step_time_s=rates.mean_step_time_s,
+        priority_preemption=priority_preemption,
+    )

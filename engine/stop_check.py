@@ -1,0 +1,21 @@
+"""Token-level stop conditions, checked after every sampled token."""
+
+from __future__ import annotations
+
+from engine.request import Request, RequestStatus
+
+
+def check_token_stop(request: Request, max_model_len: int) -> RequestStatus | None:
+    """The finished status the newest token puts the request in, or None to keep going."""
+    params = request.sampling_params
+    token_id = request.output_token_ids[-1]
+    if request.num_output_tokens >= params.min_tokens:
+        if not params.ignore_eos and token_id == request.eos_token_id:
+            request.stop_reason = None
+            return RequestStatus.FINISHED_STOPPED
+        if token_id in params.stop_token_ids:
+            request.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
+    if request.num_output_tokens >= request.max_tokens or request.num_tokens >= max_model_len:
+        return RequestStatus.FINISHED_LENGTH
+    return None

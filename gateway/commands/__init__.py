@@ -1,0 +1,1 @@
+"""Subcommands of `tiergate`; each module defines register(subparsers) and sets func."""

@@ -1,0 +1,63 @@
+"""`tiergate keys create|list|revoke`: tenant API keys; the plaintext is printed once."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+import tenants
+from gateway.commands.tenants import actor, common_options, run_command
+
+_KEY_COLUMNS = ("id", "tenant_id", "name", "prefix", "created_at", "last_used_at", "revoked_at")
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    group = subparsers.add_parser("keys", help="create, list, revoke tenant API keys")
+    commands = group.add_subparsers(dest="keys_command", required=True)
+    common = common_options()
+
+    create = commands.add_parser("create", parents=[common], help="create a key (shown once)")
+    create.add_argument("tenant", help="tenant id or name")
+    create.add_argument("--name", default="default", help="a label for the key")
+    create.set_defaults(func=_create)
+
+    listing = commands.add_parser("list", parents=[common], help="list keys (prefixes only)")
+    listing.add_argument("tenant", nargs="?", help="tenant id or name (default: all tenants)")
+    listing.set_defaults(func=_list)
+
+    revoke = commands.add_parser("revoke", parents=[common], help="revoke a key")
+    revoke.add_argument("key_id", type=int)
+    revoke.set_defaults(func=_revoke)
+
+
+def _create(args: argparse.Namespace) -> int:
+    def work(session: Session) -> dict[str, Any]:
+        tenant = tenants.find_tenant(session, args.tenant)
+        created = tenants.create_api_key(session, tenant, name=args.name, actor=actor())
+        return {**tenants.api_key_snapshot(created.api_key), "key": created.plaintext}
+
+    status = run_command(args, work)
+    if status == 0:
+        print("Store this key now: it cannot be shown again.", file=sys.stderr)
+    return status
+
+
+def _list(args: argparse.Namespace) -> int:
+    def work(session: Session) -> list[dict[str, Any]]:
+        tenant_id = None if args.tenant is None else tenants.find_tenant(session, args.tenant).id
+        return [
+            tenants.api_key_snapshot(k) for k in tenants.list_api_keys(session, tenant_id=tenant_id)
+        ]
+
+    return run_command(args, work, columns=_KEY_COLUMNS)
+
+
+def _revoke(args: argparse.Namespace) -> int:
+    def work(session: Session) -> dict[str, Any]:
+        api_key = tenants.get_api_key(session, args.key_id)
+        return tenants.api_key_snapshot(tenants.revoke_api_key(session, api_key, actor=actor()))
+
+    return run_command(args, work)

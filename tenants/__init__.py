@@ -1,0 +1,90 @@
+"""Tenants, their quotas and API keys, and the admin audit log: models and plain functions.
+
+Imports nothing of the project; the schema itself lives in migrations/.
+"""
+
+from tenants.db import create_db_engine, create_session_factory, session_scope
+from tenants.errors import (
+    ApiKeyNotFoundError,
+    ConflictError,
+    InvalidFieldError,
+    NotFoundError,
+    TenantNotFoundError,
+    TenantsError,
+)
+from tenants.keys import GeneratedKey, generate_key, hash_key, looks_like_key, verify_key
+from tenants.models import ApiKey, AuditEntry, Base, Quota, Tenant, TenantStatus
+from tenants.repository import (
+    TENANT_UPDATE_FIELDS,
+    CreatedApiKey,
+    create_api_key,
+    create_tenant,
+    find_api_key,
+    find_tenant,
+    get_api_key,
+    get_tenant,
+    list_api_keys,
+    list_audit_entries,
+    list_tenants,
+    mark_api_key_used,
+    record_audit,
+    revoke_api_key,
+    set_tenant_status,
+    update_tenant,
+)
+from tenants.settings import DATABASE_URL_ENV, DEFAULT_DATABASE_URL, DatabaseSettings
+from tenants.snapshots import (
+    api_key_snapshot,
+    audit_entry_snapshot,
+    quota_snapshot,
+    tenant_snapshot,
+)
+from tenants.validation import DEFAULT_TIERS, QUOTA_FIELDS
+
+__all__ = [
+    "DATABASE_URL_ENV",
+    "DEFAULT_DATABASE_URL",
+    "DEFAULT_TIERS",
+    "QUOTA_FIELDS",
+    "TENANT_UPDATE_FIELDS",
+    "ApiKey",
+    "ApiKeyNotFoundError",
+    "AuditEntry",
+    "Base",
+    "ConflictError",
+    "CreatedApiKey",
+    "DatabaseSettings",
+    "GeneratedKey",
+    "InvalidFieldError",
+    "NotFoundError",
+    "Quota",
+    "Tenant",
+    "TenantNotFoundError",
+    "TenantStatus",
+    "TenantsError",
+    "api_key_snapshot",
+    "audit_entry_snapshot",
+    "create_api_key",
+    "create_db_engine",
+    "create_session_factory",
+    "create_tenant",
+    "find_api_key",
+    "find_tenant",
+    "generate_key",
+    "get_api_key",
+    "get_tenant",
+    "hash_key",
+    "list_api_keys",
+    "list_audit_entries",
+    "list_tenants",
+    "looks_like_key",
+    "mark_api_key_used",
+    "quota_snapshot",
+    "record_audit",
+    "revoke_api_key",
+    "session_scope",
+    "set_tenant_status",
+    "tenant_snapshot",
+    "update_tenant",
+    "verify_key",
+]

@@ -1,0 +1,64 @@
+"""Engines and sessions for SQLite and PostgreSQL from one URL; the same code serves both."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import make_url
+from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.pool import NullPool
+
+from tenants.settings import DatabaseSettings
+
+
+def create_db_engine(settings: DatabaseSettings, *, pooled: bool = True) -> Engine:
+    """An engine for settings.url. pooled=False opens one connection per use (CLI, migrations)."""
+    url = make_url(settings.url)
+    kwargs: dict[str, Any] = {}
+    if not pooled:
+        kwargs["poolclass"] = NullPool
+    elif url.get_backend_name() != "sqlite":
+        kwargs.update(
+            pool_size=settings.pool_size,
+            max_overflow=settings.max_overflow,
+            pool_recycle=settings.pool_recycle_s,
+            pool_pre_ping=True,
+        )
+    engine = create_engine(url, **kwargs)
+    if url.get_backend_name() == "sqlite":
+        _configure_sqlite(engine, busy_timeout_s=settings.sqlite_busy_timeout_s)
+    return engine
+
+
+def _configure_sqlite(engine: Engine, *, busy_timeout_s: float) -> None:
+    # WAL lets readers (key lookups) proceed while a writer (ledger, admin) commits;
+    # SQLite enforces foreign keys (ON DELETE CASCADE) only when asked, per connection.
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        cursor = dbapi_connection.cursor()
+        try:
+            cursor.execute("PRAGMA journal_mode=WAL")
+            cursor.execute("PRAGMA synchronous=NORMAL")
+            cursor.execute("PRAGMA foreign_keys=ON")
+            cursor.execute(f"PRAGMA busy_timeout={int(busy_timeout_s * 1000)}")
+        finally:
+            cursor.close()
+
+
+def create_session_factory(engine: Engine) -> sessionmaker[Session]:
+    """Sessions that keep loaded attributes readable after commit (rows are then serialised)."""
+    return sessionmaker(engine, expire_on_commit=False)
+
+
+@contextmanager
+def session_scope(settings: DatabaseSettings) -> Iterator[Session]:
+    """One transaction on a short-lived engine: commit on success, roll back on error."""
+    engine = create_db_engine(settings, pooled=False)
+    try:
+        with create_session_factory(engine).begin() as session:
+            yield session
+    finally:
+        engine.dispose()

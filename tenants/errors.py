@@ -1,0 +1,43 @@
+"""The tenants package's exception tree; the gateway translates these to OpenAI error bodies.
+
+TenantsError
+├── InvalidFieldError      a value a caller supplied is not acceptable (names the field)
+├── NotFoundError
+│   ├── TenantNotFoundError
+│   └── ApiKeyNotFoundError
+└── ConflictError          the change would break a uniqueness rule (duplicate name)
+"""
+
+from __future__ import annotations
+
+
+class TenantsError(Exception):
+    """Base class of every error the tenants package raises on purpose."""
+
+
+class InvalidFieldError(TenantsError):
+    """A field of a create or update request is missing, of the wrong type or out of range."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class NotFoundError(TenantsError):
+    """The referenced row does not exist."""
+
+
+class TenantNotFoundError(NotFoundError):
+    """No tenant with this id or name."""
+
+
+class ApiKeyNotFoundError(NotFoundError):
+    """No API key with this id."""
+
+
+class ConflictError(TenantsError):
+    """The change conflicts with existing data, e.g. a tenant name already taken."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param

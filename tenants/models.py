@@ -1,0 +1,184 @@
+"""SQLAlchemy models of tenants, their quotas, API keys and the admin audit log.
+
+The schema itself comes only from migrations/; these classes must match it, which
+tests/tenants/test_migrations.py checks by comparing them with the migrated database.
+"""
+
+from __future__ import annotations
+
+import enum
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    CheckConstraint,
+    DateTime,
+    Dialect,
+    Enum,
+    Float,
+    ForeignKey,
+    Integer,
+    MetaData,
+    String,
+    TypeDecorator,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+# Explicit constraint names, so migrations can drop them by name on both backends.
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+def utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
+class UtcDateTime(TypeDecorator[datetime]):
+    """A timestamp that is always timezone-aware UTC in Python, on SQLite as on PostgreSQL."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetime; use an aware UTC timestamp")
+        value = value.astimezone(UTC)
+        # SQLite has no time zone type: store UTC wall time.
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            return value.replace(tzinfo=UTC)
+        return value.astimezone(UTC)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class TenantStatus(enum.StrEnum):
+    ACTIVE = "active"
+    DISABLED = "disabled"
+
+
+class Tenant(Base):
+    __tablename__ = "tenants"
+    __table_args__ = (CheckConstraint("weight > 0", name="weight_positive"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    # Unique, human-chosen; starts with a letter so it never reads as an id.
+    name: Mapped[str] = mapped_column(String(64), unique=True)
+    # One of the deployment's tier names (premium, standard, batch by default).
+    tier: Mapped[str] = mapped_column(String(32))
+    # Fair-share weight inside the tier: a tenant with weight 2 gets twice the tokens.
+    weight: Mapped[float] = mapped_column(Float)
+    status: Mapped[TenantStatus] = mapped_column(
+        Enum(
+            TenantStatus,
+            native_enum=False,
+            length=16,
+            values_callable=lambda members: [m.value for m in members],
+        )
+    )
+    # Mixed into prefix-cache block hashes so tenants never share cached KV blocks.
+    cache_salt: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime, default=utc_now)
+    updated_at: Mapped[datetime] = mapped_column(UtcDateTime, default=utc_now, onupdate=utc_now)
+
+    quota: Mapped[Quota] = relationship(
+        back_populates="tenant", cascade="all, delete-orphan", lazy="joined"
+    )
+    api_keys: Mapped[list[ApiKey]] = relationship(
+        back_populates="tenant", cascade="all, delete-orphan", passive_deletes=True
+    )
+
+    @property
+    def is_active(self) -> bool:
+        return self.status is TenantStatus.ACTIVE
+
+
+class Quota(Base):
+    """A tenant's limits; NULL in any column means unlimited."""
+
+    __tablename__ = "tenant_quotas"
+    __table_args__ = (
+        CheckConstraint(
+            "kv_cap_share IS NULL OR (kv_cap_share > 0 AND kv_cap_share <= 1)",
+            name="kv_cap_share_range",
+        ),
+        CheckConstraint(
+            "requests_per_minute >= 0 AND tokens_per_minute >= 0"
+            " AND max_concurrent_requests >= 0 AND max_queued_requests >= 0"
+            " AND monthly_token_budget >= 0 AND monthly_spend_budget_usd_micros >= 0",
+            name="counts_not_negative",
+        ),
+    )
+
+    tenant_id: Mapped[int] = mapped_column(
+        ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True
+    )
+    requests_per_minute: Mapped[int | None] = mapped_column(Integer)
+    # Prompt plus max_tokens reserved at admission, refunded when unused.
+    tokens_per_minute: Mapped[int | None] = mapped_column(BigInteger)
+    max_concurrent_requests: Mapped[int | None] = mapped_column(Integer)
+    max_queued_requests: Mapped[int | None] = mapped_column(Integer)
+    # Most of the KV block pool this tenant may hold at once, in (0, 1].
+    kv_cap_share: Mapped[float | None] = mapped_column(Float)
+    monthly_token_budget: Mapped[int | None] = mapped_column(BigInteger)
+    # Whole micro-dollars (1 USD = 1_000_000), exact on every backend.
+    monthly_spend_budget_usd_micros: Mapped[int | None] = mapped_column(BigInteger)
+    updated_at: Mapped[datetime] = mapped_column(UtcDateTime, default=utc_now, onupdate=utc_now)
+
+    tenant: Mapped[Tenant] = relationship(back_populates="quota")
+
+
+class ApiKey(Base):
+    """A tenant's API key; the plaintext is never stored, only its lookup prefix and hash."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(128))
+    # Public part of the key ("tg-" + 8 characters), unique, used to find the row.
+    prefix: Mapped[str] = mapped_column(String(16), unique=True)
+    # SHA-256 hex digest of the whole key.
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime, default=utc_now)
+    # Updated when a replica loads the key into its cache, so accurate to the cache TTL.
+    last_used_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
+    revoked_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
+
+    tenant: Mapped[Tenant] = relationship(back_populates="api_keys")
+
+    @property
+    def is_revoked(self) -> bool:
+        return self.revoked_at is not None
+
+
+class AuditEntry(Base):
+    """One admin action: who did what to which row, and the row before and after."""
+
+    __tablename__ = "audit_log"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    occurred_at: Mapped[datetime] = mapped_column(UtcDateTime, default=utc_now, index=True)
+    # "admin-api:<client address>" or "cli:<os user>".
+    actor: Mapped[str] = mapped_column(String(128))
+    # Dotted verb, e.g. "tenant.create", "tenant.disable", "api_key.revoke".
+    action: Mapped[str] = mapped_column(String(64))
+    target_type: Mapped[str] = mapped_column(String(32))
+    target_id: Mapped[str] = mapped_column(String(64))
+    before: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    after: Mapped[dict[str, Any] | None] = mapped_column(JSON)

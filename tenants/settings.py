@@ -1,0 +1,52 @@
+"""Database settings, read once from the environment into a typed object."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
+
+from tenants.errors import InvalidFieldError
+
+DATABASE_URL_ENV = "TIERGATE_DATABASE_URL"
+# A file next to where the process runs: the zero-configuration default.
+DEFAULT_DATABASE_URL = "sqlite:///./tiergate.db"
+
+
+@dataclass(frozen=True)
+class DatabaseSettings:
+    """How to reach the tenants (and ledger) database."""
+
+    # SQLAlchemy URL, e.g. sqlite:///./tiergate.db or postgresql+psycopg://user@host/db.
+    url: str = DEFAULT_DATABASE_URL
+    # Connections kept open per process (PostgreSQL only; SQLite files use SQLAlchemy's default).
+    pool_size: int = 5
+    # Extra connections allowed above pool_size under bursts (PostgreSQL only).
+    max_overflow: int = 10
+    # Seconds after which a pooled connection is replaced, so idle-killing proxies do no harm.
+    pool_recycle_s: int = 1800
+    # Seconds a SQLite writer waits for another writer's lock before failing.
+    sqlite_busy_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        try:
+            make_url(self.url)
+        except ArgumentError as exc:
+            raise InvalidFieldError(f"not a database URL: {exc}", "database_url") from None
+        if self.pool_size < 1:
+            raise InvalidFieldError("pool_size must be at least 1", "pool_size")
+        if self.max_overflow < 0:
+            raise InvalidFieldError("max_overflow must not be negative", "max_overflow")
+
+    @property
+    def is_sqlite(self) -> bool:
+        return make_url(self.url).get_backend_name() == "sqlite"
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> DatabaseSettings:
+        """TIERGATE_DATABASE_URL if set, else a SQLite file in the working directory."""
+        env = os.environ if environ is None else environ
+        return cls(url=env.get(DATABASE_URL_ENV) or DEFAULT_DATABASE_URL)

@@ -1,0 +1,60 @@
+"""JSON-ready views of rows: the audit log's before/after, admin API bodies, CLI --json.
+
+One function per model, so the three never drift apart. Key hashes are left out: they are
+useless to a reader and need not travel.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from tenants.models import ApiKey, AuditEntry, Quota, Tenant
+from tenants.validation import QUOTA_FIELDS
+
+
+def _iso(value: datetime | None) -> str | None:
+    return None if value is None else value.isoformat()
+
+
+def quota_snapshot(quota: Quota) -> dict[str, Any]:
+    return {field: getattr(quota, field) for field in QUOTA_FIELDS}
+
+
+def tenant_snapshot(tenant: Tenant) -> dict[str, Any]:
+    return {
+        "id": tenant.id,
+        "name": tenant.name,
+        "tier": tenant.tier,
+        "weight": tenant.weight,
+        "status": tenant.status.value,
+        "cache_salt": tenant.cache_salt,
+        "quota": quota_snapshot(tenant.quota),
+        "created_at": _iso(tenant.created_at),
+        "updated_at": _iso(tenant.updated_at),
+    }
+
+
+def api_key_snapshot(api_key: ApiKey) -> dict[str, Any]:
+    return {
+        "id": api_key.id,
+        "tenant_id": api_key.tenant_id,
+        "name": api_key.name,
+        "prefix": api_key.prefix,
+        "created_at": _iso(api_key.created_at),
+        "last_used_at": _iso(api_key.last_used_at),
+        "revoked_at": _iso(api_key.revoked_at),
+    }
+
+
+def audit_entry_snapshot(entry: AuditEntry) -> dict[str, Any]:
+    return {
+        "id": entry.id,
+        "occurred_at": _iso(entry.occurred_at),
+        "actor": entry.actor,
+        "action": entry.action,
+        "target_type": entry.target_type,
+        "target_id": entry.target_id,
+        "before": entry.before,
+        "after": entry.after,
+    }

@@ -1,0 +1,99 @@
+"""Checks on tenant and quota values from admins (HTTP bodies, CLI flags).
+
+Each check returns the clean value or raises InvalidFieldError naming the offending field,
+so the admin API can answer with a 400 whose ``param`` points at it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Collection, Mapping
+
+from tenants.errors import InvalidFieldError
+
+DEFAULT_TIERS: tuple[str, ...] = ("premium", "standard", "batch")
+
+_NAME_PATTERN = re.compile(r"[a-z][a-z0-9_-]{0,63}")
+_INT32_MAX = 2**31 - 1
+_INT64_MAX = 2**63 - 1
+
+# Quota count fields and the largest value their column holds.
+QUOTA_COUNT_LIMITS: dict[str, int] = {
+    "requests_per_minute": _INT32_MAX,
+    "tokens_per_minute": _INT64_MAX,
+    "max_concurrent_requests": _INT32_MAX,
+    "max_queued_requests": _INT32_MAX,
+    "monthly_token_budget": _INT64_MAX,
+    "monthly_spend_budget_usd_micros": _INT64_MAX,
+}
+QUOTA_FIELDS: tuple[str, ...] = (*QUOTA_COUNT_LIMITS, "kv_cap_share")
+
+QuotaValue = int | float | None
+
+
+def validate_name(value: object, param: str = "name") -> str:
+    if not isinstance(value, str) or not _NAME_PATTERN.fullmatch(value):
+        raise InvalidFieldError(
+            "name must be 1-64 characters of a-z, 0-9, '_' or '-', starting with a letter",
+            param,
+        )
+    return value
+
+
+def validate_tier(value: object, known_tiers: Collection[str], param: str = "tier") -> str:
+    if not isinstance(value, str) or value not in known_tiers:
+        raise InvalidFieldError(f"tier must be one of: {', '.join(sorted(known_tiers))}", param)
+    return value
+
+
+def validate_weight(value: object, param: str = "weight") -> float:
+    number = _as_number(value, param)
+    if not number > 0:
+        raise InvalidFieldError("weight must be a number greater than 0", param)
+    return number
+
+
+def validate_cache_salt(value: object, param: str = "cache_salt") -> str:
+    if not isinstance(value, str) or not 1 <= len(value) <= 64:
+        raise InvalidFieldError("cache_salt must be a string of 1-64 characters", param)
+    return value
+
+
+def validate_quota(values: Mapping[str, object], param: str = "quota") -> dict[str, QuotaValue]:
+    """Clean quota fields (a subset is fine: the caller merges them); None means unlimited."""
+    clean: dict[str, QuotaValue] = {}
+    for field, value in values.items():
+        field_param = f"{param}.{field}"
+        if field not in QUOTA_FIELDS:
+            raise InvalidFieldError(
+                f"unknown quota field; expected one of: {', '.join(QUOTA_FIELDS)}", field_param
+            )
+        if value is None:
+            clean[field] = None
+        elif field == "kv_cap_share":
+            share = _as_number(value, field_param)
+            if not 0 < share <= 1:
+                raise InvalidFieldError("kv_cap_share must be in (0, 1]", field_param)
+            clean[field] = share
+        else:
+            clean[field] = _as_count(value, QUOTA_COUNT_LIMITS[field], field_param)
+    return clean
+
+
+def _as_number(value: object, param: str) -> float:
+    # bool is an int subclass; true/false is never a meaningful weight or share.
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidFieldError("must be a number", param)
+    number = float(value)
+    if not math.isfinite(number):
+        raise InvalidFieldError("must be a finite number", param)
+    return number
+
+
+def _as_count(value: object, limit: int, param: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidFieldError("must be an integer or null (unlimited)", param)
+    if not 0 <= value <= limit:
+        raise InvalidFieldError(f"must be between 0 and {limit}", param)
+    return value

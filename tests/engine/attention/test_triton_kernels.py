@@ -1,0 +1,258 @@
+"""Triton attention kernels against dense attention and against engine.attention.reference.
+
+Without CUDA the kernels run under the Triton interpreter (TRITON_INTERPRET=1, which the Makefile
+sets for the whole run and this module sets if nobody did); shapes stay tiny because the
+interpreter executes every program in Python. With CUDA the same cases also run on the GPU.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+if not torch.cuda.is_available():
+    # Must happen before triton decorates the kernels: @triton.jit reads it at import time.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+
+from engine.attention import reference, triton_backend
+from engine.attention.triton_decode import is_interpreting, paged_decode
+from engine.attention.triton_kv_write import write_kv
+from engine.attention.triton_prefill import _prefill_kernel, paged_prefill
+
+if not torch.cuda.is_available() and type(_prefill_kernel).__name__ != "InterpretedFunction":
+    raise RuntimeError(
+        "no CUDA device and the Triton kernels were imported without TRITON_INTERPRET=1; "
+        "run the tests with TRITON_INTERPRET=1 (make test sets it)"
+    )
+
+DEVICES = (["cpu"] if is_interpreting() else []) + (["cuda"] if torch.cuda.is_available() else [])
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# Relative error (Frobenius norm of the difference over the norm of the expected output).
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+
+
+@dataclass
+class PagedBatch:
+    """A batch laid out in a paged cache, with its dense per-sequence K/V kept for checking."""
+
+    query: torch.Tensor  # [T, H, D]
+    k_cache: torch.Tensor  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor  # [num_blocks, block_size, Hkv, D]
+    block_tables: torch.Tensor  # int32[B, max_blocks_per_seq]
+    query_start_loc: torch.Tensor  # int32[B + 1]
+    context_lens: torch.Tensor  # int32[B]
+    keys: list[torch.Tensor]  # per sequence [context_len, Hkv, D]
+    values: list[torch.Tensor]  # per sequence [context_len, Hkv, D]
+    scale: float
+
+
+def make_batch(
+    query_lens: list[int],
+    context_lens: list[int],
+    *,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 16,
+    block_size: int = 4,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    seed: int = 0,
+) -> PagedBatch:
+    """Random Q/K/V; each sequence's blocks are scattered over a shuffled pool (non-contiguous)."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-c // block_size) for c in context_lens]
+    num_blocks = sum(blocks_per_seq) + 3  # spare blocks, never referenced, hold garbage
+    pool_order = torch.randperm(num_blocks, generator=gen)
+    max_blocks = max(blocks_per_seq) + 1  # one unused column: tables are wider than needed
+    block_tables = torch.zeros(len(context_lens), max_blocks, dtype=torch.int32)
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    keys, values = [], []
+    next_block = 0
+    for seq, (num_ctx, num_seq_blocks) in enumerate(zip(context_lens, blocks_per_seq, strict=True)):
+        table = pool_order[next_block : next_block + num_seq_blocks]
+        next_block += num_seq_blocks
+        block_tables[seq, :num_seq_blocks] = table.int()
+        key = torch.randn(num_ctx, num_kv_heads, head_dim, generator=gen)
+        value = torch.randn(num_ctx, num_kv_heads, head_dim, generator=gen)
+        positions = torch.arange(num_ctx)
+        k_cache[table[positions // block_size].long(), positions % block_size] = key
+        v_cache[table[positions // block_size].long(), positions % block_size] = value
+        keys.append(key.to(dtype).to(device))
+        values.append(value.to(dtype).to(device))
+    starts = [0]
+    for num_q in query_lens:
+        starts.append(starts[-1] + num_q)
+    query = torch.randn(starts[-1], num_heads, head_dim, generator=gen)
+    return PagedBatch(
+        query=query.to(dtype).to(device),
+        k_cache=k_cache.to(dtype).to(device),
+        v_cache=v_cache.to(dtype).to(device),
+        block_tables=block_tables.to(device),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+        keys=keys,
+        values=values,
+        scale=head_dim**-0.5,
+    )
+
+
+def dense_attention(batch: PagedBatch, sliding_window: int | None = None) -> torch.Tensor:
+    """Plain float32 attention per sequence, from the dense K/V (no paging involved)."""
+    out = torch.empty(batch.query.shape, dtype=torch.float32, device=batch.query.device)
+    starts = batch.query_start_loc.tolist()
+    for seq, num_ctx in enumerate(batch.context_lens.tolist()):
+        start, end = starts[seq], starts[seq + 1]
+        group = batch.query.shape[1] // batch.keys[seq].shape[1]
+        key = batch.keys[seq].float().repeat_interleave(group, dim=1)  # [C, H, D]
+        value = batch.values[seq].float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("thd,chd->htc", batch.query[start:end].float(), key) * batch.scale
+        q_pos = torch.arange(num_ctx - (end - start), num_ctx, device=key.device)[:, None]
+        k_pos = torch.arange(num_ctx, device=key.device)[None, :]
+        visible = k_pos <= q_pos
+        if sliding_window is not None:
+            visible &= k_pos > q_pos - sliding_window
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+        out[start:end] = torch.einsum("htc,chd->thd", probs, value)
+    return out
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    diff = (actual.float() - expected.float()).norm()
+    return float(diff / expected.float().norm())
+
+
+def batch_args(batch: PagedBatch) -> tuple[torch.Tensor, ...]:
+    return (
+        batch.query,
+        batch.k_cache,
+        batch.v_cache,
+        batch.block_tables,
+        batch.query_start_loc,
+        batch.context_lens,
+    )
+
+
+def check(out: torch.Tensor, batch: PagedBatch, sliding_window: int | None = None) -> None:
+    """Against dense attention and against the torch reference of the paged layout."""
+    assert out.shape == batch.query.shape and out.dtype == batch.query.dtype
+    tolerance = TOLERANCE[batch.query.dtype]
+    assert relative_error(out, dense_attention(batch, sliding_window)) <= tolerance
+    expected = reference.paged_attention(*batch_args(batch), batch.scale, sliding_window)
+    assert relative_error(out, expected) <= tolerance
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_kv_scatters_into_slots_and_skips_padding(device: str, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(1)
+    num_blocks, block_size, num_kv_heads, head_dim = 6, 4, 3, 20
+    k_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.tensor([13, 2, -1, 23, 0, 17, -1], dtype=torch.int64)
+    key = torch.randn(len(slots), num_kv_heads, head_dim, generator=gen).to(dtype)
+    value = torch.randn(len(slots), num_kv_heads, head_dim, generator=gen).to(dtype)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    valid = slots >= 0
+    expected_k.view(-1, num_kv_heads, head_dim)[slots[valid]] = key[valid]
+    expected_v.view(-1, num_kv_heads, head_dim)[slots[valid]] = value[valid]
+
+    k_dev, v_dev = k_cache.to(device), v_cache.to(device)
+    write_kv(key.to(device), value.to(device), k_dev, v_dev, slots.to(device))
+    assert torch.equal(k_dev.cpu(), expected_k)
+    assert torch.equal(v_dev.cpu(), expected_v)
+
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    reference.write_kv(key, value, ref_k, ref_v, slots)
+    assert torch.equal(k_dev.cpu(), ref_k) and torch.equal(v_dev.cpu(), ref_v)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_splits_context_over_several_partitions(device: str, dtype: torch.dtype) -> None:
+    # Partitions of 16 keys: the 70-token context spans 5 of them, the 3-token one only the first.
+    batch = make_batch([1, 1, 1, 1], [37, 3, 70, 16], dtype=dtype, device=device)
+    out = paged_decode(*batch_args(batch), batch.scale, partition_size=16, block_n=16)
+    check(out, batch)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_single_partition_writes_output_directly(device: str) -> None:
+    batch = make_batch([1, 1], [9, 30], device=device)
+    out = paged_decode(*batch_args(batch), batch.scale, partition_size=64, block_n=16)
+    check(out, batch)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_gqa_wide_group_and_odd_head_dim(device: str) -> None:
+    batch = make_batch([1, 1], [21, 45], num_heads=8, num_kv_heads=1, head_dim=24, device=device)
+    out = paged_decode(*batch_args(batch), batch.scale, partition_size=32, block_n=16)
+    check(out, batch)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_mixed_with_cached_prefix(device: str, dtype: torch.dtype) -> None:
+    # A fresh prompt, a 17-token chunk after 23 cached tokens, and a decode in the same batch.
+    batch = make_batch([5, 17, 1], [5, 40, 9], dtype=dtype, device=device)
+    out = paged_prefill(*batch_args(batch), batch.scale, block_m=16, block_n=16)
+    check(out, batch)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_prefill_gqa_odd_lengths_and_head_dim(device: str) -> None:
+    batch = make_batch(
+        [3, 19, 7], [11, 19, 30], num_heads=6, num_kv_heads=2, head_dim=24, block_size=8,
+        device=device,
+    )
+    out = paged_prefill(*batch_args(batch), batch.scale, block_m=16, block_n=16)
+    check(out, batch)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sliding_window_in_both_kernels(device: str) -> None:
+    prefill = make_batch([5, 20, 1], [5, 41, 9], device=device, seed=3)
+    out = paged_prefill(*batch_args(prefill), prefill.scale, 7, block_m=16, block_n=16)
+    check(out, prefill, sliding_window=7)
+
+    decode = make_batch([1, 1, 1], [37, 3, 70], device=device, seed=4)
+    out = paged_decode(*batch_args(decode), decode.scale, 20, partition_size=16, block_n=16)
+    check(out, decode, sliding_window=20)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_backend_dispatches_decode_and_prefill(device: str) -> None:
+    decode = make_batch([1, 1], [13, 50], device=device, seed=5)
+    check(triton_backend.paged_attention(*batch_args(decode), decode.scale), decode)
+    mixed = make_batch([1, 6], [13, 50], device=device, seed=6)
+    check(triton_backend.paged_attention(*batch_args(mixed), mixed.scale), mixed)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_backend_writes_then_attends(device: str) -> None:
+    """The path the model runner takes: write the chunk's K/V, then attend over the cache."""
+    batch = make_batch([4, 1], [10, 6], device=device, seed=7)
+    slots, keys, values = [], [], []
+    block_size = batch.k_cache.shape[1]
+    starts = batch.query_start_loc.tolist()
+    for seq, num_ctx in enumerate(batch.context_lens.tolist()):
+        num_new = starts[seq + 1] - starts[seq]
+        for pos in range(num_ctx - num_new, num_ctx):
+            block_id = int(batch.block_tables[seq, pos // block_size])
+            slots.append(block_id * block_size + pos % block_size)
+        keys.append(batch.keys[seq][-num_new:])
+        values.append(batch.values[seq][-num_new:])
+    # Wipe the new tokens' slots first so the test fails if the write does not land.
+    slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)
+    flat_k = batch.k_cache.view(-1, *batch.k_cache.shape[2:])
+    flat_v = batch.v_cache.view(-1, *batch.v_cache.shape[2:])
+    flat_k[slot_mapping] = 0.0
+    flat_v[slot_mapping] = 0.0
+    triton_backend.write_kv(
+        torch.cat(keys), torch.cat(values), batch.k_cache, batch.v_cache, slot_mapping
+    )
+    check(triton_backend.paged_attention(*batch_args(batch), batch.scale), batch)

@@ -1,0 +1,99 @@
+"""Factories and invariant checks for engine tests; no model needed (FakeModelRunner)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from engine import CacheConfig, EngineConfig, LLMEngine, SchedulerConfig, WaitingQueue
+from engine.fake_runner import FakeModelRunner, fake_next_token
+from engine.request import RequestStatus
+
+VOCAB = 1000
+
+
+def make_engine(
+    num_blocks: int = 64,
+    block_size: int = 4,
+    max_num_batched_tokens: int = 64,
+    max_num_seqs: int = 8,
+    reserved: dict[int, float] | None = None,
+    queue: WaitingQueue | None = None,
+    priority_preemption: bool = True,
+    prefix_caching: bool = True,
+    max_model_len: int = 512,
+) -> LLMEngine:
+    config = EngineConfig(
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            enable_priority_preemption=priority_preemption,
+        ),
+        cache=CacheConfig(block_size, prefix_caching, reserved or {}),
+    )
+    runner = FakeModelRunner(num_blocks, block_size, VOCAB)
+    return LLMEngine(config, runner, queue)
+
+
+def reference_output(prompt: list[int], num_tokens: int) -> list[int]:
+    """What an unpreempted, unpaged run produces: token = f(context)."""
+    context = list(prompt)
+    for _ in range(num_tokens):
+        context.append(fake_next_token(context, VOCAB))
+    return context[len(prompt) :]
+
+
+def check_invariants(engine: LLMEngine) -> None:
+    """Block ownership, reference counts, reservations, tenant caps, KV contents."""
+    kv = engine.kv
+    pool = kv.pool
+    occurrences: Counter[int] = Counter()
+    for request in engine.scheduler.requests.values():
+        table = kv.block_ids(request.request_id)
+        assert len(table) == len(set(table)), "a block twice in one table"
+        occurrences.update(table)
+        if request.status != RequestStatus.RUNNING:
+            assert not table, "a request that is not running holds blocks"
+    for block in pool.blocks:
+        assert block.ref_cnt >= 0
+        assert block.ref_cnt == occurrences[block.block_id], (
+            f"block {block.block_id}: ref_cnt {block.ref_cnt} but held "
+            f"{occurrences[block.block_id]} times"
+        )
+        is_free = block.block_id in pool._free_uncached or block.block_id in pool._free_cached
+        assert is_free == (block.ref_cnt == 0), f"block {block.block_id} free-list state wrong"
+    assert pool.num_free_blocks == sum(1 for b in pool.blocks if b.ref_cnt == 0)
+    # Reservations: less important tiers never hold blocks reserved for more important ones.
+    priorities = set(kv.reserved_blocks) | {r.priority for r in engine.scheduler.requests.values()}
+    for p in priorities:
+        lower = set()
+        for request in engine.scheduler.running:
+            if request.priority > p:
+                lower.update(kv.block_ids(request.request_id))
+        reserved_above = sum(n for q, n in kv.reserved_blocks.items() if q <= p)
+        assert len(lower) <= kv.num_blocks - reserved_above, f"reservation of tier {p} broken"
+    # Tenant caps.
+    held: dict[str, set[int]] = {}
+    for request in engine.scheduler.running:
+        held.setdefault(request.tenant_id, set()).update(kv.block_ids(request.request_id))
+        if request.kv_cap_blocks is not None:
+            assert len(held[request.tenant_id]) <= request.kv_cap_blocks, "tenant cap exceeded"
+    # KV contents: what each running request reads back is its own token sequence.
+    runner = engine.runner
+    assert isinstance(runner, FakeModelRunner)
+    for request in engine.scheduler.running:
+        written = request.num_computed_tokens  # after step() every scheduled chunk ran
+        if written:
+            context = runner._read_context(kv.block_ids(request.request_id), written)
+            assert context == request.all_token_ids[:written], "KV holds foreign tokens"
+
+
+def run_to_completion(engine: LLMEngine, max_steps: int = 100_000) -> dict[tuple[str, int], list[int]]:
+    outputs: dict[tuple[str, int], list[int]] = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            return outputs
+        for out in engine.step():
+            outputs.setdefault((out.request_id, out.sample_index), []).extend(out.new_token_ids)
+        check_invariants(engine)
+    raise AssertionError("engine did not finish")

@@ -1,0 +1,111 @@
+"""Property tests: random arrivals, lengths, tiers, tenants, caps, aborts and preemptions over a
+small KV pool. After every step the block invariants hold (tests/engine/helpers.py); at the
+end every block is free and every finished sample produced exactly the unpreempted tokens."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from engine import SamplingParams, TenantContext
+from engine.request import RequestStatus
+from policies import TieredFairQueue
+from tests.engine.helpers import check_invariants, make_engine, reference_output
+
+_PREFIXES = [[7] * 9, [11, 12, 13, 14] * 3, []]
+
+arrival = st.fixed_dictionaries({
+    "step": st.integers(0, 30),
+    "prompt_len": st.integers(1, 40),
+    "prefix": st.integers(0, len(_PREFIXES) - 1),
+    "tenant": st.sampled_from(["a", "b", "c"]),
+    "priority": st.integers(0, 2),
+    "max_tokens": st.integers(1, 24),
+    "n": st.sampled_from([1, 1, 1, 2, 3]),
+})
+
+scenario = st.fixed_dictionaries({
+    "arrivals": st.lists(arrival, min_size=1, max_size=14),
+    "aborts": st.lists(st.tuples(st.integers(0, 40), st.integers(0, 13)), max_size=4),
+    "num_blocks": st.integers(24, 48),
+    "budget": st.sampled_from([8, 16, 64]),
+    "max_num_seqs": st.integers(2, 8),
+    "tiered": st.booleans(),
+    "cap": st.sampled_from([None, 20]),
+    "prefix_caching": st.booleans(),
+    "seed": st.integers(0, 2**16),
+})
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenario)
+def test_random_workloads_keep_block_invariants(s: dict) -> None:
+    engine = make_engine(
+        num_blocks=s["num_blocks"],
+        block_size=4,
+        max_num_batched_tokens=s["budget"],
+        max_num_seqs=s["max_num_seqs"],
+        reserved={0: 0.25, 1: 0.1} if s["tiered"] else {},
+        queue=TieredFairQueue() if s["tiered"] else None,
+        priority_preemption=s["tiered"],
+        prefix_caching=s["prefix_caching"],
+        max_model_len=128,
+    )
+    rng = random.Random(s["seed"])
+    prompts: dict[str, list[int]] = {}
+    arrivals = sorted(enumerate(s["arrivals"]), key=lambda a: a[1]["step"])
+    aborts = {step: index for step, index in s["aborts"]}
+    aborted: set[str] = set()
+    outputs: dict[tuple[str, int], list[int]] = {}
+    finish: dict[tuple[str, int], str] = {}
+    step = 0
+    while arrivals or engine.has_unfinished_requests():
+        while arrivals and arrivals[0][1]["step"] <= step:
+            index, a = arrivals.pop(0)
+            rid = f"r{index}"
+            prompt = _PREFIXES[a["prefix"]] + [rng.randrange(3, 1000) for _ in range(a["prompt_len"])]
+            prompts[rid] = prompt
+            engine.add_request(
+                rid, prompt,
+                SamplingParams(max_tokens=a["max_tokens"], n=a["n"], ignore_eos=True),
+                TenantContext(tenant_id=a["tenant"], priority=a["priority"],
+                              cache_salt=a["tenant"], kv_cap_blocks=s["cap"]),
+            )
+        if step in aborts and f"r{aborts[step]}" in prompts:
+            engine.abort(f"r{aborts[step]}")
+            aborted.add(f"r{aborts[step]}")
+        for out in engine.step():
+            outputs.setdefault((out.request_id, out.sample_index), []).extend(out.new_token_ids)
+            if out.finished:
+                finish[(out.request_id, out.sample_index)] = out.finish_reason or ""
+        check_invariants(engine)
+        step += 1
+        assert step < 5000, "no progress"
+    event(f"preempted: {engine.scheduler.num_preemptions_total > 0}")
+    event(f"prefix hits: {engine.kv.pool.num_prefix_hits > 0}")
+    event(f"forked: {any(a['n'] > 1 for a in s['arrivals'])}")
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks, "blocks still held at the end"
+    assert not engine.scheduler.running and len(engine.scheduler.waiting) == 0
+    for (rid, index), tokens in outputs.items():
+        expected = reference_output(prompts[rid], len(tokens))
+        assert tokens == expected, f"{rid}#{index} diverged from the unpreempted run"
+        if finish.get((rid, index)) == "length":
+            assert rid not in aborted or len(tokens) > 0
+
+
+def test_statuses_after_abort_and_finish() -> None:
+    engine = make_engine()
+    engine.add_request("a", [5] * 10, SamplingParams(max_tokens=3, ignore_eos=True))
+    engine.add_request("b", [6] * 10, SamplingParams(max_tokens=50, ignore_eos=True))
+    request_b = engine.scheduler.requests["b"]
+    engine.step()
+    engine.abort("b")
+    assert request_b.status == RequestStatus.FINISHED_ABORTED
+    assert engine.kv.num_blocks_held("b") == 0
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs.extend(engine.step())
+    assert {(o.request_id, o.finish_reason) for o in outputs if o.finished} == {
+        ("a", "length"), ("b", "abort")}

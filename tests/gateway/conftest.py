@@ -1,0 +1,115 @@
+"""Gateway test fixtures: the database fixtures of tests/tenants/conftest.py (SQLite and
+PostgreSQL) and a small app wiring the admin API and tenant authentication together.
+
+pytest shares conftest fixtures only down a folder tree, so this loads that module by path
+and re-exports its fixtures rather than keeping a second copy.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+from sqlalchemy.orm import Session, sessionmaker
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.testclient import TestClient
+
+from gateway.admin_api import admin_routes
+from gateway.auth import TenantKeyResolver
+from gateway.errors import exception_handlers
+
+
+def _load_tenants_conftest() -> ModuleType:
+    path = Path(__file__).resolve().parents[1] / "tenants" / "conftest.py"
+    spec = importlib.util.spec_from_file_location("_tiergate_tenants_conftest", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_tenants_conftest = _load_tenants_conftest()
+database_url = _tenants_conftest.database_url
+fresh_database_url = _tenants_conftest.fresh_database_url
+engine = _tenants_conftest.engine
+db = _tenants_conftest.db
+session_factory = _tenants_conftest.session_factory
+session = _tenants_conftest.session
+stored_values = _tenants_conftest.stored_values
+
+
+ADMIN_TOKEN = "admin-token-for-tests-0123456789"
+
+
+class ManualClock:
+    """A monotonic clock the test moves by hand, to step past the key cache TTL."""
+
+    def __init__(self) -> None:
+        self.now_s = 1000.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+    def advance(self, seconds: float) -> None:
+        self.now_s += seconds
+
+
+@dataclass
+class GatewayHarness:
+    """A small app: the admin API plus one tenant-authenticated route, /v1/whoami."""
+
+    app: Starlette
+    resolver: TenantKeyResolver
+    clock: ManualClock
+    admin_headers: dict[str, str]
+
+
+def build_harness(
+    session_factory: sessionmaker[Session], *, admin_token: str | None = ADMIN_TOKEN
+) -> GatewayHarness:
+    clock = ManualClock()
+    resolver = TenantKeyResolver(session_factory, ttl_s=5.0, clock=clock)
+
+    async def whoami(request: Request) -> Response:
+        principal = await resolver.authenticate(request)
+        return JSONResponse(
+            {
+                "tenant_id": principal.tenant_id,
+                "tenant": principal.tenant_name,
+                "tier": principal.tier,
+                "api_key_id": principal.api_key_id,
+                "requests_per_minute": principal.quota.requests_per_minute,
+            }
+        )
+
+    async def boom(_request: Request) -> Response:
+        raise RuntimeError("internal detail that must not leak")
+
+    routes = [
+        *admin_routes(
+            session_factory=session_factory, admin_token=admin_token, key_resolver=resolver
+        ),
+        Route("/v1/whoami", whoami),
+        Route("/boom", boom),
+    ]
+    app = Starlette(routes=routes, exception_handlers=exception_handlers())
+    return GatewayHarness(app, resolver, clock, {"x-admin-token": admin_token or ""})
+
+
+@pytest.fixture
+def harness(session_factory: sessionmaker[Session]) -> GatewayHarness:
+    return build_harness(session_factory)
+
+
+@pytest.fixture
+def client(harness: GatewayHarness) -> Iterator[TestClient]:
+    # raise_server_exceptions=False: a bug must come back as an OpenAI-shaped 500.
+    with TestClient(harness.app, raise_server_exceptions=False) as client:
+        yield client
