@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Hashable, Iterable, Sequence
+from typing import Generic, TypeVar
 from dataclasses import dataclass, field
 
 from engine.block_hash import BlockHash, extend_block_hashes
@@ -17,20 +18,23 @@ from engine.block_pool import BlockPool, KVBlock
 from engine.request import Request
 
 
-class _DistinctHolders:
+K = TypeVar("K", bound=Hashable)
+
+
+class _DistinctHolders(Generic[K]):
     """Counts, per key (a tier or a tenant), the distinct blocks that key's requests hold."""
 
     def __init__(self) -> None:
-        self._refs: dict[int, dict[Hashable, int]] = defaultdict(dict)  # block id -> key -> refs
-        self.num_blocks: dict[Hashable, int] = defaultdict(int)  # key -> distinct blocks held
+        self._refs: dict[int, dict[K, int]] = defaultdict(dict)  # block id -> key -> refs
+        self.num_blocks: dict[K, int] = defaultdict(int)  # key -> distinct blocks held
 
-    def take(self, key: Hashable, block: KVBlock) -> None:
+    def take(self, key: K, block: KVBlock) -> None:
         refs = self._refs[block.block_id]
         refs[key] = refs.get(key, 0) + 1
         if refs[key] == 1:
             self.num_blocks[key] += 1
 
-    def drop(self, key: Hashable, block: KVBlock) -> None:
+    def drop(self, key: K, block: KVBlock) -> None:
         refs = self._refs[block.block_id]
         refs[key] -= 1
         if refs[key] == 0:
@@ -39,7 +43,7 @@ class _DistinctHolders:
             if not refs:
                 del self._refs[block.block_id]
 
-    def holds(self, key: Hashable, block: KVBlock) -> bool:
+    def holds(self, key: K, block: KVBlock) -> bool:
         return key in self._refs.get(block.block_id, {})
 
 
@@ -79,8 +83,8 @@ class KVCacheManager:
         self._hashes: dict[str, list[BlockHash]] = {}
         self._num_cached: dict[str, int] = {}  # request id -> leading table blocks already cached
         self._owners: dict[str, tuple[int, str]] = {}  # request id -> (priority, tenant id)
-        self._tiers = _DistinctHolders()
-        self._tenants = _DistinctHolders()
+        self._tiers: _DistinctHolders[int] = _DistinctHolders()
+        self._tenants: _DistinctHolders[str] = _DistinctHolders()
         # Copy-on-write pairs produced by allocate(), drained by the scheduler each step.
         self._pending_copies: list[tuple[int, int]] = []
 
@@ -228,9 +232,7 @@ class KVCacheManager:
             self._pending_copies.append((shared.block_id, copy.block_id))
             table[plan.cow_index] = copy
             self._release(owner, [shared])
-            self._num_cached[request_id] = min(
-                self._num_cached.get(request_id, 0), plan.cow_index
-            )
+            self._num_cached[request_id] = min(self._num_cached.get(request_id, 0), plan.cow_index)
         table.extend(fresh)
 
     def cache_full_blocks(self, request: Request) -> None:

@@ -66,7 +66,9 @@ class LLMEngine:
             config.cache.enable_prefix_caching,
             config.cache.reserved_blocks(num_blocks),
         )
-        self.scheduler = Scheduler(config.scheduler, self.kv, waiting_queue if waiting_queue is not None else FCFSQueue())
+        self.scheduler = Scheduler(
+            config.scheduler, self.kv, waiting_queue if waiting_queue is not None else FCFSQueue()
+        )
         self._groups: dict[str, list[Request]] = {}  # caller's id -> its samples
         self._text: dict[str, TextOutputState] = {}  # sample request id -> text state
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
@@ -158,7 +160,9 @@ class LLMEngine:
         """End every sample of a request now (client gone); frees its blocks before the next
         step. Its final output (finish_reason "abort") comes with the next step()."""
         for sample in self._groups.get(request_id, []):
-            request = self.scheduler.finish_request(sample.request_id, RequestStatus.FINISHED_ABORTED)
+            request = self.scheduler.finish_request(
+                sample.request_id, RequestStatus.FINISHED_ABORTED
+            )
             if request is not None:
                 request.finish_time = self.clock()
                 self._pending.append(self._make_output(request, [], []))
@@ -200,7 +204,9 @@ class LLMEngine:
             if text_state is not None and not request.is_finished:
                 # Stop strings end the request from here, across token boundaries.
                 if text_state.append(new_tokens, finished=False):
-                    self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+                    self.scheduler.finish_request(
+                        request.request_id, RequestStatus.FINISHED_STOPPED
+                    )
                     request.stop_reason = text_state.stop_reason
                     request.finish_time = now
             elif text_state is not None:

@@ -47,21 +47,42 @@ class SamplingParams:
             (self.top_k >= 0, "top_k", "top_k must be >= 0"),
             (0.0 <= self.min_p <= 1.0, "min_p", "min_p must be in [0, 1]"),
             (self.repetition_penalty > 0.0, "repetition_penalty", "repetition_penalty must be > 0"),
-            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty",
-             "presence_penalty must be in [-2, 2]"),
-            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
-             "frequency_penalty must be in [-2, 2]"),
-            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens",
-             "max_tokens must be >= 1"),
+            (
+                -2.0 <= self.presence_penalty <= 2.0,
+                "presence_penalty",
+                "presence_penalty must be in [-2, 2]",
+            ),
+            (
+                -2.0 <= self.frequency_penalty <= 2.0,
+                "frequency_penalty",
+                "frequency_penalty must be in [-2, 2]",
+            ),
+            (
+                self.max_tokens is None or self.max_tokens >= 1,
+                "max_tokens",
+                "max_tokens must be >= 1",
+            ),
             (self.min_tokens >= 0, "min_tokens", "min_tokens must be >= 0"),
-            (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
-             "min_tokens must not exceed max_tokens"),
-            (len(self.stop) <= 16 and all(isinstance(s, str) and s for s in self.stop), "stop",
-             "stop must be at most 16 non-empty strings"),
-            (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-             "stop_token_ids must be non-negative"),
-            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs",
-             "logprobs must be in [0, 20]"),
+            (
+                self.max_tokens is None or self.min_tokens <= self.max_tokens,
+                "min_tokens",
+                "min_tokens must not exceed max_tokens",
+            ),
+            (
+                len(self.stop) <= 16 and all(isinstance(s, str) and s for s in self.stop),
+                "stop",
+                "stop must be at most 16 non-empty strings",
+            ),
+            (
+                all(t >= 0 for t in self.stop_token_ids),
+                "stop_token_ids",
+                "stop_token_ids must be non-negative",
+            ),
+            (
+                self.logprobs is None or 0 <= self.logprobs <= 20,
+                "logprobs",
+                "logprobs must be in [0, 20]",
+            ),
         ]
         for ok, param, message in checks:
             if not ok:

@@ -176,8 +176,9 @@ class Scheduler:
             request.fork_parent = None
         # Fair-share service counts prompt tokens once: recompute after preemption is free.
         start = max(request.num_computed_tokens, request.num_computed_high_water)
-        num_input = max(0, min(request.num_computed_tokens + num_new, request.num_prompt_tokens)
-                        - start)
+        num_input = max(
+            0, min(request.num_computed_tokens + num_new, request.num_prompt_tokens) - start
+        )
         request.num_computed_tokens += num_new
         if num_input:
             self.waiting.on_service(request, num_input, 0)
@@ -229,7 +230,9 @@ class Scheduler:
             return []
         guard_step = self.num_steps - self.config.preemption_min_run_steps
         candidates = [
-            r for r in self.running if r.priority > request.priority and r.admitted_step <= guard_step
+            r
+            for r in self.running
+            if r.priority > request.priority and r.admitted_step <= guard_step
         ]
         limit = self.config.max_preemptions_per_request
         candidates.sort(
@@ -342,5 +345,6 @@ class Scheduler:
         self.rates.record(num_prefill, num_decode, step_time_s, had_backlog)
 
     def stats(self) -> SchedulerStats:
-        return build_stats(self.running, self.waiting, self.kv, self.rates,
-                           self.config.enable_priority_preemption)
+        return build_stats(
+            self.running, self.waiting, self.kv, self.rates, self.config.enable_priority_preemption
+        )

@@ -25,7 +25,10 @@ class StepRates:
         self._steps: deque[tuple[int, int, float, bool]] = deque(maxlen=window_steps)
 
     def record(
-        self, num_prefill_tokens: int, num_decode_tokens: int, step_time_s: float,
+        self,
+        num_prefill_tokens: int,
+        num_decode_tokens: int,
+        step_time_s: float,
         had_backlog: bool = True,
     ) -> None:
         self._steps.append((num_prefill_tokens, num_decode_tokens, step_time_s, had_backlog))

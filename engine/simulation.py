@@ -125,7 +125,10 @@ def simulate(
     priorities = priorities or {"premium": 0, "standard": 1, "batch": 2}
     clock = SimulatedClock()
     runner = FakeModelRunner(
-        machine.num_kv_blocks, machine.block_size, machine.vocab_size, machine.cost_model,
+        machine.num_kv_blocks,
+        machine.block_size,
+        machine.vocab_size,
+        machine.cost_model,
         advance_clock=clock.advance,
     )
     config = EngineConfig(
@@ -150,16 +153,24 @@ def simulate(
             r = pending[next_index]
             next_index += 1
             tenant = TenantContext(
-                tenant_id=r.tenant, tier=r.tier, priority=priorities[r.tier],
-                weight=(weights or {}).get(r.tenant, 1.0), cache_salt=r.tenant,
+                tenant_id=r.tenant,
+                tier=r.tier,
+                priority=priorities[r.tier],
+                weight=(weights or {}).get(r.tenant, 1.0),
+                cache_salt=r.tenant,
             )
             engine.add_request(
-                r.request_id, prompts[r.request_id],
+                r.request_id,
+                prompts[r.request_id],
                 SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0.0),
-                tenant, arrival_time=r.arrival_s * time_scale,
+                tenant,
+                arrival_time=r.arrival_s * time_scale,
             )
             records[r.request_id] = RequestRecord(
-                r.request_id, r.tenant, r.tier, r.arrival_s * time_scale,
+                r.request_id,
+                r.tenant,
+                r.tier,
+                r.arrival_s * time_scale,
                 num_prompt_tokens=r.prompt_len,
             )
         if not engine.has_unfinished_requests():
@@ -182,12 +193,17 @@ def simulate(
                 if out.new_token_ids and out.num_output_tokens == 1:
                     service[record.tenant] = service.get(record.tenant, 0.0) + out.num_prompt_tokens
                 service[record.tenant] = service.get(record.tenant, 0.0) + 2 * len(
-                    out.new_token_ids)
+                    out.new_token_ids
+                )
         if trace_service:
             trace.append((clock.now, dict(service)))
     return SimulationResult(
-        policy.name, list(records.values()), clock.now, busy,
-        engine.scheduler.num_preemptions_total, trace,
+        policy.name,
+        list(records.values()),
+        clock.now,
+        busy,
+        engine.scheduler.num_preemptions_total,
+        trace,
     )
 
 
@@ -198,7 +214,7 @@ def measure_capacity_rps(workload: Workload, machine: SimulatedMachine) -> float
 
 
 def main() -> None:
-    from policies import TieredFairQueue, TierTable  # noqa: PLC0415 - CLI-only wiring
+    from policies import TieredFairQueue, TierTable
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--workload", type=Path, required=True)
@@ -213,8 +229,10 @@ def main() -> None:
     scaled = tiers.scaled(slo_scale)
     tiered = Policy("tiered", TieredFairQueue, tiers.reserved_fractions(), True)
     print(f"capacity {capacity:.2f} req/s; offered {args.overload:.1f}x; SLO scale {slo_scale:.3f}")
-    print(f"{'policy':8} {'prem p50':>9} {'prem p99':>9} {'prem SLO%':>9} {'std p99':>9} "
-          f"{'std SLO%':>9} {'tok/s':>9} {'preempt':>8}")
+    print(
+        f"{'policy':8} {'prem p50':>9} {'prem p99':>9} {'prem SLO%':>9} {'std p99':>9} "
+        f"{'std SLO%':>9} {'tok/s':>9} {'preempt':>8}"
+    )
     for policy in (tiered, fcfs_policy()):
         result = simulate(workload, policy, machine, time_scale=scale)
         prem, std = result.ttfts("premium"), result.ttfts("standard")

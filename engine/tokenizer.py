@@ -5,8 +5,8 @@ tokenizer_config.json adds on top, the way transformers' fast tokenizers do:
 
 - named special tokens (bos/eos/unk/pad/...) and `added_tokens_decoder` entries are added to
   the vocabulary when tokenizer.json lacks them;
-- when the config sets `add_bos_token`/`add_eos_token` (or tokenizer.json has no post-processor)
-  the post-processor is rebuilt to add exactly those; otherwise tokenizer.json's is kept;
+- BOS/EOS on encode come from tokenizer.json's post-processor alone: transformers 5 drops
+  `add_bos_token`/`add_eos_token` from the config whenever tokenizer.json exists, and so do we;
 - `clean_up_tokenization_spaces` applies to non-BPE models only (transformers 5 skips it for
   BPE, where it corrupts text);
 - the chat template comes from chat_template.jinja, else from the config (a string, or named
@@ -31,7 +31,7 @@ import jinja2.ext
 import jinja2.nodes
 import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, processors
+from tokenizers import AddedToken
 from tokenizers import Tokenizer as BackendTokenizer
 
 from engine.errors import InvalidRequestError
@@ -151,10 +151,6 @@ class Tokenizer:
         self._clean_up_spaces = bool(config.get("clean_up_tokenization_spaces", False)) and (
             type(backend.model).__name__ != "BPE"
         )
-        if "add_bos_token" in config or "add_eos_token" in config or backend.post_processor is None:
-            self._set_post_processor(
-                bool(config.get("add_bos_token", False)), bool(config.get("add_eos_token", False))
-            )
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -185,22 +181,6 @@ class Tokenizer:
                 missing.append(AddedToken(content, special=True, normalized=False))
         if missing:
             self._backend.add_tokens(missing)
-
-    def _set_post_processor(self, add_bos: bool, add_eos: bool) -> None:
-        # transformers' update_post_processor: BOS/EOS around each sequence, as configured.
-        bos = self.special_tokens_map.get("bos_token")
-        eos = self.special_tokens_map.get("eos_token")
-        add_bos, add_eos = add_bos and bos is not None, add_eos and eos is not None
-        single = f"{f'{bos}:0 ' if add_bos else ''}$A:0{f' {eos}:0' if add_eos else ''}"
-        pair = f"{single}{f' {bos}:1' if add_bos else ''} $B:1{f' {eos}:1' if add_eos else ''}"
-        special: list[tuple[str, int]] = []
-        if add_bos and bos is not None and (bos_id := self._backend.token_to_id(bos)) is not None:
-            special.append((bos, bos_id))
-        if add_eos and eos is not None and (eos_id := self._backend.token_to_id(eos)) is not None:
-            special.append((eos, eos_id))
-        self._backend.post_processor = processors.TemplateProcessing(
-            single=single, pair=pair, special_tokens=special
-        )
 
     # -- ids -----------------------------------------------------------------------------------
 

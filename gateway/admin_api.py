@@ -184,8 +184,10 @@ class _AdminApi:
         _reject_unknown(body, _CREATE_TENANT_FIELDS)
         if "name" not in body:
             raise InvalidRequestError("missing required field 'name'", param="name")
-        quota = body.get("quota") or {}
-        if not isinstance(quota, Mapping):
+        quota = body.get("quota")
+        if quota is None:
+            quota = {}
+        elif not isinstance(quota, Mapping):
             raise InvalidRequestError("quota must be an object", param="quota")
         actor = _actor(request)
 

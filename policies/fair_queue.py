@@ -46,9 +46,7 @@ class TieredFairQueue:
         tier = self._tiers[request.priority]
         tenant = request.tenant_id
         if tenant not in tier.by_tenant:
-            floor = min(
-                (self.counters[t] for t in tier.by_tenant), default=tier.virtual_time
-            )
+            floor = min((self.counters[t] for t in tier.by_tenant), default=tier.virtual_time)
             self.counters[tenant] = max(self.counters[tenant], floor)
             tier.by_tenant[tenant] = deque()
         tier.by_tenant[tenant].append(request)

@@ -78,8 +78,11 @@ class TierTable:
 
     def reserved_fractions(self) -> dict[int, float]:
         """priority -> reserved share, the form engine.CacheConfig takes."""
-        return {t.priority: t.kv_reserved_fraction for t in self._tiers.values()
-                if t.kv_reserved_fraction > 0}
+        return {
+            t.priority: t.kv_reserved_fraction
+            for t in self._tiers.values()
+            if t.kv_reserved_fraction > 0
+        }
 
     def scaled(self, factor: float) -> TierTable:
         """The same table with every latency objective multiplied by factor (CPU runs)."""
@@ -87,8 +90,14 @@ class TierTable:
         def scale(value: float | None) -> float | None:
             return None if value is None else value * factor
 
-        return TierTable(tuple(
-            replace(t, ttft_slo_s=scale(t.ttft_slo_s), tpot_slo_s=scale(t.tpot_slo_s),
-                    alert_ttft_p99_s=scale(t.alert_ttft_p99_s))
-            for t in self._tiers.values()
-        ))
+        return TierTable(
+            tuple(
+                replace(
+                    t,
+                    ttft_slo_s=scale(t.ttft_slo_s),
+                    tpot_slo_s=scale(t.tpot_slo_s),
+                    alert_ttft_p99_s=scale(t.alert_ttft_p99_s),
+                )
+                for t in self._tiers.values()
+            )
+        )

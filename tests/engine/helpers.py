@@ -88,7 +88,9 @@ def check_invariants(engine: LLMEngine) -> None:
             assert context == request.all_token_ids[:written], "KV holds foreign tokens"
 
 
-def run_to_completion(engine: LLMEngine, max_steps: int = 100_000) -> dict[tuple[str, int], list[int]]:
+def run_to_completion(
+    engine: LLMEngine, max_steps: int = 100_000
+) -> dict[tuple[str, int], list[int]]:
     outputs: dict[tuple[str, int], list[int]] = {}
     for _ in range(max_steps):
         if not engine.has_unfinished_requests():

@@ -2,10 +2,24 @@ from engine import Request, SamplingParams
 from engine.kv_manager import KVCacheManager
 
 
-def _request(rid: str, n_tokens: int, priority: int = 1, tenant: str = "t", salt: str = "",
-             cap: int | None = None) -> Request:
-    return Request(rid, list(range(3, 3 + n_tokens)), SamplingParams(), 0.0, tenant_id=tenant,
-                   priority=priority, cache_salt=salt, kv_cap_blocks=cap)
+def _request(
+    rid: str,
+    n_tokens: int,
+    priority: int = 1,
+    tenant: str = "t",
+    salt: str = "",
+    cap: int | None = None,
+) -> Request:
+    return Request(
+        rid,
+        list(range(3, 3 + n_tokens)),
+        SamplingParams(),
+        0.0,
+        tenant_id=tenant,
+        priority=priority,
+        cache_salt=salt,
+        kv_cap_blocks=cap,
+    )
 
 
 def test_reserved_blocks_go_only_to_their_tier_or_higher() -> None:
@@ -46,9 +60,7 @@ def test_prefix_hit_leaves_the_last_token_to_compute() -> None:
     assert hit.num_tokens == 4
     longer = _request("y", 9)
     assert kv.get_computed_blocks(longer).num_tokens == 8
-    assert kv.get_computed_blocks(longer).blocks == [
-        kv.pool.blocks[i] for i in kv.block_ids("w")
-    ]
+    assert kv.get_computed_blocks(longer).blocks == [kv.pool.blocks[i] for i in kv.block_ids("w")]
 
 
 def test_prefix_cache_is_isolated_by_salt() -> None:

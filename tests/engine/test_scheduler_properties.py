@@ -16,27 +16,31 @@ from tests.engine.helpers import check_invariants, make_engine, reference_output
 
 _PREFIXES = [[7] * 9, [11, 12, 13, 14] * 3, []]
 
-arrival = st.fixed_dictionaries({
-    "step": st.integers(0, 30),
-    "prompt_len": st.integers(1, 40),
-    "prefix": st.integers(0, len(_PREFIXES) - 1),
-    "tenant": st.sampled_from(["a", "b", "c"]),
-    "priority": st.integers(0, 2),
-    "max_tokens": st.integers(1, 24),
-    "n": st.sampled_from([1, 1, 1, 2, 3]),
-})
+arrival = st.fixed_dictionaries(
+    {
+        "step": st.integers(0, 30),
+        "prompt_len": st.integers(1, 40),
+        "prefix": st.integers(0, len(_PREFIXES) - 1),
+        "tenant": st.sampled_from(["a", "b", "c"]),
+        "priority": st.integers(0, 2),
+        "max_tokens": st.integers(1, 24),
+        "n": st.sampled_from([1, 1, 1, 2, 3]),
+    }
+)
 
-scenario = st.fixed_dictionaries({
-    "arrivals": st.lists(arrival, min_size=1, max_size=14),
-    "aborts": st.lists(st.tuples(st.integers(0, 40), st.integers(0, 13)), max_size=4),
-    "num_blocks": st.integers(24, 48),
-    "budget": st.sampled_from([8, 16, 64]),
-    "max_num_seqs": st.integers(2, 8),
-    "tiered": st.booleans(),
-    "cap": st.sampled_from([None, 20]),
-    "prefix_caching": st.booleans(),
-    "seed": st.integers(0, 2**16),
-})
+scenario = st.fixed_dictionaries(
+    {
+        "arrivals": st.lists(arrival, min_size=1, max_size=14),
+        "aborts": st.lists(st.tuples(st.integers(0, 40), st.integers(0, 13)), max_size=4),
+        "num_blocks": st.integers(24, 48),
+        "budget": st.sampled_from([8, 16, 64]),
+        "max_num_seqs": st.integers(2, 8),
+        "tiered": st.booleans(),
+        "cap": st.sampled_from([None, 20]),
+        "prefix_caching": st.booleans(),
+        "seed": st.integers(0, 2**16),
+    }
+)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -65,13 +69,20 @@ def test_random_workloads_keep_block_invariants(s: dict) -> None:
         while arrivals and arrivals[0][1]["step"] <= step:
             index, a = arrivals.pop(0)
             rid = f"r{index}"
-            prompt = _PREFIXES[a["prefix"]] + [rng.randrange(3, 1000) for _ in range(a["prompt_len"])]
+            prompt = _PREFIXES[a["prefix"]] + [
+                rng.randrange(3, 1000) for _ in range(a["prompt_len"])
+            ]
             prompts[rid] = prompt
             engine.add_request(
-                rid, prompt,
+                rid,
+                prompt,
                 SamplingParams(max_tokens=a["max_tokens"], n=a["n"], ignore_eos=True),
-                TenantContext(tenant_id=a["tenant"], priority=a["priority"],
-                              cache_salt=a["tenant"], kv_cap_blocks=s["cap"]),
+                TenantContext(
+                    tenant_id=a["tenant"],
+                    priority=a["priority"],
+                    cache_salt=a["tenant"],
+                    kv_cap_blocks=s["cap"],
+                ),
             )
         if step in aborts and f"r{aborts[step]}" in prompts:
             engine.abort(f"r{aborts[step]}")
@@ -108,4 +119,6 @@ def test_statuses_after_abort_and_finish() -> None:
     while engine.has_unfinished_requests():
         outputs.extend(engine.step())
     assert {(o.request_id, o.finish_reason) for o in outputs if o.finished} == {
-        ("a", "length"), ("b", "abort")}
+        ("a", "length"),
+        ("b", "abort"),
+    }

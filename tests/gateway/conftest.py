@@ -7,8 +7,9 @@ and re-exports its fixtures rather than keeping a second copy.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
-from collections.abc import Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -24,6 +25,7 @@ from starlette.testclient import TestClient
 from gateway.admin_api import admin_routes
 from gateway.auth import TenantKeyResolver
 from gateway.errors import exception_handlers
+from tenants import DEFAULT_TIERS
 
 
 def _load_tenants_conftest() -> ModuleType:
@@ -72,7 +74,10 @@ class GatewayHarness:
 
 
 def build_harness(
-    session_factory: sessionmaker[Session], *, admin_token: str | None = ADMIN_TOKEN
+    session_factory: sessionmaker[Session],
+    *,
+    admin_token: str | None = ADMIN_TOKEN,
+    known_tiers: Collection[str] = DEFAULT_TIERS,
 ) -> GatewayHarness:
     clock = ManualClock()
     resolver = TenantKeyResolver(session_factory, ttl_s=5.0, clock=clock)
@@ -94,13 +99,22 @@ def build_harness(
 
     routes = [
         *admin_routes(
-            session_factory=session_factory, admin_token=admin_token, key_resolver=resolver
+            session_factory=session_factory,
+            admin_token=admin_token,
+            key_resolver=resolver,
+            known_tiers=known_tiers,
         ),
         Route("/v1/whoami", whoami),
         Route("/boom", boom),
     ]
     app = Starlette(routes=routes, exception_handlers=exception_handlers())
     return GatewayHarness(app, resolver, clock, {"x-admin-token": admin_token or ""})
+
+
+@pytest.fixture
+def harness_factory(session_factory: sessionmaker[Session]) -> Callable[..., GatewayHarness]:
+    """build_harness on the test's database, for tests that need other admin settings."""
+    return functools.partial(build_harness, session_factory)
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import httpx
+import httpx2
 import pytest
 import uvicorn
 from sqlalchemy import Engine, event
@@ -30,7 +31,7 @@ from tenants import DatabaseSettings, create_db_engine, create_session_factory
 from tenants.keys import PREFIX_LENGTH
 
 if TYPE_CHECKING:
-    from conftest import GatewayHarness
+    from tests.gateway.conftest import GatewayHarness
 
 
 def _tenant_key(session: Session, name: str = "acme") -> tuple[int, str]:
@@ -46,7 +47,7 @@ def _bearer(key: str) -> dict[str, str]:
     return {"authorization": f"Bearer {key}"}
 
 
-def _assert_error(response: httpx.Response, status: int, code: str | None) -> None:
+def _assert_error(response: httpx2.Response, status: int, code: str | None) -> None:
     assert response.status_code == status
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}

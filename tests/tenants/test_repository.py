@@ -128,12 +128,13 @@ def test_update_merges_quota_fields_and_null_means_unlimited(session: Session) -
 
 def test_update_rejects_unknown_and_invalid_fields(session: Session) -> None:
     tenant = _tenant(session)
-    for changes, param in [
+    cases: list[tuple[dict[str, object], str]] = [
         ({"status": "disabled"}, "status"),
         ({"weight": 0}, "weight"),
         ({"quota": {"kv_cap_share": 2}}, "quota.kv_cap_share"),
         ({"quota": [1]}, "quota"),
-    ]:
+    ]
+    for changes, param in cases:
         with pytest.raises(InvalidFieldError) as caught:
             tenants.update_tenant(session, tenant, changes, actor=ACTOR)
         assert caught.value.param == param
@@ -266,8 +267,10 @@ def test_schema_enforces_ranges_without_the_python_checks(
 ) -> None:
     row = {"name": "raw", "tier": "standard", "weight": 1.0, "cache_salt": "s"}
     with pytest.raises(IntegrityError), db.begin() as connection:
-        tenant_id = connection.execute(
+        inserted = connection.execute(
             insert(Tenant).values(status=TenantStatus.ACTIVE, **{**row, **tenant_values})
-        ).inserted_primary_key[0]
+        )
+        assert inserted.inserted_primary_key is not None
+        tenant_id = inserted.inserted_primary_key[0]
         if quota_values is not None:
             connection.execute(insert(Quota).values(tenant_id=tenant_id, **quota_values))

@@ -1,0 +1,137 @@
+"""AsyncLLMEngine: the engine loop in its own thread, outputs delivered to asyncio consumers.
+
+Callers on the event loop never touch the LLMEngine directly: add and abort are commands the
+loop thread applies between steps, and each request's outputs arrive on its own asyncio.Queue
+through loop.call_soon_threadsafe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from engine.errors import EngineDeadError, EngineError
+from engine.llm_engine import LLMEngine, TenantContext
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.scheduler_stats import SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | BaseException]
+    num_samples: int  # finished outputs expected before the stream ends
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: list[Callable[[], None]] = []
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stopped = False
+        self._error: BaseException | None = None
+        self._stats = engine.stats()
+        self._thread = threading.Thread(target=self._run, name="tiergate-engine", daemon=True)
+        self._thread.start()
+
+    # -- called from the event loop ------------------------------------------------------------
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        tenant: TenantContext | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Outputs of every sample of the request as they come; ends when all have finished.
+        Leaving the iteration early (client gone) aborts the request."""
+        if self._error is not None or self._stopped:
+            raise EngineDeadError("the engine loop is not running")
+        # Validate here so bad input fails the caller, not the engine thread.
+        self.engine._validate(prompt_token_ids, sampling_params, tenant or TenantContext())
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), sampling_params.n)
+        with self._lock:
+            self._streams[request_id] = stream
+
+        def add() -> None:
+            try:
+                self.engine.add_request(request_id, prompt_token_ids, sampling_params, tenant)
+            except EngineError as exc:  # e.g. a duplicate id: fail this caller only
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, exc)
+
+        self._submit(add)
+        finished = 0
+        try:
+            while finished < stream.num_samples:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished += item.finished
+                yield item
+        finally:
+            with self._lock:
+                still_open = self._streams.pop(request_id, None) is not None
+            if still_open and finished < stream.num_samples:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._submit(lambda: self.engine.abort(request_id))
+
+    def stats(self) -> SchedulerStats:
+        """The snapshot taken after the latest step (safe to read from any thread)."""
+        return self._stats
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout_s)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and self._error is None
+
+    def _submit(self, command: Callable[[], None]) -> None:
+        with self._lock:
+            self._commands.append(command)
+        self._wake.set()
+
+    # -- the loop thread -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stopped:
+                with self._lock:
+                    commands, self._commands = self._commands, []
+                for command in commands:
+                    command()
+                if not self.engine.has_unfinished_requests():
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+                    continue
+                outputs = self.engine.step()
+                self._stats = self.engine.stats()
+                for output in outputs:
+                    self._deliver(output)
+        except BaseException as exc:  # the loop itself broke: fail every open stream
+            logger.exception("engine loop stopped")
+            self._error = exc
+            with self._lock:
+                streams = list(self._streams.values())
+            for stream in streams:
+                stream.loop.call_soon_threadsafe(
+                    stream.queue.put_nowait, EngineDeadError("the engine loop stopped")
+                )
+
+    def _deliver(self, output: RequestOutput) -> None:
+        with self._lock:
+            stream = self._streams.get(output.request_id)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, output)

@@ -1,0 +1,148 @@
+"""LLMEngine behaviour around the scheduler: n > 1, aborts, failing steps, validation, stats."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine import (
+    ContextLengthExceededError,
+    InvalidRequestError,
+    SamplingParams,
+    TenantContext,
+)
+from engine.async_engine import AsyncLLMEngine
+from engine.fake_runner import FakeModelRunner
+from tests.engine.helpers import make_engine, reference_output, run_to_completion
+
+
+def test_parallel_samples_share_prompt_blocks_and_stay_exact() -> None:
+    engine = make_engine(num_blocks=64, block_size=4)
+    prompt = list(range(10, 40))  # 30 tokens: 7 full blocks + a partial one
+    engine.add_request("g", prompt, SamplingParams(n=3, max_tokens=5, ignore_eos=True))
+    peak_shared = 0
+    outputs: dict[int, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs.setdefault(out.sample_index, []).extend(out.new_token_ids)
+        refs = [b.ref_cnt for b in engine.kv.pool.blocks]
+        peak_shared = max(peak_shared, sum(1 for r in refs if r == 3))
+    assert peak_shared >= 7, "the samples did not share the prompt's full blocks"
+    # The fake model is deterministic (token = f(context)), so all samples agree.
+    for tokens in outputs.values():
+        assert tokens == reference_output(prompt, 5)
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+def test_abort_frees_blocks_before_the_next_step() -> None:
+    engine = make_engine(num_blocks=32, block_size=4)
+    engine.add_request("a", list(range(10, 30)), SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    assert engine.kv.num_used_blocks > 0
+    engine.abort("a")
+    assert engine.kv.num_used_blocks == 0
+    (final,) = engine.step()
+    assert final.finished and final.finish_reason == "abort"
+
+
+def test_a_failing_step_fails_its_requests_and_the_engine_goes_on() -> None:
+    engine = make_engine(num_blocks=32, block_size=4)
+    runner = engine.runner
+    assert isinstance(runner, FakeModelRunner)
+    engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))
+    runner.fail_next_step = True
+    (failed,) = engine.step()
+    assert failed.finish_reason == "error" and failed.error
+    assert engine.kv.num_used_blocks == 0
+    engine.add_request("b", [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert run_to_completion(engine)[("b", 0)] == reference_output([5, 6, 7], 4)
+
+
+def test_eos_and_stop_token_ids_end_a_request() -> None:
+    engine = make_engine()
+    prompt = [5, 6, 7]
+    expected = reference_output(prompt, 6)
+    engine.config.eos_token_id = expected[2]
+    engine.add_request("eos", prompt, SamplingParams(max_tokens=6))
+    engine.add_request("ignore", prompt, SamplingParams(max_tokens=6, ignore_eos=True))
+    engine.add_request("min", prompt, SamplingParams(max_tokens=6, min_tokens=4, ignore_eos=False))
+    engine.add_request(
+        "stop", prompt, SamplingParams(max_tokens=6, stop_token_ids=[expected[1]], ignore_eos=True)
+    )
+    out = run_to_completion(engine)
+    assert out[("eos", 0)] == expected[:3]
+    assert out[("ignore", 0)] == expected
+    assert len(out[("min", 0)]) == 6  # EOS at index 2 < min_tokens; nothing else stops it
+    assert out[("stop", 0)] == expected[:2]
+
+
+def test_invalid_requests_are_refused_with_the_param() -> None:
+    engine = make_engine(num_blocks=8, block_size=4, max_model_len=64)
+    with pytest.raises(InvalidRequestError) as err:
+        engine.add_request("e", [], SamplingParams())
+    assert err.value.param == "prompt"
+    with pytest.raises(ContextLengthExceededError):
+        engine.add_request("long", [5] * 60, SamplingParams(max_tokens=10))
+    with pytest.raises(ContextLengthExceededError):  # fits the context, not the KV pool
+        engine.add_request("big", [5] * 30, SamplingParams(max_tokens=30))
+    with pytest.raises(InvalidRequestError) as err:
+        SamplingParams(temperature=3.0)
+    assert err.value.param == "temperature"
+    engine.add_request("ok", [5], SamplingParams(max_tokens=2))
+    with pytest.raises(InvalidRequestError):
+        engine.add_request("ok", [5], SamplingParams(max_tokens=2))
+
+
+def test_stats_report_tiers_and_estimate_a_queue_wait() -> None:
+    engine = make_engine(num_blocks=64, block_size=4, max_num_batched_tokens=16, max_num_seqs=2)
+    premium = TenantContext(tenant_id="p", tier="premium", priority=0)
+    for i in range(4):
+        engine.add_request(f"s{i}", [5] * 40, SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.add_request("p0", [6] * 20, SamplingParams(max_tokens=8, ignore_eos=True), premium)
+    for _ in range(3):
+        engine.step()
+    stats = engine.stats()
+    assert stats.tiers[1].num_waiting >= 2 and stats.tiers[1].num_pending_prefill_tokens > 0
+    assert stats.prefill_tokens_per_s is not None and stats.prefill_tokens_per_s > 0
+    standard_wait = stats.estimate_queue_wait_s(1, 40)
+    premium_wait = stats.estimate_queue_wait_s(0, 40)
+    assert standard_wait > premium_wait > 0
+    expected = (sum(t.num_pending_prefill_tokens for t in stats.tiers.values()) + 40) / (
+        stats.prefill_tokens_per_s
+    )
+    assert standard_wait == pytest.approx(expected)
+
+
+def test_async_engine_streams_outputs_and_aborts_on_early_exit() -> None:
+    engine = make_engine(num_blocks=64, block_size=4)
+    runner = engine.runner
+    assert isinstance(runner, FakeModelRunner)
+    runner.sleep = True  # real time, so the consumer can leave mid-stream
+    async_engine = AsyncLLMEngine(engine)
+
+    async def main() -> tuple[list[int], int]:
+        tokens: list[int] = []
+        async for out in async_engine.generate(
+            "a", [5, 6, 7], SamplingParams(max_tokens=5, ignore_eos=True)
+        ):
+            tokens.extend(out.new_token_ids)
+        num_seen = 0
+        async for _ in async_engine.generate(
+            "b", [5, 6, 8], SamplingParams(max_tokens=200, ignore_eos=True)
+        ):
+            num_seen += 1
+            if num_seen == 3:
+                break  # the client went away
+        for _ in range(100):
+            if not engine.has_unfinished_requests():
+                break
+            await asyncio.sleep(0.01)
+        return tokens, num_seen
+
+    try:
+        tokens, _ = asyncio.run(main())
+    finally:
+        async_engine.shutdown()
+    assert tokens == reference_output([5, 6, 7], 5)
+    assert engine.kv.num_used_blocks == 0 and not engine.has_unfinished_requests()
