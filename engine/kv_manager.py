@@ -10,13 +10,12 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Hashable, Iterable, Sequence
-from typing import Generic, TypeVar
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 from engine.block_hash import BlockHash, extend_block_hashes
 from engine.block_pool import BlockPool, KVBlock
 from engine.request import Request
-
 
 K = TypeVar("K", bound=Hashable)
 

@@ -223,15 +223,19 @@ class Sampler:
 
     def _token_counts(self, token_lists: list[list[int]], device: torch.device) -> torch.Tensor:
         """float32[len(token_lists), V]: how often each token id occurs in each list."""
-        counts = torch.zeros(len(token_lists), self.vocab_size, device=device)
+        # One spare column collects ids the logits do not cover (tokenizer-only added tokens).
+        counts = torch.zeros(len(token_lists), self.vocab_size + 1, device=device)
         lengths = torch.tensor([len(tokens) for tokens in token_lists], device=device)
         flat = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.int64,
-                            device=device)
+                            device=device).clamp_(max=self.vocab_size)
         if flat.numel():
-            rows = torch.repeat_interleave(torch.arange(len(token_lists), device=device), lengths)
+            # output_size spares the device-to-host sync repeat_interleave does to size its output.
+            rows = torch.repeat_interleave(
+                torch.arange(len(token_lists), device=device), lengths, output_size=flat.numel()
+            )
             counts.index_put_((rows, flat), torch.ones_like(flat, dtype=torch.float32),
                               accumulate=True)
-        return counts
+        return counts[:, : self.vocab_size]
 
     @staticmethod
     def _row_tensor(values: list[float], device: torch.device) -> torch.Tensor:

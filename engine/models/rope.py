@@ -48,13 +48,14 @@ def _dynamic_angles(
     angles = positions.to(torch.float32)[:, None] * inverse_frequencies(rope, head_dim)[None, :]
     long = positions >= max_position_embeddings
     if bool(long.any()):
-        seq_lens = (positions[long] + 1).to(torch.float64)
+        # float32 throughout, in HF's order of operations.
+        seq_lens = (positions[long] + 1).to(torch.float32)
         factor = rope.factor
         bases = rope.theta * ((factor * seq_lens / max_position_embeddings) - (factor - 1)) ** (
             head_dim / (head_dim - 2)
         )
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim
-        inv_freq = (1.0 / bases[:, None] ** exponents[None, :]).to(torch.float32)
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+        inv_freq = 1.0 / bases[:, None] ** exponents[None, :]
         angles[long] = positions[long].to(torch.float32)[:, None] * inv_freq
     return angles
 

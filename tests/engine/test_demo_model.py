@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -54,7 +55,7 @@ def test_same_seed_same_bytes_other_seed_other_weights(
 
 
 def test_transformers_loads_and_runs_it_offline(model_dir: Path) -> None:
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True)
+    model: Any = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True)
     hf_tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
     ids = hf_tokenizer("Hello, the model reads tokens.", return_tensors="pt").input_ids
     assert ids[0, 0].item() == hf_tokenizer.bos_token_id

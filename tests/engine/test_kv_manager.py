@@ -55,6 +55,8 @@ def test_prefix_hit_leaves_the_last_token_to_compute() -> None:
     kv = KVCacheManager(20, block_size=4)
     writer = _request("w", 8)
     kv.allocate(writer, 8)
+    writer.num_computed_tokens = 8  # the step ran: its blocks are written
+    kv.cache_full_blocks(writer)
     exact = _request("x", 8)  # same 8 tokens: only the first block may be a hit
     hit = kv.get_computed_blocks(exact)
     assert hit.num_tokens == 4
@@ -65,9 +67,19 @@ def test_prefix_hit_leaves_the_last_token_to_compute() -> None:
 
 def test_prefix_cache_is_isolated_by_salt() -> None:
     kv = KVCacheManager(20, block_size=4)
-    kv.allocate(_request("w", 9, salt="tenant-a"), 9)
+    writer = _request("w", 9, salt="tenant-a")
+    kv.allocate(writer, 9)
+    writer.num_computed_tokens = 9
+    kv.cache_full_blocks(writer)
     assert kv.get_computed_blocks(_request("x", 9, salt="tenant-b")).num_tokens == 0
     assert kv.get_computed_blocks(_request("y", 9, salt="tenant-a")).num_tokens == 8
+
+
+def test_allocated_but_unwritten_blocks_are_not_cached() -> None:
+    kv = KVCacheManager(20, block_size=4)
+    kv.allocate(_request("w", 9), 9)  # preempted before its step ran: nothing written
+    kv.free(_request("w", 9))
+    assert kv.get_computed_blocks(_request("y", 9)).num_tokens == 0
 
 
 def test_fork_then_write_copies_the_shared_block() -> None:

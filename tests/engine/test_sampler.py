@@ -266,6 +266,13 @@ def test_frequency_and_presence_penalties_match_openai() -> None:
     assert out.sampled_token_ids["r"] == 1
 
 
+def test_penalties_ignore_token_ids_outside_the_logits() -> None:
+    logits = fixed_logits()
+    params = SamplingParams(temperature=0.0, repetition_penalty=4.0, logprobs=0)
+    out = Sampler(VOCAB)(logits, [make_chunk("r", params, prompt=[0, VOCAB + 3], output=[0])])
+    assert out.sampled_token_ids["r"] == 1  # only token 0 was penalised (2.0 -> 0.5)
+
+
 def test_penalties_touch_only_their_rows() -> None:
     logits = fixed_logits(2)
     chunks = [

@@ -164,8 +164,8 @@ def test_chat_template_matches_transformers(
 def test_chat_template_tools_tojson_and_raise_exception(tmp_path: Path) -> None:
     path = write_tokenizer_dir(tmp_path, BASE_CONFIG, CHATML_TEMPLATE)
     ours, theirs = Tokenizer.from_dir(path), AutoTokenizer.from_pretrained(str(path))
-    tools = [{"type": "function", "function": {"name": "get_weather", "description": "<é>",
-                                               "parameters": {"type": "object"}}}]
+    function = {"name": "get_weather", "description": "<é>", "parameters": {"type": "object"}}
+    tools: list[Any] = [{"type": "function", "function": function}]
     messages = [{"role": "user", "content": "weather?"}]
     expected = theirs.apply_chat_template(messages, tools=tools, tokenize=False,
                                           add_generation_prompt=True)

@@ -1,18 +1,15 @@
 """Gateway test fixtures: the database fixtures of tests/tenants/conftest.py (SQLite and
 PostgreSQL) and a small app wiring the admin API and tenant authentication together.
 
-pytest shares conftest fixtures only down a folder tree, so this loads that module by path
-and re-exports its fixtures rather than keeping a second copy.
+pytest shares conftest fixtures only down a folder tree, so this re-exports those fixtures
+rather than keeping a second copy.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.util
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
-from pathlib import Path
-from types import ModuleType
 
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
@@ -26,25 +23,25 @@ from gateway.admin_api import admin_routes
 from gateway.auth import TenantKeyResolver
 from gateway.errors import exception_handlers
 from tenants import DEFAULT_TIERS
+from tests.tenants.conftest import (
+    database_url,
+    db,
+    engine,
+    fresh_database_url,
+    session,
+    session_factory,
+    stored_values,
+)
 
-
-def _load_tenants_conftest() -> ModuleType:
-    path = Path(__file__).resolve().parents[1] / "tenants" / "conftest.py"
-    spec = importlib.util.spec_from_file_location("_tiergate_tenants_conftest", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_tenants_conftest = _load_tenants_conftest()
-database_url = _tenants_conftest.database_url
-fresh_database_url = _tenants_conftest.fresh_database_url
-engine = _tenants_conftest.engine
-db = _tenants_conftest.db
-session_factory = _tenants_conftest.session_factory
-session = _tenants_conftest.session
-stored_values = _tenants_conftest.stored_values
+__all__ = [
+    "database_url",
+    "db",
+    "engine",
+    "fresh_database_url",
+    "session",
+    "session_factory",
+    "stored_values",
+]
 
 
 ADMIN_TOKEN = "admin-token-for-tests-0123456789"

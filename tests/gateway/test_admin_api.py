@@ -80,7 +80,6 @@ def test_tenant_key_never_opens_an_admin_route(admin: TestClient) -> None:
 
 
 def test_admin_api_off_without_token_answers_404(
-    session_factory: sessionmaker[Session],
     caplog: pytest.LogCaptureFixture,
     harness_factory: Callable[..., GatewayHarness],
 ) -> None:

@@ -5,7 +5,7 @@ named tiergate_test_*) migrated with the real Alembic migrations, and each test 
 empty. PostgreSQL is TIERGATE_TEST_POSTGRES_URL, default the local server's `test`
 database; when it is unreachable the tests fail: they never skip.
 
-tests/gateway/conftest.py loads this module too, so both folders share these fixtures.
+tests/gateway/conftest.py re-exports these fixtures, so both folders share them.
 """
 
 from __future__ import annotations

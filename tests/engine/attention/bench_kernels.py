@@ -43,7 +43,12 @@ CASES = [
 ]
 
 
-def build(case: Case, dtype: torch.dtype, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+# query, k_cache, v_cache, block_tables, query_start_loc, context_lens
+BatchTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                     torch.Tensor]
+
+
+def build(case: Case, dtype: torch.dtype, gen: torch.Generator) -> BatchTensors:
     blocks_per_seq = [-(-c // BLOCK_SIZE) for c in case.context_lens]
     num_blocks = sum(blocks_per_seq)
     order = torch.randperm(num_blocks, generator=gen)
@@ -59,15 +64,14 @@ def build(case: Case, dtype: torch.dtype, gen: torch.Generator) -> tuple[torch.T
     k_cache = torch.randn(shape, generator=gen).to(dtype)
     v_cache = torch.randn(shape, generator=gen).to(dtype)
     query = torch.randn(starts[-1], NUM_HEADS, HEAD_DIM, generator=gen).to(dtype)
-    tensors = (
-        query,
-        k_cache,
-        v_cache,
-        tables,
-        torch.tensor(starts, dtype=torch.int32),
-        torch.tensor(case.context_lens, dtype=torch.int32),
+    return (
+        query.cuda(),
+        k_cache.cuda(),
+        v_cache.cuda(),
+        tables.cuda(),
+        torch.tensor(starts, dtype=torch.int32, device="cuda"),
+        torch.tensor(case.context_lens, dtype=torch.int32, device="cuda"),
     )
-    return tuple(t.cuda() for t in tensors)
 
 
 def time_ms(fn: Callable[[], object], num_iters: int) -> float:

@@ -126,7 +126,12 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float(diff / expected.float().norm())
 
 
-def batch_args(batch: PagedBatch) -> tuple[torch.Tensor, ...]:
+# query, k_cache, v_cache, block_tables, query_start_loc, context_lens
+BatchTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                     torch.Tensor]
+
+
+def batch_args(batch: PagedBatch) -> BatchTensors:
     return (
         batch.query,
         batch.k_cache,

@@ -1,0 +1,221 @@
+"""Tiny random HF checkpoints, HF greedy references, and a minimal paged driver for the runner.
+
+The driver stands in for the scheduler: it hands TorchModelRunner SchedulerOutputs built by
+hand (decodes first, then prefill chunks under a token budget) over blocks from a shuffled
+free list, so block tables are never contiguous.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+from engine.model_runner import RunnerConfig, TorchModelRunner
+from engine.runner import ModelRunnerOutput
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.scheduler_output import ScheduledChunk, SchedulerOutput
+
+VOCAB = 256
+BLOCK_SIZE = 16
+GREEDY = SamplingParams(temperature=0.0)
+
+_COMMON: dict[str, Any] = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "bos_token_id": None,
+    "eos_token_id": None,  # HF generate must never stop early
+    "pad_token_id": None,
+}
+
+# One small config per supported variant.
+HF_CONFIGS: dict[str, Any] = {
+    "llama": lambda: LlamaConfig(**_COMMON),
+    "llama3": lambda: LlamaConfig(
+        **_COMMON,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+    "llama_bias": lambda: LlamaConfig(**_COMMON, attention_bias=True, mlp_bias=True),
+    "qwen2": lambda: Qwen2Config(**_COMMON, use_sliding_window=True, sliding_window=12,
+                                 max_window_layers=1),
+    "qwen3": lambda: Qwen3Config(**_COMMON, head_dim=32, tie_word_embeddings=True),
+    "mistral": lambda: MistralConfig(**_COMMON, sliding_window=20),
+}
+
+
+def make_checkpoint(
+    path: Path, variant: str, seed: int = 0, max_shard_size: str | None = None
+) -> PreTrainedModel:
+    """Save a random tiny model (float32) to path; biases and norm weights are randomised too
+    so that every parameter matters. Returns the HF model."""
+    torch.manual_seed(seed)
+    config = HF_CONFIGS[variant]()
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0.0, 0.1)
+            elif "norm" in name:
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+    model.eval()
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **kwargs)
+    return model
+
+
+@torch.no_grad()
+def hf_greedy(model: PreTrainedModel, prompt: list[int], num_tokens: int) -> list[int]:
+    """HF transformers greedy continuation of one prompt (no padding)."""
+    ids = torch.tensor([prompt])
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=num_tokens,
+        do_sample=False,
+        pad_token_id=0,
+    )
+    return list(out[0, len(prompt) :].tolist())
+
+
+def random_prompts(lengths: list[int], seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, VOCAB) for _ in range(n)] for n in lengths]
+
+
+class RecordingSampler:
+    """The real sampler, keeping every logits row it saw per request (for closeness checks)."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.sampler = Sampler(vocab_size)
+        self.logits: dict[str, list[torch.Tensor]] = {}
+
+    def __call__(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> ModelRunnerOutput:
+        for row, chunk in zip(logits, chunks, strict=True):
+            self.logits.setdefault(chunk.request_id, []).append(row.clone())
+        return self.sampler(logits, chunks)
+
+
+def make_runner(
+    model_dir: Path, num_kv_blocks: int = 128, sampler: RecordingSampler | None = None
+) -> TorchModelRunner:
+    config = RunnerConfig(block_size=BLOCK_SIZE, num_kv_blocks=num_kv_blocks, max_model_len=512)
+    return TorchModelRunner.from_model_dir(model_dir, config, sampler=sampler)
+
+
+@dataclass
+class Sequence:
+    """A request as the driver tracks it."""
+
+    request_id: str
+    prompt: list[int]
+    max_new_tokens: int
+    output: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose KV is in the cache
+    block_table: list[int] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def is_done(self) -> bool:
+        return len(self.output) >= self.max_new_tokens
+
+
+class PagedDriver:
+    """Schedules sequences onto a runner: decodes first, then prefill chunks under a budget."""
+
+    def __init__(self, runner: TorchModelRunner, seed: int = 0) -> None:
+        self.runner = runner
+        self.free_blocks = list(range(runner.num_kv_blocks))
+        random.Random(seed).shuffle(self.free_blocks)  # block tables are never contiguous
+        self.step_id = 0
+
+    def allocate(self, seq: Sequence, num_tokens: int) -> None:
+        """Grow seq's block table to cover num_tokens tokens."""
+        bs = self.runner.block_size
+        while len(seq.block_table) * bs < num_tokens:
+            seq.block_table.append(self.free_blocks.pop())
+
+    def free(self, seq: Sequence) -> None:
+        self.free_blocks += seq.block_table
+        seq.block_table = []
+
+    def chunk(self, seq: Sequence, num_tokens: int) -> ScheduledChunk:
+        start = seq.num_computed
+        end = start + num_tokens
+        self.allocate(seq, end)
+        return ScheduledChunk(
+            request_id=seq.request_id,
+            token_ids=seq.tokens[start:end],
+            start_pos=start,
+            block_table=list(seq.block_table),
+            needs_sample=end == len(seq.tokens),
+            is_prefill=num_tokens > 1 or not seq.output,
+            sampling_params=GREEDY,
+            prompt_token_ids=seq.prompt,
+            output_token_ids=list(seq.output),
+            eos_token_id=None,
+        )
+
+    def step(self, chunks: list[ScheduledChunk], seqs: dict[str, Sequence],
+             blocks_to_copy: list[tuple[int, int]] | None = None) -> None:
+        output = self.runner.execute(
+            SchedulerOutput(
+                step_id=self.step_id,
+                chunks=chunks,
+                num_batched_tokens=sum(c.num_tokens for c in chunks),
+                blocks_to_copy=blocks_to_copy or [],
+            )
+        )
+        self.step_id += 1
+        for c in chunks:
+            seqs[c.request_id].num_computed += c.num_tokens
+        for request_id, token in output.sampled_token_ids.items():
+            seqs[request_id].output.append(token)
+        assert set(output.sampled_token_ids) == {c.request_id for c in chunks if c.needs_sample}
+
+    def run(self, seqs: list[Sequence], token_budget: int = 1 << 30, keep_blocks: bool = False,
+            ) -> None:
+        """Run until every sequence has its tokens; a prefill gets what is left of the budget."""
+        by_id = {s.request_id: s for s in seqs}
+        while not all(s.is_done for s in seqs):
+            active = [s for s in seqs if not s.is_done]
+            decodes = [s for s in active if s.output and s.num_computed == len(s.tokens) - 1]
+            chunks = [self.chunk(s, 1) for s in decodes]
+            budget = token_budget - len(chunks)
+            for s in active:
+                if s in decodes or budget <= 0:
+                    continue
+                num = min(len(s.tokens) - s.num_computed, budget)
+                chunks.append(self.chunk(s, num))
+                budget -= num
+            self.step(chunks, by_id)
+            if not keep_blocks:
+                for s in seqs:
+                    if s.is_done and s.block_table:
+                        self.free(s)
