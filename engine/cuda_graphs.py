@@ -37,12 +37,10 @@ class DecodeCudaGraphs:
         attention: PagedAttention,
         max_num_seqs: int,
         max_blocks_per_seq: int,
-        block_size: int,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.attention = attention
-        self.block_size = block_size
         self.max_blocks_per_seq = max_blocks_per_seq
         self.sizes = graph_batch_sizes(max_num_seqs)
         device = model.embed_tokens.weight.device
@@ -82,9 +80,7 @@ class DecodeCudaGraphs:
         batch = self._static_batch(size)
 
         def forward() -> torch.Tensor:
-            self.attention.prepare(
-                batch.block_tables, batch.query_start_loc, batch.context_lens, self.block_size
-            )
+            self.attention.prepare(batch.block_tables, batch.query_start_loc, batch.context_lens)
             out: torch.Tensor = self.model(batch, self.kv_caches, self.attention)
             return out
 

@@ -68,26 +68,19 @@ class PagedAttention:
         self.device = device
         self._backend = backend_for(device)
         self._uses_plan = self._backend is reference
-        self._block_tables: torch.Tensor | None = None
-        self._query_start_loc: torch.Tensor | None = None
-        self._context_lens: torch.Tensor | None = None
-        self._plan: reference.AttentionPlan | None = None
+        # (block_tables, query_start_loc, context_lens) of the bound step.
+        self._layout: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._plan: reference.AttentionPlan | None = None  # CPU: the bound step's plan
 
     def prepare(
         self,
         block_tables: torch.Tensor,  # int32[B, max_blocks_per_seq]
         query_start_loc: torch.Tensor,  # int32[B + 1]
         context_lens: torch.Tensor,  # int32[B]
-        block_size: int,
     ) -> None:
         """Bind the batch layout that the following attend calls use."""
-        self._block_tables = block_tables
-        self._query_start_loc = query_start_loc
-        self._context_lens = context_lens
-        if self._uses_plan:
-            self._plan = reference.plan_attention(
-                block_tables, query_start_loc, context_lens, block_size
-            )
+        self._layout = (block_tables, query_start_loc, context_lens)
+        self._plan = None  # the reference plans at the first attend, when the cache is known
 
     def write_kv(
         self,
@@ -107,13 +100,14 @@ class PagedAttention:
         scale: float,
         sliding_window: int | None,
     ) -> torch.Tensor:  # [T, H, D]
-        if self._plan is not None:
-            return reference.paged_attention_planned(
-                query, k_cache, v_cache, self._plan, scale, sliding_window
+        assert self._layout is not None, "prepare() must come before attend()"
+        if not self._uses_plan:
+            out: torch.Tensor = self._backend.paged_attention(
+                query, k_cache, v_cache, *self._layout, scale, sliding_window
             )
-        assert self._block_tables is not None, "prepare() must come before attend()"
-        out: torch.Tensor = self._backend.paged_attention(
-            query, k_cache, v_cache, self._block_tables, self._query_start_loc,
-            self._context_lens, scale, sliding_window,
+            return out
+        if self._plan is None:
+            self._plan = reference.plan_attention(*self._layout, k_cache)
+        return reference.paged_attention_planned(
+            query, k_cache, v_cache, self._plan, scale, sliding_window
         )
-        return out

@@ -10,7 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.attention import PagedAttention, paged_attention, write_kv
-from engine.attention.reference import GROUP_OVERHEAD, plan_attention
+from engine.attention.reference import (
+    GROUP_OVERHEAD,
+    MAX_GROUP_BYTES,
+    plan_attention,
+)
 
 BLOCK_SIZE = 16
 
@@ -139,14 +143,29 @@ def test_write_kv_skips_negative_slots() -> None:
     assert k_cache.sum() == 8 and v_cache.sum() == 16
 
 
-def test_decodes_of_very_different_lengths_are_grouped() -> None:
-    lens = [10, 12, 11, 2000, 2010]
-    tables = torch.zeros(len(lens), 126, dtype=torch.int32)
+def _plan_groups(lens: list[int], k_cache: torch.Tensor) -> list[tuple[int, int]]:
+    """(num_seqs, num_blocks) of each decode group the plan makes for decodes of lens."""
+    tables = torch.zeros(len(lens), 200, dtype=torch.int32)
     plan = plan_attention(tables, torch.arange(len(lens) + 1, dtype=torch.int32),
-                          torch.tensor(lens, dtype=torch.int32), BLOCK_SIZE)
-    assert GROUP_OVERHEAD < 3 * (2010 - 12)  # splitting pays off here
-    assert sorted(g.num_seqs for g in plan.decode_groups) == [2, 3]
-    assert all(g.rows is None for g in plan.decode_groups)  # each group's rows are contiguous
+                          torch.tensor(lens, dtype=torch.int32), k_cache)
+    return sorted((g.num_seqs, g.num_blocks) for g in plan.decode_groups)
+
+
+def test_decodes_of_very_different_lengths_are_grouped() -> None:
+    k_cache = torch.zeros(1, BLOCK_SIZE, 1, 2)  # tiny rows: the byte cap plays no part
+    assert GROUP_OVERHEAD < 3 * (2000 - 16)  # splitting pays off here
+    assert _plan_groups([10, 12, 11, 2000, 2010], k_cache) == [(2, 126), (3, 1)]
+    assert _plan_groups([10, 12, 11], k_cache) == [(3, 1)]
+
+
+def test_decode_groups_stay_within_the_byte_cap() -> None:
+    k_cache = torch.zeros(1, BLOCK_SIZE, 2, 64)  # 1 KiB of K+V per token
+    lens = [300] * 10 + [3000]
+    max_pairs = MAX_GROUP_BYTES // 1024
+    groups = _plan_groups(lens, k_cache)
+    assert sum(n for n, _ in groups) == len(lens)
+    assert (1, 188) in groups  # a lone sequence may exceed the cap
+    assert all(n * blocks * BLOCK_SIZE <= max_pairs for n, blocks in groups if n > 1)
 
 
 def test_paged_attention_object_reuses_one_plan_per_step() -> None:
@@ -161,7 +180,7 @@ def test_paged_attention_object_reuses_one_plan_per_step() -> None:
         torch.tensor([20, 40], dtype=torch.int32),
     )
     attention = PagedAttention(torch.device("cpu"))
-    attention.prepare(*layout, BLOCK_SIZE)
+    attention.prepare(*layout)
     for window in (None, 8):
         expected = paged_attention(query, k_cache, v_cache, *layout, 0.25, window)
         torch.testing.assert_close(attention.attend(query, k_cache, v_cache, 0.25, window),

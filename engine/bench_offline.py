@@ -1,0 +1,317 @@
+"""Offline throughput benchmark: the engine (continuous batching, paged KV cache) on a workload
+file, against HF transformers `generate` with static batches on identical weights and prompts.
+
+Everything arrives at t=0; each request generates exactly its output_len tokens (ignore_eos,
+greedy), on a model config with seeded random float32 weights. Reported per system: output and
+total (prompt + output) tokens per second, and achieved model GFLOP/s: engine.flops of the
+useful work (every prompt and output token once, lm_head for output tokens only) divided by
+wall time, the same count for both systems (with --shared-prefix, prompt tokens served from
+the prefix cache still count as work). The machine's 2048^3 float32 matmul rate is the
+yardstick. Each measurement runs in a fresh process. A seeded script with a printed table;
+never a CI timing gate.
+
+    python -m engine.bench_offline --num-requests 64 --compare-hf
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.flops import forward_flops
+from engine.llm_engine import LLMEngine, TenantContext
+from engine.loader import random_hf_state_dict
+from engine.model_runner import RunnerConfig, TorchModelRunner
+from engine.models.config import ModelConfig
+from engine.sampling_params import SamplingParams
+from engine.workload import Workload, WorkloadRequest
+
+__all__ = [
+    "BenchConfig",
+    "BenchResult",
+    "add_arguments",
+    "format_table",
+    "main",
+    "matmul_gflops",
+    "report",
+    "run",
+]
+
+DEFAULT_WORKLOAD = Path("../shared/bench/workload-offline-200.json")
+DEFAULT_MODEL = Path("../shared/bench/bench-model.json")
+_PRIORITIES = {"premium": 0, "standard": 1, "batch": 2}
+
+
+@dataclass
+class BenchConfig:
+    """What to run and how."""
+
+    workload: Path = DEFAULT_WORKLOAD  # workload file (shared/bench format)
+    model_config: Path = DEFAULT_MODEL  # HF config.json of the model, weights are random
+    num_requests: int = 64  # first N requests of the workload
+    max_num_seqs: int = 32  # batch cap (the engine's running requests, HF's static batch)
+    max_num_batched_tokens: int = 2048  # the engine's token budget per step (engine default)
+    kv_cache_bytes: int = 1 << 30  # the engine's KV cache
+    seed: int = 0  # weights seed; prompts come from the workload's own seed
+    shared_prefix: bool = False  # use the workload's shared prefixes (README figures: off)
+    compare_hf: bool = False  # also run HF transformers static batching
+    num_threads: int | None = None  # torch intra-op threads; None: one per available core
+
+
+@dataclass
+class BenchResult:
+    """One system's run over the workload."""
+
+    system: str
+    num_requests: int
+    num_prompt_tokens: int
+    num_output_tokens: int
+    elapsed_s: float
+    model_gflop: float  # useful model work, engine.flops
+    num_steps: int  # engine steps, or HF generate calls
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.num_output_tokens / self.elapsed_s
+
+    @property
+    def total_tokens_per_s(self) -> float:
+        return (self.num_prompt_tokens + self.num_output_tokens) / self.elapsed_s
+
+    @property
+    def gflops(self) -> float:
+        return self.model_gflop / self.elapsed_s
+
+
+def matmul_gflops(size: int = 2048, repeats: int = 5) -> float:
+    """Best-of-repeats float32 size^3 matrix product rate on this machine, GFLOP/s."""
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(size, size, generator=generator)
+    b = torch.randn(size, size, generator=generator)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - started)
+    return 2 * size**3 / best / 1e9
+
+
+def _useful_gflop(config: ModelConfig, requests: list[WorkloadRequest]) -> float:
+    total = 0.0
+    for r in requests:
+        num_tokens = r.prompt_len + r.output_len - 1  # the last output token is never fed back
+        total += forward_flops(config, num_tokens, num_tokens, r.output_len)
+    return total / 1e9
+
+
+def run_engine(
+    bench: BenchConfig, config: ModelConfig, requests: list[WorkloadRequest],
+    prompts: dict[str, list[int]],
+) -> BenchResult:
+    max_model_len = max(r.prompt_len + r.output_len for r in requests) + 16
+    runner = TorchModelRunner.from_random(
+        config,
+        bench.seed,
+        RunnerConfig(
+            kv_cache_bytes=bench.kv_cache_bytes,
+            max_num_batched_tokens=bench.max_num_batched_tokens,
+            max_num_seqs=bench.max_num_seqs,
+            max_model_len=max_model_len,
+        ),
+    )
+    engine_config = EngineConfig(
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=bench.max_num_batched_tokens,
+            max_num_seqs=bench.max_num_seqs,
+            max_model_len=max_model_len,
+        ),
+        cache=CacheConfig(block_size=runner.block_size),
+    )
+    engine = LLMEngine(engine_config, runner)
+    _drain(engine, {"warmup": [3] * 64}, {"warmup": 4}, {})  # threads, allocator, first step
+    lengths = {r.request_id: r.output_len for r in requests}
+    tenants = {
+        r.request_id: TenantContext(r.tenant, r.tier, _PRIORITIES.get(r.tier, 1),
+                                    cache_salt=r.tenant)
+        for r in requests
+    }
+    started = time.perf_counter()
+    num_output, num_steps = _drain(engine, prompts, lengths, tenants)
+    elapsed = time.perf_counter() - started
+    return BenchResult(
+        "tiergate engine", len(requests), sum(r.prompt_len for r in requests), num_output,
+        elapsed, _useful_gflop(config, requests), num_steps,
+    )
+
+
+def _drain(
+    engine: LLMEngine,
+    prompts: dict[str, list[int]],
+    lengths: dict[str, int],
+    tenants: dict[str, TenantContext],
+) -> tuple[int, int]:
+    """Add every request at once and step until all finish; returns output tokens, steps."""
+    for request_id, prompt in prompts.items():
+        params = SamplingParams(temperature=0.0, max_tokens=lengths[request_id], ignore_eos=True)
+        engine.add_request(request_id, prompt, params, tenants.get(request_id))
+    num_output = num_steps = 0
+    while engine.has_unfinished_requests():
+        num_steps += 1
+        for output in engine.step():
+            if output.error:
+                raise RuntimeError(f"request {output.request_id} failed: {output.error}")
+            num_output += len(output.new_token_ids)
+    return num_output, num_steps
+
+
+def run_hf_static(
+    bench: BenchConfig, config: ModelConfig, requests: list[WorkloadRequest],
+    prompts: dict[str, list[int]],
+) -> BenchResult:
+    """HF generate on batches of max_num_seqs in workload order: left padding, every batch runs
+    to its longest output (the padding's extra tokens are not counted as output)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    raw = json.loads(bench.model_config.read_text())
+    hf_config = AutoConfig.for_model(raw.pop("model_type"), **raw)
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
+    model.load_state_dict(random_hf_state_dict(config, bench.seed))
+    model.generation_config.eos_token_id = None  # ignore_eos
+    pad_id = 0
+    with torch.inference_mode():
+        model.generate(torch.tensor([[3] * 64]), max_new_tokens=4, do_sample=False,
+                       pad_token_id=pad_id)  # warm-up
+        started = time.perf_counter()
+        num_batches = 0
+        for first in range(0, len(requests), bench.max_num_seqs):
+            num_batches += 1
+            batch = requests[first : first + bench.max_num_seqs]
+            longest = max(r.prompt_len for r in batch)
+            ids = torch.full((len(batch), longest), pad_id, dtype=torch.int64)
+            mask = torch.zeros((len(batch), longest), dtype=torch.int64)
+            for row, r in enumerate(batch):
+                ids[row, longest - r.prompt_len :] = torch.tensor(prompts[r.request_id])
+                mask[row, longest - r.prompt_len :] = 1
+            model.generate(ids, attention_mask=mask, do_sample=False, pad_token_id=pad_id,
+                           max_new_tokens=max(r.output_len for r in batch))
+        elapsed = time.perf_counter() - started
+    return BenchResult(
+        "HF generate, static batches", len(requests), sum(r.prompt_len for r in requests),
+        sum(r.output_len for r in requests), elapsed, _useful_gflop(config, requests),
+        num_batches,
+    )
+
+
+def _measure(system: str, bench: BenchConfig) -> BenchResult | float:
+    """One measurement, run in a fresh process by `run`."""
+    torch.set_num_threads(bench.num_threads or len(os.sched_getaffinity(0)))
+    if system == "matmul":
+        return matmul_gflops()
+    config = ModelConfig.from_file(bench.model_config)
+    workload = Workload.load(bench.workload, limit=bench.num_requests)
+    prompts = workload.prompts(config.vocab_size, use_shared_prefix=bench.shared_prefix)
+    measure = run_engine if system == "engine" else run_hf_static
+    return measure(bench, config, workload.requests, prompts)
+
+
+def run(bench: BenchConfig) -> tuple[list[BenchResult], float]:
+    """Run the engine (and HF when asked); returns the results and the matmul GFLOP/s.
+
+    Each measurement gets a fresh process: what one leaves behind must not slow or speed up
+    another (the engine's runner tunes glibc's allocator process-wide; a big MKL matmul run
+    first measurably slowed the engine after it).
+    """
+    systems = ["engine", "hf", "matmul"] if bench.compare_hf else ["engine", "matmul"]
+    context = multiprocessing.get_context("spawn")
+    measured = []
+    for system in systems:
+        with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+            measured.append(pool.submit(_measure, system, bench).result())
+    *results, peak = measured
+    assert isinstance(peak, float) and all(isinstance(r, BenchResult) for r in results)
+    return [r for r in results if isinstance(r, BenchResult)], peak
+
+
+def format_table(results: list[BenchResult], matmul: float) -> str:
+    lines = [
+        f"{'system':30} {'output tok/s':>12} {'total tok/s':>12} {'GFLOP/s':>8} "
+        f"{'% matmul':>8} {'time s':>8} {'steps':>6}"
+    ]
+    for r in results:
+        lines.append(
+            f"{r.system:30} {r.output_tokens_per_s:12.1f} {r.total_tokens_per_s:12.1f} "
+            f"{r.gflops:8.1f} {100 * r.gflops / matmul:8.1f} {r.elapsed_s:8.1f} {r.num_steps:6d}"
+        )
+    lines.append(f"float32 2048^3 matmul on this machine: {matmul:.1f} GFLOP/s")
+    if len(results) > 1:
+        ratio = results[0].output_tokens_per_s / results[1].output_tokens_per_s
+        lines.append(f"engine / {results[1].system}: {ratio:.2f}x output tokens/s")
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The benchmark's options (shared by `tiergate bench offline` and `python -m`)."""
+    d = BenchConfig()
+    parser.add_argument("--workload", type=Path, default=d.workload)
+    parser.add_argument("--model-config", type=Path, default=d.model_config)
+    parser.add_argument("--num-requests", type=int, default=d.num_requests)
+    parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--shared-prefix", action="store_true",
+                        help="use the workload's shared prefixes (default: fully random prompts)")
+    parser.add_argument("--compare-hf", action="store_true",
+                        help="also run HF transformers generate with static batches")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: cores)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    return BenchConfig(
+        workload=args.workload,
+        model_config=args.model_config,
+        num_requests=args.num_requests,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        seed=args.seed,
+        shared_prefix=args.shared_prefix,
+        compare_hf=args.compare_hf,
+        num_threads=args.threads,
+    )
+
+
+def report(args: argparse.Namespace) -> int:
+    """Run from parsed arguments and print the table (or JSON)."""
+    results, matmul = run(config_from_args(args))
+    if args.json:
+        rows = [
+            asdict(r) | {"output_tokens_per_s": r.output_tokens_per_s,
+                         "total_tokens_per_s": r.total_tokens_per_s, "gflops": r.gflops}
+            for r in results
+        ]
+        print(json.dumps({"results": rows, "matmul_gflops": matmul}, indent=2))
+    else:
+        print(format_table(results, matmul))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Offline throughput: engine vs HF generate")
+    add_arguments(parser)
+    return report(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
