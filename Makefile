@@ -39,7 +39,7 @@ typecheck: $(STAMP)
 
 # Tiered vs FCFS scheduling on the simulated machine (fake runner), workload-serve-600.
 sim: $(STAMP)
-	$(PY) -m engine.simulate --workload ../shared/bench/workload-serve-600.json
+	$(PY) -m engine.simulation --workload ../shared/bench/workload-serve-600.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

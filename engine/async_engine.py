@@ -56,7 +56,7 @@ class AsyncLLMEngine:
         if self._error is not None or self._stopped:
             raise EngineDeadError("the engine loop is not running")
         # Validate here so bad input fails the caller, not the engine thread.
-        self.engine._validate(prompt_token_ids, sampling_params, tenant or TenantContext())
+        self.engine.validate_request(prompt_token_ids, sampling_params, tenant or TenantContext())
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), sampling_params.n)
         with self._lock:
             self._streams[request_id] = stream

@@ -57,8 +57,6 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     eos_token_id: int | None = None  # ends a request unless ignore_eos
-    # Engine steps whose measured time feeds the rate estimates (EMA weight of a new step).
-    rate_ema_alpha: float = 0.2
 
     def validate(self) -> None:
         self.scheduler.validate()

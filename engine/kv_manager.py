@@ -147,6 +147,8 @@ class KVCacheManager:
 
     def _request_hashes(self, request: Request) -> list[BlockHash]:
         hashes = self._hashes.setdefault(request.request_id, [])
+        if len(hashes) == request.num_tokens // self.block_size:
+            return hashes  # no new full block: skip building the token list
         extend_block_hashes(hashes, request.all_token_ids, self.block_size, request.cache_salt)
         return hashes
 

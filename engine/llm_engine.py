@@ -72,7 +72,6 @@ class LLMEngine:
         self._groups: dict[str, list[Request]] = {}  # caller's id -> its samples
         self._text: dict[str, TextOutputState] = {}  # sample request id -> text state
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
-        self.num_steps_failed = 0
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -88,7 +87,7 @@ class LLMEngine:
         tenant = tenant or TenantContext()
         if request_id in self._groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        max_tokens = self._validate(prompt_token_ids, sampling_params, tenant)
+        max_tokens = self.validate_request(prompt_token_ids, sampling_params, tenant)
         if sampling_params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer", param="stop")
         arrival = self.clock() if arrival_time is None else arrival_time
@@ -121,10 +120,11 @@ class LLMEngine:
                 )
             self.scheduler.add_request(sample)
 
-    def _validate(
+    def validate_request(
         self, prompt_token_ids: list[int], params: SamplingParams, tenant: TenantContext
     ) -> int:
-        """Check the request can ever run; returns the resolved max_tokens."""
+        """Check the request can ever run; returns the resolved max_tokens. Reads only
+        configuration, so callers on other threads may use it before submitting."""
         max_model_len = self.config.scheduler.max_model_len
         num_prompt = len(prompt_token_ids)
         if num_prompt == 0:
@@ -186,7 +186,6 @@ class LLMEngine:
             runner_output = self.runner.execute(scheduler_output)
         except Exception as exc:  # a failed step fails its requests, not the engine
             logger.exception("engine step %d failed", scheduler_output.step_id)
-            self.num_steps_failed += 1
             return outputs + self._fail_step(scheduler_output, exc)
         now = self.clock()
         self.scheduler.record_step(scheduler_output, now - started)
@@ -195,7 +194,7 @@ class LLMEngine:
     def _process(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput, now: float
     ) -> list[RequestOutput]:
-        updated, _ = self.scheduler.update_from_output(scheduler_output, runner_output, now)
+        updated = self.scheduler.update_from_output(scheduler_output, runner_output, now)
         outputs = []
         for request in updated:
             new_tokens = request.output_token_ids[-1:]

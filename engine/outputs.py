@@ -12,7 +12,6 @@ class RequestMetrics:
     """Timings (engine clock seconds) and counters of one sample."""
 
     arrival_time: float
-    first_scheduled_time: float | None = None  # None while it has never run
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0

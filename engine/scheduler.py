@@ -279,14 +279,13 @@ class Scheduler:
             if num_new is None:
                 continue
             start = request.num_computed_tokens - num_new
-            tokens = request.all_token_ids
             chunks.append(
                 ScheduledChunk(
                     request_id=request.request_id,
-                    token_ids=tokens[start : start + num_new],
+                    token_ids=request.token_ids(start, start + num_new),
                     start_pos=start,
                     block_table=self.kv.block_ids(request.request_id),
-                    needs_sample=start + num_new == len(tokens),
+                    needs_sample=start + num_new == request.num_tokens,
                     is_prefill=not (num_new == 1 and request.is_prefill_done),
                     sampling_params=request.sampling_params,
                     prompt_token_ids=request.prompt_token_ids,
@@ -302,7 +301,6 @@ class Scheduler:
             num_batched_tokens=sum(c.num_tokens for c in chunks),
             blocks_to_copy=self.kv.take_pending_copies(),
             finished_request_ids=self._finished_ids,
-            preempted_request_ids=[r.request_id for r in plan.preempted],
         )
         self._finished_ids = set()
         self.num_steps += 1
@@ -310,13 +308,10 @@ class Scheduler:
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput, now: float
-    ) -> tuple[list[Request], list[Request]]:
-        """Append sampled tokens and apply token-level stops.
-
-        Returns (requests that got a token, requests that finished this step).
-        """
+    ) -> list[Request]:
+        """Append sampled tokens and apply token-level stops; returns the requests that got a
+        token (finished ones included)."""
         updated: list[Request] = []
-        finished: list[Request] = []
         for chunk in scheduler_output.chunks:
             request = self.requests.get(chunk.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
@@ -334,8 +329,7 @@ class Scheduler:
             if status is not None:
                 self.finish_request(request.request_id, status)
                 request.finish_time = now
-                finished.append(request)
-        return updated, finished
+        return updated
 
     def record_step(self, scheduler_output: SchedulerOutput, step_time_s: float) -> None:
         """Feed the measured step time into the rate estimates used for queue-wait estimates."""

@@ -45,8 +45,6 @@ class SchedulerOutput:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     # Requests that ended since the previous step; the runner drops any state it keeps for them.
     finished_request_ids: set[str] = field(default_factory=set)
-    # Requests preempted in this step (their blocks are freed; runner state may be kept).
-    preempted_request_ids: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

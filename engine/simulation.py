@@ -207,6 +207,12 @@ def simulate(
     )
 
 
+def premium_slo_scale(machine: SimulatedMachine, gpu_premium_ttft_slo_s: float) -> float:
+    """Factor that scales GPU SLOs to the simulated machine: premium's GPU TTFT objective is
+    taken as 10x an unloaded 1024-token prefill, and keeps that ratio here."""
+    return 10 * machine.unloaded_ttft_s(1024) / gpu_premium_ttft_slo_s
+
+
 def measure_capacity_rps(workload: Workload, machine: SimulatedMachine) -> float:
     """Requests per second the machine completes with everything queued at t=0 (FCFS)."""
     result = simulate(workload, fcfs_policy(), machine, time_scale=0.0)
@@ -225,7 +231,9 @@ def main() -> None:
     capacity = measure_capacity_rps(workload, machine)
     scale = workload.rate_rps / (args.overload * capacity)
     tiers = TierTable()
-    slo_scale = 10 * machine.unloaded_ttft_s(1024) / tiers["premium"].ttft_slo_s  # type: ignore[operator]
+    gpu_slo = tiers["premium"].ttft_slo_s
+    assert gpu_slo is not None, "the premium tier has no TTFT objective"
+    slo_scale = premium_slo_scale(machine, gpu_slo)
     scaled = tiers.scaled(slo_scale)
     tiered = Policy("tiered", TieredFairQueue, tiers.reserved_fractions(), True)
     print(f"capacity {capacity:.2f} req/s; offered {args.overload:.1f}x; SLO scale {slo_scale:.3f}")

@@ -70,12 +70,6 @@ class TierTable:
     def names(self) -> list[str]:
         return list(self._tiers)
 
-    def by_priority(self, priority: int) -> Tier:
-        for tier in self._tiers.values():
-            if tier.priority == priority:
-                return tier
-        raise UnknownTierError(f"no tier with priority {priority}")
-
     def reserved_fractions(self) -> dict[int, float]:
         """priority -> reserved share, the form engine.CacheConfig takes."""
         return {

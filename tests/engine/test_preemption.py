@@ -104,12 +104,16 @@ def test_thrash_guard_protects_a_just_resumed_request() -> None:
 def test_growth_pressure_preempts_latest_admitted_of_the_same_tier() -> None:
     engine = make_engine(num_blocks=8, block_size=4, max_num_batched_tokens=64)
     engine.add_request("first", list(range(100, 112)), _params(12), STANDARD)
-    engine.step()
-    engine.add_request("second", list(range(200, 212)), _params(12), STANDARD)
     first = engine.scheduler.requests["first"]
+    tokens: dict[str, list[int]] = {"first": [], "second": []}
+    for out in engine.step():
+        tokens[out.request_id].extend(out.new_token_ids)
+    engine.add_request("second", list(range(200, 212)), _params(12), STANDARD)
     second = engine.scheduler.requests["second"]
-    while engine.has_unfinished_requests() and second.num_preemptions == 0:
-        engine.step()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+        check_invariants(engine)
     assert first.num_preemptions == 0 and second.num_preemptions >= 1
-    outputs = run_to_completion(engine)
-    assert outputs[("second", 0)][-1:] == reference_output(list(range(200, 212)), 12)[-1:]
+    assert tokens["first"] == reference_output(list(range(100, 112)), 12)
+    assert tokens["second"] == reference_output(list(range(200, 212)), 12)

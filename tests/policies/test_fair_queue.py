@@ -10,9 +10,11 @@ from engine import Request, SamplingParams
 from engine.simulation import (
     Policy,
     SimulatedMachine,
+    SimulationResult,
     fcfs_policy,
     measure_capacity_rps,
     percentile,
+    premium_slo_scale,
     simulate,
 )
 from engine.workload import Workload, WorkloadRequest
@@ -66,7 +68,7 @@ def _two_tenant_workload(num_heavy: int, num_light: int, gap_s: float) -> Worklo
     return Workload(seed=3, rate_rps=0.0, requests=requests)
 
 
-def _service_spread(result, machine: SimulatedMachine) -> float:  # type: ignore[no-untyped-def]
+def _service_spread(result: SimulationResult) -> float:
     """max - min over time of (heavy's weighted service - light's) while both are backlogged."""
     light_done = max(r.finish_s for r in result.records if r.tenant == "light")
     light_first = min(r.arrival_s for r in result.records if r.tenant == "light")
@@ -90,8 +92,8 @@ def test_vtc_keeps_two_backlogged_tenants_within_the_bound() -> None:
     bound = 2 * max(1.0 * max_input, 2.0 * kv_tokens)
     vtc = simulate(workload, tiered, machine, trace_service=True)
     fcfs = simulate(workload, fcfs_policy(), machine, trace_service=True)
-    vtc_spread = _service_spread(vtc, machine)
-    fcfs_spread = _service_spread(fcfs, machine)
+    vtc_spread = _service_spread(vtc)
+    fcfs_spread = _service_spread(fcfs)
     print(f"VTC spread {vtc_spread:.0f}, FCFS spread {fcfs_spread:.0f}, bound {bound:.0f}")
     assert vtc_spread <= bound
     assert fcfs_spread > bound, "the workload does not stress fairness; the test proves nothing"
@@ -105,9 +107,9 @@ def test_premium_meets_its_slo_at_twice_capacity() -> None:
     capacity = measure_capacity_rps(workload, machine)
     time_scale = workload.rate_rps / (2.0 * capacity)
     tiers = TierTable()
-    # Premium's 500 ms is ~10x an unloaded 1024-token prefill on a GPU; same ratio here.
-    slo_scale = 10 * machine.unloaded_ttft_s(1024) / 0.5
-    premium_slo = 0.5 * slo_scale
+    gpu_slo = tiers["premium"].ttft_slo_s
+    assert gpu_slo is not None
+    premium_slo = gpu_slo * premium_slo_scale(machine, gpu_slo)
     tiered = Policy("tiered", TieredFairQueue, tiers.reserved_fractions(), True)
     results = {p.name: simulate(workload, p, machine, time_scale) for p in (tiered, fcfs_policy())}
     attainment = {}
