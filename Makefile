@@ -20,9 +20,6 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $@
 
 serve: $(STAMP)
-	@$(VENV)/bin/tiergate serve --help >/dev/null 2>&1 || { \
-	  echo "tiergate serve is not built yet: the HTTP gateway is issue 5 (see README, Status)."; \
-	  exit 1; }
 	$(VENV)/bin/tiergate serve
 
 # Triton kernels run under the interpreter on machines without a GPU.

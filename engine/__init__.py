@@ -17,13 +17,14 @@ from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner, ModelRunnerOutput, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ScheduledChunk, SchedulerOutput
-from engine.scheduler_stats import SchedulerStats, TierStats
+from engine.scheduler_stats import EngineCounters, SchedulerStats, TierStats
 
 __all__ = [
     "CacheConfig",
     "ConfigError",
     "ContextLengthExceededError",
     "EngineConfig",
+    "EngineCounters",
     "EngineDeadError",
     "EngineError",
     "FCFSQueue",

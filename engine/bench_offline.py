@@ -1,5 +1,7 @@
 """Offline throughput benchmark: the engine (continuous batching, paged KV cache) on a workload
-file, against HF transformers `generate` with static batches on identical weights and prompts.
+file, against HF transformers on identical weights and prompts: `generate` with static batches,
+and HF's own continuous batching (`init_continuous_batching`, per-request max_new_tokens, the
+same batch cap, token budget and KV cache bytes as the engine).
 
 Everything arrives at t=0; each request generates exactly its output_len tokens (ignore_eos,
 greedy), on a model config with seeded random float32 weights. Reported per system: output and
@@ -7,8 +9,10 @@ total (prompt + output) tokens per second, and achieved model GFLOP/s: engine.fl
 useful work (every prompt and output token once, lm_head for output tokens only) divided by
 wall time, the same count for both systems (with --shared-prefix, prompt tokens served from
 the prefix cache still count as work). The machine's 2048^3 float32 matmul rate is the
-yardstick. Each measurement runs in a fresh process. A seeded script with a printed table;
-never a CI timing gate.
+yardstick. Each measurement runs in a fresh process, all with the same OpenMP wait policy
+(passive unless asked otherwise), and the table ends with the machine's load average: on a
+shared machine compare the ratios of one run, not absolute figures across runs. A seeded
+script with a printed table; never a CI timing gate.
 
     python -m engine.bench_offline --num-requests 64 --compare-hf
 """
@@ -16,15 +20,18 @@ never a CI timing gate.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import multiprocessing
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -36,6 +43,9 @@ from engine.model_runner import RunnerConfig, TorchModelRunner
 from engine.models.config import ModelConfig
 from engine.sampling_params import SamplingParams
 from engine.workload import Workload, WorkloadRequest
+
+if TYPE_CHECKING:  # transformers is a test/benchmark dependency, imported only when comparing
+    from transformers.generation.continuous_batching import ContinuousBatchingManager
 
 __all__ = [
     "BenchConfig",
@@ -51,6 +61,7 @@ __all__ = [
 DEFAULT_WORKLOAD = Path("../shared/bench/workload-offline-200.json")
 DEFAULT_MODEL = Path("../shared/bench/bench-model.json")
 _PRIORITIES = {"premium": 0, "standard": 1, "batch": 2}
+_HF_RESULT_TIMEOUT_S = 600.0  # longest wait for one HF result before calling the run stalled
 
 
 @dataclass
@@ -65,8 +76,13 @@ class BenchConfig:
     kv_cache_bytes: int = 1 << 30  # the engine's KV cache
     seed: int = 0  # weights seed; prompts come from the workload's own seed
     shared_prefix: bool = False  # use the workload's shared prefixes (README figures: off)
-    compare_hf: bool = False  # also run HF transformers static batching
+    compare_hf: bool = False  # also run HF transformers static and continuous batching
     num_threads: int | None = None  # torch intra-op threads; None: one per available core
+    # OMP_WAIT_POLICY of every measured process. "passive": an idle OpenMP worker sleeps at
+    # once. libgomp's default spins first, which on a shared 2-core machine burns the time
+    # slices the other thread needs (the engine ran 3x slower at load average 5); "default"
+    # leaves the variable as the environment has it.
+    omp_wait_policy: str = "passive"
 
 
 @dataclass
@@ -176,12 +192,9 @@ def _drain(
     return num_output, num_steps
 
 
-def run_hf_static(
-    bench: BenchConfig, config: ModelConfig, requests: list[WorkloadRequest],
-    prompts: dict[str, list[int]],
-) -> BenchResult:
-    """HF generate on batches of max_num_seqs in workload order: left padding, every batch runs
-    to its longest output (the padding's extra tokens are not counted as output)."""
+def _hf_model(bench: BenchConfig, config: ModelConfig) -> Any:
+    """The HF model of the config with the engine's random weights, EOS ignored (a
+    transformers PreTrainedModel; typed Any as transformers' generate mixins do not type-check)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     raw = json.loads(bench.model_config.read_text())
@@ -189,6 +202,16 @@ def run_hf_static(
     model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
     model.load_state_dict(random_hf_state_dict(config, bench.seed))
     model.generation_config.eos_token_id = None  # ignore_eos
+    return model
+
+
+def run_hf_static(
+    bench: BenchConfig, config: ModelConfig, requests: list[WorkloadRequest],
+    prompts: dict[str, list[int]],
+) -> BenchResult:
+    """HF generate on batches of max_num_seqs in workload order: left padding, every batch runs
+    to its longest output (the padding's extra tokens are not counted as output)."""
+    model = _hf_model(bench, config)
     pad_id = 0
     with torch.inference_mode():
         model.generate(torch.tensor([[3] * 64]), max_new_tokens=4, do_sample=False,
@@ -214,6 +237,66 @@ def run_hf_static(
     )
 
 
+def run_hf_continuous(
+    bench: BenchConfig, config: ModelConfig, requests: list[WorkloadRequest],
+    prompts: dict[str, list[int]],
+) -> BenchResult:
+    """HF continuous batching: every request added at once with its own max_new_tokens, at most
+    max_num_seqs per batch under the engine's token budget, a KV cache of the engine's bytes."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    model = _hf_model(bench, config)
+    page_size = 256  # HF's default page
+    bytes_per_page = 2 * config.num_layers * page_size * config.kv_size * 4  # float32 K and V
+    cb_config = ContinuousBatchingConfig(
+        page_size=page_size,
+        num_blocks=max(1, bench.kv_cache_bytes // bytes_per_page),
+        max_batch_tokens=bench.max_num_batched_tokens,
+        max_requests_per_batch=bench.max_num_seqs,
+    )
+    generation = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0,
+                                  max_new_tokens=4)
+    # Without psutil HF logs an error that it cannot size a CPU cache; num_blocks sizes it.
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)
+    with model.continuous_batching_context_manager(
+        generation_config=generation, continuous_batching_config=cb_config, block=True,
+        timeout=10,
+    ) as manager:
+        _hf_collect(manager, {"warmup": [3] * 64}, {"warmup": 4})
+        started = time.perf_counter()
+        num_output = _hf_collect(
+            manager, {r.request_id: prompts[r.request_id] for r in requests},
+            {r.request_id: r.output_len for r in requests},
+        )
+        elapsed = time.perf_counter() - started
+    return BenchResult(
+        "HF continuous batching", len(requests), sum(r.prompt_len for r in requests),
+        num_output, elapsed, _useful_gflop(config, requests), len(requests),
+    )
+
+
+def _hf_collect(
+    manager: ContinuousBatchingManager, prompts: dict[str, list[int]], lengths: dict[str, int]
+) -> int:
+    """Add every request, wait for all to finish; returns their output tokens."""
+    for request_id, prompt in prompts.items():
+        manager.add_request(prompt, request_id=request_id, max_new_tokens=lengths[request_id])
+    num_output = 0
+    pending = set(prompts)
+    while pending:
+        result = manager.get_result(timeout=_HF_RESULT_TIMEOUT_S)
+        if result is None:
+            raise RuntimeError(f"HF continuous batching stalled with {len(pending)} requests left")
+        if result.error:
+            raise RuntimeError(f"HF request {result.request_id} failed: {result.error}")
+        if result.is_finished() and result.request_id in pending:
+            pending.discard(result.request_id)
+            if len(result.generated_tokens) != lengths[result.request_id]:
+                raise RuntimeError(f"HF request {result.request_id} stopped early")
+            num_output += len(result.generated_tokens)
+    return num_output
+
+
 def _measure(system: str, bench: BenchConfig) -> BenchResult | float:
     """One measurement, run in a fresh process by `run`."""
     torch.set_num_threads(bench.num_threads or len(os.sched_getaffinity(0)))
@@ -222,7 +305,7 @@ def _measure(system: str, bench: BenchConfig) -> BenchResult | float:
     config = ModelConfig.from_file(bench.model_config)
     workload = Workload.load(bench.workload, limit=bench.num_requests)
     prompts = workload.prompts(config.vocab_size, use_shared_prefix=bench.shared_prefix)
-    measure = run_engine if system == "engine" else run_hf_static
+    measure = {"engine": run_engine, "hf": run_hf_static, "hf-cb": run_hf_continuous}[system]
     return measure(bench, config, workload.requests, prompts)
 
 
@@ -233,15 +316,32 @@ def run(bench: BenchConfig) -> tuple[list[BenchResult], float]:
     another (the engine's runner tunes glibc's allocator process-wide; a big MKL matmul run
     first measurably slowed the engine after it).
     """
-    systems = ["engine", "hf", "matmul"] if bench.compare_hf else ["engine", "matmul"]
+    systems = ["engine", "hf", "hf-cb", "matmul"] if bench.compare_hf else ["engine", "matmul"]
     context = multiprocessing.get_context("spawn")
     measured = []
-    for system in systems:
-        with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
-            measured.append(pool.submit(_measure, system, bench).result())
+    with _child_environment(bench.omp_wait_policy):
+        for system in systems:
+            with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+                measured.append(pool.submit(_measure, system, bench).result())
     *results, peak = measured
     assert isinstance(peak, float) and all(isinstance(r, BenchResult) for r in results)
     return [r for r in results if isinstance(r, BenchResult)], peak
+
+
+@contextlib.contextmanager
+def _child_environment(omp_wait_policy: str) -> Iterator[None]:
+    """OMP_WAIT_POLICY for the processes started inside (OpenMP reads it when torch loads, so
+    setting it here changes nothing in this process)."""
+    previous = os.environ.get("OMP_WAIT_POLICY")
+    if omp_wait_policy != "default":
+        os.environ["OMP_WAIT_POLICY"] = omp_wait_policy.upper()
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("OMP_WAIT_POLICY", None)
+        else:
+            os.environ["OMP_WAIT_POLICY"] = previous
 
 
 def format_table(results: list[BenchResult], matmul: float) -> str:
@@ -255,9 +355,9 @@ def format_table(results: list[BenchResult], matmul: float) -> str:
             f"{r.gflops:8.1f} {100 * r.gflops / matmul:8.1f} {r.elapsed_s:8.1f} {r.num_steps:6d}"
         )
     lines.append(f"float32 2048^3 matmul on this machine: {matmul:.1f} GFLOP/s")
-    if len(results) > 1:
-        ratio = results[0].output_tokens_per_s / results[1].output_tokens_per_s
-        lines.append(f"engine / {results[1].system}: {ratio:.2f}x output tokens/s")
+    for other in results[1:]:
+        ratio = results[0].output_tokens_per_s / other.output_tokens_per_s
+        lines.append(f"engine / {other.system}: {ratio:.2f}x output tokens/s")
     return "\n".join(lines)
 
 
@@ -273,8 +373,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shared-prefix", action="store_true",
                         help="use the workload's shared prefixes (default: fully random prompts)")
     parser.add_argument("--compare-hf", action="store_true",
-                        help="also run HF transformers generate with static batches")
+                        help="also run HF transformers: static batches and continuous batching")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: cores)")
+    parser.add_argument("--omp-wait-policy", choices=["passive", "active", "default"],
+                        default=d.omp_wait_policy,
+                        help="OMP_WAIT_POLICY of the measured processes (default: passive)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -289,21 +392,29 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         shared_prefix=args.shared_prefix,
         compare_hf=args.compare_hf,
         num_threads=args.threads,
+        omp_wait_policy=args.omp_wait_policy,
     )
 
 
 def report(args: argparse.Namespace) -> int:
-    """Run from parsed arguments and print the table (or JSON)."""
-    results, matmul = run(config_from_args(args))
+    """Run from parsed arguments and print the table (or JSON), with the machine's load."""
+    bench = config_from_args(args)
+    load_before = os.getloadavg()[0]
+    results, matmul = run(bench)
+    load_after = os.getloadavg()[0]
     if args.json:
         rows = [
             asdict(r) | {"output_tokens_per_s": r.output_tokens_per_s,
                          "total_tokens_per_s": r.total_tokens_per_s, "gflops": r.gflops}
             for r in results
         ]
-        print(json.dumps({"results": rows, "matmul_gflops": matmul}, indent=2))
+        print(json.dumps({"results": rows, "matmul_gflops": matmul,
+                          "load_average_1m": [load_before, load_after],
+                          "omp_wait_policy": bench.omp_wait_policy}, indent=2))
     else:
         print(format_table(results, matmul))
+        print(f"load average (1 min) before / after: {load_before:.2f} / {load_after:.2f}; "
+              f"OMP_WAIT_POLICY {bench.omp_wait_policy}")
     return 0
 
 

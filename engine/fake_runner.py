@@ -76,38 +76,43 @@ class FakeModelRunner:
     def block_size(self) -> int:
         return self._block_size
 
-    def estimate_flops(self, num_new_tokens: int, num_context_tokens: int) -> float:
-        start = num_context_tokens - num_new_tokens
-        num_attended = num_new_tokens * (start + num_context_tokens + 1) // 2
+    def estimate_flops(
+        self, num_new_tokens: int, num_context_tokens: int, num_sampled_tokens: int = 1
+    ) -> float:
+        """The cost model's FLOPs; it has no lm_head term, so sampled tokens cost nothing extra."""
         return (
             self.cost_model.flops_per_token * num_new_tokens
-            + self.cost_model.flops_per_context_token * num_attended
+            + self.cost_model.flops_per_context_token
+            * _num_attended(num_new_tokens, num_context_tokens)
         )
 
+    def synchronize(self) -> None:
+        """Nothing runs asynchronously here."""
+
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        if self.fail_next_step:
-            self.fail_next_step = False
-            raise RuntimeError("FakeModelRunner: injected step failure")
-        self.num_steps += 1
-        for src, dst in scheduler_output.blocks_to_copy:
-            self._kv[dst] = list(self._kv[src])
-        sampled: dict[str, int] = {}
-        num_attended = 0
-        bs = self._block_size
-        for chunk in scheduler_output.chunks:
-            for i, token_id in enumerate(chunk.token_ids):
-                pos = chunk.start_pos + i
-                self._kv[chunk.block_table[pos // bs]][pos % bs] = token_id
-            num_attended += chunk.num_tokens * (chunk.start_pos + chunk.num_context_tokens + 1) // 2
-            if chunk.needs_sample:
-                context = self._read_context(chunk.block_table, chunk.num_context_tokens)
-                sampled[chunk.request_id] = fake_next_token(context, self.vocab_size)
+        chunks = scheduler_output.chunks
+        num_attended = sum(_num_attended(c.num_tokens, c.num_context_tokens) for c in chunks)
         step_time = self.cost_model.step_time_s(scheduler_output.num_batched_tokens, num_attended)
         step_time += self.extra_delay_s
         if self.advance_clock is not None:
             self.advance_clock(step_time)
         elif self.sleep:
             time.sleep(step_time)
+        if self.fail_next_step:  # after the step's time, like a real step failing in sampling
+            self.fail_next_step = False
+            raise RuntimeError("FakeModelRunner: injected step failure")
+        self.num_steps += 1
+        for src, dst in scheduler_output.blocks_to_copy:
+            self._kv[dst] = list(self._kv[src])
+        sampled: dict[str, int] = {}
+        bs = self._block_size
+        for chunk in chunks:
+            for i, token_id in enumerate(chunk.token_ids):
+                pos = chunk.start_pos + i
+                self._kv[chunk.block_table[pos // bs]][pos % bs] = token_id
+            if chunk.needs_sample:
+                context = self._read_context(chunk.block_table, chunk.num_context_tokens)
+                sampled[chunk.request_id] = fake_next_token(context, self.vocab_size)
         return ModelRunnerOutput(sampled_token_ids=sampled)
 
     def _read_context(self, block_table: list[int], num_tokens: int) -> list[int]:
@@ -118,3 +123,8 @@ class FakeModelRunner:
         del context[num_tokens:]
         assert -1 not in context, "read a KV slot that was never written"
         return context
+
+
+def _num_attended(num_new_tokens: int, num_context_tokens: int) -> int:
+    """(query, key) pairs of num_new_tokens ending at num_context_tokens, causal mask."""
+    return num_new_tokens * (2 * num_context_tokens - num_new_tokens + 1) // 2

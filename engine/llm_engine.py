@@ -6,11 +6,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine.config import EngineConfig
 from engine.errors import ContextLengthExceededError, InvalidRequestError
 from engine.kv_manager import KVCacheManager
+from engine.metering import split_step_time
 from engine.outputs import RequestMetrics, RequestOutput
 from engine.queues import FCFSQueue, WaitingQueue
 from engine.request import Request, RequestStatus
@@ -18,7 +19,7 @@ from engine.runner import ModelRunner, ModelRunnerOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.scheduler_output import SchedulerOutput
-from engine.scheduler_stats import SchedulerStats
+from engine.scheduler_stats import EngineCounters, SchedulerStats
 from engine.text_output import TextOutputState, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,7 @@ class LLMEngine:
         self._groups: dict[str, list[Request]] = {}  # caller's id -> its samples
         self._text: dict[str, TextOutputState] = {}  # sample request id -> text state
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
+        self.counters = EngineCounters()
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -134,20 +136,23 @@ class LLMEngine:
                 f"the prompt has {num_prompt} tokens; this model's context is {max_model_len}",
                 param="messages",
             )
-        max_tokens = params.max_tokens or (max_model_len - num_prompt)
+        bs = self.config.cache.block_size
+        num_reachable = self.kv.num_blocks - sum(
+            n for p, n in self.kv.reserved_blocks.items() if p < tenant.priority
+        )
+        if tenant.kv_cap_blocks is not None:
+            num_reachable = min(num_reachable, tenant.kv_cap_blocks)
+        # No max_tokens: as many as the context and the KV blocks this tenant can reach allow.
+        max_tokens = params.max_tokens or max(
+            1, min(max_model_len, num_reachable * bs) - num_prompt
+        )
         if num_prompt + max_tokens > max_model_len:
             raise ContextLengthExceededError(
                 f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) exceeds this "
                 f"model's context of {max_model_len} tokens",
                 param="max_tokens",
             )
-        bs = self.config.cache.block_size
         num_blocks_needed = -(-(num_prompt + max_tokens) // bs)
-        num_reachable = self.kv.num_blocks - sum(
-            n for p, n in self.kv.reserved_blocks.items() if p < tenant.priority
-        )
-        if tenant.kv_cap_blocks is not None:
-            num_reachable = min(num_reachable, tenant.kv_cap_blocks)
         if num_blocks_needed > num_reachable:
             raise ContextLengthExceededError(
                 f"prompt + max_tokens needs {num_blocks_needed * bs} tokens of KV cache; "
@@ -172,29 +177,68 @@ class LLMEngine:
         return self.scheduler.has_unfinished_requests() or bool(self._pending)
 
     def stats(self) -> SchedulerStats:
-        return self.scheduler.stats()
+        """A snapshot: scheduler state and a copy of the engine's counters."""
+        stats = self.scheduler.stats()
+        stats.counters = replace(self.counters)
+        return stats
+
+    @property
+    def busy_time_s(self) -> float:
+        """Measured step time since start; every second of it is charged to some request."""
+        return self.counters.busy_time_s
 
     # -- the step ------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
         scheduler_output = self.scheduler.schedule()
+        self.counters.num_preemptions = self.scheduler.num_preemptions_total
         if scheduler_output.is_empty:
             return outputs
         started = self.clock()
         try:
             runner_output = self.runner.execute(scheduler_output)
+            self.runner.synchronize()  # the step's busy time ends when the device is done
         except Exception as exc:  # a failed step fails its requests, not the engine
             logger.exception("engine step %d failed", scheduler_output.step_id)
+            self._meter(scheduler_output, started, self.clock(), failed=True)
             return outputs + self._fail_step(scheduler_output, exc)
         now = self.clock()
+        self._meter(scheduler_output, started, now)
         self.scheduler.record_step(scheduler_output, now - started)
         return outputs + self._process(scheduler_output, runner_output, now)
+
+    def _meter(
+        self, scheduler_output: SchedulerOutput, started: float, ended: float, failed: bool = False
+    ) -> None:
+        """Charge the step's time to the requests in it, before any of them can finish."""
+        chunks = scheduler_output.chunks
+        if not chunks:
+            return  # block copies only: nobody to charge, next to no time
+        step_time_s = max(ended - started, 0.0)
+        requests = [self.scheduler.requests[c.request_id] for c in chunks]
+        high_water = {r.request_id: r.num_computed_high_water for r in requests}
+        charges = split_step_time(chunks, high_water, step_time_s, self.runner.estimate_flops)
+        counters = self.counters
+        for chunk, request, charge in zip(chunks, requests, charges, strict=True):
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = started
+            request.add_charge(charge)
+            counters.recompute_time_s += charge.recompute_gpu_seconds
+            counters.num_recomputed_tokens += charge.num_recomputed_tokens
+            first_new = chunk.start_pos + charge.num_recomputed_tokens
+            prompt_end = min(chunk.num_context_tokens, request.num_prompt_tokens)
+            counters.num_prompt_tokens += max(0, prompt_end - first_new)
+        counters.num_steps += 1
+        counters.num_failed_steps += int(failed)
+        counters.busy_time_s += step_time_s
+        counters.last_step_time_s = step_time_s
 
     def _process(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput, now: float
     ) -> list[RequestOutput]:
         updated = self.scheduler.update_from_output(scheduler_output, runner_output, now)
+        self.counters.num_generated_tokens += len(updated)
         outputs = []
         for request in updated:
             new_tokens = request.output_token_ids[-1:]
@@ -246,10 +290,16 @@ class LLMEngine:
             logprobs=logprobs,
             metrics=RequestMetrics(
                 arrival_time=request.arrival_time,
+                first_scheduled_time=request.first_scheduled_time,
                 first_token_time=request.first_token_time,
                 finish_time=request.finish_time,
                 num_preemptions=request.num_preemptions,
                 preempted_by_tenant_id=request.preempted_by_tenant_id,
+                gpu_seconds=request.gpu_seconds,
+                recompute_gpu_seconds=request.recompute_gpu_seconds,
+                num_recomputed_tokens=request.num_recomputed_tokens,
+                recompute_charged_tenant_id=request.recompute_charged_tenant_id,
+                recompute_gpu_seconds_by_tenant=dict(request.recompute_gpu_seconds_by_tenant),
             ),
         )
 

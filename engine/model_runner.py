@@ -44,6 +44,7 @@ class RunnerConfig:
     max_model_len: int = 4096  # longest sequence (RoPE table, CUDA graph block tables)
     use_cuda_graphs: bool = True  # capture decode-only steps on CUDA
     pack_cpu_weights: bool = True  # CPU: linear layers on oneDNN-prepacked weights
+    fuse_cpu_ops: bool = True  # CPU float32: norms, RoPE + KV write, SiLU-and-mul as C++ ops
     tune_cpu_allocator: bool = True  # CPU: keep freed memory in the heap (process-wide mallopt)
     sampler_seed: int | None = None  # seed of the sampler's generator for unseeded requests
 
@@ -95,6 +96,8 @@ class TorchModelRunner:
                 keep_freed_memory_in_heap()
             if config.pack_cpu_weights:
                 pack_linear_layers(model, batch_size_hint=min(config.max_num_batched_tokens, 64))
+            if config.fuse_cpu_ops:
+                model.use_fused_cpu_ops()
         num_blocks = config.num_kv_blocks
         if num_blocks is None:
             per_block = kv_bytes_per_block(self.model_config, config.block_size, self.dtype)
@@ -157,10 +160,16 @@ class TorchModelRunner:
     def block_size(self) -> int:
         return self.config.block_size
 
-    def estimate_flops(self, num_new_tokens: int, num_context_tokens: int) -> float:
-        """forward_flops with one lm_head row: every chunk is counted as sampling one token
-        (exact for decodes and last prefill chunks; one row too many for earlier chunks)."""
-        return forward_flops(self.model_config, num_new_tokens, num_context_tokens, 1)
+    def estimate_flops(
+        self, num_new_tokens: int, num_context_tokens: int, num_sampled_tokens: int = 1
+    ) -> float:
+        return forward_flops(
+            self.model_config, num_new_tokens, num_context_tokens, num_sampled_tokens
+        )
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -176,10 +185,7 @@ class TorchModelRunner:
         else:
             self.attention.prepare(batch.block_tables, batch.query_start_loc, batch.context_lens)
             logits = self.model(batch, self.kv_caches, self.attention)  # [S, V]
-        output = self.sampler(logits, [c for c in chunks if c.needs_sample])
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # the step's time is device time
-        return output
+        return self.sampler(logits, [c for c in chunks if c.needs_sample])
 
     # -- helpers -------------------------------------------------------------------------------
 

@@ -9,13 +9,47 @@ from engine.runner import TokenLogprobs
 
 @dataclass
 class RequestMetrics:
-    """Timings (engine clock seconds) and counters of one sample."""
+    """Timings (engine clock seconds), counters and metered GPU time of one sample so far.
+
+    GPU time is this sample's share of the steps it was in (engine.metering): the samples of
+    one request add up to the request's total, the shared prompt counted on the sample that
+    computed it. Own compute and recompute are disjoint: their sum is all the sample used.
+    """
 
     arrival_time: float
+    first_scheduled_time: float | None = None  # start of the first step that computed for it
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
-    preempted_by_tenant_id: str | None = None  # the tenant charged for its recompute
+    preempted_by_tenant_id: str | None = None  # tenant whose request caused the latest one
+    gpu_seconds: float = 0.0  # own compute, charged to the request's tenant
+    recompute_gpu_seconds: float = 0.0  # tokens computed again after preemptions
+    num_recomputed_tokens: int = 0
+    # The tenant charged for the recompute (None when none); with several preemptors, the one
+    # charged most: recompute_gpu_seconds_by_tenant has the exact split.
+    recompute_charged_tenant_id: str | None = None
+    recompute_gpu_seconds_by_tenant: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def queue_time_s(self) -> float | None:
+        """Arrival to the first step that computed any of its tokens."""
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Arrival to the first output token."""
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def e2e_time_s(self) -> float | None:
+        """Arrival to the end (finished, aborted or failed)."""
+        if self.finish_time is None:
+            return None
+        return self.finish_time - self.arrival_time
 
 
 @dataclass

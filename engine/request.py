@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from engine.metering import ChunkCharge
 from engine.sampling_params import SamplingParams
 
 
@@ -60,12 +61,19 @@ class Request:
     preempted_by_tenant_id: str | None = None
     admitted_step: int = -1  # engine step at which it was last admitted (thrash guard)
     admission_seq: int = -1  # monotonic admission counter: "latest admitted" ordering
+    first_scheduled_time: float | None = None  # start of the first step that computed for it
     first_token_time: float | None = None
     finish_time: float | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that matched
     # Samples 1..n-1 of a group wait until sample 0 has computed the prompt, then fork.
     fork_parent: Request | None = None
+    # Metering: this sample's shares of the steps it was in (engine.metering).
+    gpu_seconds: float = 0.0  # own compute
+    recompute_gpu_seconds: float = 0.0  # tokens computed again after preemptions
+    num_recomputed_tokens: int = 0
+    # Tenant charged -> recompute seconds (the preemptor at the time of each recompute).
+    recompute_gpu_seconds_by_tenant: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.group_id:
@@ -108,3 +116,20 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def recompute_charged_tenant_id(self) -> str | None:
+        """The tenant charged most for this request's recompute; None when there was none."""
+        by_tenant = self.recompute_gpu_seconds_by_tenant
+        return max(by_tenant, key=by_tenant.__getitem__) if by_tenant else None
+
+    def add_charge(self, charge: ChunkCharge) -> None:
+        """Add one step's share; recompute goes to the tenant that caused the preemption."""
+        self.gpu_seconds += charge.gpu_seconds
+        if charge.num_recomputed_tokens:
+            self.num_recomputed_tokens += charge.num_recomputed_tokens
+            self.recompute_gpu_seconds += charge.recompute_gpu_seconds
+            tenant_id = self.preempted_by_tenant_id
+            assert tenant_id is not None, "recompute without a preemption"
+            by_tenant = self.recompute_gpu_seconds_by_tenant
+            by_tenant[tenant_id] = by_tenant.get(tenant_id, 0.0) + charge.recompute_gpu_seconds

@@ -44,9 +44,18 @@ class ModelRunner(Protocol):
         ...
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Copy blocks, write the new K/V, run the model, sample. Blocks until done."""
+        """Copy blocks, write the new K/V, run the model, sample. The sampled tokens are on the
+        host when it returns; device work may still be in flight (see synchronize)."""
         ...
 
-    def estimate_flops(self, num_new_tokens: int, num_context_tokens: int) -> float:
-        """Model FLOPs to compute num_new_tokens that end at num_context_tokens of context."""
+    def synchronize(self) -> None:
+        """Wait until all work the runner queued on its device is done, so that the engine's
+        clock read afterwards ends the step's busy time (a no-op on CPU)."""
+        ...
+
+    def estimate_flops(
+        self, num_new_tokens: int, num_context_tokens: int, num_sampled_tokens: int = 1
+    ) -> float:
+        """Model FLOPs to compute num_new_tokens that end at num_context_tokens of context,
+        with logits for num_sampled_tokens of them (metering weighs a step's chunks by it)."""
         ...

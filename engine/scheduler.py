@@ -260,8 +260,8 @@ class Scheduler:
         )
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
-        if preempted_by is not victim:
-            victim.preempted_by_tenant_id = preempted_by.tenant_id
+        # Who pays for the recompute; a request that gave way to its own growth pays itself.
+        victim.preempted_by_tenant_id = preempted_by.tenant_id
         plan.preempted.append(victim)
         self.num_preemptions_total += 1
         self.waiting.prepend(victim)

@@ -1,4 +1,5 @@
-"""Scheduler statistics the admission layer reads, and the queue-wait estimate built on them."""
+"""Scheduler statistics the admission layer reads, the queue-wait estimate built on them, and
+the engine's counters for metrics."""
 
 from __future__ import annotations
 
@@ -62,6 +63,21 @@ class TierStats:
 
 
 @dataclass
+class EngineCounters:
+    """Engine totals since start (monotonic, for metrics counters) and the latest step."""
+
+    num_steps: int = 0  # steps that ran the model over some request, failed ones included
+    num_failed_steps: int = 0
+    busy_time_s: float = 0.0  # measured step time, all of it attributed to requests
+    recompute_time_s: float = 0.0  # the part of busy_time_s charged as recompute
+    last_step_time_s: float | None = None  # None before the first step
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0  # prompt tokens computed (prefix-cache hits, recompute excluded)
+    num_recomputed_tokens: int = 0  # tokens computed again after preemptions
+    num_generated_tokens: int = 0  # tokens sampled
+
+
+@dataclass
 class SchedulerStats:
     tiers: dict[int, TierStats] = field(default_factory=dict)  # by priority
     num_kv_blocks_total: int = 0
@@ -72,6 +88,7 @@ class SchedulerStats:
     decode_tokens_per_s: float | None = None
     mean_step_time_s: float | None = None
     priority_preemption: bool = True  # whether tiers are ordered (False: FCFS)
+    counters: EngineCounters = field(default_factory=EngineCounters)  # filled by the engine
 
     @property
     def kv_usage(self) -> float:

@@ -12,10 +12,9 @@ key cache at once.
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
-from collections.abc import Awaitable, Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any, TypeVar
 
 from sqlalchemy.orm import Session, sessionmaker
@@ -25,44 +24,25 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
 
 import tenants
-from gateway.auth import TenantKeyResolver, bearer_token
+from gateway.admin_auth import ADMIN_METHODS, ADMIN_TOKEN_ENV, AdminGuard, admin_disabled
+from gateway.auth import TenantKeyResolver
 from gateway.errors import (
-    AuthenticationError,
     ConflictError,
     GatewayError,
     InvalidRequestError,
     NotFoundError,
     PayloadTooLargeError,
-    PermissionDeniedError,
 )
 from tenants import DEFAULT_TIERS, TenantStatus
 
 logger = logging.getLogger(__name__)
 
-ADMIN_TOKEN_ENV = "TIERGATE_ADMIN_TOKEN"
-MIN_ADMIN_TOKEN_LENGTH = 16
 MAX_BODY_BYTES = 64 * 1024
 DEFAULT_AUDIT_PAGE = 100
 MAX_AUDIT_PAGE = 1000
-_ALL_METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 _CREATE_TENANT_FIELDS = ("name", "tier", "weight", "cache_salt", "quota")
 
 T = TypeVar("T")
-Endpoint = Callable[[Request], Awaitable[Response]]
-
-
-class InvalidAdminTokenError(ValueError):
-    """The configured admin token is too weak or could be mistaken for a tenant key."""
-
-
-def validate_admin_token(token: str) -> str:
-    if len(token) < MIN_ADMIN_TOKEN_LENGTH:
-        raise InvalidAdminTokenError(
-            f"{ADMIN_TOKEN_ENV} must be at least {MIN_ADMIN_TOKEN_LENGTH} characters"
-        )
-    if tenants.looks_like_key(token):
-        raise InvalidAdminTokenError(f"{ADMIN_TOKEN_ENV} must not start like a tenant key (tg-)")
-    return token
 
 
 def admin_routes(
@@ -80,11 +60,11 @@ def admin_routes(
     if not admin_token:
         logger.warning("admin API disabled: %s is not set", ADMIN_TOKEN_ENV)
         return [
-            Route("/admin/v1", _disabled, methods=_ALL_METHODS),
-            Route("/admin/v1/{path:path}", _disabled, methods=_ALL_METHODS),
+            Route("/admin/v1", admin_disabled, methods=ADMIN_METHODS),
+            Route("/admin/v1/{path:path}", admin_disabled, methods=ADMIN_METHODS),
         ]
-    api = _AdminApi(session_factory, validate_admin_token(admin_token), key_resolver, known_tiers)
-    guard = api.guard
+    api = _AdminApi(session_factory, key_resolver, known_tiers)
+    guard = AdminGuard(admin_token)
     return [
         Mount(
             "/admin/v1",
@@ -106,53 +86,16 @@ def admin_routes(
     ]
 
 
-async def _disabled(_request: Request) -> Response:
-    return NotFoundError(
-        f"the admin API is disabled: set {ADMIN_TOKEN_ENV} to enable it",
-        code="admin_api_disabled",
-    ).to_response()
-
-
 class _AdminApi:
     def __init__(
         self,
         session_factory: sessionmaker[Session],
-        admin_token: str,
         key_resolver: TenantKeyResolver | None,
         known_tiers: Collection[str],
     ) -> None:
         self._session_factory = session_factory
-        self._admin_token = admin_token.encode()
         self._key_resolver = key_resolver
         self._known_tiers = tuple(known_tiers)
-
-    def guard(self, handler: Endpoint) -> Endpoint:
-        """Check the admin token first; answer every error in the OpenAI shape."""
-
-        async def endpoint(request: Request) -> Response:
-            try:
-                self._check_token(request)
-                return await handler(request)
-            except GatewayError as exc:
-                return exc.to_response()
-
-        return endpoint
-
-    def _check_token(self, request: Request) -> None:
-        presented = request.headers.get("x-admin-token") or bearer_token(
-            request.headers.get("authorization")
-        )
-        if not presented:
-            raise AuthenticationError(
-                "missing admin token: send 'x-admin-token: <token>' or 'Authorization: Bearer'",
-                code="missing_admin_token",
-            )
-        if tenants.looks_like_key(presented):
-            raise PermissionDeniedError(
-                "tenant API keys cannot use the admin API", code="tenant_key_not_allowed"
-            )
-        if not hmac.compare_digest(presented.encode(), self._admin_token):
-            raise AuthenticationError("invalid admin token", code="invalid_admin_token")
 
     async def _in_session(self, work: Callable[[Session], T]) -> T:
         """Run work in one transaction off the event loop, translating tenants errors."""

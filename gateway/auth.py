@@ -5,16 +5,23 @@ so a hot key costs one hash and one dict lookup, not a database query. A revocat
 tenant change made through this process's admin API calls ``invalidate`` and takes effect
 on the next request; one made elsewhere (another replica, the CLI) within ``ttl_s``.
 
+While the database is unreachable, a key this process resolved within the last
+``max_stale_s`` seconds keeps its last answer (and the database is tried again every
+``ttl_s``), so a database outage does not turn away tenants already known here; an unknown
+or long-unseen key gets 503. Recording ``last_used_at`` is best effort: a database that
+answers reads but refuses writes (a locked SQLite file) does not fail authentication.
+
 401 for a missing, malformed or unknown key; 403 for a revoked key or a disabled tenant.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import anyio.to_thread
 from sqlalchemy.exc import DBAPIError
@@ -29,7 +36,11 @@ from gateway.errors import (
 from tenants import ApiKey, find_api_key, hash_key, mark_api_key_used
 
 DEFAULT_KEY_CACHE_TTL_S = 5.0
+# How long after its last successful lookup a key is still served while the database is down.
+DEFAULT_KEY_MAX_STALE_S = 900.0
 DEFAULT_KEY_CACHE_MAX_ENTRIES = 10_000
+
+logger = logging.getLogger(__name__)
 
 
 class MissingApiKeyError(AuthenticationError):
@@ -54,6 +65,9 @@ class TenantQuota:
 
     requests_per_minute: int | None
     tokens_per_minute: int | None
+    # Bucket capacities; None: one minute's worth of the rate.
+    burst_requests: int | None
+    burst_tokens: int | None
     max_concurrent_requests: int | None
     max_queued_requests: int | None
     # Share of the KV block pool, in (0, 1].
@@ -84,6 +98,8 @@ class _CacheEntry:
     is_tenant_disabled: bool
     # clock() value after which the entry is reloaded.
     expires_at: float
+    # clock() value of the database lookup it came from (bounds its use during an outage).
+    loaded_at: float
 
 
 def bearer_token(authorization: str | None) -> str | None:
@@ -105,11 +121,13 @@ class TenantKeyResolver:
         session_factory: sessionmaker[Session],
         *,
         ttl_s: float = DEFAULT_KEY_CACHE_TTL_S,
+        max_stale_s: float = DEFAULT_KEY_MAX_STALE_S,
         max_entries: int = DEFAULT_KEY_CACHE_MAX_ENTRIES,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._session_factory = session_factory
         self.ttl_s = ttl_s
+        self.max_stale_s = max_stale_s
         self._max_entries = max_entries
         self._clock = clock
         self._entries: OrderedDict[str, _CacheEntry] = OrderedDict()
@@ -150,12 +168,11 @@ class TenantKeyResolver:
             self._entries.clear()
 
     def _cached(self, key_hash: str) -> _CacheEntry | None:
+        """The entry if it has not expired. Expired entries stay (until replaced or evicted)
+        as the fallback of a lookup the database cannot answer."""
         with self._lock:
             entry = self._entries.get(key_hash)
-            if entry is None:
-                return None
-            if entry.expires_at <= self._clock():
-                del self._entries[key_hash]
+            if entry is None or entry.expires_at <= self._clock():
                 return None
             self._entries.move_to_end(key_hash)
             return entry
@@ -164,30 +181,61 @@ class TenantKeyResolver:
         with self._lock:
             generation = self._generation
         try:
-            with self._session_factory.begin() as session:
-                api_key = find_api_key(session, plaintext)
-                if api_key is None:
-                    # Unknown keys are not cached: they would let anyone fill the cache.
-                    raise InvalidApiKeyError("invalid API key")
-                is_tenant_disabled = not api_key.tenant.is_active
-                if not api_key.is_revoked and not is_tenant_disabled:
-                    mark_api_key_used(session, api_key)
-                entry = _CacheEntry(
-                    principal=_principal(api_key),
-                    is_revoked=api_key.is_revoked,
-                    is_tenant_disabled=is_tenant_disabled,
-                    expires_at=self._clock() + self.ttl_s,
-                )
+            entry = self._lookup(plaintext)
         except DBAPIError as exc:
-            raise ServiceUnavailableError(
-                "the tenant database is unavailable", code="database_unavailable"
-            ) from exc
+            entry = self._stale_fallback(key_hash, exc)
         with self._lock:
             if generation == self._generation:
                 self._entries[key_hash] = entry
+                self._entries.move_to_end(key_hash)
                 while len(self._entries) > self._max_entries:
                     self._entries.popitem(last=False)
         return entry
+
+    def _lookup(self, plaintext: str) -> _CacheEntry:
+        with self._session_factory() as session:
+            api_key = find_api_key(session, plaintext)
+            if api_key is None:
+                # Unknown keys are not cached: they would let anyone fill the cache.
+                raise InvalidApiKeyError("invalid API key")
+            now = self._clock()
+            entry = _CacheEntry(
+                principal=_principal(api_key),
+                is_revoked=api_key.is_revoked,
+                is_tenant_disabled=not api_key.tenant.is_active,
+                expires_at=now + self.ttl_s,
+                loaded_at=now,
+            )
+            if not entry.is_revoked and not entry.is_tenant_disabled:
+                try:
+                    mark_api_key_used(session, api_key)
+                    session.commit()
+                except DBAPIError as exc:
+                    session.rollback()
+                    logger.warning(
+                        "last_used_at of API key %d not recorded: %s",
+                        api_key.id,
+                        type(exc).__name__,
+                    )
+        return entry
+
+    def _stale_fallback(self, key_hash: str, error: DBAPIError) -> _CacheEntry:
+        """The key's last answer while the database cannot give one, or 503."""
+        now = self._clock()
+        with self._lock:
+            stale = self._entries.get(key_hash)
+        if stale is None or now - stale.loaded_at > self.max_stale_s:
+            raise ServiceUnavailableError(
+                "the tenant database is unavailable", code="database_unavailable"
+            ) from error
+        logger.warning(
+            "tenant database unavailable (%s): API key %d keeps its answer from %.0f s ago",
+            type(error).__name__,
+            stale.principal.api_key_id,
+            now - stale.loaded_at,
+        )
+        # Ask the database again after another ttl_s, not on every request.
+        return replace(stale, expires_at=now + self.ttl_s)
 
 
 def _presented_key(authorization: str | None) -> tuple[str, str]:
@@ -217,6 +265,8 @@ def _principal(api_key: ApiKey) -> TenantPrincipal:
         quota=TenantQuota(
             requests_per_minute=quota.requests_per_minute,
             tokens_per_minute=quota.tokens_per_minute,
+            burst_requests=quota.burst_requests,
+            burst_tokens=quota.burst_tokens,
             max_concurrent_requests=quota.max_concurrent_requests,
             max_queued_requests=quota.max_queued_requests,
             kv_cap_share=quota.kv_cap_share,

@@ -9,6 +9,7 @@ from logging.config import fileConfig
 from alembic import context
 from sqlalchemy import Connection
 
+import billing.models  # noqa: F401  (puts usage_records on Base.metadata)
 from tenants.db import create_db_engine
 from tenants.models import Base
 from tenants.settings import DatabaseSettings
@@ -17,7 +18,7 @@ config = context.config
 if config.config_file_name is not None and config.attributes.get("connection") is None:
     fileConfig(config.config_file_name)
 
-# Autogenerate compares against these tables; billing adds its metadata here when it lands.
+# Autogenerate compares against these tables: tenants' and billing's share one metadata.
 target_metadata = Base.metadata
 
 

@@ -3,16 +3,89 @@
 Plain objects over plain inputs; they import only the engine's public types.
 """
 
-from policies.errors import PolicyError, TierTableError, UnknownTierError
+from policies.admission import AdmissionController, AdmissionRequest, AdmissionTicket
+from policies.alerts import (
+    AlertEvaluator,
+    AlertEvent,
+    AlertEventKind,
+    AlertRuleError,
+    AlertState,
+    AlertStatus,
+    TtftAlertRule,
+    rules_from_tiers,
+)
+from policies.budgets import MonthlyUsage, MonthlyUsageSource, check_budgets
+from policies.errors import (
+    AdmissionConfigError,
+    AdmissionRefused,
+    BudgetExhausted,
+    LimiterUnavailable,
+    LimitName,
+    PolicyError,
+    RateLimited,
+    RefusalReason,
+    Shed,
+    TierTableError,
+    UnknownTierError,
+)
 from policies.fair_queue import TieredFairQueue
+from policies.rate_limiter_memory import MemoryRateLimiter
+from policies.rate_limiter_redis import FailurePolicy, RedisLimiterConfig, RedisRateLimiter
+from policies.rate_limits import (
+    BucketSnapshot,
+    LimiterBackend,
+    RateLimiter,
+    RateLimitLease,
+    RateLimitSnapshot,
+    TenantLimits,
+    format_duration,
+    rate_limit_headers,
+)
+from policies.shedding import ShedConfig, SloShedder
 from policies.tiers import DEFAULT_TIERS, Tier, TierTable
 
 __all__ = [
     "DEFAULT_TIERS",
+    "AdmissionConfigError",
+    "AdmissionController",
+    "AdmissionRefused",
+    "AdmissionRequest",
+    "AdmissionTicket",
+    "AlertEvaluator",
+    "AlertEvent",
+    "AlertEventKind",
+    "AlertRuleError",
+    "AlertState",
+    "AlertStatus",
+    "BucketSnapshot",
+    "BudgetExhausted",
+    "FailurePolicy",
+    "LimitName",
+    "LimiterBackend",
+    "LimiterUnavailable",
+    "MemoryRateLimiter",
+    "MonthlyUsage",
+    "MonthlyUsageSource",
     "PolicyError",
+    "RateLimitLease",
+    "RateLimitSnapshot",
+    "RateLimited",
+    "RateLimiter",
+    "RedisLimiterConfig",
+    "RedisRateLimiter",
+    "RefusalReason",
+    "Shed",
+    "ShedConfig",
+    "SloShedder",
+    "TenantLimits",
     "Tier",
     "TierTable",
     "TierTableError",
     "TieredFairQueue",
+    "TtftAlertRule",
     "UnknownTierError",
+    "check_budgets",
+    "format_duration",
+    "rate_limit_headers",
+    "rules_from_tiers",
 ]

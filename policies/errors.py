@@ -1,6 +1,18 @@
-"""Exceptions of the policies package."""
+"""Exceptions of the policies package.
+
+Admission refusals carry what the gateway needs for the response: the reason (metrics label),
+whether a retry can help (`x-should-retry`), the retry delay and, where the rate limiter was
+consulted, the rate-limit snapshot for the `x-ratelimit-*` headers. Their message is meant for
+the client.
+"""
 
 from __future__ import annotations
+
+from enum import StrEnum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from policies.rate_limits import RateLimitSnapshot
 
 
 class PolicyError(Exception):
@@ -13,3 +25,103 @@ class UnknownTierError(PolicyError):
 
 class TierTableError(PolicyError):
     """A tier table file that does not validate."""
+
+
+class AdmissionConfigError(PolicyError):
+    """Limits or admission settings that do not validate (negative rates, bad fractions)."""
+
+
+class RefusalReason(StrEnum):
+    """Why a request was refused; the `reason` label of tiergate_rejections_total."""
+
+    REQUESTS = "rate_limit_requests"
+    TOKENS = "rate_limit_tokens"
+    CONCURRENCY = "concurrency"
+    BUDGET = "budget"
+    SHED = "slo_shed"
+    LIMITER_UNAVAILABLE = "limiter_unavailable"
+
+
+class AdmissionRefused(PolicyError):
+    """A request the admission layer turned away."""
+
+    reason: RefusalReason
+    should_retry = True  # False: retrying the same request cannot succeed (x-should-retry)
+
+    def __init__(
+        self,
+        message: str,
+        retry_after_s: float | None,
+        snapshot: RateLimitSnapshot | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.retry_after_s = retry_after_s  # None: no retry time to offer
+        self.snapshot = snapshot  # the tenant's rate limits when refused, if consulted
+
+
+class LimitName(StrEnum):
+    """The rate limit that refused a request."""
+
+    REQUESTS = "requests"
+    TOKENS = "tokens"
+    CONCURRENT_REQUESTS = "concurrent_requests"
+
+
+class RateLimited(AdmissionRefused):
+    """A request, token or concurrency limit is spent (429 rate_limit_exceeded)."""
+
+    def __init__(
+        self,
+        message: str,
+        limit_name: LimitName,
+        limit: int,
+        remaining: int,
+        reset_s: float | None,
+        retry_after_s: float | None,
+        snapshot: RateLimitSnapshot,
+        should_retry: bool = True,
+    ) -> None:
+        super().__init__(message, retry_after_s, snapshot)
+        self.limit_name = limit_name
+        self.limit = limit  # bucket capacity, or the concurrency limit
+        self.remaining = remaining
+        self.reset_s = reset_s  # until the bucket is full again; None for concurrency
+        self.should_retry = should_retry  # False: the request is larger than the bucket
+        self.reason = {
+            LimitName.REQUESTS: RefusalReason.REQUESTS,
+            LimitName.TOKENS: RefusalReason.TOKENS,
+            LimitName.CONCURRENT_REQUESTS: RefusalReason.CONCURRENCY,
+        }[limit_name]
+
+
+class BudgetExhausted(AdmissionRefused):
+    """A monthly token or spend budget is used up (429 insufficient_quota, no retry)."""
+
+    reason = RefusalReason.BUDGET
+    should_retry = False
+
+    def __init__(self, message: str, budget_name: str, used: int, budget: int) -> None:
+        super().__init__(message, retry_after_s=None)
+        self.budget_name = budget_name  # "tokens" or "spend_usd_micros"
+        self.used = used
+        self.budget = budget
+
+
+class Shed(AdmissionRefused):
+    """The tier's estimated queue wait is over its threshold (429, retry later)."""
+
+    reason = RefusalReason.SHED
+
+    def __init__(
+        self, message: str, retry_after_s: float, estimated_wait_s: float, threshold_s: float
+    ) -> None:
+        super().__init__(message, retry_after_s)
+        self.estimated_wait_s = estimated_wait_s
+        self.threshold_s = threshold_s
+
+
+class LimiterUnavailable(AdmissionRefused):
+    """The shared rate limiter cannot be reached and the policy is fail_closed (503)."""
+
+    reason = RefusalReason.LIMITER_UNAVAILABLE

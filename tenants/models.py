@@ -123,6 +123,7 @@ class Quota(Base):
             " AND monthly_token_budget >= 0 AND monthly_spend_budget_usd_micros >= 0",
             name="counts_not_negative",
         ),
+        CheckConstraint("burst_requests >= 0 AND burst_tokens >= 0", name="bursts_not_negative"),
     )
 
     tenant_id: Mapped[int] = mapped_column(
@@ -131,6 +132,9 @@ class Quota(Base):
     requests_per_minute: Mapped[int | None] = mapped_column(Integer)
     # Prompt plus max_tokens reserved at admission, refunded when unused.
     tokens_per_minute: Mapped[int | None] = mapped_column(BigInteger)
+    # Bucket capacities (how much may be spent at once); NULL: one minute's worth.
+    burst_requests: Mapped[int | None] = mapped_column(Integer)
+    burst_tokens: Mapped[int | None] = mapped_column(BigInteger)
     max_concurrent_requests: Mapped[int | None] = mapped_column(Integer)
     max_queued_requests: Mapped[int | None] = mapped_column(Integer)
     # Most of the KV block pool this tenant may hold at once, in (0, 1].

@@ -22,6 +22,8 @@ _INT64_MAX = 2**63 - 1
 QUOTA_COUNT_LIMITS: dict[str, int] = {
     "requests_per_minute": _INT32_MAX,
     "tokens_per_minute": _INT64_MAX,
+    "burst_requests": _INT32_MAX,
+    "burst_tokens": _INT64_MAX,
     "max_concurrent_requests": _INT32_MAX,
     "max_queued_requests": _INT32_MAX,
     "monthly_token_budget": _INT64_MAX,

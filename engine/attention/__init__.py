@@ -1,6 +1,8 @@
-"""Paged attention: the Triton kernels on CUDA, the torch reference everywhere else.
+"""Paged attention: the Triton kernels on CUDA, the CPU backend everywhere else.
 
-Both backends expose the same two functions (see engine.attention.reference for the contract):
+The CPU backend (engine.attention.cpu_backend) runs decodes through a C++ kernel built at first
+use and everything else through the torch reference. Both backends expose the same two
+functions (see engine.attention.reference for the contract):
 
     write_kv(key, value, k_cache, v_cache, slot_mapping) -> None
     paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, context_lens,
@@ -8,7 +10,7 @@ Both backends expose the same two functions (see engine.attention.reference for 
 
 The module-level functions here dispatch on the tensors' device. Models use `PagedAttention`,
 which binds one step's batch layout once (`prepare`) and is then called per layer; on the CPU it
-lets all layers share the reference's host-side plan. Triton is imported only on CUDA.
+lets all layers share one host-side plan. Triton is imported only on CUDA.
 """
 
 from __future__ import annotations
@@ -17,18 +19,18 @@ from types import ModuleType
 
 import torch
 
-from engine.attention import reference
+from engine.attention import cpu_backend, cpu_kernel, reference
 
 __all__ = ["PagedAttention", "backend_for", "paged_attention", "write_kv"]
 
 
 def backend_for(device: torch.device) -> ModuleType:
-    """engine.attention.triton_backend on CUDA, engine.attention.reference otherwise."""
+    """engine.attention.triton_backend on CUDA, engine.attention.cpu_backend otherwise."""
     if device.type == "cuda":
         from engine.attention import triton_backend
 
         return triton_backend
-    return reference
+    return cpu_backend
 
 
 def write_kv(
@@ -67,7 +69,9 @@ class PagedAttention:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._backend = backend_for(device)
-        self._uses_plan = self._backend is reference
+        self._uses_plan = self._backend is cpu_backend
+        if self._uses_plan:
+            cpu_kernel.load()  # build now rather than in the first step (a fresh machine compiles)
         # (block_tables, query_start_loc, context_lens) of the bound step.
         self._layout: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._plan: reference.AttentionPlan | None = None  # CPU: the bound step's plan
@@ -80,7 +84,7 @@ class PagedAttention:
     ) -> None:
         """Bind the batch layout that the following attend calls use."""
         self._layout = (block_tables, query_start_loc, context_lens)
-        self._plan = None  # the reference plans at the first attend, when the cache is known
+        self._plan = None  # the CPU backend plans at the first attend, when the cache is known
 
     def write_kv(
         self,
@@ -107,7 +111,7 @@ class PagedAttention:
             )
             return out
         if self._plan is None:
-            self._plan = reference.plan_attention(*self._layout, k_cache)
-        return reference.paged_attention_planned(
-            query, k_cache, v_cache, self._plan, scale, sliding_window
+            self._plan = cpu_backend.plan(*self._layout, k_cache)
+        return cpu_backend.paged_attention_planned(
+            query, k_cache, v_cache, *self._layout, self._plan, scale, sliding_window
         )

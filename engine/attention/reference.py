@@ -85,6 +85,9 @@ class AttentionPlan:
     block_size: int
     decode_groups: list[_DecodeGroup]
     prefills: list[_PrefillSeq]
+    # int32[K] sequences left to a kernel (see plan_attention's kernel_max_rows); their rows are
+    # not in decode_groups or prefills. None when the plan covers every sequence.
+    kernel_seq_ids: torch.Tensor | None = None
     # (kind, index, sliding_window) -> additive or boolean mask, built on first use.
     masks: dict[tuple[str, int, int | None], torch.Tensor] = field(default_factory=dict)
     # Gather buffers for K and V, [max group blocks, block_size, Hkv, D] each, reused by every
@@ -107,8 +110,10 @@ def plan_attention(
     query_start_loc: torch.Tensor,  # int32[B + 1]
     context_lens: torch.Tensor,  # int32[B]
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D] of any layer (layout and dtype)
+    kernel_max_rows: int = 0,
 ) -> AttentionPlan:
-    """Split the batch into padded decode groups and per-sequence prefills."""
+    """Split the batch into padded decode groups and per-sequence prefills; sequences with at
+    most kernel_max_rows query rows go to plan.kernel_seq_ids instead, for a kernel to attend."""
     block_size = k_cache.shape[1]
     starts = query_start_loc.tolist()
     lens = context_lens.tolist()
@@ -116,10 +121,13 @@ def plan_attention(
     tables = block_tables.to(torch.int64)
     decodes: list[int] = []
     prefills: list[_PrefillSeq] = []
+    kernel_seqs: list[int] = []
     for seq, ctx in enumerate(lens):
         num_rows = starts[seq + 1] - starts[seq]
         assert 1 <= num_rows <= ctx, "every sequence needs 1..context_len query rows"
-        if num_rows == 1:
+        if num_rows <= kernel_max_rows:
+            kernel_seqs.append(seq)
+        elif num_rows == 1:
             decodes.append(seq)
         else:
             num_blocks = -(-ctx // block_size)
@@ -143,7 +151,10 @@ def plan_attention(
                 context_lens=context_lens.to(torch.int64).index_select(0, seqs),
             )
         )
-    return AttentionPlan(starts[-1], block_size, groups, prefills)
+    kernel_seq_ids = (
+        torch.tensor(kernel_seqs, dtype=torch.int32, device=device) if kernel_seqs else None
+    )
+    return AttentionPlan(starts[-1], block_size, groups, prefills, kernel_seq_ids)
 
 
 def _group_by_length(
@@ -199,10 +210,13 @@ def paged_attention_planned(
     plan: AttentionPlan,
     scale: float,
     sliding_window: int | None = None,
+    out: torch.Tensor | None = None,  # [T, H, D] to write into; rows of kernel_seq_ids are kept
 ) -> torch.Tensor:  # [T, H, D]
     """paged_attention over a plan made by plan_attention for the same batch."""
     assert query.shape[0] == plan.num_rows, "plan made for another batch"
-    out = torch.empty_like(query)
+    if out is None:
+        assert plan.kernel_seq_ids is None, "this plan leaves sequences to a kernel"
+        out = torch.empty_like(query)
     for index, group in enumerate(plan.decode_groups):
         _decode_group(query, k_cache, v_cache, plan, index, group, scale, sliding_window, out)
     for index, seq in enumerate(plan.prefills):

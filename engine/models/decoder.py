@@ -2,16 +2,22 @@
 
 Differences between architectures are flags of ModelConfig (biases, q/k norm, sliding windows).
 Projections are fused at load time: q/k/v into one qkv_proj, gate/up into one gate_up_proj, so
-each layer runs four matmuls. All tokens of a step form one flat batch [T, E].
+each layer runs four matmuls. All tokens of a step form one flat batch [T, E]. The residual
+stream runs beside the layers' outputs (vLLM style), so that each norm can add it in the same
+pass; on a float32 CPU model those norms, RoPE with the KV write, and SiLU-and-multiply can run
+as fused C++ ops (engine.models.cpu_ops, switched on by CausalLM.use_fused_cpu_ops).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import PagedAttention
+from engine.models import cpu_ops
 from engine.models.batch import ForwardBatch
 from engine.models.config import ModelConfig
 from engine.models.rope import RotaryTable, apply_rope
@@ -20,13 +26,35 @@ from engine.models.rope import RotaryTable, apply_rope
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
+@dataclass
+class RopeInputs:
+    """One forward's rotary inputs, shared by every layer."""
+
+    positions: torch.Tensor  # int64[T] position of each token
+    table: RotaryTable  # cos/sin of every position (the fused CPU op reads rows by position)
+    cos: torch.Tensor | None = None  # [T, 1, D] rows of table.cos at positions (torch path)
+    sin: torch.Tensor | None = None  # [T, 1, D] rows of table.sin at positions (torch path)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.fused = False  # the fused CPU op (set by CausalLM.use_fused_cpu_ops)
+
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # [T, E] each -> (normalised sum, sum)
+        """norm(residual + x) and residual + x (the fused op adds into residual in place)."""
+        if self.fused:
+            return cpu_ops.rms_norm(x, self.weight, self.eps, residual), residual
+        residual = residual + x
+        return self(residual), residual
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim] -> [..., dim]
+        if self.fused and x.is_contiguous():
+            return cpu_ops.rms_norm(x.view(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Half precision: normalise in float32, round, then scale (HF's order of operations).
@@ -50,29 +78,33 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.has_o_bias)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.has_qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.has_qk_norm else None
+        self.fused = False  # RoPE and the KV write as one CPU op (CausalLM.use_fused_cpu_ops)
 
     def forward(
         self,
         x: torch.Tensor,  # [T, E]
-        cos: torch.Tensor,  # [T, 1, D]
-        sin: torch.Tensor,  # [T, 1, D]
+        rope: RopeInputs,
         slot_mapping: torch.Tensor,  # int64[T]
         kv_cache: KVCache,
         attention: PagedAttention,
     ) -> torch.Tensor:  # [T, E]
         num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) D]
-        num_qk_heads = self.num_heads + self.num_kv_heads
-        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, num_qk_heads, self.head_dim)
-        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        h, h_kv = self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).contiguous()  # [T, (H + 2 Hkv) D]
+        heads = qkv.view(num_tokens, h + 2 * h_kv, self.head_dim)  # q, k, v heads
         if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(qk[:, : self.num_heads])
-            k = self.k_norm(qk[:, self.num_heads :])
-            qk = torch.cat([q, k], dim=1)
-        qk = apply_rope(qk, cos, sin)  # [T, H + Hkv, D], q and k rotated in one pass
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+            heads[:, :h] = self.q_norm(heads[:, :h])
+            heads[:, h : h + h_kv] = self.k_norm(heads[:, h : h + h_kv])
         k_cache, v_cache = kv_cache
-        attention.write_kv(k, v, k_cache, v_cache, slot_mapping)
+        if self.fused:
+            cpu_ops.rope_write_kv(qkv, h, h_kv, rope.positions, rope.table.cos, rope.table.sin,
+                                  slot_mapping, k_cache, v_cache)
+            q = heads[:, :h]
+        else:
+            assert rope.cos is not None and rope.sin is not None
+            qk = apply_rope(heads[:, : h + h_kv], rope.cos, rope.sin)  # q and k in one pass
+            q = qk[:, :h]
+            attention.write_kv(qk[:, h:], heads[:, h + h_kv :], k_cache, v_cache, slot_mapping)
         out = attention.attend(q, k_cache, v_cache, self.scale, self.sliding_window)  # [T, H, D]
         return self.o_proj(out.view(num_tokens, self.q_size))
 
@@ -84,9 +116,12 @@ class MLP(nn.Module):
         bias = config.has_mlp_bias
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.fused = False  # SiLU-and-multiply as one CPU op (CausalLM.use_fused_cpu_ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, E] -> [T, E]
         gate_up = self.gate_up_proj(x)  # [T, 2I]
+        if self.fused:
+            return self.down_proj(cpu_ops.silu_and_mul(gate_up.contiguous()))
         gate, up = gate_up[:, : self.intermediate_size], gate_up[:, self.intermediate_size :]
         hidden = F.silu(gate, inplace=True).mul_(up)  # [T, I], a view into gate_up
         return self.down_proj(hidden)
@@ -102,16 +137,20 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,  # [T, E]
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        x: torch.Tensor,  # [T, E] the previous layer's output (the embeddings for the first)
+        residual: torch.Tensor | None,  # [T, E] the residual stream before x; None: first layer
+        rope: RopeInputs,
         slot_mapping: torch.Tensor,
         kv_cache: KVCache,
         attention: PagedAttention,
-    ) -> torch.Tensor:  # [T, E]
-        h = self.self_attn(self.input_layernorm(x), cos, sin, slot_mapping, kv_cache, attention)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # this layer's output and the stream before it
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_and_norm(x, residual)
+        h = self.self_attn(h, rope, slot_mapping, kv_cache, attention)
+        h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
+        return self.mlp(h), residual
 
 
 class CausalLM(nn.Module):
@@ -128,6 +167,7 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.max_positions = max_positions
         self.rotary: RotaryTable | None = None
+        self.fused_cpu_ops = False  # see use_fused_cpu_ops
 
     def build_rotary_table(self) -> None:
         """Precompute cos/sin in the model's dtype and device; call after moving the model."""
@@ -141,14 +181,29 @@ class CausalLM(nn.Module):
             weight.device,
         )
 
+    def use_fused_cpu_ops(self) -> bool:
+        """Run norms, RoPE with the KV write, and SiLU-and-multiply as fused CPU ops where the
+        model can (float32 on the CPU, a C++ compiler present); returns whether it does."""
+        weight = self.embed_tokens.weight
+        self.fused_cpu_ops = cpu_ops.supports(self.config, weight.device, weight.dtype)
+        for module in self.modules():
+            if isinstance(module, RMSNorm | Attention | MLP):
+                module.fused = self.fused_cpu_ops
+        return self.fused_cpu_ops
+
     def forward(
         self, batch: ForwardBatch, kv_caches: list[KVCache], attention: PagedAttention
     ) -> torch.Tensor:  # float32[S, V], logits of rows batch.logits_indices
         """Run every token of the step; attention.prepare() must have bound the batch."""
         assert self.rotary is not None, "build_rotary_table() first"
-        cos, sin = self.rotary.lookup(batch.positions)  # [T, 1, D] each
+        rope = RopeInputs(batch.positions, self.rotary)
+        if not self.fused_cpu_ops:
+            rope.cos, rope.sin = self.rotary.lookup(batch.positions)  # [T, 1, D] each
         x = self.embed_tokens(batch.input_ids)  # [T, E]
+        residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, batch.slot_mapping, kv_cache, attention)
-        x = self.norm(x.index_select(0, batch.logits_indices))  # [S, E]
+            x, residual = layer(x, residual, rope, batch.slot_mapping, kv_cache, attention)
+        assert residual is not None, "a model has at least one layer"
+        rows = batch.logits_indices
+        x, _ = self.norm.add_and_norm(x.index_select(0, rows), residual.index_select(0, rows))
         return self.lm_head(x).float()  # [S, V]

@@ -1,12 +1,14 @@
-"""`tiergate bench offline` (and later `bench serve`): seeded benchmarks with a printed table.
+"""`tiergate bench offline` and `tiergate bench serve`: seeded benchmarks with a printed table.
 
-Each benchmark is a sub-subcommand registered by its own small function, so a new one (e.g.
-`serve`) is one more `_register_*` call. Benchmarks never gate CI on wall time.
+Each benchmark is a sub-subcommand registered by its own small function. Heavy modules (torch,
+the serving benchmark) are imported when the command runs, not when `tiergate` starts.
+Benchmarks never gate CI on wall time.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 
 from engine import bench_offline
 
@@ -15,6 +17,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     group = subparsers.add_parser("bench", help="run a benchmark and print a table")
     commands = group.add_subparsers(dest="bench_command", required=True)
     _register_offline(commands)
+    _register_serve(commands)
 
 
 def _register_offline(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -30,3 +33,27 @@ def _register_offline(commands: argparse._SubParsersAction[argparse.ArgumentPars
 
 def _offline(args: argparse.Namespace) -> int:
     return bench_offline.report(args)
+
+
+def _register_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from gateway.bench_serve import command
+
+    serve = commands.add_parser(
+        "serve",
+        help="open-loop HTTP/SSE load against tiergate serve; --sweep compares configurations",
+        description=command.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    command.add_arguments(serve)
+    serve.set_defaults(func=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from gateway.bench_serve import command
+    from gateway.bench_serve.errors import BenchServeError
+
+    try:
+        return command.run_command(args)
+    except BenchServeError as exc:
+        print(f"tiergate bench serve: {exc}", file=sys.stderr)
+        return 1

@@ -9,7 +9,7 @@ import random
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from engine import SamplingParams, TenantContext
+from engine import ContextLengthExceededError, SamplingParams, TenantContext
 from engine.request import RequestStatus
 from policies import TieredFairQueue
 from tests.engine.helpers import check_invariants, make_engine, reference_output
@@ -72,18 +72,29 @@ def test_random_workloads_keep_block_invariants(s: dict) -> None:
             prompt = _PREFIXES[a["prefix"]] + [
                 rng.randrange(3, 1000) for _ in range(a["prompt_len"])
             ]
-            prompts[rid] = prompt
-            engine.add_request(
-                rid,
-                prompt,
-                SamplingParams(max_tokens=a["max_tokens"], n=a["n"], ignore_eos=True),
-                TenantContext(
-                    tenant_id=a["tenant"],
-                    priority=a["priority"],
-                    cache_salt=a["tenant"],
-                    kv_cap_blocks=s["cap"],
-                ),
+            tenant = TenantContext(
+                tenant_id=a["tenant"],
+                priority=a["priority"],
+                cache_salt=a["tenant"],
+                kv_cap_blocks=s["cap"],
             )
+            try:
+                engine.add_request(
+                    rid,
+                    prompt,
+                    SamplingParams(max_tokens=a["max_tokens"], n=a["n"], ignore_eos=True),
+                    tenant,
+                )
+            except ContextLengthExceededError:
+                # Refused up front only when it could never fit what this tenant can reach.
+                reachable = engine.kv.num_blocks - sum(
+                    n for p, n in engine.kv.reserved_blocks.items() if p < tenant.priority
+                )
+                if s["cap"] is not None:
+                    reachable = min(reachable, s["cap"])
+                assert -(-(len(prompt) + a["max_tokens"]) // 4) > reachable
+                continue
+            prompts[rid] = prompt
         if step in aborts and f"r{aborts[step]}" in prompts:
             engine.abort(f"r{aborts[step]}")
             aborted.add(f"r{aborts[step]}")

@@ -12,7 +12,8 @@ import pytest
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.testclient import TestClient
 
-from gateway.admin_api import InvalidAdminTokenError, admin_routes, validate_admin_token
+from gateway.admin_api import admin_routes
+from gateway.admin_auth import InvalidAdminTokenError, validate_admin_token
 from tenants.keys import PREFIX_LENGTH
 
 if TYPE_CHECKING:

@@ -16,6 +16,7 @@ import httpx2
 import pytest
 import uvicorn
 from sqlalchemy import Engine, event
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.testclient import TestClient
 
@@ -288,3 +289,38 @@ def test_no_key_in_the_logs_of_served_requests(
     assert key not in logged
     assert key[PREFIX_LENGTH + 1 :] not in logged
     assert admin_token not in logged
+
+
+def _database_down(*_args: object, **_kwargs: object) -> None:
+    raise OperationalError("SELECT", {}, ConnectionRefusedError("connection refused"))
+
+
+def test_a_known_key_keeps_its_answer_through_a_database_outage(
+    session: Session, session_factory: sessionmaker[Session]
+) -> None:
+    _, key = _tenant_key(session)
+    now = [0.0]
+    resolver = TenantKeyResolver(
+        session_factory, ttl_s=5.0, max_stale_s=60.0, clock=lambda: now[0]
+    )
+    principal = resolver.resolve(f"Bearer {key}")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("gateway.auth.find_api_key", _database_down)
+        now[0] = 6.0
+        assert resolver.resolve(f"Bearer {key}") == principal
+        now[0] = 61.0
+        with pytest.raises(ServiceUnavailableError):
+            resolver.resolve(f"Bearer {key}")
+        with pytest.raises(ServiceUnavailableError):
+            resolver.resolve("Bearer tg-abcdefgh_" + "x" * 43)
+    assert resolver.resolve(f"Bearer {key}") == principal
+
+
+def test_last_used_that_cannot_be_written_does_not_fail_authentication(
+    session: Session, session_factory: sessionmaker[Session]
+) -> None:
+    _, key = _tenant_key(session)
+    resolver = TenantKeyResolver(session_factory)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("gateway.auth.mark_api_key_used", _database_down)
+        assert resolver.resolve(f"Bearer {key}").tenant_name == "acme"

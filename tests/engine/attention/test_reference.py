@@ -2,90 +2,25 @@
 
 from __future__ import annotations
 
-import random
+import functools
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.attention import PagedAttention, paged_attention, write_kv
+from engine.attention import PagedAttention, paged_attention
 from engine.attention.reference import (
     GROUP_OVERHEAD,
     MAX_GROUP_BYTES,
     plan_attention,
+    write_kv,
 )
+from engine.attention.reference import paged_attention as reference_attention
+from tests.engine.attention.dense import BLOCK_SIZE
+from tests.engine.attention.dense import run_case as run_dense_case
 
-BLOCK_SIZE = 16
-
-
-def dense_attention(
-    query: torch.Tensor,  # [n, H, D]: the last n tokens of the context
-    keys: torch.Tensor,  # [ctx, Hkv, D]
-    values: torch.Tensor,  # [ctx, Hkv, D]
-    scale: float,
-    sliding_window: int | None,
-) -> torch.Tensor:  # [n, H, D]
-    n, num_heads, _ = query.shape
-    ctx, num_kv_heads, _ = keys.shape
-    group = num_heads // num_kv_heads
-    k = keys.repeat_interleave(group, dim=1).transpose(0, 1).double()  # [H, ctx, D]
-    v = values.repeat_interleave(group, dim=1).transpose(0, 1).double()
-    scores = torch.matmul(query.transpose(0, 1).double(), k.transpose(1, 2)) * scale  # [H, n, ctx]
-    row = torch.arange(ctx - n, ctx)[:, None]
-    col = torch.arange(ctx)[None, :]
-    visible = col <= row
-    if sliding_window is not None:
-        visible &= col > row - sliding_window
-    scores = scores.masked_fill(~visible, float("-inf"))
-    return torch.matmul(scores.softmax(-1), v).transpose(0, 1).to(query.dtype)
-
-
-def run_case(
-    seqs: list[tuple[int, int]],  # (context_len, q_len) per sequence, in row order
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    head_dim: int = 16,
-    sliding_window: int | None = None,
-    dtype: torch.dtype = torch.float32,
-    seed: int = 0,
-) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    rng = random.Random(seed)
-    num_blocks = sum(-(-ctx // BLOCK_SIZE) for ctx, _ in seqs) + 3
-    free = list(range(num_blocks))
-    rng.shuffle(free)
-    shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=gen).to(dtype)  # garbage outside written slots
-    v_cache = torch.randn(shape, generator=gen).to(dtype)
-    tables, queries, expected = [], [], []
-    max_blocks = max(-(-ctx // BLOCK_SIZE) for ctx, _ in seqs) + 1
-    for ctx, q_len in seqs:
-        table = [free.pop() for _ in range(-(-ctx // BLOCK_SIZE))]
-        keys = torch.randn(ctx, num_kv_heads, head_dim, generator=gen).to(dtype)
-        values = torch.randn(ctx, num_kv_heads, head_dim, generator=gen).to(dtype)
-        slots = torch.tensor([table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
-                              for p in range(ctx)])
-        write_kv(keys, values, k_cache, v_cache, slots)
-        query = torch.randn(q_len, num_heads, head_dim, generator=gen).to(dtype)
-        expected.append(dense_attention(query, keys, values, head_dim**-0.5, sliding_window))
-        queries.append(query)
-        tables.append(table + [0] * (max_blocks - len(table)))
-    starts = [0]
-    for _, q_len in seqs:
-        starts.append(starts[-1] + q_len)
-    out = paged_attention(
-        torch.cat(queries),
-        k_cache,
-        v_cache,
-        torch.tensor(tables, dtype=torch.int32),
-        torch.tensor(starts, dtype=torch.int32),
-        torch.tensor([ctx for ctx, _ in seqs], dtype=torch.int32),
-        head_dim**-0.5,
-        sliding_window,
-    )
-    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(out, torch.cat(expected), rtol=tolerance, atol=tolerance)
+run_case = functools.partial(run_dense_case, reference_attention)
 
 
 def test_decodes() -> None:

@@ -120,9 +120,13 @@ class RecordingSampler:
 
 
 def make_runner(
-    model_dir: Path, num_kv_blocks: int = 128, sampler: RecordingSampler | None = None
+    model_dir: Path,
+    num_kv_blocks: int = 128,
+    sampler: RecordingSampler | None = None,
+    fuse_cpu_ops: bool = True,
 ) -> TorchModelRunner:
-    config = RunnerConfig(block_size=BLOCK_SIZE, num_kv_blocks=num_kv_blocks, max_model_len=512)
+    config = RunnerConfig(block_size=BLOCK_SIZE, num_kv_blocks=num_kv_blocks, max_model_len=512,
+                          fuse_cpu_ops=fuse_cpu_ops)
     return TorchModelRunner.from_model_dir(model_dir, config, sampler=sampler)
 
 

@@ -34,7 +34,9 @@ def test_single_request_matches_hf(checkpoint: tuple[Path, PreTrainedModel]) -> 
     path, hf = checkpoint
     [prompt] = random_prompts([37], seed=1)
     seq = Sequence("a", prompt, max_new_tokens=24)
-    PagedDriver(make_runner(path)).run([seq])
+    runner = make_runner(path)
+    assert runner.model.fused_cpu_ops  # float32 on the CPU: the fused ops and kernels run
+    PagedDriver(runner).run([seq])
     assert seq.output == hf_greedy(hf, prompt, 24)
 
 
@@ -45,6 +47,18 @@ def test_mixed_batch_matches_hf(checkpoint: tuple[Path, PreTrainedModel]) -> Non
     prompts = random_prompts(lengths, seed=2)
     seqs = [Sequence(f"r{i}", p, n) for i, (p, n) in enumerate(zip(prompts, outputs, strict=True))]
     PagedDriver(make_runner(path)).run(seqs)
+    for seq in seqs:
+        assert seq.output == hf_greedy(hf, seq.prompt, seq.max_new_tokens), seq.request_id
+
+
+def test_torch_path_matches_hf(checkpoint: tuple[Path, PreTrainedModel]) -> None:
+    """Without the fused CPU ops (the path CUDA and half precision take), still token-exact."""
+    path, hf = checkpoint
+    runner = make_runner(path, fuse_cpu_ops=False)
+    assert not runner.model.fused_cpu_ops
+    prompts = random_prompts([5, 40, 17], seed=4)
+    seqs = [Sequence(f"t{i}", p, 9) for i, p in enumerate(prompts)]
+    PagedDriver(runner).run(seqs, token_budget=30)
     for seq in seqs:
         assert seq.output == hf_greedy(hf, seq.prompt, seq.max_new_tokens), seq.request_id
 

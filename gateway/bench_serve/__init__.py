@@ -1,0 +1,15 @@
+"""`tiergate bench serve`: an open-loop HTTP + SSE load generator against real servers, and
+a sweep comparing server configurations at multiples of the measured capacity.
+
+One concept per module; import from them (this package imports nothing, so registering the
+command stays cheap):
+
+- plan: what is sent when (workload re-timed to a load, token-id prompts)
+- loadgen: sending and timing (LoadGenerator, RequestResult)
+- stats: percentiles, SLO attainment, goodput (summarize, RunSummary)
+- server: servers started here (BenchServer, VARIANTS); provision: tenants and keys
+- session: one run against one server (BenchTarget); calibration: SLO scale and capacity
+- sweep_config, sweep: the comparison (SweepConfig, run_sweep); report: tables and JSON;
+  plots: PNG figures; machine: what it ran on; progress: the progress bar
+- command: the command line; errors: BenchServeError and its subclasses
+"""

@@ -1,0 +1,170 @@
+"""Measuring the machine before a sweep: the SLO scale and the capacity.
+
+SLO scale, as `engine.simulation.premium_slo_scale` does on the simulated machine: premium's
+GPU TTFT objective (500 ms) is taken as 10x an unloaded 1024-token prefill on a GPU, and keeps
+that ratio here, so every objective of the tier table is multiplied by
+10 x (this server's unloaded 1024-token TTFT) / 500 ms. The unloaded TTFT is the median over a
+few lone requests (1024 prompt tokens, 1 output token) sent one after another after a
+warm-up, timed by the client like every other TTFT of the report.
+
+Capacity: the workload's first C + K requests sent closed-loop with C in flight (C: the
+engine's max_num_seqs by default, a full batch; FCFS server, nothing shed), counted over
+the window in which every slot stayed busy: from the first completion to the K-th, when
+the last request has been sent; the run stops there and cancels the requests still in
+flight (the batch would only drain from then on). Output tokens per second in that window,
+over the mean output length of the requests sent, is the request rate the server sustains
+on this mix with a full batch: beyond it the queue grows without bound. (Counting the
+completions instead would overstate it: the first requests to complete are the shortest.)
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field, replace
+
+from engine.workload import Workload, WorkloadRequest
+from gateway.bench_serve.errors import BenchConfigError, BenchServeError
+from gateway.bench_serve.loadgen import CANCELLED
+from gateway.bench_serve.session import BenchTarget, RunRecord
+from policies import TierTable
+
+__all__ = [
+    "REFERENCE_PROMPT_LEN",
+    "Calibration",
+    "calibration_of",
+    "capacity_window",
+    "measure_capacity",
+    "measure_reference_prefill_s",
+    "slo_scale",
+]
+
+REFERENCE_PROMPT_LEN = 1024  # tokens of the unloaded reference prefill
+# The premium TTFT objective is this many unloaded reference prefills (engine.simulation).
+_PREFILLS_PER_PREMIUM_SLO = 10
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The SLO scale and the capacity a sweep runs with: measured first, or given (to repeat
+    an earlier sweep at the same offered loads and objectives)."""
+
+    slo_scale: float  # factor applied to every latency objective of the tier table
+    capacity_rps: float  # requests/s the loads are multiples of
+    # Median unloaded TTFT of a 1024-token prompt; None when the scale was given.
+    reference_prefill_s: float | None = None
+    reference_prefill_samples_s: list[float] = field(default_factory=list)  # warm-up excluded
+    # Output tokens/s and length of the closed-loop window; None when the capacity was given.
+    capacity_output_tokens_per_s: float | None = None
+    capacity_window_s: float | None = None
+    num_capacity_completions: int = 0  # completions the window spans (0: given)
+    capacity_concurrency: int = 0  # requests the closed-loop run kept in flight
+
+    @property
+    def is_slo_scale_measured(self) -> bool:
+        return self.reference_prefill_s is not None
+
+    @property
+    def is_capacity_measured(self) -> bool:
+        return self.capacity_window_s is not None
+
+
+def slo_scale(reference_prefill_s: float, tiers: TierTable) -> float:
+    """The factor that maps GPU objectives to this machine (see the module docstring)."""
+    gpu_slo_s = tiers["premium"].ttft_slo_s
+    if gpu_slo_s is None:
+        raise BenchServeError("the premium tier has no TTFT objective to scale from")
+    return _PREFILLS_PER_PREMIUM_SLO * reference_prefill_s / gpu_slo_s
+
+
+def measure_reference_prefill_s(
+    target: BenchTarget, tenant: str, tier: str, tiers: TierTable, num_probes: int = 5
+) -> list[float]:
+    """Unloaded TTFT of each probe (a 1024-token prompt), one request at a time."""
+    samples = []
+    for index in range(num_probes + 1):  # the first is a warm-up
+        probe = WorkloadRequest(
+            request_id=f"prefill-{index}",
+            arrival_s=0.0,
+            tenant=tenant,
+            tier=tier,
+            prompt_len=REFERENCE_PROMPT_LEN,
+            output_len=1,
+            shared_prefix_len=0,
+        )
+        record = target.run(Workload(seed=index, rate_rps=0.0, requests=[probe]), "", tiers, 0.0)
+        result = record.results[0]
+        if result.ttft_s is None:
+            raise BenchServeError(f"the reference prefill failed: {result.error}")
+        if index:
+            samples.append(result.ttft_s)
+    return samples
+
+
+def measure_capacity(
+    target: BenchTarget,
+    workload: Workload,
+    tiers: TierTable,
+    concurrency: int,
+    num_completions: int,
+) -> RunRecord:
+    """The closed-loop run behind the capacity figures: the workload's first
+    concurrency + num_completions requests, stopped at the num_completions-th completion
+    (the end of the window, see capacity_window), the requests in flight then cancelled."""
+    if num_completions < 2:
+        raise BenchConfigError("the capacity run needs at least 2 completions")
+    requests = replace(workload, requests=workload.requests[: concurrency + num_completions])
+    record = target.run_closed_loop(requests, concurrency, "capacity (closed loop)", tiers,
+                                    num_to_complete=num_completions)
+    refused = [r for r in record.results if not r.is_completed and r.error != CANCELLED]
+    if refused:
+        raise BenchServeError(
+            f"capacity run: {len(refused)} request(s) not completed, e.g. {refused[0].error} "
+            "(the calibration server must not shed)"
+        )
+    return record
+
+
+def capacity_window(record: RunRecord) -> tuple[float, float, float]:
+    """(requests/s, output tokens/s, window seconds) of a closed-loop run stopped at its
+    K-th completion, over the window from its first completion to the K-th, while every slot
+    was busy (tokens of the requests cancelled at the end count too).
+
+    Requests/s is the token rate over the mean output length of the requests sent: the
+    completions themselves would overstate it, as the first to complete are the shortest.
+    """
+    finishes = sorted(r.finish_s for r in record.results if r.is_completed)
+    start_s, end_s = finishes[0], finishes[-1]
+    window_s = end_s - start_s
+    num_tokens = sum(start_s < t <= end_s for r in record.results for t in r.token_times_s)
+    tokens_per_s = num_tokens / window_s
+    mean_output_len = statistics.fmean(r.num_output_tokens_requested for r in record.results)
+    return tokens_per_s / mean_output_len, tokens_per_s, window_s
+
+
+def calibration_of(
+    tiers: TierTable,
+    *,
+    slo_scale_given: float | None = None,
+    prefill_samples_s: list[float] | None = None,
+    capacity_rps_given: float | None = None,
+    capacity: RunRecord | None = None,
+    concurrency: int = 0,
+) -> Calibration:
+    """The calibration from a given value or the measurement of each figure."""
+    if slo_scale_given is None:
+        if not prefill_samples_s:
+            raise BenchConfigError("neither an SLO scale nor prefill samples")
+        reference_s: float | None = statistics.median(prefill_samples_s)
+        assert reference_s is not None
+        scale = slo_scale(reference_s, tiers)
+    else:
+        reference_s, scale = None, slo_scale_given
+    if capacity_rps_given is None:
+        if capacity is None:
+            raise BenchConfigError("neither a capacity nor a capacity run")
+        capacity_rps, tokens_per_s, window_s = capacity_window(capacity)
+        return Calibration(
+            scale, capacity_rps, reference_s, list(prefill_samples_s or []), tokens_per_s,
+            window_s, sum(r.is_completed for r in capacity.results), concurrency,
+        )
+    return Calibration(scale, capacity_rps_given, reference_s, list(prefill_samples_s or []))

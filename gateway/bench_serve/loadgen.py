@@ -1,0 +1,260 @@
+"""The open-loop load generator: every planned request is sent at its time whatever the
+server's state (a slow server does not slow the arrivals), as a streamed /v1/completions call
+with a token-id prompt, and timed from the client's side.
+
+Per request: the time to the first token, the gap before every later token, the end-to-end
+time, the HTTP status (429s are shed requests when quotas are unlimited) and the usage the
+server reported. Each streamed chunk carries one engine output, i.e. one token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+import httpx
+
+from gateway.bench_serve.errors import BenchConfigError
+from gateway.bench_serve.plan import PlannedRequest
+from gateway.bench_serve.progress import ProgressBar
+
+__all__ = ["CANCELLED", "LoadGenerator", "RequestResult"]
+
+# A request that sees no byte for this long is given up (the run would otherwise hang).
+_READ_TIMEOUT_S = 600.0
+# The error of a request the benchmark itself cancelled (closed loop, enough completed).
+CANCELLED = "cancelled by the benchmark"
+
+
+@dataclass
+class RequestResult:
+    """One request as the client saw it."""
+
+    request_id: str
+    tenant: str  # workload tenant name
+    tier: str
+    scheduled_s: float  # planned send time, seconds after the run's start
+    sent_s: float  # actual send time, seconds after the run's start
+    status_code: int  # HTTP status; 0 when the connection failed
+    num_prompt_tokens: int
+    num_output_tokens_requested: int  # max_tokens (ignore_eos)
+    num_output_tokens: int = 0  # usage.completion_tokens, else the chunks received
+    ttft_s: float | None = None  # send to first token; None when no token came
+    e2e_s: float = 0.0  # send to the end of the response (a 429: to its arrival)
+    itl_s: list[float] = field(default_factory=list)  # gap before each token after the first
+    error: str | None = None  # error message of a refusal or a failed stream
+
+    @property
+    def is_shed(self) -> bool:
+        return self.status_code == 429
+
+    @property
+    def is_completed(self) -> bool:
+        """Streamed to the end with every requested token."""
+        return (
+            self.status_code == 200
+            and self.error is None
+            and self.num_output_tokens == self.num_output_tokens_requested
+        )
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Mean time per output token after the first (vLLM's TPOT)."""
+        if self.ttft_s is None or self.num_output_tokens < 2:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.num_output_tokens - 1)
+
+    @property
+    def token_times_s(self) -> list[float]:
+        """When each token arrived, seconds after the run's start."""
+        if self.ttft_s is None:
+            return []
+        times = [self.sent_s + self.ttft_s]
+        for gap in self.itl_s:
+            times.append(times[-1] + gap)
+        return times
+
+    @property
+    def finish_s(self) -> float:
+        """When the response ended, seconds after the run's start."""
+        return self.sent_s + self.e2e_s
+
+
+class LoadGenerator:
+    """Sends planned requests to one server, each with its tenant's key."""
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        keys: Mapping[str, str],
+        *,
+        progress: bool = True,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.keys = dict(keys)  # workload tenant -> API key
+        self.progress = progress
+
+    async def run(self, plan: Sequence[PlannedRequest], label: str = "") -> list[RequestResult]:
+        """Send every request at its time; returns once all have ended, in plan order."""
+        self._check_keys(plan)
+        bar = ProgressBar(len(plan), label, enabled=self.progress)
+        async with _client() as client:
+            started = time.perf_counter()
+            tasks = []
+            for planned in plan:
+                delay = started + planned.send_at_s - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.create_task(self._send(client, planned, started, bar)))
+            results = list(await asyncio.gather(*tasks))
+        bar.close()
+        return results
+
+    async def run_closed_loop(
+        self,
+        plan: Sequence[PlannedRequest],
+        concurrency: int,
+        label: str = "",
+        *,
+        num_to_complete: int | None = None,
+    ) -> list[RequestResult]:
+        """Keep `concurrency` requests in flight, the next sent as soon as one ends (plan
+        times are ignored; each result's scheduled time is its send time). With
+        num_to_complete, the requests still in flight once that many have ended are
+        cancelled (the server sees the disconnects; their results say CANCELLED; one that
+        ends before the cancellation lands is kept as it is) and the ones never sent are
+        left out."""
+        self._check_keys(plan)
+        target = len(plan) if num_to_complete is None else min(num_to_complete, len(plan))
+        slots = asyncio.Semaphore(concurrency)
+        enough = asyncio.Event()
+        results: list[RequestResult] = []  # in the order they ended
+        bar = ProgressBar(target, label, enabled=self.progress)
+        async with _client() as client:
+            started = time.perf_counter()
+
+            async def send_when_free(planned: PlannedRequest) -> None:
+                async with slots:
+                    now_s = time.perf_counter() - started
+                    await self._send(client, replace(planned, send_at_s=now_s), started, bar,
+                                     sink=results)
+                if sum(r.error != CANCELLED for r in results) >= target:
+                    enough.set()
+
+            tasks = [asyncio.create_task(send_when_free(p)) for p in plan]
+            await enough.wait()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        bar.close()
+        order = {p.request_id: index for index, p in enumerate(plan)}
+        return sorted(results, key=lambda r: order[r.request_id])
+
+    def _check_keys(self, plan: Sequence[PlannedRequest]) -> None:
+        missing = {p.tenant for p in plan} - self.keys.keys()
+        if missing:
+            raise BenchConfigError(f"no API key for tenant(s) {', '.join(sorted(missing))}")
+
+    async def _send(
+        self,
+        client: httpx.AsyncClient,
+        planned: PlannedRequest,
+        started: float,
+        bar: ProgressBar,
+        *,
+        sink: list[RequestResult] | None = None,
+    ) -> RequestResult:
+        """Send one request and time it; the result also goes to sink, even when the
+        request is cancelled midway."""
+        body = {
+            "model": self.model,
+            "prompt": list(planned.prompt_token_ids),
+            "max_tokens": planned.num_output_tokens,
+            "ignore_eos": True,
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        headers = {"authorization": f"Bearer {self.keys[planned.tenant]}"}
+        sent = time.perf_counter()
+        result = RequestResult(
+            request_id=planned.request_id,
+            tenant=planned.tenant,
+            tier=planned.tier,
+            scheduled_s=planned.send_at_s,
+            sent_s=sent - started,
+            status_code=0,
+            num_prompt_tokens=len(planned.prompt_token_ids),
+            num_output_tokens_requested=planned.num_output_tokens,
+        )
+        try:
+            async with client.stream(
+                "POST", f"{self.base_url}/v1/completions", json=body, headers=headers
+            ) as response:
+                result.status_code = response.status_code
+                if response.status_code != 200:
+                    await response.aread()
+                    result.error = _error_message(response)
+                else:
+                    await _read_stream(response, result, sent)
+        except httpx.HTTPError as exc:
+            result.error = f"{type(exc).__name__}: {exc}"
+        except (ValueError, KeyError, TypeError) as exc:  # a malformed event
+            result.error = f"unreadable stream: {type(exc).__name__}: {exc}"
+        except asyncio.CancelledError:
+            result.error = CANCELLED
+            raise
+        finally:
+            result.e2e_s = time.perf_counter() - sent
+            if sink is not None:
+                sink.append(result)
+            if result.error != CANCELLED:
+                bar.advance(is_shed=result.is_shed,
+                            is_failed=not result.is_shed and not result.is_completed)
+        return result
+
+
+async def _read_stream(response: httpx.Response, result: RequestResult, sent: float) -> None:
+    last_token_at: float | None = None
+    num_chunks = 0
+    async for line in response.aiter_lines():
+        if not line.startswith("data: "):
+            continue
+        payload = line[len("data: "):]
+        if payload == "[DONE]":
+            break
+        now = time.perf_counter()
+        event = json.loads(payload)
+        if "error" in event:
+            result.error = str(event["error"].get("message", event["error"]))
+            break
+        if event.get("choices"):
+            num_chunks += 1
+            if last_token_at is None:
+                result.ttft_s = now - sent
+            else:
+                result.itl_s.append(now - last_token_at)
+            last_token_at = now
+        usage = event.get("usage")
+        if usage:
+            result.num_output_tokens = int(usage["completion_tokens"])
+    if not result.num_output_tokens:
+        result.num_output_tokens = num_chunks
+
+
+def _client() -> httpx.AsyncClient:
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    timeout = httpx.Timeout(connect=30.0, read=_READ_TIMEOUT_S, write=30.0, pool=None)
+    return httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False)
+
+
+def _error_message(response: httpx.Response) -> str:
+    try:
+        return str(response.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return f"HTTP {response.status_code}: {response.text[:200]}"

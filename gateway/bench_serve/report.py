@@ -1,0 +1,233 @@
+"""Printed tables and the JSON document of a run or a sweep."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from gateway.bench_serve.loadgen import RequestResult
+from gateway.bench_serve.plan import HEAVY_TENANT, LIGHT_TENANT
+from gateway.bench_serve.session import RunRecord
+from gateway.bench_serve.stats import GroupSummary, RunSummary
+from gateway.bench_serve.sweep import FairnessRun, LoadPoint, SweepResult
+
+__all__ = ["format_run", "format_sweep", "headline", "run_json", "sweep_json"]
+
+_HEADER = (
+    f"{'run':24} {'tier':9} {'sent':>5} {'shed%':>6} {'TTFT p50':>9} {'p90':>7} {'p99':>7} "
+    f"{'TPOT p50':>9} {'p90':>6} {'p99':>6} {'ITL p99':>8} {'E2E p99':>8} {'SLO%':>6} "
+    f"{'good/s':>7} {'tok/s':>7}"
+)
+
+
+# Sweep tables add the machine's 1-minute load average just before each run and the share
+# of the machine's CPUs the server used during it.
+_MACHINE_COLUMNS = f" {'load':>5} {'cpu%':>5}"
+
+
+def _row(label: str, g: GroupSummary) -> str:
+    return (
+        f"{label:24} {g.name:9} {g.num_requests:5d} {100 * g.shed_rate:6.1f} "
+        f"{g.ttft_s.p50:9.3f} {g.ttft_s.p90:7.3f} {g.ttft_s.p99:7.3f} "
+        f"{g.tpot_s.p50:9.3f} {g.tpot_s.p90:6.3f} {g.tpot_s.p99:6.3f} {g.itl_s.p99:8.3f} "
+        f"{g.e2e_s.p99:8.3f} {100 * g.slo_attainment:6.1f} {g.goodput_rps:7.3f} "
+        f"{g.output_tokens_per_s:7.1f}"
+    )
+
+
+def _rows(summary: RunSummary, machine: str = "") -> list[str]:
+    return [_row(summary.label, g) + machine for g in [*summary.tiers, summary.overall]]
+
+
+def _machine_columns(point: LoadPoint) -> str:
+    share = "" if point.server_cpu_share is None else f"{100 * point.server_cpu_share:.0f}"
+    return f" {point.load_average_1m:5.1f} {share:>5}"
+
+
+def format_run(summary: RunSummary) -> str:
+    """One run: a row per tier and one for all requests (latencies in seconds)."""
+    lines = [
+        f"offered {summary.offered_rps:.2f} req/s over {summary.duration_s:.1f} s "
+        f"(generator at most {1000 * summary.max_send_lag_s:.0f} ms late)",
+        _HEADER,
+        *_rows(summary),
+    ]
+    shed = summary.overall.shed_response_s
+    if shed.num_samples:
+        lines.append(
+            f"{shed.num_samples} shed, answered in p50 {1000 * shed.p50:.1f} ms, "
+            f"p99 {1000 * shed.p99:.1f} ms"
+        )
+    return "\n".join(lines)
+
+
+def format_sweep(result: SweepResult) -> str:
+    m, c = result.machine, result.calibration
+    tier_lines = [
+        f"  {t.name}: TTFT {_seconds(t.ttft_slo_s)}, TPOT {_seconds(t.tpot_slo_s)}"
+        for t in result.tiers
+    ]
+    if c.reference_prefill_s is not None:
+        scale = (
+            f"unloaded 1024-token prefill {c.reference_prefill_s:.3f} s (median of "
+            f"{len(c.reference_prefill_samples_s)}); SLO scale {c.slo_scale:.2f} = 10 x prefill "
+            "/ GPU premium TTFT SLO"
+        )
+    else:
+        scale = f"SLO scale {c.slo_scale:.2f} (given)"
+    if c.capacity_window_s is not None and c.capacity_output_tokens_per_s is not None:
+        capacity = (
+            f"capacity {c.capacity_rps:.3f} req/s, {c.capacity_output_tokens_per_s:.1f} output "
+            f"tokens/s (FCFS, closed loop with {c.capacity_concurrency} in flight: "
+            f"{c.num_capacity_completions} completions over {c.capacity_window_s:.1f} s)"
+        )
+    else:
+        capacity = f"capacity {c.capacity_rps:.3f} req/s (given)"
+    lines = [
+        f"machine: {m.cpu_model}, {m.num_cpus} CPU(s), {m.memory_gib:.0f} GiB, {m.system}; "
+        f"Python {m.python}, torch {m.torch}; started {m.started_at}, "
+        f"load average {m.load_average_1m:.1f}",
+        scale,
+        capacity,
+        "scaled objectives:",
+        *tier_lines,
+        "",
+        _HEADER + _MACHINE_COLUMNS,
+    ]
+    for point in result.points:
+        lines += _rows(point.record.summary, _machine_columns(point))
+    lines += ["", *headline(result)]
+    if result.fairness:
+        lines += ["", _fairness_header(), *[_fairness_row(run) for run in result.fairness]]
+    return "\n".join(lines)
+
+
+def headline(result: SweepResult) -> list[str]:
+    """The comparisons the issue asks for, where the sweep has the runs they need."""
+    lines = []
+    for factor in sorted({p.load_factor for p in result.points}):
+        try:
+            tiered = result.point("tiered", factor).record.summary
+            fcfs = result.point("fcfs", factor).record.summary
+        except KeyError:
+            continue
+        lines.append(
+            f"at {factor:g}x: premium TTFT within SLO {_share(tiered, 'premium')} tiered vs "
+            f"{_share(fcfs, 'premium')} FCFS; standard goodput tiered/FCFS "
+            f"{_ratio(tiered, fcfs, 'standard')}; output tokens/s tiered/FCFS "
+            f"{tiered.overall.output_tokens_per_s / fcfs.overall.output_tokens_per_s:.3f}"
+        )
+    shed = [r for p in result.points for r in p.record.results if r.is_shed]
+    if shed:
+        slowest = max(r.e2e_s for r in shed)
+        lines.append(f"{len(shed)} shed requests, slowest answered in {1000 * slowest:.1f} ms")
+    return lines
+
+
+def _share(summary: RunSummary, tier: str) -> str:
+    try:
+        return f"{100 * summary.tier(tier).ttft_slo_attainment:.1f} %"
+    except KeyError:
+        return "n/a"
+
+
+def _ratio(a: RunSummary, b: RunSummary, tier: str) -> str:
+    try:
+        numerator, denominator = a.tier(tier).goodput_rps, b.tier(tier).goodput_rps
+    except KeyError:
+        return "n/a"
+    return f"{numerator / denominator:.3f}" if denominator else "inf"
+
+
+def _fairness_header() -> str:
+    return (
+        f"{'fairness: light TTFT':22} {'light/s':>7} {'heavy/s':>7} {'n':>4} "
+        f"{'alone p50':>9} {'p90':>6} {'p99':>6} {'shared p50':>10} {'p90':>6} {'p99':>6} "
+        f"{'p99 ratio':>9} {'light shed%':>11} {'heavy shed%':>11}"
+    )
+
+
+def _fairness_row(run: FairnessRun) -> str:
+    light = run.shared.summary.tenant(LIGHT_TENANT)
+    heavy = run.shared.summary.tenant(HEAVY_TENANT)
+    alone = run.alone.summary.tenant(LIGHT_TENANT)
+    return (
+        f"{run.variant:22} {run.light_rate_rps:7.2f} {run.heavy_rate_rps:7.2f} "
+        f"{light.num_requests:4d} {alone.ttft_s.p50:9.3f} {alone.ttft_s.p90:6.3f} "
+        f"{alone.ttft_s.p99:6.3f} {light.ttft_s.p50:10.3f} {light.ttft_s.p90:6.3f} "
+        f"{light.ttft_s.p99:6.3f} {run.light_ttft_p99_ratio:9.2f} "
+        f"{100 * light.shed_rate:11.1f} {100 * heavy.shed_rate:11.1f}"
+    )
+
+
+def _seconds(value: float | None) -> str:
+    return "none" if value is None else f"{value:.3f} s"
+
+
+# -- JSON ------------------------------------------------------------------------------------
+
+
+def run_json(record: RunRecord) -> dict[str, Any]:
+    """A run's summary and its requests (without the per-token gaps, summarized instead)."""
+    return _finite(
+        {
+            "summary": dataclasses.asdict(record.summary),
+            "requests": [_request_json(r) for r in record.results],
+        }
+    )
+
+
+def sweep_json(result: SweepResult) -> dict[str, Any]:
+    return _finite(
+        {
+            "machine": dataclasses.asdict(result.machine),
+            "calibration": {
+                **dataclasses.asdict(result.calibration),
+                "is_slo_scale_measured": result.calibration.is_slo_scale_measured,
+                "is_capacity_measured": result.calibration.is_capacity_measured,
+            },
+            "tiers": [dataclasses.asdict(t) for t in result.tiers],
+            "runs": [
+                {
+                    "variant": p.variant,
+                    "load_factor": p.load_factor,
+                    "load_average_1m": p.load_average_1m,
+                    "server_cpu_share": p.server_cpu_share,
+                    **run_json(p.record),
+                }
+                for p in result.points
+            ],
+            "fairness": [
+                {
+                    "variant": f.variant,
+                    "light_rate_rps": f.light_rate_rps,
+                    "heavy_rate_rps": f.heavy_rate_rps,
+                    "light_ttft_p99_ratio": f.light_ttft_p99_ratio,
+                    "alone": run_json(f.alone),
+                    "shared": run_json(f.shared),
+                }
+                for f in result.fairness
+            ],
+            "headline": headline(result),
+            "server_exit_codes": result.server_exit_codes,
+        }
+    )
+
+
+def _request_json(result: RequestResult) -> dict[str, Any]:
+    fields = dataclasses.asdict(result)
+    gaps: Sequence[float] = fields.pop("itl_s")
+    return {**fields, "num_token_gaps": len(gaps), "tpot_s": result.tpot_s}
+
+
+def _finite(value: Any) -> Any:
+    """NaN (a percentile of nothing) as null, so the document is strict JSON."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value

@@ -1,0 +1,82 @@
+"""A server ready to be benchmarked, and one run against it: plan the workload's prompts,
+send them open-loop, summarize per tier and tenant."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from engine.workload import Workload
+from gateway.bench_serve.loadgen import LoadGenerator, RequestResult
+from gateway.bench_serve.plan import PromptVocabulary, plan_requests
+from gateway.bench_serve.provision import provision_tenants, served_model_name
+from gateway.bench_serve.stats import RunSummary, summarize
+from policies import TierTable
+
+__all__ = ["BenchTarget", "RunRecord"]
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """One run: its summary and every request's result."""
+
+    summary: RunSummary
+    results: list[RequestResult]
+
+
+@dataclass(frozen=True)
+class BenchTarget:
+    """A server with a key per workload tenant."""
+
+    base_url: str
+    model: str  # the served model id
+    keys: dict[str, str]  # workload tenant -> API key
+    vocabulary: PromptVocabulary
+    progress: bool = True  # draw a progress bar during runs
+
+    @classmethod
+    def provision(
+        cls,
+        base_url: str,
+        admin_token: str,
+        tenant_tiers: Iterable[tuple[str, str]],
+        vocabulary: PromptVocabulary,
+        *,
+        progress: bool = True,
+    ) -> BenchTarget:
+        """Create the tenants (workload tenant, tier) on the server and get their keys."""
+        keys = provision_tenants(base_url, admin_token, dict(tenant_tiers))
+        model = served_model_name(base_url, next(iter(keys.values())))
+        return cls(base_url, model, keys, vocabulary, progress)
+
+    def run(
+        self, workload: Workload, label: str, tiers: TierTable, offered_rps: float | None = None
+    ) -> RunRecord:
+        """Send the workload at its arrival times (open loop); offered_rps defaults to its
+        rate."""
+        generator = self._generator()
+        results = asyncio.run(generator.run(plan_requests(workload, self.vocabulary), label))
+        rate = workload.rate_rps if offered_rps is None else offered_rps
+        return RunRecord(summarize(label, rate, results, tiers), results)
+
+    def run_closed_loop(
+        self,
+        workload: Workload,
+        concurrency: int,
+        label: str,
+        tiers: TierTable,
+        *,
+        num_to_complete: int | None = None,
+    ) -> RunRecord:
+        """Send the workload's requests in order with `concurrency` of them in flight (see
+        LoadGenerator.run_closed_loop)."""
+        generator = self._generator()
+        plan = plan_requests(workload, self.vocabulary)
+        results = asyncio.run(
+            generator.run_closed_loop(plan, concurrency, label, num_to_complete=num_to_complete)
+        )
+        return RunRecord(summarize(label, 0.0, results, tiers), results)
+
+    def _generator(self) -> LoadGenerator:
+        return LoadGenerator(self.base_url, self.model, self.keys, progress=self.progress)

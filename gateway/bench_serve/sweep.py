@@ -1,0 +1,220 @@
+"""The sweep: measure the machine, then for each server configuration start a fresh server
+and offer the same workload at several multiples of the measured capacity.
+
+1. Calibration server (FCFS, nothing shed): unloaded 1024-token prefill -> SLO scale, and a
+   closed-loop run of the workload's first requests -> capacity (see calibration.py).
+2. One server per configuration (tiered, fcfs, tiered-noshed; server.py) with the scaled
+   tier table, all started up front. Loads in ascending order; at each load every
+   configuration in turn (the order rotating from one load to the next), each run starting
+   once every request of the one before has ended. Interleaving keeps the comparison at one
+   load fair on a machine whose other work comes and goes: the configurations run minutes
+   apart, not a quarter of an hour. Load i uses prompt seed workload.seed + i everywhere, so
+   each load sees the same prompts on every server and no run hits prefixes cached by the
+   one before. An idle server only waits on its event loop.
+3. Fairness (on the chosen configurations): two standard tenants, `heavy` at heavy_ratio x
+   the rate of `light`, together offering fairness_load_factor x capacity; first the light
+   tenant's requests alone, then the same requests with the heavy tenant's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+
+from gateway.bench_serve.calibration import (
+    Calibration,
+    calibration_of,
+    measure_capacity,
+    measure_reference_prefill_s,
+)
+from gateway.bench_serve.machine import MachineInfo
+from gateway.bench_serve.plan import HEAVY_TENANT, LIGHT_TENANT, retime, two_tenant_workload
+from gateway.bench_serve.server import VARIANTS, BenchServer
+from gateway.bench_serve.session import BenchTarget, RunRecord
+from gateway.bench_serve.sweep_config import SweepConfig
+from policies import TierTable
+
+__all__ = ["FairnessRun", "LoadPoint", "SweepResult", "run_sweep"]
+
+_FAIRNESS_TIER = "standard"
+
+
+@dataclass(frozen=True)
+class LoadPoint:
+    """One configuration at one offered load."""
+
+    variant: str  # server configuration name
+    load_factor: float  # offered load over measured capacity
+    load_average_1m: float  # the machine's load average just before the run
+    # The server's CPU use during the run over the run's duration x CPUs of the machine
+    # (None without /proc): low when other work on the machine took the cores.
+    server_cpu_share: float | None
+    record: RunRecord
+
+
+@dataclass(frozen=True)
+class FairnessRun:
+    """The light tenant alone, then with the heavy one, on one configuration."""
+
+    variant: str
+    light_rate_rps: float
+    heavy_rate_rps: float
+    alone: RunRecord
+    shared: RunRecord
+
+    @property
+    def light_ttft_p99_ratio(self) -> float:
+        """Light tenant's TTFT p99 with the heavy tenant over its p99 alone."""
+        alone = self.alone.summary.tenant(LIGHT_TENANT).ttft_s.p99
+        return self.shared.summary.tenant(LIGHT_TENANT).ttft_s.p99 / alone
+
+
+@dataclass(frozen=True)
+class SweepResult:
+    machine: MachineInfo
+    calibration: Calibration
+    tiers: TierTable  # the scaled table every server got
+    points: list[LoadPoint] = field(default_factory=list)
+    fairness: list[FairnessRun] = field(default_factory=list)
+    server_exit_codes: dict[str, int | None] = field(default_factory=dict)  # by server
+
+    def point(self, variant: str, load_factor: float) -> LoadPoint:
+        for p in self.points:
+            if p.variant == variant and p.load_factor == load_factor:
+                return p
+        raise KeyError(f"no run of {variant} at {load_factor}x")
+
+
+Log = Callable[[str], None]
+
+
+def run_sweep(config: SweepConfig, log: Log = print) -> SweepResult:
+    machine = MachineInfo.current()
+    workload = config.workload
+    tenants = sorted({(r.tenant, r.tier) for r in workload.requests})
+    exit_codes: dict[str, int | None] = {}
+    log(f"{machine.num_cpus} CPU(s), load average {machine.load_average_1m:.1f}")
+    calibration = _calibrate(config, tenants, exit_codes, log)
+    tiers = TierTable().scaled(calibration.slo_scale)
+    log(f"SLO scale {calibration.slo_scale:.2f}, capacity {calibration.capacity_rps:.3f} req/s")
+    result = SweepResult(machine, calibration, tiers, server_exit_codes=exit_codes)
+    fairness_tenants = [(LIGHT_TENANT, _FAIRNESS_TIER), (HEAVY_TENANT, _FAIRNESS_TIER)]
+    with contextlib.ExitStack() as stack:
+        servers, targets = {}, {}
+        for variant in config.variants:
+            server = stack.enter_context(_started(variant, variant, tiers, config, exit_codes))
+            servers[variant] = server
+            targets[variant] = _target(server, [*tenants, *fairness_tenants], config)
+        for index, factor in enumerate(sorted(config.load_factors)):
+            rate = factor * calibration.capacity_rps
+            timed = retime(workload, rate, arrivals=config.arrivals,
+                           duration_s=config.duration_s, seed=config.seed + index)
+            timed = replace(timed, seed=workload.seed + index)
+            for variant in _rotated(config.variants, index):
+                load_average = os.getloadavg()[0]
+                cpu_before_s = servers[variant].cpu_time_s()
+                record = targets[variant].run(timed, f"{variant} @ {factor:g}x", tiers, rate)
+                cpu_share = _cpu_share(cpu_before_s, servers[variant].cpu_time_s(),
+                                       record.summary.duration_s, machine.num_cpus)
+                result.points.append(LoadPoint(variant, factor, load_average, cpu_share, record))
+        for variant in config.fairness_variants:
+            result.fairness.append(
+                _fairness(targets[variant], variant, config, calibration, tiers)
+            )
+    return result
+
+
+def _cpu_share(
+    before_s: float | None, after_s: float | None, duration_s: float, num_cpus: int
+) -> float | None:
+    if before_s is None or after_s is None or duration_s <= 0:
+        return None
+    return (after_s - before_s) / (duration_s * num_cpus)
+
+
+def _rotated(names: tuple[str, ...], turn: int) -> list[str]:
+    """The configurations in a different order at each load, so none always runs first."""
+    shift = turn % len(names)
+    return [*names[shift:], *names[:shift]]
+
+
+def _calibrate(
+    config: SweepConfig,
+    tenants: list[tuple[str, str]],
+    exit_codes: dict[str, int | None],
+    log: Log,
+) -> Calibration:
+    """Measure what was not given, on an FCFS server with the default tiers."""
+    defaults = TierTable()
+    if config.slo_scale is not None and config.capacity_rps is not None:
+        return calibration_of(defaults, slo_scale_given=config.slo_scale,
+                              capacity_rps_given=config.capacity_rps)
+    log(f"calibrating, load average {os.getloadavg()[0]:.1f}")
+    with _started("calibration", "fcfs", defaults, config, exit_codes) as server:
+        target = _target(server, tenants, config)
+        samples = None
+        if config.slo_scale is None:
+            premium = next((t for t, tier in tenants if tier == "premium"), tenants[0][0])
+            samples = measure_reference_prefill_s(
+                target, premium, "premium", defaults, config.num_prefill_probes
+            )
+        capacity = None
+        if config.capacity_rps is None:
+            capacity = measure_capacity(target, config.workload, defaults,
+                                        config.capacity_slots, config.num_capacity_completions)
+    return calibration_of(
+        defaults,
+        slo_scale_given=config.slo_scale,
+        prefill_samples_s=samples,
+        capacity_rps_given=config.capacity_rps,
+        capacity=capacity,
+        concurrency=config.capacity_slots,
+    )
+
+
+def _fairness(
+    target: BenchTarget,
+    variant: str,
+    config: SweepConfig,
+    calibration: Calibration,
+    tiers: TierTable,
+) -> FairnessRun:
+    light_rate = config.fairness_load_factor * calibration.capacity_rps / (1 + config.heavy_ratio)
+    shared = two_tenant_workload(
+        config.workload, light_rate, config.heavy_ratio, config.fairness_duration_s,
+        tier=_FAIRNESS_TIER, seed=config.seed,
+    )
+    # Prompt seeds past the sweep's, so nothing is a prefix-cache hit from an earlier run.
+    shared = replace(shared, seed=config.workload.seed + len(config.load_factors))
+    alone = replace(shared, requests=[r for r in shared.requests if r.tenant == LIGHT_TENANT],
+                    seed=shared.seed + 1)
+    light_alone = target.run(alone, f"{variant}: light alone", tiers, light_rate)
+    both = target.run(shared, f"{variant}: light + heavy", tiers, shared.rate_rps)
+    return FairnessRun(variant, light_rate, config.heavy_ratio * light_rate, light_alone, both)
+
+
+def _target(
+    server: BenchServer, tenants: list[tuple[str, str]], config: SweepConfig
+) -> BenchTarget:
+    return BenchTarget.provision(
+        server.base_url, server.admin_token, tenants, config.vocabulary, progress=config.progress
+    )
+
+
+@contextlib.contextmanager
+def _started(
+    name: str,
+    variant: str,
+    tiers: TierTable,
+    config: SweepConfig,
+    exit_codes: dict[str, int | None],
+) -> Iterator[BenchServer]:
+    """A BenchServer in work_dir/name; its exit code lands in exit_codes once stopped."""
+    server = BenchServer(VARIANTS[variant], tiers, config.limits, config.work_dir / name)
+    server.start()
+    try:
+        yield server
+    finally:
+        exit_codes[name] = server.stop()

@@ -1,0 +1,202 @@
+// A tenant's API keys: issue one (its plaintext is shown once, with a copy button), list
+// them filtered by prefix, revoke one after an inline confirmation.
+
+import { api } from "./api.js";
+import { clearError, formatTime, h, showError } from "./dom.js";
+
+function newKeyPanel(created, onDone) {
+  const copied = h("span", { class: "status", role: "status" });
+  const value = h("input", {
+    id: "new-key-value",
+    readonly: true,
+    value: created.key,
+    class: "secret",
+    spellcheck: "false",
+  });
+  const copy = async () => {
+    try {
+      await navigator.clipboard.writeText(created.key);
+      copied.textContent = "Copied.";
+    } catch {
+      value.select();
+      copied.textContent = "Copying is blocked here: the key is selected, press Ctrl+C.";
+    }
+  };
+  return h(
+    "div",
+    { id: "new-key", class: "card notice", role: "group", "aria-labelledby": "new-key-title" },
+    h("h4", { id: "new-key-title", text: `New key ${created.name}` }),
+    h("p", {}, h("strong", { text: "Copy it now: " }), "it is never shown again, only its prefix is kept."),
+    h("label", { for: "new-key-value", text: "API key" }),
+    h(
+      "div",
+      { class: "row" },
+      value,
+      h("button", { type: "button", id: "copy-key", onclick: copy, text: "Copy" }),
+      h("button", { type: "button", class: "secondary", onclick: onDone, text: "Done" }),
+    ),
+    copied,
+  );
+}
+
+function keyRow(key, revoke) {
+  const actions = h("td", {});
+  const confirm = () => {
+    actions.replaceChildren(
+      h("span", { text: "Revoke for good? " }),
+      h("button", {
+        type: "button",
+        class: "danger",
+        onclick: () => revoke(key),
+        text: "Revoke",
+        "aria-label": `Confirm: revoke key ${key.prefix}`,
+      }),
+      " ",
+      h("button", { type: "button", class: "secondary", onclick: reset, text: "Cancel" }),
+    );
+    actions.querySelector("button").focus();
+  };
+  const reset = () => {
+    actions.replaceChildren(
+      key.revoked_at
+        ? h("span", { class: "muted", text: "—" })
+        : h("button", {
+            type: "button",
+            class: "secondary",
+            onclick: confirm,
+            text: "Revoke…",
+            "aria-label": `Revoke key ${key.prefix}`,
+          }),
+    );
+  };
+  reset();
+  return h(
+    "tr",
+    { dataset: { prefix: key.prefix } },
+    h("th", { scope: "row" }, h("code", { text: key.prefix })),
+    h("td", { text: key.name }),
+    h("td", { text: formatTime(key.created_at) }),
+    h("td", { text: formatTime(key.last_used_at) }),
+    h(
+      "td",
+      {},
+      key.revoked_at
+        ? h("span", { class: "badge revoked", text: `revoked ${formatTime(key.revoked_at)}` })
+        : h("span", { class: "badge active", text: "active" }),
+    ),
+    actions,
+  );
+}
+
+// Fills container with the keys section of tenant.
+export async function renderKeys(container, tenant) {
+  const base = `/tenants/${encodeURIComponent(tenant.name)}/keys`;
+  const alert = h("p", { id: "keys-error", class: "error", role: "alert" });
+  const slot = h("div", {});
+  const tbody = h("tbody", {});
+  const filter = h("input", { id: "key-filter", type: "search", autocomplete: "off", placeholder: "tg-…" });
+  let keys = [];
+
+  const renderRows = () => {
+    const prefix = filter.value.trim();
+    const shown = keys.filter((key) => key.prefix.startsWith(prefix));
+    tbody.replaceChildren(
+      ...(shown.length > 0
+        ? shown.map((key) => keyRow(key, revoke))
+        : [
+            h(
+              "tr",
+              {},
+              h("td", {
+                colspan: 6,
+                class: "empty",
+                text: keys.length ? "No key starts with that prefix." : "No keys yet.",
+              }),
+            ),
+          ]),
+    );
+  };
+  const reload = async () => {
+    try {
+      keys = (await api("GET", base)).data;
+      renderRows();
+    } catch (err) {
+      showError(alert, err);
+    }
+  };
+  async function revoke(key) {
+    clearError(alert);
+    try {
+      await api("DELETE", `/keys/${key.id}`);
+      await reload();
+      filter.focus();
+    } catch (err) {
+      showError(alert, err);
+    }
+  }
+
+  const nameInput = h("input", {
+    id: "key-name",
+    name: "name",
+    autocomplete: "off",
+    value: "default",
+    dataset: { param: "name" },
+  });
+  const form = h(
+    "form",
+    { id: "issue-key-form", class: "row", novalidate: true },
+    h("div", { class: "field" }, h("label", { for: "key-name", text: "Key name" }), nameInput),
+    h("div", { class: "field actions" }, h("button", { type: "submit", text: "Issue key" })),
+  );
+  form.addEventListener("submit", async (event) => {
+    event.preventDefault();
+    clearError(alert, form);
+    try {
+      const created = await api("POST", base, { body: { name: nameInput.value.trim() } });
+      // The plaintext lives only in this panel; Done (or leaving the page) drops it.
+      const done = () => {
+        slot.replaceChildren();
+        nameInput.focus();
+      };
+      slot.replaceChildren(newKeyPanel(created, done));
+      document.getElementById("new-key-value").focus();
+      await reload();
+    } catch (err) {
+      showError(alert, err, form);
+    }
+  });
+  filter.addEventListener("input", renderRows);
+
+  container.replaceChildren(
+    h(
+      "div",
+      { class: "card", role: "group", "aria-labelledby": "keys-title" },
+      h("h3", { id: "keys-title", text: "API keys" }),
+      form,
+      alert,
+      slot,
+      h("div", { class: "field" }, h("label", { for: "key-filter", text: "Filter by prefix" }), filter),
+      h(
+        "div",
+        { class: "table-wrap" },
+        h(
+          "table",
+          { id: "keys-table", class: "data" },
+          h(
+            "thead",
+            {},
+            h(
+              "tr",
+              {},
+              ["Prefix", "Name", "Created", "Last used", "State", "Action"].map((label) =>
+                h("th", { scope: "col", text: label }),
+              ),
+            ),
+          ),
+          tbody,
+        ),
+      ),
+    ),
+  );
+  await reload();
+}

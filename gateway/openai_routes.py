@@ -1,0 +1,503 @@
+"""POST /v1/chat/completions, POST /v1/completions and GET /v1/models.
+
+Order of work for a generation request: accepting (not draining, model loaded), the caller's
+key, the body (size, JSON, schema), the model name, tokenization, whether it can ever fit
+the context, admission, then the engine. Nothing is charged or queued before every check
+that can refuse it has passed. A finished request's record reaches the ledger before the
+client sees its final chunk (or its body), so a client that saw the end is always billed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from typing import Any
+
+import anyio
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import BaseRoute, Route
+
+from engine import RequestMetrics, RequestOutput
+from gateway.admission import AdmissionGrant, AdmissionRefusal, GatewayAdmission
+from gateway.auth import TenantPrincipal
+from gateway.errors import (
+    GatewayError,
+    InternalServerError,
+    InvalidRequestError,
+    NotFoundError,
+    PayloadTooLargeError,
+    error_body,
+)
+from gateway.generation import GenerationJob, check_fits, prepare_prompts, sampling_params
+from gateway.openai_requests import (
+    Endpoint,
+    GenerationRequest,
+    parse_chat_request,
+    parse_completion_request,
+)
+from gateway.openai_responses import ChoiceText, ResponseContext, chunk, full_response, usage_chunk
+from gateway.request_record import RequestRecord, RequestStatus
+from gateway.runtime import GatewayRuntime
+from gateway.served_model import ServedModel, tenant_context
+from gateway.telemetry import GenAiRequest, GenAiResponse, RequestTrace
+
+logger = logging.getLogger(__name__)
+
+_SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+
+
+def openai_routes(runtime: GatewayRuntime, admission: GatewayAdmission) -> list[BaseRoute]:
+    api = _OpenAIApi(runtime, admission)
+    return [
+        Route("/v1/models", api.list_models, methods=["GET"]),
+        Route("/v1/models/{model:path}", api.get_model, methods=["GET"]),
+        Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
+        Route("/v1/completions", api.completions, methods=["POST"]),
+    ]
+
+
+async def read_json_body(request: Request, max_bytes: int) -> Any:
+    """The body parsed as JSON; 413 above max_bytes (checked while reading), 400 if not JSON."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise PayloadTooLargeError(f"the request body is larger than {max_bytes} bytes")
+    chunks, size = [], 0
+    async for piece in request.stream():
+        size += len(piece)
+        if size > max_bytes:
+            raise PayloadTooLargeError(f"the request body is larger than {max_bytes} bytes")
+        chunks.append(piece)
+    try:
+        return json.loads(b"".join(chunks))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from None
+
+
+class _OpenAIApi:
+    def __init__(self, runtime: GatewayRuntime, admission: GatewayAdmission) -> None:
+        self.runtime = runtime
+        self.admission = admission
+
+    async def list_models(self, request: Request) -> Response:
+        await self.runtime.key_resolver.authenticate(request)
+        served, _ = self.runtime.ready_model()
+        return JSONResponse({"object": "list", "data": [_model_card(served)]})
+
+    async def get_model(self, request: Request) -> Response:
+        await self.runtime.key_resolver.authenticate(request)
+        served, _ = self.runtime.ready_model()
+        if request.path_params["model"] != served.name:
+            raise _unknown_model(request.path_params["model"])
+        return JSONResponse(_model_card(served))
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, Endpoint.CHAT)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, Endpoint.COMPLETIONS)
+
+    async def _generate(self, http_request: Request, endpoint: Endpoint) -> Response:
+        arrival = time.monotonic()
+        served, engine = self.runtime.ready_model()
+        principal = await self.runtime.key_resolver.authenticate(http_request)
+        try:
+            body = await read_json_body(http_request, self.runtime.settings.max_body_bytes)
+        except ClientDisconnect:
+            return Response(status_code=499)
+        parsed = (
+            parse_chat_request(body) if endpoint is Endpoint.CHAT
+            else parse_completion_request(body)
+        )
+        if parsed.model != served.name:
+            raise _unknown_model(parsed.model)
+        prompts = await anyio.to_thread.run_sync(prepare_prompts, parsed, served)
+        params = sampling_params(parsed, served)
+        tenant = tenant_context(
+            served,
+            self.runtime.tiers,
+            tenant_id=principal.tenant_id,
+            tier=principal.tier,
+            weight=principal.weight,
+            cache_salt=principal.cache_salt,
+            kv_cap_share=principal.quota.kv_cap_share,
+            scheduling=self.runtime.settings.scheduling,
+        )
+        max_tokens = check_fits(engine, prompts, params, tenant, endpoint)
+        num_prompt_tokens = sum(len(p.token_ids) for p in prompts)
+        prefix = "chatcmpl" if endpoint is Endpoint.CHAT else "cmpl"
+        response_id = f"{prefix}-{uuid.uuid4().hex}"
+        trace = self.runtime.telemetry.start_request(
+            GenAiRequest(
+                operation="chat" if endpoint is Endpoint.CHAT else "text_completion",
+                request_model=parsed.model,
+                tier=principal.tier,
+                tenant_id=str(principal.tenant_id),
+                max_tokens=parsed.sampling.max_tokens,
+                temperature=parsed.sampling.temperature,
+                top_p=parsed.sampling.top_p,
+                seed=parsed.sampling.seed,
+                num_choices=params.n * len(prompts),
+                is_stream=parsed.stream,
+            ),
+            start_s=arrival,
+        )
+        try:
+            with trace.admission():
+                grant = await self.admission.admit(
+                    principal,
+                    num_prompt_tokens=num_prompt_tokens,
+                    num_max_tokens=params.n * sum(max_tokens),
+                )
+        except AdmissionRefusal as refusal:
+            record = refused_record(
+                response_id, principal, parsed, served, num_prompt_tokens, arrival, refusal
+            )
+            trace.finished(_trace_response(record, served))
+            self.runtime.publish_soon(record)
+            raise
+        trace.queued()
+        job = GenerationJob(engine, response_id, prompts, params, tenant)
+        run = _Run(self, served, principal, parsed, job, grant, arrival, trace)
+        self.runtime.request_started()
+        if parsed.stream:
+            return StreamingResponse(
+                run.stream(),
+                media_type="text/event-stream",
+                headers={**_SSE_HEADERS, **grant.headers},
+            )
+        return await run.respond(http_request)
+
+
+class _Run:
+    """One admitted generation request, from the first engine output to its record."""
+
+    def __init__(
+        self,
+        api: _OpenAIApi,
+        served: ServedModel,
+        principal: TenantPrincipal,
+        request: GenerationRequest,
+        job: GenerationJob,
+        grant: AdmissionGrant,
+        arrival: float,
+        trace: RequestTrace,
+    ) -> None:
+        self.api = api
+        self.trace = trace
+        self.served = served
+        self.principal = principal
+        self.request = request
+        self.job = job
+        self.grant = grant
+        self.arrival = arrival
+        self.created_at = datetime.now(UTC)
+        self.context = ResponseContext(
+            endpoint=request.endpoint,
+            response_id=job.request_id,
+            created=int(time.time()),
+            model=served.name,
+            include_usage=request.include_usage,
+        )
+        self.first_token_time: float | None = None
+        # Per choice: arrival times of its outputs that carried tokens (TPOT).
+        self._token_times: list[list[float]] = [[] for _ in range(job.num_choices)]
+        self._finalized = False
+
+    # -- non-streamed ----------------------------------------------------------------------------
+
+    async def respond(self, http_request: Request) -> Response:
+        choices = [ChoiceText() for _ in range(self.job.num_choices)]
+        if self.request.echo:
+            for index, choice in enumerate(choices):
+                choice.text = self._prompt_text(index)
+        status, error = RequestStatus.ABORTED, None
+        try:
+            async with anyio.create_task_group() as group:
+                group.start_soon(_cancel_on_disconnect, http_request, group.cancel_scope)
+                async for index, output in self.job.outputs():
+                    self._observe(index, output)
+                    choice = choices[index]
+                    choice.text += output.new_text
+                    choice.logprobs.extend(output.logprobs)
+                    if output.finished:
+                        choice.finish_reason = output.finish_reason
+                group.cancel_scope.cancel()
+            status, error = self._outcome()
+        except Exception as exc:  # the engine loop died
+            status, error = RequestStatus.FAILED, f"{type(exc).__name__}"
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.job.cancel()  # a disconnect: wait for the abort's metering
+                if status is RequestStatus.ABORTED:
+                    status, error = self._outcome()
+                await self._finalize(status)
+        if status is RequestStatus.ABORTED:
+            return Response(status_code=499)  # nobody is listening
+        if status is RequestStatus.FAILED:
+            logger.error("request %s failed in the engine: %s", self.job.request_id, error)
+            raise InternalServerError(
+                "the engine failed while generating this request", code="engine_error"
+            )
+        body = full_response(self.context, choices, self.job.summary(), self.served.tokenizer)
+        return JSONResponse(body, headers=self.grant.headers)
+
+    # -- streamed --------------------------------------------------------------------------------
+
+    async def stream(self) -> AsyncIterator[str]:
+        status = RequestStatus.ABORTED
+        started = [False] * self.job.num_choices
+        offsets = [0] * self.job.num_choices
+        try:
+            async for index, output in self.job.outputs():
+                self._observe(index, output)
+                text = output.new_text
+                if not started[index] and self.request.echo:
+                    text = self._prompt_text(index) + text
+                if self.job.is_finished:
+                    # The request's last output: its record is durable before the client
+                    # sees the end.
+                    status, _ = self._outcome()
+                    await self._finalize(status)
+                    if status is RequestStatus.FAILED:
+                        yield _sse(error_body(
+                            "the engine failed while generating this request",
+                            "server_error", code="engine_error",
+                        ))
+                        return
+                if output.finished and output.finish_reason not in ("stop", "length"):
+                    continue  # an error ends the stream above, not as a choice
+                yield _choice_chunk(self, index, text, output, started, offsets)
+            if self.request.include_usage:
+                yield _sse(usage_chunk(self.context, self.job.summary()))
+            yield "data: [DONE]\n\n"
+        except Exception as exc:  # the engine loop died mid-stream
+            logger.error("stream %s failed: %s", self.job.request_id, exc)
+            status = RequestStatus.FAILED
+            with anyio.CancelScope(shield=True):
+                await self._finalize(status)
+            yield _sse(error_body(
+                "the engine failed while generating this request", "server_error",
+                code="engine_error",
+            ))
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.job.cancel()
+                await self._finalize(status)
+
+    # -- shared ----------------------------------------------------------------------------------
+
+    def _prompt_text(self, choice_index: int) -> str:
+        prompt = self.job.prompts[choice_index // self.job.params.n]
+        if prompt.text is not None:
+            return prompt.text
+        return self.served.tokenizer.decode(prompt.token_ids, skip_special_tokens=False)
+
+    def _observe(self, index: int, output: RequestOutput) -> None:
+        if output.new_token_ids:
+            now = time.monotonic()
+            if self.first_token_time is None:
+                self.first_token_time = now
+                metrics = output.metrics
+                if metrics is not None and metrics.first_scheduled_time is not None:
+                    self.trace.scheduled(metrics.first_scheduled_time)
+                self.trace.first_token(now)
+            self._token_times[index].append(now)
+
+    def _outcome(self) -> tuple[RequestStatus, str | None]:
+        errors = [c.error for c in self.job.choices if c.finish_reason == "error"]
+        if errors:
+            return RequestStatus.FAILED, errors[0]
+        if self.job.is_complete:
+            return RequestStatus.COMPLETED, None
+        return RequestStatus.ABORTED, None
+
+    async def _finalize(self, status: RequestStatus) -> None:
+        """Once per request: release admission, publish the record, end in-flight."""
+        if self._finalized:
+            return
+        self._finalized = True
+        runtime = self.api.runtime
+        try:
+            summary = self.job.summary()
+            await self.api.admission.release(
+                self.grant, summary.num_prompt_tokens + summary.num_completion_tokens
+            )
+            record = self._record(status)
+            self.trace.finished(_trace_response(record, self.served))
+            await runtime.publish(record)
+        finally:
+            runtime.request_ended()
+
+    def _http_status(self, status: RequestStatus) -> int:
+        if status is RequestStatus.ABORTED:
+            return 499  # the client closed the connection before the end (nginx's convention)
+        if status is RequestStatus.FAILED and not self.request.stream:
+            return 500  # a stream that started stays 200; its error is an event
+        return 200
+
+    def _record(self, status: RequestStatus) -> RequestRecord:
+        summary = self.job.summary()
+        now = time.monotonic()
+        metrics = [o.metrics for o in self.job.last_outputs if o is not None and o.metrics]
+        reasons = {r for r in summary.finish_reasons if r is not None}
+        finish_reason = (
+            None if not reasons else "length" if reasons == {"length"}
+            else "stop" if reasons <= {"stop", "length"} else sorted(reasons)[0]
+        )
+        gpu = sum(m.gpu_seconds for m in metrics)
+        recompute = sum(m.recompute_gpu_seconds for m in metrics)
+        charged = _most_charged_tenant(metrics)
+        gaps = [
+            (times[-1] - times[0]) / (len(times) - 1)
+            for times in self._token_times
+            if len(times) >= 2
+        ]
+        inter_token_gaps = tuple(
+            later - earlier
+            for times in self._token_times
+            for earlier, later in itertools.pairwise(times)
+        )
+        queue_times = [m.queue_time_s for m in metrics if m.queue_time_s is not None]
+        return RequestRecord(
+            request_id=self.job.request_id,
+            tenant_id=self.principal.tenant_id,
+            api_key_id=self.principal.api_key_id,
+            model=self.served.name,
+            tier=self.principal.tier,
+            endpoint=self.request.endpoint,
+            status=status,
+            finish_reason=finish_reason,
+            num_prompt_tokens=summary.num_prompt_tokens,
+            num_cached_prompt_tokens=summary.num_cached_prompt_tokens,
+            num_completion_tokens=summary.num_completion_tokens,
+            gpu_seconds=gpu,
+            recompute_gpu_seconds=recompute,
+            recompute_charged_tenant_id=int(charged) if charged else None,
+            num_preemptions=summary.num_preemptions,
+            queue_time_s=max(queue_times) if queue_times else None,
+            ttft_s=None if self.first_token_time is None else self.first_token_time - self.arrival,
+            e2e_time_s=now - self.arrival,
+            tpot_s=sum(gaps) / len(gaps) if gaps else None,
+            inter_token_gaps_s=inter_token_gaps,
+            created_at=self.created_at,
+            finished_at=datetime.now(UTC),
+            http_status=self._http_status(status),
+        )
+
+
+def refused_record(
+    request_id: str,
+    principal: TenantPrincipal,
+    request: GenerationRequest,
+    served: ServedModel,
+    num_prompt_tokens: int,
+    arrival: float,
+    refusal: AdmissionRefusal,
+) -> RequestRecord:
+    now = datetime.now(UTC)
+    return RequestRecord(
+        request_id=request_id,
+        tenant_id=principal.tenant_id,
+        api_key_id=principal.api_key_id,
+        model=served.name,
+        tier=principal.tier,
+        endpoint=request.endpoint,
+        status=RequestStatus.REFUSED,
+        finish_reason=None,
+        num_prompt_tokens=num_prompt_tokens,
+        num_cached_prompt_tokens=0,
+        num_completion_tokens=0,
+        gpu_seconds=0.0,
+        recompute_gpu_seconds=0.0,
+        recompute_charged_tenant_id=None,
+        num_preemptions=0,
+        queue_time_s=None,
+        ttft_s=None,
+        e2e_time_s=time.monotonic() - arrival,
+        tpot_s=None,
+        inter_token_gaps_s=(),
+        created_at=now,
+        finished_at=now,
+        http_status=refusal.status_code,
+        refusal_reason=refusal.reason,
+    )
+
+
+def _most_charged_tenant(metrics: list[RequestMetrics]) -> int | None:
+    """The tenant charged the most recompute over the request's samples."""
+    charges: dict[str, float] = {}
+    for m in metrics:
+        for tenant_id, seconds in m.recompute_gpu_seconds_by_tenant.items():
+            charges[tenant_id] = charges.get(tenant_id, 0.0) + seconds
+    if not charges:
+        return None
+    return int(max(charges, key=lambda tenant_id: charges[tenant_id]))
+
+
+def _trace_response(record: RequestRecord, served: ServedModel) -> GenAiResponse:
+    error_type = {
+        RequestStatus.FAILED: "engine_error",
+        RequestStatus.ABORTED: "client_disconnected",
+        RequestStatus.REFUSED: record.refusal_reason or "refused",
+    }.get(record.status)
+    return GenAiResponse(
+        response_id=record.request_id if record.status is not RequestStatus.REFUSED else None,
+        response_model=served.name,
+        finish_reasons=[record.finish_reason] if record.finish_reason else [],
+        num_input_tokens=record.num_prompt_tokens,
+        num_output_tokens=record.num_completion_tokens,
+        num_cached_input_tokens=record.num_cached_prompt_tokens,
+        error_type=error_type,
+    )
+
+
+def _choice_chunk(
+    run: _Run,
+    index: int,
+    text: str,
+    output: RequestOutput,
+    started: list[bool],
+    offsets: list[int],
+) -> str:
+    body = chunk(
+        run.context,
+        index,
+        text=text,
+        role=not started[index],
+        logprobs=output.logprobs or None,
+        finish_reason=output.finish_reason if output.finished else None,
+        text_offset=offsets[index],
+        tokenizer=run.served.tokenizer,
+    )
+    started[index] = True
+    offsets[index] += len(text)
+    return _sse(body)
+
+
+def _sse(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+
+async def _cancel_on_disconnect(request: Request, scope: anyio.CancelScope) -> None:
+    """Cancel scope when the client goes away (non-streamed requests)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            scope.cancel()
+            return
+
+
+def _model_card(served: ServedModel) -> dict[str, Any]:
+    return {"id": served.name, "object": "model", "created": served.created, "owned_by": "tiergate"}
+
+
+def _unknown_model(name: str) -> GatewayError:
+    return NotFoundError(
+        f"the model {name!r} does not exist on this server", param="model", code="model_not_found"
+    )

@@ -1,0 +1,93 @@
+"""One replica composed from its settings: runtime, ledger, admission, observability and
+the app. `tiergate serve` runs it under uvicorn; tests run it with a fake model loader."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from sqlalchemy import Engine
+from starlette.applications import Starlette
+
+from billing import BillingError, Pricing, UsageLedger
+from gateway.admission import AdmissionSettings, GatewayAdmission, build_admission
+from gateway.app import build_app
+from gateway.billing_api import billing_routes
+from gateway.billing_wiring import LedgerBudgets, LedgerSink
+from gateway.console_routes import console_routes
+from gateway.observability import Observability
+from gateway.runtime import GatewayRuntime, ModelLoader
+from gateway.served_model import load_served_model
+from gateway.settings import GatewaySettings
+from gateway.telemetry import Telemetry
+from policies import TierTable
+
+
+class ReplicaConfigError(ValueError):
+    """A section of the config file is invalid; the message names it."""
+
+
+@dataclass
+class Replica:
+    runtime: GatewayRuntime
+    admission: GatewayAdmission
+    ledger: UsageLedger
+    observability: Observability
+    app: Starlette
+
+
+def compose_replica(
+    settings: GatewaySettings,
+    tiers: TierTable,
+    db_engine: Engine,
+    *,
+    model_loader: ModelLoader = load_served_model,
+    telemetry: Telemetry | None = None,
+    on_fatal: Callable[[BaseException], None] | None = None,
+) -> Replica:
+    """Wire every part of a replica; nothing starts until the app's lifespan runs."""
+    config = settings.file_config
+    try:
+        admission_settings = AdmissionSettings.from_config(config.get("admission"))
+    except ValueError as exc:
+        raise ReplicaConfigError(f"admission: {exc}") from None
+    try:
+        pricing = Pricing.from_mapping(config.get("pricing"))
+        pricing.require_tiers([tier.name for tier in tiers])
+    except BillingError as exc:
+        raise ReplicaConfigError(f"pricing: {exc}") from None
+    runtime = GatewayRuntime(settings, tiers, db_engine, model_loader=model_loader)
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    ledger = UsageLedger(runtime.session_factory, settings.data_dir / "usage-spool.jsonl")
+    # First sink: a request's record is durable before its client sees the end.
+    runtime.sinks.append(LedgerSink(ledger, pricing))
+    runtime.on_start(ledger.start)
+    admission = build_admission(
+        admission_settings, tiers, settings.redis_url, runtime.engine_stats,
+        usage=LedgerBudgets(ledger),
+    )
+    runtime.on_close(admission.aclose)
+    try:
+        observability = Observability.from_config(
+            dict(config), tiers, runtime.engine_stats, telemetry
+        )
+    except ValueError as exc:
+        raise ReplicaConfigError(f"alerts: {exc}") from None
+    runtime.telemetry = observability.telemetry
+    runtime.sinks.append(observability)
+    runtime.on_start(observability.start)
+    runtime.on_close(observability.close)
+    # Last: everything the drain let finish has been recorded by now.
+    runtime.on_close(ledger.close)
+    app = build_app(
+        runtime,
+        admission,
+        extra_routes=[
+            *observability.routes(settings.admin_token),
+            *billing_routes(runtime.session_factory, settings.admin_token),
+            *console_routes(),
+        ],
+        middleware=observability.middleware(),
+        on_fatal=on_fatal,
+    )
+    return Replica(runtime, admission, ledger, observability, app)

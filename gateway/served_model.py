@@ -1,0 +1,182 @@
+"""The model this replica serves: checkpoint, tokenizer and the engine running it.
+
+With no --model the demo checkpoint is written once to a cache directory (no download) and
+served; its text is gibberish by design (random weights), which the README says plainly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine import (
+    CacheConfig,
+    EngineConfig,
+    LLMEngine,
+    ModelRunner,
+    SchedulerConfig,
+    TenantContext,
+)
+from engine.async_engine import AsyncLLMEngine
+from engine.demo_model import write_demo_model
+from engine.model_runner import RunnerConfig, TorchModelRunner
+from engine.models.config import ModelConfig
+from engine.queues import FCFSQueue, WaitingQueue
+from engine.tokenizer import Tokenizer
+from gateway.settings import GatewaySettings
+from policies import TieredFairQueue, TierTable
+
+logger = logging.getLogger(__name__)
+
+DEMO_MODEL_NAME = "tiergate-demo"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What the HTTP layer needs to know about the model, besides the engine itself."""
+
+    # The id of /v1/models and of the `model` field clients send.
+    name: str
+    tokenizer: Tokenizer
+    # Token ids that end a generation (config eos ids and the tokenizer's eos).
+    eos_token_ids: tuple[int, ...]
+    vocab_size: int
+    # Longest prompt + output one request may have.
+    max_model_len: int
+    # Unix time the model was loaded (the `created` of /v1/models).
+    created: int
+    num_kv_blocks: int
+    kv_block_size: int
+
+
+def demo_model_dir(settings: GatewaySettings) -> Path:
+    """The demo checkpoint, written on first use (atomically: several replicas may race)."""
+    target = settings.demo_model_dir
+    if (target / "model.safetensors").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".demo-model-", dir=target.parent))
+    write_demo_model(staging)
+    try:
+        os.rename(staging, target)
+    except OSError:  # another process won the race; its copy is identical (fixed seed)
+        for path in staging.iterdir():
+            path.unlink()
+        staging.rmdir()
+    logger.info("wrote the demo model to %s", target)
+    return target
+
+
+def context_length(settings: GatewaySettings, model_config: ModelConfig) -> int:
+    """Longest prompt + output: --max-model-len, at most what the model was trained for."""
+    return min(
+        settings.max_model_len or model_config.max_position_embeddings,
+        model_config.max_position_embeddings,
+    )
+
+
+def load_served_model(
+    settings: GatewaySettings, tiers: TierTable, created: int
+) -> tuple[ServedModel, AsyncLLMEngine]:
+    """Load the checkpoint and start the engine loop thread."""
+    model_dir = settings.model if settings.model is not None else demo_model_dir(settings)
+    model_config = ModelConfig.from_file(model_dir)
+    runner = TorchModelRunner.from_model_dir(
+        model_dir,
+        RunnerConfig(
+            kv_cache_bytes=settings.kv_cache_bytes,
+            max_num_batched_tokens=settings.max_num_batched_tokens,
+            max_num_seqs=settings.max_num_seqs,
+            max_model_len=context_length(settings, model_config),
+        ),
+        dtype=_DTYPES[settings.dtype],
+        device=settings.device,
+    )
+    name = settings.served_model_name or (
+        DEMO_MODEL_NAME if settings.model is None else Path(model_dir).resolve().name
+    )
+    served, engine = start_engine(
+        settings, tiers, runner, model_config, Tokenizer.from_dir(model_dir), name, created
+    )
+    logger.info(
+        "serving %s from %s on %s: %d KV blocks of %d tokens, context %d",
+        name, model_dir, settings.device, runner.num_kv_blocks, runner.block_size,
+        served.max_model_len,
+    )
+    return served, engine
+
+
+def start_engine(
+    settings: GatewaySettings,
+    tiers: TierTable,
+    runner: ModelRunner,
+    model_config: ModelConfig,
+    tokenizer: Tokenizer,
+    name: str,
+    created: int,
+    vocab_size: int | None = None,
+) -> tuple[ServedModel, AsyncLLMEngine]:
+    """The engine over runner with the replica's scheduling policy, its loop started.
+    vocab_size: the ids clients may send (default: the model's vocabulary)."""
+    eos_ids = list(model_config.eos_token_ids)
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos_ids:
+        eos_ids.append(tokenizer.eos_token_id)
+    tiered = settings.scheduling == "tiered"
+    max_model_len = context_length(settings, model_config)
+    engine_config = EngineConfig(
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=settings.max_num_batched_tokens,
+            max_num_seqs=settings.max_num_seqs,
+            max_model_len=max_model_len,
+            enable_priority_preemption=tiered,
+        ),
+        cache=CacheConfig(
+            block_size=runner.block_size,
+            reserved_fractions=tiers.reserved_fractions() if tiered else {},
+        ),
+        eos_token_id=eos_ids[0] if eos_ids else None,
+    )
+    queue: WaitingQueue = TieredFairQueue() if tiered else FCFSQueue()
+    engine = LLMEngine(engine_config, runner, queue, tokenizer)
+    served = ServedModel(
+        name=name,
+        tokenizer=tokenizer,
+        eos_token_ids=tuple(eos_ids),
+        vocab_size=vocab_size or model_config.vocab_size,
+        max_model_len=max_model_len,
+        created=created,
+        num_kv_blocks=runner.num_kv_blocks,
+        kv_block_size=runner.block_size,
+    )
+    return served, AsyncLLMEngine(engine)
+
+
+def tenant_context(
+    served: ServedModel,
+    tiers: TierTable,
+    *,
+    tenant_id: int,
+    tier: str,
+    weight: float,
+    cache_salt: str,
+    kv_cap_share: float | None,
+    scheduling: str,
+) -> TenantContext:
+    """What the engine is told about a request's tenant. Under FCFS every tenant is one
+    class: same priority, no reservations (the vLLM-style baseline)."""
+    priority = tiers[tier].priority if scheduling == "tiered" else 1
+    kv_cap = None if kv_cap_share is None else max(1, int(kv_cap_share * served.num_kv_blocks))
+    return TenantContext(
+        tenant_id=str(tenant_id),
+        tier=tier,
+        priority=priority,
+        weight=weight,
+        cache_salt=cache_salt,
+        kv_cap_blocks=kv_cap,
+    )

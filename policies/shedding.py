@@ -1,0 +1,187 @@
+"""SLO-derived load shedding: refuse a request whose tier's queue wait would already miss.
+
+A new request's wait is the time until its prompt is computed: the prefill backlog ahead of
+it (its tier and the tiers above; every tier under FCFS) plus its own prompt, over the
+engine's measured drain rate (`SchedulerStats.estimate_queue_wait_s`). Over `slo_fraction`
+of the tier's TTFT objective it is shed. Three things keep that estimate honest between the
+engine's snapshots and keep the offered retry delay truthful:
+
+- The engine publishes its statistics after each step, so requests admitted since then are
+  not in them. A burst arriving within one step would all see the same backlog and all be
+  let in. The shedder counts the prompts it admitted itself until the statistics must
+  include them.
+- A prompt that alone takes longer than the threshold can never meet it; it is admitted when
+  nothing is ahead of it rather than refused forever.
+- `retry_after` is when the backlog ahead will have drained enough to admit the request (plus
+  one engine step, the age of the statistics), and no two shed requests of a tier are
+  promised the same moment: each promise moves the tier's next one on by the time its own
+  prompt takes, so a herd told to come back is let in one after another rather than
+  refused again all together.
+
+Tiers without a TTFT objective (batch) are never shed here. A tier that holds a KV
+reservation (premium) is shed only once the reservation is saturated: while it has reserved
+blocks to spare its requests still get memory ahead of everyone else.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine import SchedulerStats
+from policies.errors import AdmissionConfigError, Shed
+from policies.rate_limits import format_duration
+from policies.tiers import Tier, TierTable
+
+
+@dataclass(frozen=True)
+class ShedConfig:
+    # Share of the tier's TTFT SLO the estimated queue wait may reach. Below 1 because the
+    # estimate ignores decode interference and p99 needs headroom over a typical wait.
+    slo_fraction: float = 0.8
+    min_retry_after_s: float = 0.1  # floor on the offered retry delay
+
+    def __post_init__(self) -> None:
+        if self.slo_fraction <= 0:
+            raise AdmissionConfigError(f"slo_fraction must be positive, got {self.slo_fraction}")
+        if self.min_retry_after_s < 0:
+            raise AdmissionConfigError("min_retry_after_s must not be negative")
+
+
+class SloShedder:
+    """Shedding decisions over the tier table (thresholds computed once).
+
+    Not thread-safe: one event loop calls check() and admitted().
+    """
+
+    def __init__(
+        self,
+        tiers: TierTable,
+        config: ShedConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._config = config or ShedConfig()
+        self._tiers = tiers
+        self._clock = clock  # seconds, monotonic: when promised retries fall due
+        # tier -> queue wait threshold in seconds; None: never shed
+        self.thresholds_s: dict[str, float | None] = {
+            tier.name: None
+            if tier.ttft_slo_s is None
+            else tier.ttft_slo_s * self._config.slo_fraction
+            for tier in tiers
+        }
+        self._unseen = _UnseenAdmissions()
+        # tier -> earliest moment not yet promised to a shed request of the tier
+        self._next_retry_at_s: dict[str, float] = {}
+
+    def is_exempt(self, tier_name: str) -> bool:
+        """True for tiers never shed (no TTFT objective): no scheduler stats needed."""
+        return self.thresholds_s[self._tiers[tier_name].name] is None
+
+    def check(self, stats: SchedulerStats, tier_name: str, num_prompt_tokens: int) -> Shed | None:
+        """The refusal for a new request of this tier under the current backlog, or None."""
+        tier = self._tiers[tier_name]
+        threshold_s = self.thresholds_s[tier.name]
+        if threshold_s is None:
+            return None
+        self._unseen.observe(stats, self._clock())
+        rate = stats.prefill_tokens_per_s
+        if not rate:
+            return None
+        num_unseen = self._unseen.num_tokens_ahead(tier.priority, stats.priority_preemption)
+        wait_s = stats.estimate_queue_wait_s(tier.priority, num_unseen + num_prompt_tokens)
+        own_s = num_prompt_tokens / rate
+        ahead_s = wait_s - own_s
+        if wait_s <= threshold_s or (own_s >= threshold_s and ahead_s <= 0):
+            return None
+        if _reservation_has_room(stats, tier):
+            return None
+        # how long until little enough is ahead of this prompt for it to be admitted
+        drain_s = ahead_s - max(0.0, threshold_s - own_s)
+        retry_after_s = self._promise(tier.name, drain_s, own_s, stats)
+        return Shed(
+            f"The server is overloaded for the {tier.name} tier: estimated queue wait "
+            f"{format_duration(wait_s)}, over its {format_duration(threshold_s)} threshold. "
+            f"Please retry after {format_duration(retry_after_s)}.",
+            retry_after_s=retry_after_s,
+            estimated_wait_s=wait_s,
+            threshold_s=threshold_s,
+        )
+
+    def admitted(self, tier_name: str, num_prompt_tokens: int) -> None:
+        """Count an admitted request's prompt until the engine's statistics show it."""
+        self._unseen.add(self._tiers[tier_name].priority, num_prompt_tokens, self._clock())
+
+    def _promise(
+        self, tier_name: str, drain_s: float, own_s: float, stats: SchedulerStats
+    ) -> float:
+        """The retry delay for a request the backlog ahead fits in drain_s seconds from now."""
+        now_s = self._clock()
+        step_s = stats.mean_step_time_s or 0.0
+        earliest_s = now_s + max(self._config.min_retry_after_s, drain_s + step_s)
+        retry_at_s = max(earliest_s, self._next_retry_at_s.get(tier_name, 0.0))
+        self._next_retry_at_s[tier_name] = retry_at_s + own_s
+        return retry_at_s - now_s
+
+
+# Longest an admission is counted, whatever the statistics say: admissions of tiers never
+# shed are not followed by a check() that would read newer statistics, and must not pile up.
+_MAX_UNSEEN_S = 10.0
+
+
+class _UnseenAdmissions:
+    """Prompt tokens admitted that the engine's latest statistics may not include yet.
+
+    The engine takes a request in at the start of a step. The step running when it was
+    admitted may have started before, the one after cannot have: an admission is counted until
+    the statistics show two more steps, or one more step and the time of two (an engine that
+    went idle after taking it in runs no second step).
+    """
+
+    def __init__(self) -> None:
+        self._num_steps = 0  # the engine's step count in the latest statistics seen
+        # (step count when admitted, when admitted in seconds, priority, prompt tokens)
+        self._entries: deque[tuple[int, float, int, int]] = deque()
+        self._num_tokens: dict[int, int] = {}  # priority -> sum over _entries
+
+    def observe(self, stats: SchedulerStats, now_s: float) -> None:
+        self._num_steps = stats.counters.num_steps
+        two_steps_s = 2 * (stats.mean_step_time_s or 0.0)
+        while self._entries:
+            num_steps, admitted_at_s, _, _ = self._entries[0]
+            num_steps_since = self._num_steps - num_steps
+            if num_steps_since < 2 and not (
+                num_steps_since == 1 and now_s - admitted_at_s >= two_steps_s
+            ):
+                break
+            self._forget_oldest()
+        self._forget_older_than(now_s - _MAX_UNSEEN_S)
+
+    def add(self, priority: int, num_tokens: int, now_s: float) -> None:
+        self._forget_older_than(now_s - _MAX_UNSEEN_S)
+        self._entries.append((self._num_steps, now_s, priority, num_tokens))
+        self._num_tokens[priority] = self._num_tokens.get(priority, 0) + num_tokens
+
+    def _forget_older_than(self, admitted_at_s: float) -> None:
+        while self._entries and self._entries[0][1] < admitted_at_s:
+            self._forget_oldest()
+
+    def _forget_oldest(self) -> None:
+        _, _, priority, num_tokens = self._entries.popleft()
+        self._num_tokens[priority] -= num_tokens
+
+    def num_tokens_ahead(self, priority: int, priority_preemption: bool) -> int:
+        return sum(
+            n for p, n in self._num_tokens.items() if p <= priority or not priority_preemption
+        )
+
+
+def _reservation_has_room(stats: SchedulerStats, tier: Tier) -> bool:
+    """Whether the tier holds fewer KV blocks than are reserved for it."""
+    tier_stats = stats.tiers.get(tier.priority)
+    if tier_stats is not None:
+        return tier_stats.num_kv_blocks < tier_stats.num_kv_blocks_reserved
+    # no request of the tier in the engine: it holds nothing of its reservation
+    return int(tier.kv_reserved_fraction * stats.num_kv_blocks_total) > 0

@@ -1,0 +1,170 @@
+"""An in-process gateway for tests that need to reach inside the running replica: the
+composition `tiergate serve` makes (runtime, admission, observability, app) over a scratch
+SQLite database, with the demo model's tokenizer driving a FakeModelRunner that sleeps its
+modelled step time, served by uvicorn in a thread on a loopback port.
+
+Tests talk to it over real HTTP and can slow the engine (``gateway.runner.extra_delay_s``),
+read its metrics and swap in an in-memory span exporter through ``telemetry``.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import uvicorn
+
+import migrations
+import tenants
+from engine.async_engine import AsyncLLMEngine
+from engine.fake_runner import FakeModelRunner
+from engine.models.config import ModelConfig
+from engine.tokenizer import Tokenizer
+from gateway.observability import Observability
+from gateway.replica import compose_replica
+from gateway.runtime import GatewayRuntime
+from gateway.served_model import DEMO_MODEL_NAME, ServedModel, start_engine
+from gateway.settings import GatewaySettings
+from gateway.telemetry import Telemetry
+from policies import TierTable
+from tests.serve_process import ADMIN_TOKEN, shared_demo_model_dir
+
+# KV blocks of the fake runner: plenty for the tests' prompts at 16 tokens a block.
+_NUM_KV_BLOCKS = 1024
+_KV_BLOCK_SIZE = 16
+
+
+class FakeModelLoader:
+    """A GatewayRuntime model loader: the demo checkpoint's tokenizer and config over a
+    FakeModelRunner (real step sleeps, no weights). ``runner`` is set once loaded."""
+
+    def __init__(self, model_dir: Path, num_kv_blocks: int = _NUM_KV_BLOCKS) -> None:
+        self.model_dir = model_dir
+        self.num_kv_blocks = num_kv_blocks
+        self.runner: FakeModelRunner | None = None
+
+    def __call__(
+        self, settings: GatewaySettings, tiers: TierTable, created: int
+    ) -> tuple[ServedModel, AsyncLLMEngine]:
+        model_config = ModelConfig.from_file(self.model_dir)
+        tokenizer = Tokenizer.from_dir(self.model_dir)
+        # The fake's tokens are hashes of the context: keep them ids the tokenizer decodes.
+        vocab_size = min(tokenizer.vocab_size, model_config.vocab_size)
+        runner = FakeModelRunner(
+            self.num_kv_blocks, _KV_BLOCK_SIZE, vocab_size=vocab_size, sleep=True
+        )
+        served, engine = start_engine(
+            settings, tiers, runner, model_config, tokenizer, DEMO_MODEL_NAME, created,
+            vocab_size=vocab_size,
+        )
+        self.runner = runner
+        return served, engine
+
+
+@dataclass
+class InProcessGateway:
+    """A running replica in this process; stop() shuts it down (lifespan included)."""
+
+    base_url: str
+    runtime: GatewayRuntime
+    observability: Observability
+    loader: FakeModelLoader
+    _server: uvicorn.Server = field(repr=False)
+    _thread: threading.Thread = field(repr=False)
+
+    @property
+    def runner(self) -> FakeModelRunner:
+        assert self.loader.runner is not None, "the model is not loaded yet"
+        return self.loader.runner
+
+    def admin(self) -> httpx.Client:
+        return httpx.Client(base_url=self.base_url, headers={"x-admin-token": ADMIN_TOKEN})
+
+    def create_tenant(
+        self, name: str, tier: str, quota: Mapping[str, Any] | None = None
+    ) -> tuple[int, str]:
+        """A tenant made through the admin API: (its id, a fresh API key)."""
+        with self.admin() as admin:
+            created = admin.post(
+                "/admin/v1/tenants", json={"name": name, "tier": tier, "quota": quota or {}}
+            )
+            assert created.status_code == 201, created.text
+            tenant_id = int(created.json()["id"])
+            key = admin.post(f"/admin/v1/tenants/{tenant_id}/keys", json={"name": "e2e"})
+            assert key.status_code == 201, key.text
+        return tenant_id, str(key.json()["key"])
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout_s)
+        assert not self._thread.is_alive(), "uvicorn did not stop"
+
+
+def start_gateway(
+    work_dir: Path,
+    *,
+    file_config: Mapping[str, Any] | None = None,
+    telemetry: Telemetry | None = None,
+    tiers: TierTable | None = None,
+    timeout_s: float = 60.0,
+    **settings: Any,
+) -> InProcessGateway:
+    """Migrate a fresh SQLite database in work_dir, compose the replica as serve does and
+    serve it; returns once /health/ready answers 200. settings override GatewaySettings
+    fields; file_config holds the config file's sections (admission, alerts)."""
+    database_url = f"sqlite:///{work_dir / 'tiergate.db'}"
+    migrations.upgrade_head(database_url)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    port = int(listener.getsockname()[1])
+    gateway_settings = GatewaySettings(
+        host="127.0.0.1",
+        port=port,
+        database_url=database_url,
+        admin_token=ADMIN_TOKEN,
+        demo_model_dir=shared_demo_model_dir(),
+        data_dir=work_dir / "data",
+        file_config=dict(file_config or {}),
+        **settings,
+    )
+    tier_table = tiers or TierTable()
+    loader = FakeModelLoader(gateway_settings.demo_model_dir)
+    db_engine = tenants.create_db_engine(tenants.DatabaseSettings(url=database_url))
+    replica = compose_replica(
+        gateway_settings, tier_table, db_engine, model_loader=loader, telemetry=telemetry
+    )
+    runtime, observability, app = replica.runtime, replica.observability, replica.app
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    )
+    thread = threading.Thread(
+        target=server.run, kwargs={"sockets": [listener]}, name="uvicorn-e2e", daemon=True
+    )
+    thread.start()
+    gateway = InProcessGateway(
+        f"http://127.0.0.1:{port}", runtime, observability, loader, server, thread
+    )
+    _wait_ready(gateway, timeout_s)
+    return gateway
+
+
+def _wait_ready(gateway: InProcessGateway, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not gateway._thread.is_alive():
+            raise RuntimeError("the in-process gateway stopped while starting")
+        try:
+            ready = httpx.get(f"{gateway.base_url}/health/ready", timeout=2.0)
+            if ready.status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    gateway.stop()
+    raise RuntimeError(f"the in-process gateway was not ready in {timeout_s} s")

@@ -1,0 +1,85 @@
+"""Rate limits through three real `tiergate serve` replicas sharing one Redis (the local
+server, under this run's own key prefix) and one PostgreSQL database: a tenant's limit holds
+across them as if they were one. test_admission_single.py runs the same experiments on one
+replica with the memory limiter, where they are exact.
+
+Every bucket here refills at one unit a minute (rate 1, burst N), so what a test admits is
+its burst: the refill over a test's seconds is below one unit, and allowed for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+import migrations
+from tests.gateway.admission_support import (
+    SHARED_REDIS_URL,
+    admit_n_of_3n,
+    check_token_limit_under_concurrency,
+    delete_redis_prefix,
+    new_key_prefix,
+    start_all,
+    stop_all,
+    write_config,
+)
+from tests.serve_process import ServeProcess
+from tests.tenants.conftest import scratch_database
+
+NUM_REPLICAS = 3
+# The limit of the counting tests: 2 % of it is 2 requests.
+N = 100
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[ServeProcess]]:
+    directory = tmp_path_factory.mktemp("admission-replicas")
+    prefix = new_key_prefix()
+    admission = {
+        # Shedding decisions depend on timing; these tests count rate-limit decisions only.
+        "enable_shedding": False,
+        "num_replicas": NUM_REPLICAS,
+        "redis_key_prefix": prefix,
+        # A loaded CI machine must not turn a slow Redis answer into a local fallback.
+        "redis_timeout_s": 5.0,
+    }
+    config = write_config(directory / "replicas.json", {"admission": admission})
+    with scratch_database("postgresql", directory) as database_url:
+        migrations.upgrade_head(database_url)
+        processes = [
+            ServeProcess(
+                database_url,
+                args=["--no-migrate", "--redis-url", SHARED_REDIS_URL, "--config", str(config)],
+            )
+            for _ in range(NUM_REPLICAS)
+        ]
+        try:
+            start_all(processes)
+            yield processes
+            for process in processes:
+                # Every decision above went through Redis (no local fallback).
+                assert "rate limiter unreachable" not in process.output(), process.output()
+        finally:
+            try:
+                stop_all(processes)
+            finally:
+                for process in processes:
+                    process.kill()
+                delete_redis_prefix(SHARED_REDIS_URL, prefix)
+
+
+@pytest.mark.parametrize("limit", ["requests", "tokens"])
+def test_replicas_admit_n_of_3n_within_two_percent(
+    replicas: list[ServeProcess], limit: str
+) -> None:
+    per_replica = admit_n_of_3n(replicas, limit, N)
+    assert abs(sum(per_replica) - N) <= 0.02 * N, per_replica
+    # the load really was spread: every replica admitted its part
+    assert all(n > 0 for n in per_replica), per_replica
+
+
+def test_concurrent_requests_on_replicas_never_overshoot_a_token_limit(
+    replicas: list[ServeProcess],
+) -> None:
+    check_token_limit_under_concurrency(replicas, capacity=3000, concurrency_per_server=16)

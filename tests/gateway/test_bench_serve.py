@@ -1,0 +1,435 @@
+"""`tiergate bench serve`: prompt planning and statistics on hand-made inputs, then tiny
+benchmarks against real `tiergate serve` processes started by the tool itself (a run, the
+command line against --url, and a whole sweep). Nothing here gates on time: latency figures
+are checked for consistency with each other, never against a bound."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from engine.workload import Workload, WorkloadRequest
+from gateway import cli
+from gateway.bench_serve.calibration import (
+    calibration_of,
+    capacity_window,
+    measure_capacity,
+    measure_reference_prefill_s,
+)
+from gateway.bench_serve.errors import BenchConfigError
+from gateway.bench_serve.loadgen import CANCELLED, RequestResult
+from gateway.bench_serve.plan import (
+    ArrivalProcess,
+    PromptVocabulary,
+    plan_requests,
+    retime,
+    two_tenant_workload,
+)
+from gateway.bench_serve.report import format_run, run_json
+from gateway.bench_serve.server import VARIANTS, BenchServer, EngineLimits
+from gateway.bench_serve.session import BenchTarget, RunRecord
+from gateway.bench_serve.stats import meets_slo, summarize
+from policies import TierTable
+from tests.serve_process import shared_demo_model_dir
+
+# -- planning --------------------------------------------------------------------------------
+
+
+def _request(
+    index: int, tenant: str, arrival_s: float, prompt_len: int = 24, output_len: int = 6,
+    prefix: int = 0, tier: str = "premium",
+) -> WorkloadRequest:
+    return WorkloadRequest(f"r{index}", arrival_s, tenant, tier, prompt_len, output_len, prefix)
+
+
+def test_prompts_avoid_special_ids_and_share_each_tenants_prefix() -> None:
+    workload = Workload(seed=3, rate_rps=1.0, requests=[
+        _request(0, "a", 0.5, prompt_len=30, prefix=16),
+        _request(1, "b", 0.2, prompt_len=30, prefix=16),
+        _request(2, "a", 0.9, prompt_len=20, prefix=16),
+        _request(3, "a", 1.3, prompt_len=40, prefix=0),
+    ])
+    vocabulary = PromptVocabulary(vocab_size=40, special_token_ids=frozenset({0, 1, 2, 3, 4, 39}))
+    plan = plan_requests(workload, vocabulary)
+    assert [p.request_id for p in plan] == ["r1", "r0", "r2", "r3"]  # arrival order
+    by_id = {p.request_id: p for p in plan}
+    for p in plan:
+        assert all(5 <= t < 39 for t in p.prompt_token_ids), p
+        assert p.num_output_tokens == 6
+    assert [len(by_id[f"r{i}"].prompt_token_ids) for i in range(4)] == [30, 30, 20, 40]
+    assert by_id["r0"].prompt_token_ids[:16] == by_id["r2"].prompt_token_ids[:16]
+    assert by_id["r0"].prompt_token_ids[:16] != by_id["r1"].prompt_token_ids[:16]
+    assert by_id["r0"].prompt_token_ids[16:20] != by_id["r2"].prompt_token_ids[16:20]
+    assert plan_requests(workload, vocabulary) == plan  # seeded
+    # The whole ordinary range is reachable: no id is lost in the mapping.
+    many = Workload(seed=0, rate_rps=1.0, requests=[_request(0, "a", 0.0, prompt_len=2000)])
+    assert set(plan_requests(many, vocabulary)[0].prompt_token_ids) == set(range(5, 39))
+
+
+def test_demo_model_vocabulary_excludes_its_special_tokens() -> None:
+    vocabulary = PromptVocabulary.of_model(shared_demo_model_dir())
+    config = json.loads((shared_demo_model_dir() / "config.json").read_text())
+    assert vocabulary.vocab_size == config["vocab_size"]
+    assert vocabulary.special_token_ids == frozenset(range(5))  # bos, eos, headers, eot
+
+
+def test_retime_scales_the_files_arrivals_to_the_rate() -> None:
+    workload = Workload(seed=0, rate_rps=1.0, requests=[
+        _request(i, "a", t) for i, t in enumerate([0.5, 1.0, 2.0, 4.0])
+    ])
+    doubled = retime(workload, 2.0)
+    assert [r.arrival_s for r in doubled.requests] == [0.25, 0.5, 1.0, 2.0]
+    assert doubled.rate_rps == 2.0
+    assert [r.request_id for r in retime(workload, 2.0, duration_s=1.0).requests] == ["r0", "r1"]
+    assert len(retime(workload, 0.5, num_requests=3).requests) == 3
+    with pytest.raises(BenchConfigError):
+        retime(workload, 1.0, duration_s=0.1)
+
+
+def test_poisson_arrivals_are_seeded_at_the_asked_rate() -> None:
+    workload = Workload(seed=0, rate_rps=1.0, requests=[
+        _request(i, "a", float(i)) for i in range(4000)
+    ])
+    first = retime(workload, 5.0, arrivals=ArrivalProcess.POISSON, seed=7)
+    again = retime(workload, 5.0, arrivals=ArrivalProcess.POISSON, seed=7)
+    other = retime(workload, 5.0, arrivals=ArrivalProcess.POISSON, seed=8)
+    times = [r.arrival_s for r in first.requests]
+    assert times == [r.arrival_s for r in again.requests]
+    assert times != [r.arrival_s for r in other.requests]
+    assert times == sorted(times)
+    assert len(times) / times[-1] == pytest.approx(5.0, rel=0.05)
+
+
+def test_two_tenant_workload_keeps_the_rate_ratio() -> None:
+    workload = Workload(seed=0, rate_rps=1.0, requests=[
+        _request(i, "x", float(i), prompt_len=10 + i) for i in range(3000)
+    ])
+    mixed = two_tenant_workload(workload, 2.0, 10.0, 100.0, seed=1)
+    light = [r for r in mixed.requests if r.tenant == "light"]
+    heavy = [r for r in mixed.requests if r.tenant == "heavy"]
+    assert {r.tier for r in mixed.requests} == {"standard"}
+    assert 8 < len(heavy) / len(light) < 12.5
+    assert len(light) == pytest.approx(200, rel=0.2)
+    times = [r.arrival_s for r in mixed.requests]
+    assert times == sorted(times) and times[-1] < 100.0
+    # Lengths come from the workload's requests in order.
+    assert [r.prompt_len for r in mixed.requests[:3]] == [10, 11, 12]
+    assert len({r.request_id for r in mixed.requests}) == len(mixed.requests)
+
+
+# -- statistics ------------------------------------------------------------------------------
+
+
+def _result(
+    request_id: str, tenant: str, tier: str, sent_s: float, status: int, *, ttft_s: float | None,
+    num_tokens: int, num_requested: int, itl_s: list[float], e2e_s: float, lag_s: float = 0.0,
+    error: str | None = None,
+) -> RequestResult:
+    return RequestResult(
+        request_id=request_id, tenant=tenant, tier=tier, scheduled_s=sent_s - lag_s,
+        sent_s=sent_s, status_code=status, num_prompt_tokens=10,
+        num_output_tokens_requested=num_requested, num_output_tokens=num_tokens, ttft_s=ttft_s,
+        e2e_s=e2e_s, itl_s=itl_s, error=error,
+    )
+
+
+def test_summary_figures_from_hand_made_results() -> None:
+    tiers = TierTable()  # premium TTFT 0.5 s, TPOT 0.05 s; standard 2 s, 0.1 s
+    results = [
+        # meets both: TPOT (0.56 - 0.2) / 9 = 0.04
+        _result("p1", "pa", "premium", 0.0, 200, ttft_s=0.2, num_tokens=10, num_requested=10,
+                itl_s=[0.04] * 9, e2e_s=0.56),
+        # TTFT over 0.5 s
+        _result("p2", "pb", "premium", 1.0, 200, ttft_s=0.6, num_tokens=5, num_requested=5,
+                itl_s=[0.1] * 4, e2e_s=1.0, lag_s=0.05),
+        # TTFT met, TPOT (3.0 - 1.0) / 10 = 0.2 over 0.1 s
+        _result("s1", "sa", "standard", 0.5, 200, ttft_s=1.0, num_tokens=11, num_requested=11,
+                itl_s=[0.2] * 10, e2e_s=3.0),
+        _result("s2", "sa", "standard", 2.0, 429, ttft_s=None, num_tokens=0, num_requested=8,
+                itl_s=[], e2e_s=0.01, error="overloaded"),
+        # the stream broke after 3 of 8 tokens
+        _result("s3", "sb", "standard", 1.5, 200, ttft_s=0.5, num_tokens=3, num_requested=8,
+                itl_s=[0.25, 0.25], e2e_s=1.0, error="engine failed"),
+    ]
+    assert [meets_slo(r, tiers) for r in results] == [True, False, False, False, False]
+    summary = summarize("hand", 2.5, results, tiers)
+    assert summary.duration_s == pytest.approx(3.5)  # s1 ends last, at 0.5 + 3.0
+    assert summary.max_send_lag_s == pytest.approx(0.05)
+    overall = summary.overall
+    assert (overall.num_requests, overall.num_completed, overall.num_shed, overall.num_failed) \
+        == (5, 3, 1, 1)
+    assert overall.goodput_rps == pytest.approx(1 / 3.5)
+    assert overall.shed_rate == pytest.approx(0.2)
+    assert overall.output_tokens_per_s == pytest.approx(29 / 3.5)
+    assert overall.itl_s.num_samples == 9 + 4 + 10 + 2
+    assert overall.shed_response_s.p99 == pytest.approx(0.01)
+    premium = summary.tier("premium")
+    assert (premium.ttft_s.p50, premium.ttft_s.p90, premium.ttft_s.p99) == (0.2, 0.6, 0.6)
+    assert premium.ttft_slo_attainment == 0.5 and premium.slo_attainment == 0.5
+    assert premium.tpot_s.p99 == pytest.approx(0.1)
+    standard = summary.tier("standard")
+    assert standard.ttft_slo_attainment == pytest.approx(2 / 3)
+    assert standard.slo_attainment == 0.0 and standard.goodput_rps == 0.0
+    assert standard.e2e_s.num_samples == 1  # completed only
+    assert [t.name for t in summary.tenants] == ["pa", "pb", "sa", "sb"]
+    assert summary.tenant("sa").num_shed == 1
+    assert math.isnan(summary.tenant("sb").e2e_s.p50)
+    document = run_json(RunRecord(summary, results))
+    assert document["summary"]["tenants"][3]["e2e_s"]["p50"] is None  # NaN -> null
+    assert document["requests"][0]["num_token_gaps"] == 9
+    json.dumps(document, allow_nan=False)
+    assert "hand" in format_run(summary)
+
+
+def test_capacity_is_counted_while_every_closed_loop_slot_is_busy() -> None:
+    # Two in flight, stopped at the fourth completion: each request ends 1 s after it was
+    # sent with tokens at +0.5/0.75/1.0 s; the two in flight at the end were cancelled.
+    results = [
+        _result(f"c{i}", "t", "premium", float(i), 200, ttft_s=0.5, num_tokens=3,
+                num_requested=3, itl_s=[0.25, 0.25], e2e_s=1.0)
+        for i in range(4)
+    ] + [
+        _result("c4", "t", "premium", 3.0, 200, ttft_s=0.5, num_tokens=2, num_requested=3,
+                itl_s=[0.25], e2e_s=1.0, error=CANCELLED),
+        _result("c5", "t", "premium", 4.0, 0, ttft_s=None, num_tokens=0, num_requested=3,
+                itl_s=[], e2e_s=0.0, error=CANCELLED),
+    ]
+    assert results[1].token_times_s == [1.5, 1.75, 2.0]
+    record = RunRecord(summarize("capacity", 0.0, results, TierTable()), results)
+    # From the first completion (1 s) to the last (4 s): the tokens in between, the cancelled
+    # request's two included, over the 3 tokens every request asked for.
+    requests_per_s, tokens_per_s, window_s = capacity_window(record)
+    assert window_s == pytest.approx(3.0)
+    assert tokens_per_s == pytest.approx(11 / 3)
+    assert requests_per_s == pytest.approx(11 / 3 / 3)
+
+
+# -- against real servers --------------------------------------------------------------------
+
+# Objectives so tight that a standard request with any prefill ahead of it is shed; premium
+# still gets in while its KV reservation has room.
+_TIGHT_TIERS = TierTable().scaled(1e-3)
+
+
+def _limits() -> EngineLimits:
+    return EngineLimits(model_dir=None, demo_model_dir=shared_demo_model_dir(),
+                        kv_cache_bytes=16 << 20)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BenchServer]:
+    bench_server = BenchServer(VARIANTS["tiered"], _TIGHT_TIERS, _limits(),
+                               tmp_path_factory.mktemp("bench-server")).start()
+    yield bench_server
+    assert bench_server.stop() == 0, bench_server.log_path.read_text()
+
+
+@pytest.fixture(scope="module")
+def vocabulary() -> PromptVocabulary:
+    return PromptVocabulary.of_model(shared_demo_model_dir())
+
+
+def test_a_run_against_a_real_server_records_consistent_timings(
+    server: BenchServer, vocabulary: PromptVocabulary
+) -> None:
+    assert server.config_file()["admission"] == {"enable_shedding": True}
+    tenants = [("p0", "premium"), ("p1", "premium")]
+    target = BenchTarget.provision(server.base_url, server.admin_token, tenants, vocabulary,
+                                   progress=False)
+    assert target.model == "tiergate-demo"
+    workload = Workload(seed=1, rate_rps=12.0, requests=[
+        _request(i, f"p{i % 2}", 0.08 * i, prompt_len=40 + 16 * i, output_len=4 + i, prefix=32)
+        for i in range(6)
+    ])
+    record = target.run(workload, "smoke", _TIGHT_TIERS)
+    assert len(record.results) == 6
+    for r in record.results:
+        assert r.status_code == 200 and r.error is None, r
+        assert r.is_completed and r.num_output_tokens == r.num_output_tokens_requested
+        assert len(r.itl_s) == r.num_output_tokens - 1  # one chunk per token
+        assert r.ttft_s is not None and 0 < r.ttft_s <= r.e2e_s
+        assert r.ttft_s + sum(r.itl_s) <= r.e2e_s
+        assert r.tpot_s is not None
+        assert r.tpot_s * (r.num_output_tokens - 1) == pytest.approx(r.e2e_s - r.ttft_s)
+        assert r.sent_s >= r.scheduled_s
+    summary = record.summary
+    overall = summary.overall
+    assert summary.offered_rps == 12.0
+    assert (overall.num_requests, overall.num_completed, overall.num_shed) == (6, 6, 0)
+    for stats in (overall.ttft_s, overall.tpot_s, overall.itl_s, overall.e2e_s):
+        assert stats.p50 <= stats.p90 <= stats.p99
+    assert overall.ttft_s.p99 <= overall.e2e_s.p99
+    assert overall.output_tokens_per_s == pytest.approx(
+        sum(4 + i for i in range(6)) / summary.duration_s
+    )
+    assert overall.goodput_rps == pytest.approx(
+        sum(meets_slo(r, _TIGHT_TIERS) for r in record.results) / summary.duration_s
+    )
+    assert [t.name for t in summary.tiers] == ["premium"]
+    assert {t.name for t in summary.tenants} == {"p0", "p1"}
+    json.dumps(run_json(record), allow_nan=False)
+    # Provisioning again (tenants exist): they are reset and get fresh keys that work.
+    again = BenchTarget.provision(server.base_url, server.admin_token, tenants, vocabulary,
+                                  progress=False)
+    assert again.keys.keys() == target.keys.keys() and again.keys != target.keys
+    assert again.run(Workload(1, 1.0, workload.requests[:1]), "again",
+                     _TIGHT_TIERS).results[0].is_completed
+
+
+def test_shed_requests_are_counted_as_shed(
+    server: BenchServer, vocabulary: PromptVocabulary
+) -> None:
+    target = BenchTarget.provision(server.base_url, server.admin_token, [("s0", "standard")],
+                                   vocabulary, progress=False)
+    # The first request lets the engine measure its prefill rate. Of the burst after it, a
+    # request with another's prompt still ahead waits (by the estimate) longer than the
+    # 1.6 ms threshold, so it is shed.
+    workload = Workload(seed=2, rate_rps=1.0, requests=[
+        _request(i, "s0", t, prompt_len=512, output_len=4, tier="standard")
+        for i, t in enumerate([0.0] + [1.5] * 5)
+    ])
+    record = target.run(workload, "shed", _TIGHT_TIERS)
+    shed = [r for r in record.results if r.is_shed]
+    assert shed, [(r.status_code, r.error) for r in record.results]
+    for r in shed:
+        assert r.ttft_s is None and r.num_output_tokens == 0 and r.itl_s == []
+        assert r.error is not None and "overloaded" in r.error
+    standard = record.summary.tier("standard")
+    assert standard.num_shed == len(shed)
+    assert standard.shed_rate == len(shed) / 6
+    assert standard.shed_response_s.num_samples == len(shed)
+    assert standard.num_completed + standard.num_shed == 6
+
+
+def test_calibration_measures_prefill_and_closed_loop_capacity(
+    server: BenchServer, vocabulary: PromptVocabulary
+) -> None:
+    tenants = [("cal-0", "premium")]
+    target = BenchTarget.provision(server.base_url, server.admin_token, tenants, vocabulary,
+                                   progress=False)
+    samples = measure_reference_prefill_s(target, "cal-0", "premium", _TIGHT_TIERS, 2)
+    assert len(samples) == 2 and all(s > 0 for s in samples)
+    workload = Workload(seed=6, rate_rps=1.0, requests=[
+        _request(i, "cal-0", float(i), prompt_len=20 + i, output_len=3) for i in range(6)
+    ])
+    capacity = measure_capacity(target, workload, _TIGHT_TIERS, 2, 3)
+    ids = [r.request_id for r in capacity.results]
+    assert ids == [f"r{i}" for i in range(len(ids))] and len(ids) >= 4  # sent in order
+    # Stopped at the third completion (one more may end before the cancellation lands).
+    num_completed = sum(r.is_completed for r in capacity.results)
+    assert 3 <= num_completed <= 4
+    for r in capacity.results:
+        assert r.is_completed or r.error == CANCELLED
+        assert r.scheduled_s <= r.sent_s
+        # closed loop: never more than two in flight
+        assert sum(o.sent_s <= r.sent_s < o.finish_s for o in capacity.results) <= 2
+    calibration = calibration_of(TierTable(), prefill_samples_s=samples, capacity=capacity,
+                                 concurrency=2)
+    reference_s = calibration.reference_prefill_s
+    assert reference_s == pytest.approx(sum(samples) / 2)  # median of 2
+    assert calibration.slo_scale == pytest.approx(10 * sum(samples) / 2 / 0.5)
+    assert calibration.is_slo_scale_measured and calibration.is_capacity_measured
+    assert (calibration.capacity_rps, calibration.capacity_output_tokens_per_s,
+            calibration.capacity_window_s) == capacity_window(capacity)
+    assert calibration.num_capacity_completions == num_completed
+    assert calibration.capacity_concurrency == 2
+    with pytest.raises(BenchConfigError):
+        measure_capacity(target, workload, _TIGHT_TIERS, 2, 1)  # no window
+
+
+def _workload_file(path: Path, requests: list[WorkloadRequest], rate_rps: float) -> Path:
+    rows = [
+        {"id": r.request_id, "arrival_s": r.arrival_s, "tenant": r.tenant, "tier": r.tier,
+         "prompt_len": r.prompt_len, "output_len": r.output_len,
+         "shared_prefix_len": r.shared_prefix_len}
+        for r in requests
+    ]
+    path.write_text(json.dumps({"seed": 5, "rate_rps": rate_rps, "requests": rows}))
+    return path
+
+
+def _bench(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    code = cli.main(["bench", "serve", "--no-progress",
+                     "--demo-model-dir", str(shared_demo_model_dir()), *argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_command_line_one_run_against_url(
+    server: BenchServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    workload = _workload_file(tmp_path / "workload.json", [
+        _request(i, "premium-0", 0.1 * i, prompt_len=32, output_len=3) for i in range(3)
+    ], rate_rps=10.0)
+    monkeypatch.setenv("TIERGATE_ADMIN_TOKEN", server.admin_token)
+    code, out, err = _bench(["--url", server.base_url, "--workload", str(workload),
+                             "--request-rate", "20", "--json", "--plot", str(tmp_path / "plots")],
+                            capsys)
+    assert code == 0, err
+    document = json.loads(out)
+    assert [t["name"] for t in document["tiers"]] == ["premium", "standard", "batch"]
+    summary = document["summary"]
+    assert summary["offered_rps"] == 20.0
+    assert summary["overall"]["num_requests"] == 3
+    assert summary["overall"]["num_completed"] == 3
+    # The file's arrivals scaled to 20 req/s over the three requests: the last at 3 / 20 s.
+    assert [r["scheduled_s"] for r in document["requests"]] == pytest.approx([0.0, 0.075, 0.15])
+    assert (tmp_path / "plots" / "ttft_cdf.png").stat().st_size > 0
+    # Without the admin token the run cannot create its tenants: a clear error, exit 1.
+    monkeypatch.delenv("TIERGATE_ADMIN_TOKEN")
+    code, out, err = _bench(["--url", server.base_url, "--workload", str(workload)], capsys)
+    assert code == 1 and "TIERGATE_ADMIN_TOKEN" in err
+
+
+def test_a_small_sweep_from_the_command_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    workload = _workload_file(tmp_path / "workload.json", [
+        _request(i, f"{tier}-0", 0.5 * i, prompt_len=24 + i % 40, output_len=4, tier=tier)
+        for i in range(300)
+        for tier in ["premium" if i % 3 == 0 else "standard"]
+    ], rate_rps=2.0)
+    output = tmp_path / "sweep.json"
+    # Scale and capacity given (as when repeating a sweep): no calibration server; the
+    # measurements themselves are tested above against the module's server.
+    code, out, err = _bench([
+        "--sweep", "--workload", str(workload), "--work-dir", str(tmp_path / "servers"),
+        "--slo-scale", "3", "--capacity", "4", "--variants", "fcfs", "--loads", "0.5",
+        "--duration", "2", "--fairness-variants", "fcfs", "--fairness-load", "1",
+        "--fairness-duration", "2",
+        "--heavy-ratio", "2", "--kv-cache-bytes", str(16 << 20),
+        "--output", str(output), "--plot", str(tmp_path / "plots"),
+    ], capsys)
+    assert code == 0, err
+    assert "SLO scale 3.00" in err  # progress goes to stderr
+    assert "SLO scale 3.00 (given)" in out and "fcfs @ 0.5x" in out and "fairness" in out
+    document = json.loads(output.read_text())
+    assert document["server_exit_codes"] == {"fcfs": 0}
+    calibration = document["calibration"]
+    assert calibration["is_slo_scale_measured"] is False
+    assert calibration["is_capacity_measured"] is False
+    premium = next(t for t in document["tiers"] if t["name"] == "premium")
+    assert premium["ttft_slo_s"] == pytest.approx(0.5 * 3)
+    (run,) = document["runs"]
+    assert (run["variant"], run["load_factor"]) == ("fcfs", 0.5)
+    assert run["summary"]["offered_rps"] == pytest.approx(2.0)
+    assert len(run["requests"]) == 4  # 2 req/s over 2 s
+    overall = run["summary"]["overall"]
+    assert overall["num_completed"] == overall["num_requests"] == len(run["requests"])
+    (fairness,) = document["fairness"]
+    assert fairness["heavy_rate_rps"] == pytest.approx(2 * fairness["light_rate_rps"])
+    alone = fairness["alone"]["summary"]["tenants"]
+    shared = {t["name"]: t for t in fairness["shared"]["summary"]["tenants"]}
+    assert [t["name"] for t in alone] == ["light"] and set(shared) == {"heavy", "light"}
+    assert alone[0]["num_requests"] == shared["light"]["num_requests"]
+    assert fairness["light_ttft_p99_ratio"] == pytest.approx(
+        shared["light"]["ttft_s"]["p99"] / alone[0]["ttft_s"]["p99"]
+    )
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [
+        "slo_attainment.png", "throughput.png", "ttft_cdf.png"
+    ]

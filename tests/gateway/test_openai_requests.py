@@ -1,0 +1,109 @@
+"""Request bodies against the OpenAI schema: what is accepted, and the param of each 400."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from gateway.errors import InvalidRequestError
+from gateway.openai_requests import Endpoint, parse_chat_request, parse_completion_request
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+COMPLETION = {"model": "m", "prompt": "hi"}
+
+
+def test_chat_defaults_follow_openai() -> None:
+    request = parse_chat_request(CHAT)
+    assert request.endpoint is Endpoint.CHAT
+    sampling = request.sampling
+    assert (sampling.n, sampling.temperature, sampling.top_p) == (1, 1, 1)
+    assert sampling.max_tokens is None
+    assert sampling.num_logprobs is None and not request.stream and not request.include_usage
+
+
+def test_chat_fields_are_read() -> None:
+    request = parse_chat_request({
+        **CHAT,
+        "messages": [
+            {"role": "developer", "content": [{"type": "text", "text": "be "},
+                                              {"type": "text", "text": "brief"}]},
+            {"role": "user", "content": "hi", "name": "ann"},
+        ],
+        "max_tokens": 5, "max_completion_tokens": 7, "logprobs": True, "top_logprobs": 3,
+        "stop": "END", "seed": 3, "n": 2, "stream": True,
+        "stream_options": {"include_usage": True}, "top_k": 4, "min_p": 0.1, "user": "u1",
+        "response_format": {"type": "text"}, "tools": [], "tool_choice": "none",
+    })
+    assert request.messages[0] == {"role": "system", "content": "be brief"}
+    assert request.messages[1]["name"] == "ann"
+    s = request.sampling
+    assert (s.max_tokens, s.num_logprobs, s.stop, s.seed, s.n, s.top_k, s.min_p) == (
+        7, 3, ("END",), 3, 2, 4, 0.1)
+    assert request.stream and request.include_usage and request.user == "u1"
+
+
+def test_top_p_zero_keeps_only_the_top_token() -> None:
+    sampling = parse_chat_request({**CHAT, "top_p": 0}).sampling
+    assert (sampling.top_p, sampling.top_k) == (1.0, 1)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "expected"),
+    [
+        ("text", ("text",)),
+        (["a", "b"], ("a", "b")),
+        ([1, 2, 3], ((1, 2, 3),)),
+        ([[1], [2, 3]], ((1,), (2, 3))),
+    ],
+)
+def test_completion_prompt_forms(prompt: Any, expected: tuple[Any, ...]) -> None:
+    assert parse_completion_request({**COMPLETION, "prompt": prompt}).prompts == expected
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "code"),
+    [
+        ({**CHAT, "temperature": 2.5}, "temperature", None),
+        ({**CHAT, "temperature": "hot"}, "temperature", None),
+        ({**CHAT, "n": 0}, "n", None),
+        ({**CHAT, "n": True}, "n", None),
+        ({**CHAT, "max_tokens": 0}, "max_tokens", None),
+        ({**CHAT, "top_logprobs": 2}, "top_logprobs", None),
+        ({**CHAT, "top_logprobs": 21, "logprobs": True}, "top_logprobs", None),
+        ({**CHAT, "stop": ["a", "b", "c", "d", "e"]}, "stop", None),
+        ({**CHAT, "stop": 3}, "stop", None),
+        ({**CHAT, "messages": []}, "messages", None),
+        ({**CHAT, "messages": [{"role": "bot", "content": "x"}]}, "messages[0].role", None),
+        ({**CHAT, "messages": [{"role": "user"}]}, "messages[0].content", None),
+        ({**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+         "messages[0].content[0].type", "unsupported_parameter"),
+        ({**CHAT, "tools": [{"type": "function"}]}, "tools", "unsupported_parameter"),
+        ({**CHAT, "response_format": {"type": "json_object"}}, "response_format",
+         "unsupported_parameter"),
+        ({**CHAT, "logit_bias": {"5": 10}}, "logit_bias", "unsupported_parameter"),
+        ({**CHAT, "stream_options": {"include_usage": True}}, "stream_options", None),
+        ({**CHAT, "wat": 1}, "wat", None),
+        ({"messages": CHAT["messages"]}, "model", None),
+        ({**COMPLETION, "prompt": None}, "prompt", None),
+        ({**COMPLETION, "prompt": [1, "a"]}, "prompt", None),
+        ({**COMPLETION, "prompt": [[1], [-2]]}, "prompt[1]", None),
+        ({**COMPLETION, "logprobs": 6}, "logprobs", None),
+        ({**COMPLETION, "echo": True, "logprobs": 1}, "echo", "unsupported_parameter"),
+        ({**COMPLETION, "best_of": 3}, "best_of", "unsupported_parameter"),
+        ({**COMPLETION, "suffix": "x"}, "suffix", "unsupported_parameter"),
+        ({**COMPLETION, "min_tokens": 5, "max_tokens": 2}, "min_tokens", None),
+    ],
+)
+def test_invalid_bodies_name_the_field(body: dict[str, Any], param: str, code: str | None) -> None:
+    parse = parse_chat_request if "messages" in body else parse_completion_request
+    with pytest.raises(InvalidRequestError) as raised:
+        parse(body)
+    assert raised.value.param == param
+    assert raised.value.code == code
+    assert raised.value.status_code == 400
+
+
+def test_a_body_that_is_not_an_object_is_refused() -> None:
+    with pytest.raises(InvalidRequestError):
+        parse_chat_request([CHAT])

@@ -1,0 +1,218 @@
+"""The admission controller: order of checks, nothing charged on refusal, refunds, headers."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime
+
+import pytest
+
+from engine import SchedulerStats, TierStats
+from policies import (
+    AdmissionController,
+    AdmissionRefused,
+    AdmissionRequest,
+    AdmissionTicket,
+    BudgetExhausted,
+    MemoryRateLimiter,
+    MonthlyUsage,
+    RateLimited,
+    RedisLimiterConfig,
+    RedisRateLimiter,
+    RefusalReason,
+    Shed,
+    TenantLimits,
+    TierTable,
+    UnknownTierError,
+    check_budgets,
+    rate_limit_headers,
+)
+from policies.admission import format_latency_table, measure_decision_latency
+from tests.policies.conftest import ManualClock
+
+LIMITS = TenantLimits(
+    requests_per_minute=60,
+    tokens_per_minute=6000,
+    max_concurrent_requests=2,
+    monthly_token_budget=1_000_000,
+    monthly_spend_budget_usd_micros=50_000_000,
+)
+
+
+class LedgerTotals:
+    """MonthlyUsageSource over a dict the test edits, like the ledger's running totals."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, MonthlyUsage] = {}
+
+    async def monthly_usage(self, tenant_id: str) -> MonthlyUsage:
+        return self.totals.get(tenant_id, MonthlyUsage(0, 0))
+
+
+class EngineStats:
+    """The engine's stats callable, counting how often admission asked."""
+
+    def __init__(self) -> None:
+        self.stats = SchedulerStats(prefill_tokens_per_s=1000.0)
+        self.num_calls = 0
+
+    def __call__(self) -> SchedulerStats:
+        self.num_calls += 1
+        return self.stats
+
+    def backlog(self, priority: int, num_tokens: int) -> None:
+        name = TierTable().names[priority]
+        self.stats.tiers[priority] = TierStats(
+            priority, name, num_pending_prefill_tokens=num_tokens
+        )
+
+
+def _controller(
+    ledger: LedgerTotals | None = None, stats: EngineStats | None = None
+) -> tuple[AdmissionController, MemoryRateLimiter]:
+    limiter = MemoryRateLimiter(ManualClock())
+    controller = AdmissionController(limiter, TierTable(), ledger, stats or EngineStats())
+    return controller, limiter
+
+
+def _request(tier: str = "standard", prompt: int = 100, max_tokens: int = 900) -> AdmissionRequest:
+    return AdmissionRequest("t1", tier, LIMITS, num_prompt_tokens=prompt, num_max_tokens=max_tokens)
+
+
+def test_admit_reserves_prompt_plus_max_tokens_and_release_refunds() -> None:
+    async def main() -> None:
+        controller, _ = _controller(LedgerTotals())
+        ticket = await controller.admit(_request())
+        assert ticket.lease.num_tokens_reserved == 1000
+        assert rate_limit_headers(ticket.snapshot) == {
+            "x-ratelimit-limit-requests": "60",
+            "x-ratelimit-remaining-requests": "59",
+            "x-ratelimit-reset-requests": "1s",
+            "x-ratelimit-limit-tokens": "6000",
+            "x-ratelimit-remaining-tokens": "5000",
+            "x-ratelimit-reset-tokens": "10s",
+        }
+        after = await controller.release(ticket, num_tokens_used=100 + 150)
+        assert after.tokens is not None and after.tokens.remaining == 5750
+        assert after.num_concurrent == 0
+        again = await controller.release(ticket, num_tokens_used=0)
+        assert again.tokens == after.tokens
+
+    asyncio.run(main())
+
+
+def test_budget_is_checked_first_and_says_not_to_retry() -> None:
+    ledger = LedgerTotals()
+    stats = EngineStats()
+    stats.backlog(1, 10**6)  # would be shed too
+
+    async def main() -> None:
+        controller, limiter = _controller(ledger, stats)
+        ledger.totals["t1"] = MonthlyUsage(num_tokens=1_000_000, spend_usd_micros=0)
+        with pytest.raises(BudgetExhausted) as exhausted:
+            await controller.admit(_request())
+        assert exhausted.value.reason is RefusalReason.BUDGET
+        assert not exhausted.value.should_retry and exhausted.value.retry_after_s is None
+        assert exhausted.value.snapshot is None
+        assert "used 1000000 of 1000000 tokens" in exhausted.value.message
+        assert stats.num_calls == 0
+        # the limiter was never charged: a full minute's requests are still there
+        lease = limiter.acquire_now("t1", LIMITS, 1)
+        assert lease.snapshot.requests is not None and lease.snapshot.requests.remaining == 59
+
+    asyncio.run(main())
+
+
+def test_spend_budget_and_reset_date() -> None:
+    limits = TenantLimits(monthly_spend_budget_usd_micros=5_000_000)
+    refusal = check_budgets(
+        "7", limits, MonthlyUsage(10, 5_250_000), now=datetime(2026, 12, 31, 23, 0, tzinfo=UTC)
+    )
+    assert refusal is not None and refusal.budget_name == "spend_usd_micros"
+    assert refusal.message == (
+        "Monthly spend budget exhausted for tenant 7: spent $5.25 of $5.00, $0.00 remaining. "
+        "It resets on 2027-01-01 (UTC)."
+    )
+    assert check_budgets("7", limits, MonthlyUsage(10**9, 4_999_999)) is None
+
+
+def test_shedding_comes_before_any_charge() -> None:
+    stats = EngineStats()
+    stats.backlog(1, 5000)  # standard wait 5 s over its 1.6 s threshold
+
+    async def main() -> None:
+        controller, _ = _controller(LedgerTotals(), stats)
+        for i in range(3):
+            with pytest.raises(Shed) as shed:
+                await controller.admit(_request(prompt=100))
+            # each is promised its own moment, one 100-token prompt (0.1 s) after the last
+            assert shed.value.retry_after_s == pytest.approx(5.1 - 1.6 + 0.1 * i, abs=0.05)
+            assert shed.value.snapshot is None
+        # batch is never shed and the stats are not even read for it
+        num_calls = stats.num_calls
+        ticket = await controller.admit(_request(tier="batch"))
+        assert stats.num_calls == num_calls
+        # the shed requests charged nothing: only the batch request is on the buckets
+        snapshot = ticket.snapshot
+        assert snapshot.requests is not None and snapshot.requests.remaining == 59
+        assert snapshot.num_concurrent == 1
+        await controller.release(ticket, 1000)
+        # premium has its reservation to spare: admitted over the same backlog
+        assert isinstance(await controller.admit(_request(tier="premium")), AdmissionTicket)
+
+    asyncio.run(main())
+
+
+def test_rate_limits_refuse_with_headers_and_all_or_nothing() -> None:
+    async def main() -> None:
+        controller, _ = _controller(None)  # no usage source: budgets not enforced
+        held = [await controller.admit(_request(max_tokens=400)) for _ in range(2)]
+        with pytest.raises(RateLimited) as refused:
+            await controller.admit(_request(max_tokens=400))
+        assert refused.value.reason is RefusalReason.CONCURRENCY
+        headers = rate_limit_headers(refused.value.snapshot, refused.value.retry_after_s)
+        assert headers["x-ratelimit-remaining-requests"] == "58"
+        assert headers["x-ratelimit-remaining-tokens"] == "5000"
+        assert (headers["retry-after"], headers["retry-after-ms"]) == ("1", "1000")
+        await controller.release(held[0], 500)
+        with pytest.raises(RateLimited) as too_large:
+            await controller.admit(_request(tier="batch", prompt=5000, max_tokens=2000))
+        assert not too_large.value.should_retry
+        with pytest.raises(UnknownTierError):
+            await controller.admit(_request(tier="gold"))
+        await controller.aclose()
+
+    asyncio.run(main())
+
+
+def test_redis_backed_controller_admits_and_releases(redis_url: str, key_prefix: str) -> None:
+    async def main() -> None:
+        limiter = RedisRateLimiter.from_url(
+            redis_url, RedisLimiterConfig(key_prefix=key_prefix, timeout_s=5.0)
+        )
+        controller = AdmissionController(limiter, TierTable(), LedgerTotals(), EngineStats())
+        try:
+            tickets = [await controller.admit(_request()) for _ in range(2)]
+            with pytest.raises(AdmissionRefused) as refused:
+                await controller.admit(_request())
+            assert refused.value.reason is RefusalReason.CONCURRENCY
+            released = await controller.release(tickets[0], num_tokens_used=1000)
+            assert released.num_concurrent == 1
+            assert released.tokens is not None and 4000 <= released.tokens.remaining <= 4100
+        finally:
+            await controller.aclose()
+
+    asyncio.run(main())
+
+
+def test_decision_latency_micro_benchmark() -> None:
+    """Prints how long decisions take; asserts nothing about time (CI machines vary)."""
+    rows = measure_decision_latency(num_decisions=2000, seed=1)
+    print("\n" + format_latency_table(rows))
+    assert [row.name for row in rows] == [
+        "budget check",
+        "SLO shed decision",
+        "rate limits (memory)",
+        "admit (memory limiter, all checks)",
+    ]
+    assert all(row.num_decisions == 2000 and 0 < row.p50_us <= row.p99_us for row in rows)

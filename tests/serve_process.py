@@ -1,0 +1,117 @@
+"""A real `tiergate serve` process for tests: started with its own database, port and
+demo-model directory, stopped with SIGTERM (or SIGKILL), its output kept for asserts.
+
+Shared by the gateway, admission, billing, console and deployment tests.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from engine.demo_model import write_demo_model
+
+ADMIN_TOKEN = "test-admin-token-0123456789"
+_KEY_PATTERN = re.compile(r"tg-[A-Za-z0-9]{8}_[A-Za-z0-9_-]+")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+_demo_dir: Path | None = None
+
+
+def shared_demo_model_dir() -> Path:
+    """One demo checkpoint per test session (writing it takes seconds)."""
+    global _demo_dir
+    if _demo_dir is None:
+        _demo_dir = write_demo_model(Path(tempfile.mkdtemp(prefix="tiergate-demo-")) / "demo")
+    return _demo_dir
+
+
+@dataclass
+class ServeProcess:
+    """One replica. Call start(); base_url is valid once it returns."""
+
+    database_url: str
+    env: Mapping[str, str] = field(default_factory=dict)
+    args: list[str] = field(default_factory=list)
+    port: int = field(default_factory=free_port)
+    log_path: Path = field(
+        default_factory=lambda: Path(tempfile.mkdtemp(prefix="tiergate-serve-")) / "serve.log"
+    )
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 120.0) -> ServeProcess:
+        env = {
+            **os.environ,
+            "TIERGATE_DEMO_MODEL_DIR": str(shared_demo_model_dir()),
+            "TIERGATE_ADMIN_TOKEN": ADMIN_TOKEN,
+            "TIERGATE_DATA_DIR": tempfile.mkdtemp(prefix="tiergate-data-"),
+            "PYTHONUNBUFFERED": "1",
+            **self.env,
+        }
+        command = [
+            sys.executable, "-m", "gateway.cli", "serve",
+            "--port", str(self.port),
+            "--database-url", self.database_url,
+            "--kv-cache-bytes", str(16 << 20),
+            "--log-level", "warning",
+            *self.args,
+        ]
+        with self.log_path.open("wb") as log:  # the child keeps its own descriptor
+            self.process = subprocess.Popen(
+                command, env=env, stdout=log, stderr=subprocess.STDOUT
+            )
+        self.wait_ready(timeout_s)
+        return self
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.process is not None
+            if self.process.poll() is not None:
+                raise RuntimeError(f"tiergate serve exited early:\n{self.output()}")
+            try:
+                if httpx.get(f"{self.base_url}/health/ready", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"tiergate serve not ready in {timeout_s} s:\n{self.output()}")
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def printed_keys(self) -> list[str]:
+        return sorted(set(_KEY_PATTERN.findall(self.output())))
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60.0) -> int:
+        """Send sig and wait; returns the exit status."""
+        assert self.process is not None
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+        return self.process.wait(timeout_s)
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(30)
