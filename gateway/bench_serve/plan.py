@@ -3,8 +3,10 @@ token-id prompts for the served model's vocabulary.
 
 Arrival times come from the workload file scaled to the target rate (its own Poisson
 process, stretched or squeezed), or from a fresh seeded Poisson process at that rate over the
-file's requests in order. Prompt ids come from `Workload.prompts` (seeded, shared prefix drawn
-once per tenant), mapped onto the model's ordinary ids so no special token is ever sent.
+file's requests in order; a run that needs more requests than the file has takes the file
+again (new request ids, so new prompts). Prompt ids come from `Workload.prompts` (seeded,
+shared prefix drawn once per tenant), mapped onto the model's ordinary ids so no special
+token is ever sent.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ __all__ = [
     "ArrivalProcess",
     "PlannedRequest",
     "PromptVocabulary",
+    "cycled",
     "plan_requests",
     "retime",
     "two_tenant_workload",
@@ -89,7 +92,8 @@ def retime(
 ) -> Workload:
     """The workload's first requests offered at `rate_rps` requests/s.
 
-    How many: rate x duration_s when a duration is given, else num_requests, else all. With
+    How many: rate x duration_s when a duration is given, else num_requests, else all; a run
+    that needs more requests than the file has goes on with the file again (`cycled`). With
     the file's arrivals, times are scaled so the requests taken arrive at exactly that rate on
     average (the last at count / rate): the file's own rate over a short window is not its
     nominal one. Poisson: new seeded arrivals at the rate, those before duration_s.
@@ -97,13 +101,18 @@ def retime(
     if rate_rps <= 0:
         raise BenchConfigError(f"the request rate must be positive, got {rate_rps}")
     if arrivals is ArrivalProcess.POISSON:
-        times = _poisson_times(len(workload.requests), rate_rps, seed)
-        count = sum(duration_s is None or t < duration_s for t in times)
+        if duration_s is None:
+            times = _poisson_times(num_requests or len(workload.requests), rate_rps, seed)
+        else:
+            times = _poisson_times_until(duration_s, rate_rps, seed)
+        count = len(times)
     else:
         count = len(workload.requests) if duration_s is None else round(rate_rps * duration_s)
-    requests = workload.requests[: count if num_requests is None else min(count, num_requests)]
-    if not requests:
+    if num_requests is not None:
+        count = min(count, num_requests)
+    if count == 0:
         raise BenchConfigError("no request of the workload is sent at this rate and duration")
+    requests = cycled(workload, count)
     if arrivals is ArrivalProcess.WORKLOAD:
         last_s = max(r.arrival_s for r in requests)
         if last_s <= 0:
@@ -112,6 +121,28 @@ def retime(
         times = [r.arrival_s * time_scale for r in requests]
     retimed = [replace(r, arrival_s=t) for r, t in zip(requests, times, strict=False)]
     return replace(workload, rate_rps=rate_rps, requests=retimed)
+
+
+def cycled(workload: Workload, count: int) -> list[WorkloadRequest]:
+    """The first `count` requests of the file repeated as often as needed: pass k > 0 takes
+    request i's tenant, tier and lengths as `<id>~k`, arriving k file-periods later (the
+    period is the file's span plus one mean gap). Prompts stay distinct: Workload.prompts draws
+    each request id's own tokens."""
+    source = workload.requests
+    if not source:
+        raise BenchConfigError("the workload has no requests")
+    last_s = max(r.arrival_s for r in source)
+    period_s = last_s * (len(source) + 1) / len(source)
+    return [
+        source[i % len(source)]
+        if i < len(source)
+        else replace(
+            source[i % len(source)],
+            request_id=f"{source[i % len(source)].request_id}~{i // len(source)}",
+            arrival_s=source[i % len(source)].arrival_s + (i // len(source)) * period_s,
+        )
+        for i in range(count)
+    ]
 
 
 def two_tenant_workload(
@@ -137,13 +168,11 @@ def two_tenant_workload(
     arrivals.sort()
     if all(tenant != LIGHT_TENANT for _, tenant in arrivals):
         raise BenchConfigError("the light tenant sends nothing: lengthen the duration")
-    if len(arrivals) > len(workload.requests):
-        raise BenchConfigError("the workload has fewer requests than the two tenants send")
     requests = [
         replace(source, request_id=f"{tenant}-{index}", arrival_s=arrival_s, tenant=tenant,
                 tier=tier)
         for index, (source, (arrival_s, tenant)) in enumerate(
-            zip(workload.requests, arrivals, strict=False)
+            zip(cycled(workload, len(arrivals)), arrivals, strict=True)
         )
     ]
     return Workload(seed=workload.seed, rate_rps=len(requests) / duration_s, requests=requests)
@@ -180,4 +209,14 @@ def _poisson_times(num_requests: int, rate_rps: float, seed: int) -> list[float]
     for _ in range(num_requests):
         now += rng.expovariate(rate_rps)
         times.append(now)
+    return times
+
+
+def _poisson_times_until(duration_s: float, rate_rps: float, seed: int) -> list[float]:
+    """The same seeded process as _poisson_times, cut at duration_s."""
+    rng = random.Random(seed)
+    times, now = [], rng.expovariate(rate_rps)
+    while now < duration_s:
+        times.append(now)
+        now += rng.expovariate(rate_rps)
     return times

@@ -23,6 +23,7 @@ import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
+from engine.workload import Workload
 from gateway.bench_serve.calibration import (
     Calibration,
     calibration_of,
@@ -100,6 +101,17 @@ def run_sweep(config: SweepConfig, log: Log = print) -> SweepResult:
     tiers = TierTable().scaled(calibration.slo_scale)
     log(f"SLO scale {calibration.slo_scale:.2f}, capacity {calibration.capacity_rps:.3f} req/s")
     result = SweepResult(machine, calibration, tiers, server_exit_codes=exit_codes)
+    # Every run's requests are planned before any server starts: a plan that cannot be made
+    # fails here, not after the load points have run.
+    timed_loads = [
+        replace(
+            retime(workload, factor * calibration.capacity_rps, arrivals=config.arrivals,
+                   duration_s=config.duration_s, seed=config.seed + index),
+            seed=workload.seed + index,
+        )
+        for index, factor in enumerate(sorted(config.load_factors))
+    ]
+    fairness_plan = _FairnessPlan.of(config, calibration)
     fairness_tenants = [(LIGHT_TENANT, _FAIRNESS_TIER), (HEAVY_TENANT, _FAIRNESS_TIER)]
     with contextlib.ExitStack() as stack:
         servers, targets = {}, {}
@@ -107,11 +119,10 @@ def run_sweep(config: SweepConfig, log: Log = print) -> SweepResult:
             server = stack.enter_context(_started(variant, variant, tiers, config, exit_codes))
             servers[variant] = server
             targets[variant] = _target(server, [*tenants, *fairness_tenants], config)
-        for index, factor in enumerate(sorted(config.load_factors)):
+        for index, (factor, timed) in enumerate(
+            zip(sorted(config.load_factors), timed_loads, strict=True)
+        ):
             rate = factor * calibration.capacity_rps
-            timed = retime(workload, rate, arrivals=config.arrivals,
-                           duration_s=config.duration_s, seed=config.seed + index)
-            timed = replace(timed, seed=workload.seed + index)
             for variant in _rotated(config.variants, index):
                 load_average = os.getloadavg()[0]
                 cpu_before_s = servers[variant].cpu_time_s()
@@ -120,9 +131,7 @@ def run_sweep(config: SweepConfig, log: Log = print) -> SweepResult:
                                        record.summary.duration_s, machine.num_cpus)
                 result.points.append(LoadPoint(variant, factor, load_average, cpu_share, record))
         for variant in config.fairness_variants:
-            result.fairness.append(
-                _fairness(targets[variant], variant, config, calibration, tiers)
-            )
+            result.fairness.append(fairness_plan.run(targets[variant], variant, tiers))
     return result
 
 
@@ -174,25 +183,36 @@ def _calibrate(
     )
 
 
-def _fairness(
-    target: BenchTarget,
-    variant: str,
-    config: SweepConfig,
-    calibration: Calibration,
-    tiers: TierTable,
-) -> FairnessRun:
-    light_rate = config.fairness_load_factor * calibration.capacity_rps / (1 + config.heavy_ratio)
-    shared = two_tenant_workload(
-        config.workload, light_rate, config.heavy_ratio, config.fairness_duration_s,
-        tier=_FAIRNESS_TIER, seed=config.seed,
-    )
-    # Prompt seeds past the sweep's, so nothing is a prefix-cache hit from an earlier run.
-    shared = replace(shared, seed=config.workload.seed + len(config.load_factors))
-    alone = replace(shared, requests=[r for r in shared.requests if r.tenant == LIGHT_TENANT],
-                    seed=shared.seed + 1)
-    light_alone = target.run(alone, f"{variant}: light alone", tiers, light_rate)
-    both = target.run(shared, f"{variant}: light + heavy", tiers, shared.rate_rps)
-    return FairnessRun(variant, light_rate, config.heavy_ratio * light_rate, light_alone, both)
+@dataclass(frozen=True)
+class _FairnessPlan:
+    """The two-tenant runs: the light tenant's requests alone, then with the heavy tenant's."""
+
+    light_rate_rps: float
+    heavy_rate_rps: float
+    alone: Workload
+    shared: Workload
+
+    @classmethod
+    def of(cls, config: SweepConfig, calibration: Calibration) -> _FairnessPlan:
+        light_rate = (
+            config.fairness_load_factor * calibration.capacity_rps / (1 + config.heavy_ratio)
+        )
+        shared = two_tenant_workload(
+            config.workload, light_rate, config.heavy_ratio, config.fairness_duration_s,
+            tier=_FAIRNESS_TIER, seed=config.seed,
+        )
+        # Prompt seeds past the sweep's, so nothing is a prefix-cache hit from an earlier run.
+        shared = replace(shared, seed=config.workload.seed + len(config.load_factors))
+        alone = replace(
+            shared, requests=[r for r in shared.requests if r.tenant == LIGHT_TENANT],
+            seed=shared.seed + 1,
+        )
+        return cls(light_rate, config.heavy_ratio * light_rate, alone, shared)
+
+    def run(self, target: BenchTarget, variant: str, tiers: TierTable) -> FairnessRun:
+        light_alone = target.run(self.alone, f"{variant}: light alone", tiers, self.light_rate_rps)
+        both = target.run(self.shared, f"{variant}: light + heavy", tiers, self.shared.rate_rps)
+        return FairnessRun(variant, self.light_rate_rps, self.heavy_rate_rps, light_alone, both)
 
 
 def _target(

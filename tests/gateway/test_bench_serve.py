@@ -90,6 +90,26 @@ def test_retime_scales_the_files_arrivals_to_the_rate() -> None:
         retime(workload, 1.0, duration_s=0.1)
 
 
+def test_a_run_longer_than_the_file_takes_the_file_again_with_new_prompts() -> None:
+    workload = Workload(seed=0, rate_rps=1.0, requests=[
+        _request(i, "a", t, prompt_len=10 + i) for i, t in enumerate([0.5, 1.0, 2.0, 4.0])
+    ])
+    timed = retime(workload, 2.0, duration_s=5.0)  # 10 requests from a file of 4
+    assert [r.request_id for r in timed.requests] == [
+        "r0", "r1", "r2", "r3", "r0~1", "r1~1", "r2~1", "r3~1", "r0~2", "r1~2",
+    ]
+    assert [r.prompt_len for r in timed.requests] == [10, 11, 12, 13] * 2 + [10, 11]
+    times = [r.arrival_s for r in timed.requests]
+    assert times == sorted(times) and len(set(times)) == len(times)
+    assert times[-1] == pytest.approx(5.0)  # the last at count / rate
+    prompts = timed.prompts(1000)
+    assert prompts["r0"] != prompts["r0~1"] and len(prompts["r0~1"]) == 10
+    poisson = retime(workload, 20.0, arrivals=ArrivalProcess.POISSON, duration_s=10.0, seed=3)
+    assert len(poisson.requests) == pytest.approx(200, rel=0.2)
+    assert max(r.arrival_s for r in poisson.requests) < 10.0
+    assert len({r.request_id for r in poisson.requests}) == len(poisson.requests)
+
+
 def test_poisson_arrivals_are_seeded_at_the_asked_rate() -> None:
     workload = Workload(seed=0, rate_rps=1.0, requests=[
         _request(i, "a", float(i)) for i in range(4000)
@@ -119,6 +139,11 @@ def test_two_tenant_workload_keeps_the_rate_ratio() -> None:
     # Lengths come from the workload's requests in order.
     assert [r.prompt_len for r in mixed.requests[:3]] == [10, 11, 12]
     assert len({r.request_id for r in mixed.requests}) == len(mixed.requests)
+    # More arrivals than the file has requests: the file's lengths again.
+    short = Workload(seed=0, rate_rps=1.0, requests=workload.requests[:50])
+    longer = two_tenant_workload(short, 2.0, 10.0, 100.0, seed=1)
+    assert len(longer.requests) == len(mixed.requests) > 50
+    assert [r.prompt_len for r in longer.requests[50:53]] == [10, 11, 12]
 
 
 # -- statistics ------------------------------------------------------------------------------
@@ -368,7 +393,8 @@ def test_command_line_one_run_against_url(
     ], rate_rps=10.0)
     monkeypatch.setenv("TIERGATE_ADMIN_TOKEN", server.admin_token)
     code, out, err = _bench(["--url", server.base_url, "--workload", str(workload),
-                             "--request-rate", "20", "--json", "--plot", str(tmp_path / "plots")],
+                             "--request-rate", "20", "--num-requests", "3", "--json",
+                             "--plot", str(tmp_path / "plots")],
                             capsys)
     assert code == 0, err
     document = json.loads(out)
