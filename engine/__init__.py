@@ -17,7 +17,7 @@ from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner, ModelRunnerOutput, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ScheduledChunk, SchedulerOutput
-from engine.scheduler_stats import EngineCounters, SchedulerStats, TierStats
+from engine.scheduler_stats import EngineCounters, SchedulerStats, TenantShare, TierStats
 
 __all__ = [
     "CacheConfig",
@@ -42,6 +42,7 @@ __all__ = [
     "SchedulerOutput",
     "SchedulerStats",
     "TenantContext",
+    "TenantShare",
     "TierStats",
     "TokenLogprobs",
     "WaitingQueue",

@@ -19,6 +19,11 @@ class SchedulerConfig:
     # A more important tier may preempt running requests of less important tiers (tiered);
     # off gives the single-class behaviour of a vLLM-style engine (FCFS baseline).
     enable_priority_preemption: bool = True
+    # Inside a tier (with priority preemption on): a waiting request of a tenant holding under
+    # half its weighted share of the tier's running requests may preempt a request of a
+    # tenant holding more than its share, so a light tenant does not wait for a heavy one's
+    # requests to finish.
+    enable_fair_share_preemption: bool = True
     # Thrash guard: a request admitted fewer than this many steps ago is not preempted to
     # admit another request (growth pressure may still preempt it).
     preemption_min_run_steps: int = 4

@@ -4,7 +4,10 @@ Each step: running decodes first, then chunks of prefills in progress, then new 
 the waiting queue's order. A request that cannot grow preempts, in order, the running requests
 of the least important tier (most blocks, latest arrival first); within its own tier, the
 latest admitted. A waiting request may preempt running requests of less important tiers to
-get in (when priority preemption is on), never of its own or a more important tier.
+get in (when priority preemption is on), never of a more important tier; of its own tier only
+to restore fair sharing: when its tenant holds under half its weighted share of the tier's
+running requests, it may preempt a request of a tenant over its share (least computed first),
+and that tenant pays the recompute.
 """
 
 from __future__ import annotations
@@ -80,18 +83,36 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         plan = _StepPlan(budget=self.config.max_num_batched_tokens)
-        # Decodes first, then prefills in progress (more important tiers first).
+        # Decodes first, then prefills in progress (more important tiers first), then
+        # admissions. A tenant under half its fair share of its tier is admitted before the
+        # prefills in progress of its own and less important tiers: a light tenant's prompt
+        # does not wait for a heavy tenant's chunks.
         order = sorted(
             self.running, key=lambda r: (not r.is_prefill_done, self._effective_priority(r))
         )
-        for request in order:
-            if plan.budget == 0:
-                break
-            if request.status != RequestStatus.RUNNING:
-                continue  # preempted earlier in this step
-            self._schedule_running(request, plan)
+        decodes = [r for r in order if r.is_prefill_done]
+        prefills = [r for r in order if not r.is_prefill_done]
+        self._schedule_running_all(decodes, plan)
+        if self._fair_share_applies:
+            first_prefills = [r for r in prefills if r.priority < self._best_waiting_priority()]
+            self._schedule_running_all(first_prefills, plan)
+            self._schedule_waiting(plan, under_share_only=True)
+        self._schedule_running_all(prefills, plan)
         self._schedule_waiting(plan)
         return self._build_output(plan)
+
+    def _schedule_running_all(self, requests: list[Request], plan: _StepPlan) -> None:
+        for request in requests:
+            if plan.budget == 0:
+                return
+            if request.status != RequestStatus.RUNNING or request.request_id in plan.num_new_tokens:
+                continue  # preempted earlier in this step, or already scheduled
+            self._schedule_running(request, plan)
+
+    def _best_waiting_priority(self) -> float:
+        """Priority of the most important waiting request (inf: none waits)."""
+        head = self.waiting.peek(set())
+        return float("inf") if head is None else head.priority
 
     def _schedule_running(self, request: Request, plan: _StepPlan) -> None:
         num_new = min(request.num_uncomputed_tokens, plan.budget)
@@ -103,17 +124,37 @@ class Scheduler:
         self.kv.allocate(request, num_new)
         self._commit_chunk(request, num_new, plan)
 
-    def _schedule_waiting(self, plan: _StepPlan) -> None:
+    def _schedule_waiting(self, plan: _StepPlan, under_share_only: bool = False) -> None:
+        """Admit waiting requests in queue order while budget lasts (under_share_only: only
+        those of tenants under half their fair share of their tier)."""
         skip_tenants: set[str] = set()
+        # Priority of a head that found every slot taken and nobody to preempt: only another
+        # tenant of that tier (which may be under its fair share) may still try.
+        blocked_priority: int | None = None
+        first_priority: int | None = None
         while plan.budget > 0:
             request = self.waiting.peek(skip_tenants)
             if request is None:
                 return
+            if first_priority is None:
+                first_priority = request.priority
+            if blocked_priority is not None and request.priority != blocked_priority:
+                return
+            if under_share_only:
+                if request.priority != first_priority:
+                    return  # never ahead of a more important tier's waiting requests
+                if not self._is_under_share(request):
+                    skip_tenants.add(request.tenant_id)
+                    continue
             if len(self.running) >= self.config.max_num_seqs:
                 victims = self._admission_victims(request)
                 if not victims:
-                    return
-                self._preempt(victims[0], plan, preempted_by=request)
+                    if not self._fair_share_applies:
+                        return
+                    blocked_priority = request.priority
+                    skip_tenants.add(request.tenant_id)
+                    continue
+                self._preempt(victims[0], plan, preempted_by=self._payer(victims[0], request))
             if request.fork_parent is not None:
                 ready = self._try_fork(request, plan)
                 if ready is None:
@@ -214,13 +255,14 @@ class Scheduler:
             num_fit = min(num_new, plan.budget + num_refunded)
             if self.kv.can_allocate(request, num_fit, computed, num_freed):
                 for chosen in victims:
-                    self._preempt(chosen, plan, preempted_by=request)
+                    self._preempt(chosen, plan, preempted_by=self._payer(chosen, request))
                 return self.kv.can_allocate(request, min(num_new, plan.budget), computed)
         return False
 
     def _admission_victims(self, request: Request) -> list[Request]:
         """Running requests a waiting request may preempt, best victim first: less important
-        tiers only, least important first, then most blocks, then latest arrival.
+        tiers, least important first, then most blocks, then latest arrival; after them,
+        requests of its own tier that fair sharing lets it take (`_fair_share_victims`).
 
         Thrash guard: a request admitted fewer than preemption_min_run_steps steps ago is
         never a victim, so every resume makes progress; requests already preempted
@@ -244,7 +286,44 @@ class Scheduler:
             ),
             reverse=True,
         )
-        return candidates
+        return candidates + self._fair_share_victims(request, guard_step)
+
+    @property
+    def _fair_share_applies(self) -> bool:
+        config = self.config
+        return config.enable_priority_preemption and config.enable_fair_share_preemption
+
+    def _fair_share_victims(self, request: Request, guard_step: int) -> list[Request]:
+        """Requests of request's own tier it may preempt to restore fair sharing, cheapest
+        recompute first: none unless its tenant holds under half its weighted share of the
+        tier's running requests (counting this one); then those of tenants that keep at
+        least their share after giving one up."""
+        if not self._fair_share_applies or not self._is_under_share(request):
+            return []
+        shares = _TierShares.of(request, self.running)
+        limit = self.config.max_preemptions_per_request
+        victims = [
+            r
+            for r in self.running
+            if r.priority == request.priority
+            and r.tenant_id != request.tenant_id
+            and shares.num_running[r.tenant_id] - 1 >= shares.share(r.tenant_id)
+            and r.admitted_step <= guard_step
+        ]
+        victims.sort(key=lambda r: (r.num_preemptions >= limit, r.num_computed_tokens))
+        return victims
+
+    def _is_under_share(self, request: Request) -> bool:
+        """Whether request's tenant holds under half its weighted share of the running
+        requests of its tier (counting request)."""
+        shares = _TierShares.of(request, self.running)
+        return shares.num_running.get(request.tenant_id, 0) < shares.share(request.tenant_id) / 2
+
+    @staticmethod
+    def _payer(victim: Request, request: Request) -> Request:
+        """Who is charged the victim's recompute: the more important tier that preempted it,
+        or, for a fair-share preemption inside a tier, the over-share victim itself."""
+        return victim if victim.priority == request.priority else request
 
     def _preempt(self, victim: Request, plan: _StepPlan, preempted_by: Request) -> None:
         """Free the victim's blocks, keep its tokens, requeue it at the head of its tier."""
@@ -342,3 +421,27 @@ class Scheduler:
         return build_stats(
             self.running, self.waiting, self.kv, self.rates, self.config.enable_priority_preemption
         )
+
+
+@dataclass
+class _TierShares:
+    """Running requests per tenant of one tier, and each tenant's weighted share of them."""
+
+    num_running: dict[str, int]
+    weights: dict[str, float]
+    num_slots: int  # the tier's running requests, plus the one asking
+
+    @classmethod
+    def of(cls, request: Request, running: list[Request]) -> _TierShares:
+        num_running: dict[str, int] = {}
+        weights = {request.tenant_id: request.weight}
+        num_slots = 1
+        for r in running:
+            if r.priority == request.priority:
+                num_running[r.tenant_id] = num_running.get(r.tenant_id, 0) + 1
+                weights[r.tenant_id] = r.weight
+                num_slots += 1
+        return cls(num_running, weights, num_slots)
+
+    def share(self, tenant_id: str) -> float:
+        return self.num_slots * self.weights[tenant_id] / sum(self.weights.values())

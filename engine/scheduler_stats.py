@@ -4,7 +4,7 @@ the engine's counters for metrics."""
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from engine.kv_manager import KVCacheManager
@@ -60,6 +60,9 @@ class TierStats:
     num_pending_prefill_tokens: int = 0  # prompt (or recompute) tokens not yet computed
     num_kv_blocks: int = 0  # distinct KV blocks held by the tier's requests
     num_kv_blocks_reserved: int = 0
+    # The pending prefill tokens split by tenant, with each tenant's fair-share weight.
+    pending_prefill_tokens_by_tenant: dict[str, int] = field(default_factory=dict)
+    weight_by_tenant: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -94,22 +97,81 @@ class SchedulerStats:
     def kv_usage(self) -> float:
         return self.num_kv_blocks_used / self.num_kv_blocks_total if self.num_kv_blocks_total else 0
 
-    def estimate_queue_wait_s(self, priority: int, num_prompt_tokens: int) -> float:
+    def estimate_queue_wait_s(
+        self,
+        priority: int,
+        num_prompt_tokens: int,
+        tenant: TenantShare | None = None,
+        unseen_tokens: Mapping[tuple[int, str], int] | None = None,
+    ) -> float:
         """Seconds until a new request of this priority would have its prompt computed.
 
-        The prefill work ahead of it (its own and more important tiers; every tier under
-        FCFS) plus its own prompt, divided by the measured backlog drain rate. 0 until a
-        rate has been measured.
+        The prefill work ahead of it plus its own prompt, divided by the measured backlog
+        drain rate; 0 until a rate has been measured. Ahead of it: every tier under FCFS;
+        with tiers, the more important tiers' whole backlog and, inside its own tier, either
+        all of it (tenant None) or what fair sharing serves first (`tenant_share_ahead`).
+        unseen_tokens: prompt tokens by (priority, tenant id) admitted since these
+        statistics were taken, counted as pending.
         """
         rate = self.prefill_tokens_per_s
         if not rate:
             return 0.0
-        num_ahead = sum(
-            t.num_pending_prefill_tokens
-            for p, t in self.tiers.items()
-            if p <= priority or not self.priority_preemption
-        )
+        unseen: dict[int, dict[str, int]] = {}
+        for (p, tenant_id), num_tokens in (unseen_tokens or {}).items():
+            by_tenant = unseen.setdefault(p, {})
+            by_tenant[tenant_id] = by_tenant.get(tenant_id, 0) + num_tokens
+        num_ahead = 0.0
+        for p in self.tiers.keys() | unseen.keys():
+            if self.priority_preemption and p > priority:
+                continue
+            stats = self.tiers.get(p) or TierStats(p, "")
+            by_tenant = dict(stats.pending_prefill_tokens_by_tenant)
+            for tenant_id, num_tokens in unseen.get(p, {}).items():
+                by_tenant[tenant_id] = by_tenant.get(tenant_id, 0) + num_tokens
+            # Backlog the statistics do not split by tenant is all counted as ahead.
+            attributed = sum(stats.pending_prefill_tokens_by_tenant.values())
+            unattributed = max(0, stats.num_pending_prefill_tokens - attributed)
+            if tenant is None or not self.priority_preemption or p < priority:
+                num_ahead += unattributed + sum(by_tenant.values())
+            else:
+                num_ahead += unattributed + tenant_share_ahead(
+                    by_tenant, stats.weight_by_tenant, tenant, num_prompt_tokens
+                )
         return (num_ahead + num_prompt_tokens) / rate
+
+
+@dataclass(frozen=True)
+class TenantShare:
+    """Who a new request belongs to, for the fair-share part of the queue-wait estimate."""
+
+    tenant_id: str
+    weight: float = 1.0
+
+
+def tenant_share_ahead(
+    pending_by_tenant: Mapping[str, int],
+    weights: Mapping[str, float],
+    tenant: TenantShare,
+    num_prompt_tokens: int,
+) -> float:
+    """Prefill tokens of its own tier computed before a new request of `tenant` completes.
+
+    Inside a tier the queue shares service between tenants by weight (VTC): while the tenant
+    gets its own backlog and this prompt served, another tenant u gets at most the same
+    amount scaled by w_u / w_tenant, and never more than u has waiting. So a light tenant's
+    request waits for little of a heavy tenant's backlog, and the heavy tenant's for all of
+    its own. (Virtual counters carry some history, so this is an estimate, as the drain
+    rate is.)
+    """
+    own = pending_by_tenant.get(tenant.tenant_id, 0)
+    served_own = own + num_prompt_tokens
+    ahead = float(own)
+    for tenant_id, num_pending in pending_by_tenant.items():
+        if tenant_id == tenant.tenant_id:
+            continue
+        share = served_own * weights.get(tenant_id, 1.0) / tenant.weight
+        ahead += min(float(num_pending), share)
+    return ahead
 
 
 def build_stats(
@@ -127,16 +189,22 @@ def build_stats(
             stats = tiers[request.priority] = TierStats(request.priority, request.tier)
         return stats
 
+    def add_pending(stats: TierStats, request: Request, num_tokens: int) -> None:
+        stats.num_pending_prefill_tokens += num_tokens
+        by_tenant = stats.pending_prefill_tokens_by_tenant
+        by_tenant[request.tenant_id] = by_tenant.get(request.tenant_id, 0) + num_tokens
+        stats.weight_by_tenant[request.tenant_id] = request.weight
+
     for request in running:
         stats = tier_of(request)
         stats.num_running += 1
         if not request.is_prefill_done:
-            stats.num_pending_prefill_tokens += request.num_uncomputed_tokens
+            add_pending(stats, request, request.num_uncomputed_tokens)
     for request in waiting:
         stats = tier_of(request)
         stats.num_waiting += 1
         if request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
-            stats.num_pending_prefill_tokens += request.num_tokens
+            add_pending(stats, request, request.num_tokens)
     for priority, num_reserved in kv.reserved_blocks.items():
         if priority in tiers:
             tiers[priority].num_kv_blocks_reserved = num_reserved

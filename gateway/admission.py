@@ -131,6 +131,7 @@ class GatewayAdmission:
             ),
             num_prompt_tokens=num_prompt_tokens,
             num_max_tokens=num_max_tokens,
+            weight=principal.weight,
         )
         try:
             ticket = await self.controller.admit(request)

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine import SchedulerStats, TierStats
+from engine import SchedulerStats, TenantShare, TierStats
 from policies.budgets import MonthlyUsage, MonthlyUsageSource, check_budgets
 from policies.errors import AdmissionRefused
 from policies.rate_limiter_memory import MemoryRateLimiter
@@ -40,6 +40,7 @@ class AdmissionRequest:
     limits: TenantLimits  # the tenant's quota
     num_prompt_tokens: int
     num_max_tokens: int  # max_tokens asked for, or the default maximum
+    weight: float = 1.0  # the tenant's fair-share weight inside its tier
 
     @property
     def num_tokens_reserved(self) -> int:
@@ -94,11 +95,14 @@ class AdmissionController:
             if exhausted is not None:
                 raise exhausted
         if not self._shedder.is_exempt(request.tier):
-            shed = self._shedder.check(self._stats(), request.tier, request.num_prompt_tokens)
+            shed = self._shedder.check(
+                self._stats(), request.tier, request.num_prompt_tokens,
+                TenantShare(request.tenant_id, request.weight),
+            )
             if shed is not None:
                 raise shed
         lease = await self._limiter.acquire(request.tenant_id, limits, request.num_tokens_reserved)
-        self._shedder.admitted(request.tier, request.num_prompt_tokens)
+        self._shedder.admitted(request.tier, request.num_prompt_tokens, request.tenant_id)
         return AdmissionTicket(request, lease)
 
     async def release(self, ticket: AdmissionTicket, num_tokens_used: int) -> RateLimitSnapshot:

@@ -1,10 +1,13 @@
 """SLO-derived load shedding: refuse a request whose tier's queue wait would already miss.
 
 A new request's wait is the time until its prompt is computed: the prefill backlog ahead of
-it (its tier and the tiers above; every tier under FCFS) plus its own prompt, over the
-engine's measured drain rate (`SchedulerStats.estimate_queue_wait_s`). Over `slo_fraction`
-of the tier's TTFT objective it is shed. Three things keep that estimate honest between the
-engine's snapshots and keep the offered retry delay truthful:
+it plus its own prompt, over the engine's measured drain rate
+(`SchedulerStats.estimate_queue_wait_s`). Ahead of it are the tiers above and, inside its
+own tier, what fair sharing serves before it: the tenant's own backlog and at most as much
+(weight-scaled) of each other tenant's. Under FCFS everything queued is ahead. Over
+`slo_fraction` of the tier's TTFT objective it is shed. So under overload the tenant sending
+more than its share is shed, not the light one sharing its tier. Three things keep that
+estimate honest between the engine's snapshots and keep the offered retry delay truthful:
 
 - The engine publishes its statistics after each step, so requests admitted since then are
   not in them. A burst arriving within one step would all see the same backlog and all be
@@ -30,7 +33,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine import SchedulerStats
+from engine import SchedulerStats, TenantShare
 from policies.errors import AdmissionConfigError, Shed
 from policies.rate_limits import format_duration
 from policies.tiers import Tier, TierTable
@@ -73,15 +76,22 @@ class SloShedder:
             for tier in tiers
         }
         self._unseen = _UnseenAdmissions()
-        # tier -> earliest moment not yet promised to a shed request of the tier
-        self._next_retry_at_s: dict[str, float] = {}
+        # (tier, tenant id) -> earliest moment not yet promised to a shed request of theirs
+        self._next_retry_at_s: dict[tuple[str, str | None], float] = {}
 
     def is_exempt(self, tier_name: str) -> bool:
         """True for tiers never shed (no TTFT objective): no scheduler stats needed."""
         return self.thresholds_s[self._tiers[tier_name].name] is None
 
-    def check(self, stats: SchedulerStats, tier_name: str, num_prompt_tokens: int) -> Shed | None:
-        """The refusal for a new request of this tier under the current backlog, or None."""
+    def check(
+        self,
+        stats: SchedulerStats,
+        tier_name: str,
+        num_prompt_tokens: int,
+        tenant: TenantShare | None = None,
+    ) -> Shed | None:
+        """The refusal for a new request of this tier (and tenant: None counts the tier's
+        whole backlog as ahead) under the current backlog, or None."""
         tier = self._tiers[tier_name]
         threshold_s = self.thresholds_s[tier.name]
         if threshold_s is None:
@@ -90,8 +100,9 @@ class SloShedder:
         rate = stats.prefill_tokens_per_s
         if not rate:
             return None
-        num_unseen = self._unseen.num_tokens_ahead(tier.priority, stats.priority_preemption)
-        wait_s = stats.estimate_queue_wait_s(tier.priority, num_unseen + num_prompt_tokens)
+        wait_s = stats.estimate_queue_wait_s(
+            tier.priority, num_prompt_tokens, tenant, self._unseen.tokens
+        )
         own_s = num_prompt_tokens / rate
         ahead_s = wait_s - own_s
         if wait_s <= threshold_s or (own_s >= threshold_s and ahead_s <= 0):
@@ -100,7 +111,9 @@ class SloShedder:
             return None
         # how long until little enough is ahead of this prompt for it to be admitted
         drain_s = ahead_s - max(0.0, threshold_s - own_s)
-        retry_after_s = self._promise(tier.name, drain_s, own_s, stats)
+        retry_after_s = self._promise(
+            (tier.name, None if tenant is None else tenant.tenant_id), drain_s, own_s, stats
+        )
         return Shed(
             f"The server is overloaded for the {tier.name} tier: estimated queue wait "
             f"{format_duration(wait_s)}, over its {format_duration(threshold_s)} threshold. "
@@ -110,19 +123,21 @@ class SloShedder:
             threshold_s=threshold_s,
         )
 
-    def admitted(self, tier_name: str, num_prompt_tokens: int) -> None:
+    def admitted(self, tier_name: str, num_prompt_tokens: int, tenant_id: str = "") -> None:
         """Count an admitted request's prompt until the engine's statistics show it."""
-        self._unseen.add(self._tiers[tier_name].priority, num_prompt_tokens, self._clock())
+        priority = self._tiers[tier_name].priority
+        self._unseen.add((priority, tenant_id), num_prompt_tokens, self._clock())
 
     def _promise(
-        self, tier_name: str, drain_s: float, own_s: float, stats: SchedulerStats
+        self, key: tuple[str, str | None], drain_s: float, own_s: float, stats: SchedulerStats
     ) -> float:
-        """The retry delay for a request the backlog ahead fits in drain_s seconds from now."""
+        """The retry delay for a request the backlog ahead fits in drain_s seconds from now;
+        promises are spread per tier and tenant (key)."""
         now_s = self._clock()
         step_s = stats.mean_step_time_s or 0.0
         earliest_s = now_s + max(self._config.min_retry_after_s, drain_s + step_s)
-        retry_at_s = max(earliest_s, self._next_retry_at_s.get(tier_name, 0.0))
-        self._next_retry_at_s[tier_name] = retry_at_s + own_s
+        retry_at_s = max(earliest_s, self._next_retry_at_s.get(key, 0.0))
+        self._next_retry_at_s[key] = retry_at_s + own_s
         return retry_at_s - now_s
 
 
@@ -142,9 +157,10 @@ class _UnseenAdmissions:
 
     def __init__(self) -> None:
         self._num_steps = 0  # the engine's step count in the latest statistics seen
-        # (step count when admitted, when admitted in seconds, priority, prompt tokens)
-        self._entries: deque[tuple[int, float, int, int]] = deque()
-        self._num_tokens: dict[int, int] = {}  # priority -> sum over _entries
+        # (step count when admitted, when admitted in seconds, (priority, tenant id), tokens)
+        self._entries: deque[tuple[int, float, tuple[int, str], int]] = deque()
+        # (priority, tenant id) -> prompt tokens, summed over _entries
+        self.tokens: dict[tuple[int, str], int] = {}
 
     def observe(self, stats: SchedulerStats, now_s: float) -> None:
         self._num_steps = stats.counters.num_steps
@@ -159,23 +175,20 @@ class _UnseenAdmissions:
             self._forget_oldest()
         self._forget_older_than(now_s - _MAX_UNSEEN_S)
 
-    def add(self, priority: int, num_tokens: int, now_s: float) -> None:
+    def add(self, key: tuple[int, str], num_tokens: int, now_s: float) -> None:
         self._forget_older_than(now_s - _MAX_UNSEEN_S)
-        self._entries.append((self._num_steps, now_s, priority, num_tokens))
-        self._num_tokens[priority] = self._num_tokens.get(priority, 0) + num_tokens
+        self._entries.append((self._num_steps, now_s, key, num_tokens))
+        self.tokens[key] = self.tokens.get(key, 0) + num_tokens
 
     def _forget_older_than(self, admitted_at_s: float) -> None:
         while self._entries and self._entries[0][1] < admitted_at_s:
             self._forget_oldest()
 
     def _forget_oldest(self) -> None:
-        _, _, priority, num_tokens = self._entries.popleft()
-        self._num_tokens[priority] -= num_tokens
-
-    def num_tokens_ahead(self, priority: int, priority_preemption: bool) -> int:
-        return sum(
-            n for p, n in self._num_tokens.items() if p <= priority or not priority_preemption
-        )
+        _, _, key, num_tokens = self._entries.popleft()
+        self.tokens[key] -= num_tokens
+        if not self.tokens[key]:
+            del self.tokens[key]
 
 
 def _reservation_has_room(stats: SchedulerStats, tier: Tier) -> bool:

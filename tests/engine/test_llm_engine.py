@@ -11,6 +11,7 @@ from engine import (
     InvalidRequestError,
     SamplingParams,
     TenantContext,
+    TenantShare,
 )
 from engine.async_engine import AsyncLLMEngine
 from engine.fake_runner import FakeModelRunner
@@ -112,6 +113,13 @@ def test_stats_report_tiers_and_estimate_a_queue_wait() -> None:
         stats.prefill_tokens_per_s
     )
     assert standard_wait == pytest.approx(expected)
+    # The backlog is split by tenant (all of standard's is the default tenant's here).
+    standard = stats.tiers[1]
+    assert standard.pending_prefill_tokens_by_tenant == {
+        "default": standard.num_pending_prefill_tokens
+    }
+    assert stats.tiers[0].pending_prefill_tokens_by_tenant.keys() <= {"p"}
+    assert stats.estimate_queue_wait_s(1, 40, TenantShare("default")) == pytest.approx(expected)
 
 
 def test_async_engine_streams_outputs_and_aborts_on_early_exit() -> None:

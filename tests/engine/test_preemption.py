@@ -3,7 +3,7 @@ exactly the tokens they would have produced without preemption."""
 
 from __future__ import annotations
 
-from engine import SamplingParams, TenantContext
+from engine import LLMEngine, SamplingParams, TenantContext
 from engine.request import RequestStatus
 from policies import TieredFairQueue
 from tests.engine.helpers import check_invariants, make_engine, reference_output, run_to_completion
@@ -117,3 +117,51 @@ def test_growth_pressure_preempts_latest_admitted_of_the_same_tier() -> None:
     assert first.num_preemptions == 0 and second.num_preemptions >= 1
     assert tokens["first"] == reference_output(list(range(100, 112)), 12)
     assert tokens["second"] == reference_output(list(range(200, 212)), 12)
+
+
+HEAVY = TenantContext(tenant_id="heavy", tier="standard", priority=1, cache_salt="h")
+LIGHT = TenantContext(tenant_id="light", tier="standard", priority=1, cache_salt="l")
+
+
+def _heavy_fills_every_slot(priority_preemption: bool) -> tuple[LLMEngine, dict[str, list[int]]]:
+    engine = make_engine(
+        num_blocks=64, block_size=4, max_num_seqs=4, queue=TieredFairQueue(),
+        priority_preemption=priority_preemption,
+    )
+    prompts = {f"h{i}": list(range(100 + 10 * i, 108 + 10 * i)) for i in range(6)}
+    for request_id, prompt in prompts.items():
+        engine.add_request(request_id, prompt, _params(30), HEAVY)
+    for _ in range(6):  # past the thrash guard, all four slots the heavy tenant's
+        engine.step()
+    prompts["l0"] = list(range(500, 508))
+    engine.add_request("l0", prompts["l0"], _params(4), LIGHT)
+    return engine, prompts
+
+
+def test_a_tenant_under_half_its_share_preempts_an_over_share_tenant_of_its_tier() -> None:
+    engine, prompts = _heavy_fills_every_slot(priority_preemption=True)
+    engine.step()
+    light = engine.scheduler.requests["l0"]
+    assert light.status == RequestStatus.RUNNING
+    victims = [r for r in engine.scheduler.requests.values() if r.num_preemptions]
+    assert len(victims) == 1 and victims[0].tenant_id == "heavy"
+    # The over-share tenant pays its own recompute; the cheapest victim (least computed) went.
+    assert victims[0].preempted_by_tenant_id == "heavy"
+    running_heavy = [r for r in engine.scheduler.running if r.tenant_id == "heavy"]
+    assert all(victims[0].num_computed_high_water <= r.num_computed_tokens for r in running_heavy)
+    outputs = run_to_completion(engine)
+    check_invariants(engine)
+    for request_id, prompt in prompts.items():
+        num_tokens = 4 if request_id == "l0" else 30
+        produced = outputs[(request_id, 0)]
+        assert produced[-len(produced):] == reference_output(prompt, num_tokens)[-len(produced):]
+    # One light request against three heavy ones is its share: no further preemption.
+    assert engine.scheduler.num_preemptions_total == 1
+
+
+def test_fcfs_baseline_never_preempts_for_fair_sharing() -> None:
+    engine, _ = _heavy_fills_every_slot(priority_preemption=False)
+    engine.step()
+    assert engine.scheduler.requests["l0"].status == RequestStatus.WAITING
+    run_to_completion(engine)
+    assert engine.scheduler.num_preemptions_total == 0

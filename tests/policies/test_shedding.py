@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import SchedulerStats, TierStats
+from engine import SchedulerStats, TenantShare, TierStats
 from policies import AdmissionConfigError, RefusalReason, ShedConfig, SloShedder, TierTable
 
 RATE = 1000.0  # prefill tokens per second the engine drains
@@ -88,6 +88,49 @@ def test_fcfs_counts_every_tier_ahead_and_no_rate_means_no_estimate() -> None:
     unmeasured = _stats({1: 10**6})
     unmeasured.prefill_tokens_per_s = None
     assert shedder.check(unmeasured, "standard", 10) is None
+
+
+def _standard_tenants(
+    pending: dict[str, int], weights: dict[str, float] | None = None
+) -> SchedulerStats:
+    """Only the standard tier has a backlog, split by tenant."""
+    stats = _stats({1: sum(pending.values())})
+    stats.tiers[1].pending_prefill_tokens_by_tenant = dict(pending)
+    stats.tiers[1].weight_by_tenant = dict(weights or {})
+    return stats
+
+
+def test_the_tenant_over_its_share_is_shed_not_the_light_one_beside_it() -> None:
+    shedder = SloShedder(TierTable(), ShedConfig(slo_fraction=0.8))  # standard: 1.6 s
+    stats = _standard_tenants({"heavy": 5000, "light": 100})
+    # light: its own 100 + this 200, and as much of heavy's backlog -> 600 tokens, 0.6 s
+    assert stats.estimate_queue_wait_s(1, 200, TenantShare("light")) == pytest.approx(0.6)
+    assert shedder.check(stats, "standard", 200, TenantShare("light")) is None
+    # heavy: all of its own 5000, and light's 100 -> 5.3 s
+    shed = shedder.check(stats, "standard", 200, TenantShare("heavy"))
+    assert shed is not None and shed.estimated_wait_s == pytest.approx(5.3)
+    # A new tenant is in the light one's place; without a tenant the whole tier is ahead.
+    assert shedder.check(stats, "standard", 200, TenantShare("new")) is None
+    assert shedder.check(stats, "standard", 200) is not None
+    # Weights scale the share: with weight 10, heavy gets 10x the service while light waits.
+    weighted = _standard_tenants({"heavy": 5000, "light": 100}, {"heavy": 10.0, "light": 1.0})
+    wait_s = weighted.estimate_queue_wait_s(1, 200, TenantShare("light", 1.0))
+    assert wait_s == pytest.approx((100 + 3000 + 200) / RATE)
+    # Under FCFS there is no sharing: everything queued is ahead of everyone.
+    fcfs = _standard_tenants({"heavy": 5000, "light": 100})
+    fcfs.priority_preemption = False
+    assert fcfs.estimate_queue_wait_s(1, 200, TenantShare("light")) == pytest.approx(5.3)
+
+
+def test_admitted_prompts_count_for_their_tenant_until_the_engine_shows_them() -> None:
+    shedder = SloShedder(TierTable(), ShedConfig(slo_fraction=0.8))
+    stats = _standard_tenants({"heavy": 1000})
+    for _ in range(3):  # 1.2 s, 1.4 s, 1.6 s: within the 1.6 s threshold
+        assert shedder.check(stats, "standard", 200, TenantShare("heavy")) is None
+        shedder.admitted("standard", 200, "heavy")
+    # heavy's 1000 + 600 unseen + 200 = 1.8 s; light still sees only its share of it
+    assert shedder.check(stats, "standard", 200, TenantShare("heavy")) is not None
+    assert shedder.check(stats, "standard", 200, TenantShare("light")) is None
 
 
 def test_thresholds_follow_the_tier_table_and_config() -> None:
