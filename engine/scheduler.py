@@ -23,6 +23,10 @@ from engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from engine.scheduler_stats import SchedulerStats, StepRates, build_stats
 from engine.stop_check import check_token_stop
 
+# Tenants the under-share admission pass looks at per step, at most: it runs every step the
+# queue is non-empty, and must not cost time in the number of waiting tenants.
+_FAIR_SHARE_PROBES = 8
+
 
 @dataclass
 class _StepPlan:
@@ -94,7 +98,8 @@ class Scheduler:
         prefills = [r for r in order if not r.is_prefill_done]
         self._schedule_running_all(decodes, plan)
         if self._fair_share_applies:
-            first_prefills = [r for r in prefills if r.priority < self._best_waiting_priority()]
+            best_waiting = self._best_waiting_priority()
+            first_prefills = [r for r in prefills if r.priority < best_waiting]
             self._schedule_running_all(first_prefills, plan)
             self._schedule_waiting(plan, under_share_only=True)
         self._schedule_running_all(prefills, plan)
@@ -125,35 +130,32 @@ class Scheduler:
         self._commit_chunk(request, num_new, plan)
 
     def _schedule_waiting(self, plan: _StepPlan, under_share_only: bool = False) -> None:
-        """Admit waiting requests in queue order while budget lasts (under_share_only: only
-        those of tenants under half their fair share of their tier)."""
+        """Admit waiting requests in queue order while budget lasts. under_share_only: only
+        those of tenants under half their fair share of the most important waiting tier,
+        looking at no more than _FAIR_SHARE_PROBES tenants (a bounded cost per step)."""
         skip_tenants: set[str] = set()
-        # Priority of a head that found every slot taken and nobody to preempt: only another
-        # tenant of that tier (which may be under its fair share) may still try.
-        blocked_priority: int | None = None
         first_priority: int | None = None
+        num_probes = 0
+        shares: _TierShares | None = None  # of first_priority's tier, until an admission
         while plan.budget > 0:
             request = self.waiting.peek(skip_tenants)
             if request is None:
                 return
-            if first_priority is None:
-                first_priority = request.priority
-            if blocked_priority is not None and request.priority != blocked_priority:
-                return
             if under_share_only:
-                if request.priority != first_priority:
+                if first_priority is None:
+                    first_priority = request.priority
+                if request.priority != first_priority or num_probes == _FAIR_SHARE_PROBES:
                     return  # never ahead of a more important tier's waiting requests
-                if not self._is_under_share(request):
+                num_probes += 1
+                if shares is None:
+                    shares = _TierShares.of(first_priority, self.running)
+                if not shares.is_under_share(request):
                     skip_tenants.add(request.tenant_id)
                     continue
             if len(self.running) >= self.config.max_num_seqs:
                 victims = self._admission_victims(request)
                 if not victims:
-                    if not self._fair_share_applies:
-                        return
-                    blocked_priority = request.priority
-                    skip_tenants.add(request.tenant_id)
-                    continue
+                    return
                 self._preempt(victims[0], plan, preempted_by=self._payer(victims[0], request))
             if request.fork_parent is not None:
                 ready = self._try_fork(request, plan)
@@ -184,6 +186,7 @@ class Scheduler:
             self._num_admissions += 1
             self.running.append(request)
             self._commit_chunk(request, num_new, plan)
+            shares = None
 
     def _try_fork(self, child: Request, plan: _StepPlan) -> bool | None:
         """Share the prompt blocks of sample 0 with a later sample once they are computed.
@@ -298,26 +301,22 @@ class Scheduler:
         recompute first: none unless its tenant holds under half its weighted share of the
         tier's running requests (counting this one); then those of tenants that keep at
         least their share after giving one up."""
-        if not self._fair_share_applies or not self._is_under_share(request):
+        if not self._fair_share_applies:
             return []
-        shares = _TierShares.of(request, self.running)
+        shares = _TierShares.of(request.priority, self.running)
+        if not shares.is_under_share(request):
+            return []
         limit = self.config.max_preemptions_per_request
         victims = [
             r
             for r in self.running
             if r.priority == request.priority
             and r.tenant_id != request.tenant_id
-            and shares.num_running[r.tenant_id] - 1 >= shares.share(r.tenant_id)
+            and shares.num_running[r.tenant_id] - 1 >= shares.share(r.tenant_id, request)
             and r.admitted_step <= guard_step
         ]
         victims.sort(key=lambda r: (r.num_preemptions >= limit, r.num_computed_tokens))
         return victims
-
-    def _is_under_share(self, request: Request) -> bool:
-        """Whether request's tenant holds under half its weighted share of the running
-        requests of its tier (counting request)."""
-        shares = _TierShares.of(request, self.running)
-        return shares.num_running.get(request.tenant_id, 0) < shares.share(request.tenant_id) / 2
 
     @staticmethod
     def _payer(victim: Request, request: Request) -> Request:
@@ -425,23 +424,32 @@ class Scheduler:
 
 @dataclass
 class _TierShares:
-    """Running requests per tenant of one tier, and each tenant's weighted share of them."""
+    """Running requests per tenant of one tier, for weighted fair shares of them."""
 
     num_running: dict[str, int]
     weights: dict[str, float]
-    num_slots: int  # the tier's running requests, plus the one asking
+    num_in_tier: int
+    total_weight: float
 
     @classmethod
-    def of(cls, request: Request, running: list[Request]) -> _TierShares:
+    def of(cls, priority: int, running: list[Request]) -> _TierShares:
         num_running: dict[str, int] = {}
-        weights = {request.tenant_id: request.weight}
-        num_slots = 1
+        weights: dict[str, float] = {}
         for r in running:
-            if r.priority == request.priority:
+            if r.priority == priority:
                 num_running[r.tenant_id] = num_running.get(r.tenant_id, 0) + 1
                 weights[r.tenant_id] = r.weight
-                num_slots += 1
-        return cls(num_running, weights, num_slots)
+        return cls(num_running, weights, sum(num_running.values()), sum(weights.values()))
 
-    def share(self, tenant_id: str) -> float:
-        return self.num_slots * self.weights[tenant_id] / sum(self.weights.values())
+    def share(self, tenant_id: str, requester: Request) -> float:
+        """tenant_id's share of the tier's running requests once requester's joins them."""
+        total_weight = self.total_weight
+        if requester.tenant_id not in self.weights:
+            total_weight += requester.weight
+        weight = requester.weight if tenant_id == requester.tenant_id else self.weights[tenant_id]
+        return (self.num_in_tier + 1) * weight / total_weight
+
+    def is_under_share(self, request: Request) -> bool:
+        """Whether request's tenant holds under half its share (counting request)."""
+        num_held = self.num_running.get(request.tenant_id, 0)
+        return num_held < self.share(request.tenant_id, request) / 2

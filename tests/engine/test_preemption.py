@@ -165,3 +165,22 @@ def test_fcfs_baseline_never_preempts_for_fair_sharing() -> None:
     assert engine.scheduler.requests["l0"].status == RequestStatus.WAITING
     run_to_completion(engine)
     assert engine.scheduler.num_preemptions_total == 0
+
+
+def test_an_under_share_tenants_prompt_goes_before_over_share_prefill_chunks() -> None:
+    for fair in (True, False):
+        engine = make_engine(
+            num_blocks=128, block_size=4, max_num_batched_tokens=16, max_num_seqs=8,
+            queue=TieredFairQueue(), priority_preemption=fair,
+        )
+        for i in range(2):
+            engine.add_request(f"h{i}", list(range(100 + 80 * i, 164 + 80 * i)), _params(4), HEAVY)
+        engine.step()  # heavy's 64-token prompts in progress, 16 tokens a step
+        engine.add_request("l0", list(range(500, 508)), _params(4), LIGHT)
+        engine.step()
+        light = engine.scheduler.requests["l0"]
+        # Fair sharing: the light prompt is computed at once; FCFS: it waits its turn.
+        assert (light.num_computed_tokens == 8) is fair, (fair, light.num_computed_tokens)
+        outputs = run_to_completion(engine)
+        check_invariants(engine)
+        assert outputs[("h0", 0)][-4:] == reference_output(list(range(100, 164)), 4)
