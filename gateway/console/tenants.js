@@ -270,6 +270,8 @@ async function createTenant(event) {
 }
 
 $("create-tenant-form").addEventListener("submit", createTenant);
+// The form is usable before the first load returns: the default tiers are there at once.
+tierOptions($("create-tier"), [], "standard");
 
 export const tenantsView = {
   show() {
