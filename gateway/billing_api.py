@@ -33,6 +33,7 @@ from billing import (
     ExportRequest,
     InvalidPeriodError,
     Period,
+    daily_row_json,
     daily_usage,
     day_range,
     export_lines,
@@ -138,19 +139,11 @@ class _BillingApi:
 
 
 def _usage_row(row: DailyUsage) -> dict[str, Any]:
-    totals = row.totals
-    return {
-        "date": row.date,
-        "tenant_id": row.tenant_id,
-        "tenant_name": row.tenant_name,
-        "num_requests": totals.num_requests,
-        "num_prompt_tokens": totals.num_prompt_tokens,
-        "num_cached_prompt_tokens": totals.num_cached_prompt_tokens,
-        "num_completion_tokens": totals.num_completion_tokens,
-        "gpu_seconds": totals.gpu_seconds,
-        "recompute_gpu_seconds_charged": totals.recompute_gpu_seconds_charged,
-        "amount_usd": totals.amount_usd_micros / MICROS_PER_USD,
-    }
+    """The export's daily line with the amount as a number of dollars (no micros)."""
+    line = daily_row_json(row)
+    del line["amount_usd_micros"]
+    line["amount_usd"] = row.totals.amount_usd_micros / MICROS_PER_USD
+    return line
 
 
 def _required(query: QueryParams, param: str) -> str:
