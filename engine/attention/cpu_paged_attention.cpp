@@ -22,46 +22,16 @@
 #include <cstdint>
 #include <vector>
 
+#include "vec8.h"
+
+using namespace tiergate;  // NOLINT: the shared vector helpers
+
 namespace {
 
 constexpr int64_t kRowTile = 8;          // query rows of one prefill sequence per item
 constexpr int64_t kItemsPerThread = 4;   // fewer (sequence, tile) pairs than this: split heads
 constexpr int64_t kBlocksPerTile = 16;   // KV blocks walked by every query vector in turn
 constexpr int64_t kMaxChunks = 32;       // 8-float chunks of the largest head_dim (256)
-
-// 8 floats in whatever registers the target has (two SSE or one AVX register); unaligned and
-// allowed to alias float memory, so loads and stores are plain dereferences.
-typedef float vec8 __attribute__((vector_size(32), aligned(4), may_alias));
-typedef int32_t ivec8 __attribute__((vector_size(32), aligned(4), may_alias));
-
-inline vec8 load8(const float* p) { return *reinterpret_cast<const vec8*>(p); }
-inline void store8(float* p, vec8 v) { *reinterpret_cast<vec8*>(p) = v; }
-
-inline float sum8(vec8 v) {
-  float sum = 0.0f;
-  for (int i = 0; i < 8; ++i) sum += v[i];
-  return sum;
-}
-
-// exp(x) for x <= 0: 2^k * e^r with k = round(x / ln2), |r| <= ln2/2, and a degree-7 Taylor
-// polynomial (its truncation error is below float rounding). Inputs under -87 give ~1e-38
-// instead of smaller values; the caller zeroes what must be exactly 0.
-inline vec8 exp8(vec8 x) {
-  const vec8 floor_x = vec8{} - 87.0f;
-  x = x < floor_x ? floor_x : x;
-  const float round_magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  const vec8 k = (x * 1.44269504088896341f + round_magic) - round_magic;
-  const vec8 r = (x - k * 0.693145751953125f) - k * 1.42860682030941723e-6f;
-  vec8 p = r * (1.0f / 5040.0f) + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const ivec8 exponent = (__builtin_convertvector(k, ivec8) + 127) << 23;
-  return p * reinterpret_cast<const vec8&>(exponent);
-}
 
 struct Layout {
   const float* query;              // [T, H, D], rows query_row_stride floats apart

@@ -1,9 +1,9 @@
 """Builds and loads the engine's C++ CPU kernels: compiled at first use, cached, called by ctypes.
 
-A kernel source is a plain C++ file with `extern "C"` functions and no torch headers, so a
-build takes about a second. The shared library is cached under the user's cache directory
+A kernel source is a plain C++ file with `extern "C"` functions and no torch headers (it may
+include the shared headers of this directory, such as vec8.h), so a build takes about a second. The shared library is cached under the user's cache directory
 (`$XDG_CACHE_HOME/tiergate/kernels`), keyed by the source, the flags, the compiler and the CPU
-(-march=native), and built into a temporary file that is renamed into place, so concurrent
+(-march=native) and the shared headers, and built into a temporary file that is renamed into place, so concurrent
 processes agree. A missing compiler or a failed build yields None: callers keep their torch path.
 """
 
@@ -30,6 +30,8 @@ logger = logging.getLogger(__name__)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-fopenmp", "-shared",
          "-fPIC")
 _BUILD_TIMEOUT_S = 300
+# Headers every kernel may include (`#include "vec8.h"`): this directory is on the include path.
+_INCLUDE_DIR = Path(__file__).parent
 
 
 def _cpu_signature() -> str:
@@ -54,7 +56,7 @@ def _build(compiler: str, source: str, target: Path) -> None:
         src.write_text(source)
         built = Path(scratch) / target.name
         subprocess.run(
-            [compiler, *FLAGS, str(src), "-o", str(built)],
+            [compiler, *FLAGS, f"-I{_INCLUDE_DIR}", str(src), "-o", str(built)],
             check=True, capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S,
         )
         os.replace(built, target)
@@ -68,8 +70,9 @@ def load_library(source_path: Path) -> ctypes.CDLL | None:
         logger.info("no C++ compiler or no %s; using the torch path", source_path.name)
         return None
     source = source_path.read_text()
+    headers = [h.read_text() for h in sorted(_INCLUDE_DIR.glob("*.h"))]
     key = hashlib.sha256(
-        "\n".join([source, " ".join(FLAGS), compiler, _cpu_signature()]).encode()
+        "\n".join([source, *headers, " ".join(FLAGS), compiler, _cpu_signature()]).encode()
     ).hexdigest()[:20]
     target = _cache_dir() / f"{source_path.stem}_{key}.so"
     try:

@@ -8,41 +8,14 @@
 #include <cmath>
 #include <cstdint>
 
+#include "vec8.h"
+
+using namespace tiergate;  // NOLINT: the shared vector helpers
+
 namespace {
 
 // Rows of work below which a call stays on one thread (a parallel region costs more).
 constexpr int64_t kParallelElements = 1 << 16;
-
-typedef float vec8 __attribute__((vector_size(32), aligned(4), may_alias));
-typedef int32_t ivec8 __attribute__((vector_size(32), aligned(4), may_alias));
-
-inline vec8 load8(const float* p) { return *reinterpret_cast<const vec8*>(p); }
-inline void store8(float* p, vec8 v) { *reinterpret_cast<vec8*>(p) = v; }
-
-// exp(x) on [-87, 88] (inputs outside are clamped): 2^k * e^r, |r| <= ln2/2, degree-7 Taylor.
-inline vec8 exp8(vec8 x) {
-  const vec8 lo = vec8{} - 87.0f, hi = vec8{} + 88.0f;
-  x = x < lo ? lo : x;
-  x = x > hi ? hi : x;
-  const float round_magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  const vec8 k = (x * 1.44269504088896341f + round_magic) - round_magic;
-  const vec8 r = (x - k * 0.693145751953125f) - k * 1.42860682030941723e-6f;
-  vec8 p = r * (1.0f / 5040.0f) + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const ivec8 exponent = (__builtin_convertvector(k, ivec8) + 127) << 23;
-  return p * reinterpret_cast<const vec8&>(exponent);
-}
-
-inline float sum8(vec8 v) {
-  float sum = 0.0f;
-  for (int i = 0; i < 8; ++i) sum += v[i];
-  return sum;
-}
 
 }  // namespace
 
