@@ -116,27 +116,30 @@ class SchedulerStats:
         rate = self.prefill_tokens_per_s
         if not rate:
             return 0.0
-        unseen: dict[int, dict[str, int]] = {}
-        for (p, tenant_id), num_tokens in (unseen_tokens or {}).items():
-            by_tenant = unseen.setdefault(p, {})
-            by_tenant[tenant_id] = by_tenant.get(tenant_id, 0) + num_tokens
-        num_ahead = 0.0
-        for p in self.tiers.keys() | unseen.keys():
-            if self.priority_preemption and p > priority:
-                continue
-            stats = self.tiers.get(p) or TierStats(p, "")
-            by_tenant = dict(stats.pending_prefill_tokens_by_tenant)
-            for tenant_id, num_tokens in unseen.get(p, {}).items():
-                by_tenant[tenant_id] = by_tenant.get(tenant_id, 0) + num_tokens
+        unseen = unseen_tokens or {}
+        # The caller's own tier is split by tenant only when its queue shares by tenant.
+        shared = tenant is not None and self.priority_preemption
+
+        def whole_tier_ahead(p: int) -> bool:
+            in_view = not self.priority_preemption or p <= priority
+            return in_view and not (shared and p == priority)
+
+        num_ahead = float(
+            sum(t.num_pending_prefill_tokens for p, t in self.tiers.items() if whole_tier_ahead(p))
+            + sum(n for (p, _), n in unseen.items() if whole_tier_ahead(p))
+        )
+        if tenant is not None and shared:
+            own = self.tiers.get(priority) or TierStats(priority, "")
+            by_tenant = dict(own.pending_prefill_tokens_by_tenant)
+            for (p, tenant_id), n in unseen.items():
+                if p == priority:
+                    by_tenant[tenant_id] = by_tenant.get(tenant_id, 0) + n
             # Backlog the statistics do not split by tenant is all counted as ahead.
-            attributed = sum(stats.pending_prefill_tokens_by_tenant.values())
-            unattributed = max(0, stats.num_pending_prefill_tokens - attributed)
-            if tenant is None or not self.priority_preemption or p < priority:
-                num_ahead += unattributed + sum(by_tenant.values())
-            else:
-                num_ahead += unattributed + tenant_share_ahead(
-                    by_tenant, stats.weight_by_tenant, tenant, num_prompt_tokens
-                )
+            attributed = sum(own.pending_prefill_tokens_by_tenant.values())
+            num_ahead += max(0, own.num_pending_prefill_tokens - attributed)
+            num_ahead += tenant_share_ahead(
+                by_tenant, own.weight_by_tenant, tenant, num_prompt_tokens
+            )
         return (num_ahead + num_prompt_tokens) / rate
 
 

@@ -199,7 +199,12 @@ def measure_decision_latency(num_decisions: int = 20_000, seed: int = 0) -> list
             "budget check",
             lambda r: check_budgets(r.tenant_id, r.limits, totals[r.tenant_id]),
         ),
-        timed("SLO shed decision", lambda r: shedder.check(stats, r.tier, r.num_prompt_tokens)),
+        timed(
+            "SLO shed decision",
+            lambda r: shedder.check(
+                stats, r.tier, r.num_prompt_tokens, TenantShare(r.tenant_id, r.weight)
+            ),
+        ),
         timed(
             "rate limits (memory)",
             lambda r: limiter.acquire_now(r.tenant_id, r.limits, r.num_tokens_reserved),

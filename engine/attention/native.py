@@ -1,10 +1,11 @@
 """Builds and loads the engine's C++ CPU kernels: compiled at first use, cached, called by ctypes.
 
 A kernel source is a plain C++ file with `extern "C"` functions and no torch headers (it may
-include the shared headers of this directory, such as vec8.h), so a build takes about a second. The shared library is cached under the user's cache directory
-(`$XDG_CACHE_HOME/tiergate/kernels`), keyed by the source, the flags, the compiler and the CPU
-(-march=native) and the shared headers, and built into a temporary file that is renamed into place, so concurrent
-processes agree. A missing compiler or a failed build yields None: callers keep their torch path.
+include this directory's shared headers, such as vec8.h), so a build takes about a second. The
+shared library is cached under the user's cache directory (`$XDG_CACHE_HOME/tiergate/kernels`),
+keyed by the source, the shared headers, the flags, the compiler and the CPU (-march=native),
+and built into a temporary file that is renamed into place, so concurrent processes agree. A
+missing compiler or a failed build yields None: callers keep their torch path.
 """
 
 from __future__ import annotations
