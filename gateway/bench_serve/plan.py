@@ -131,18 +131,17 @@ def cycled(workload: Workload, count: int) -> list[WorkloadRequest]:
     source = workload.requests
     if not source:
         raise BenchConfigError("the workload has no requests")
-    last_s = max(r.arrival_s for r in source)
-    period_s = last_s * (len(source) + 1) / len(source)
-    return [
-        source[i % len(source)]
-        if i < len(source)
-        else replace(
-            source[i % len(source)],
-            request_id=f"{source[i % len(source)].request_id}~{i // len(source)}",
-            arrival_s=source[i % len(source)].arrival_s + (i // len(source)) * period_s,
-        )
-        for i in range(count)
-    ]
+    period_s = max(r.arrival_s for r in source) * (len(source) + 1) / len(source)
+    requests = list(source[:count])
+    for i in range(len(source), count):
+        repeat, index = divmod(i, len(source))
+        request = source[index]
+        requests.append(replace(
+            request,
+            request_id=f"{request.request_id}~{repeat}",
+            arrival_s=request.arrival_s + repeat * period_s,
+        ))
+    return requests
 
 
 def two_tenant_workload(
