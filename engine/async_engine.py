@@ -116,10 +116,11 @@ class AsyncLLMEngine:
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
-                outputs = self.engine.step()
-                self._stats = self.engine.stats()
-                for output in outputs:
+                # First tokens go out first (their consumers wake first on the event loop,
+                # ahead of a full batch's later tokens), and before the statistics snapshot.
+                for output in sorted(self.engine.step(), key=_is_not_first_token):
                     self._deliver(output)
+                self._stats = self.engine.stats()
         except BaseException as exc:  # the loop itself broke: fail every open stream
             logger.exception("engine loop stopped")
             self._error = exc
@@ -135,3 +136,8 @@ class AsyncLLMEngine:
             stream = self._streams.get(output.request_id)
         if stream is not None:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, output)
+
+
+def _is_not_first_token(output: RequestOutput) -> bool:
+    """Sort key: a sample's first tokens before later ones (stable otherwise)."""
+    return not output.new_token_ids or output.num_output_tokens > len(output.new_token_ids)

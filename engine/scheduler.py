@@ -7,7 +7,9 @@ latest admitted. A waiting request may preempt running requests of less importan
 get in (when priority preemption is on), never of a more important tier; of its own tier only
 to restore fair sharing: when its tenant holds under half its weighted share of the tier's
 running requests, it may preempt a request of a tenant over its share (least computed first),
-and that tenant pays the recompute.
+and that tenant pays the recompute. With fair sharing on, a tier's prefills in progress are
+served in order of their tenant's running requests per unit of weight, fewest first, and in
+the most important tier with work an under-half-share tenant's prompt goes before the decodes.
 """
 
 from __future__ import annotations
@@ -88,19 +90,39 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         plan = _StepPlan(budget=self.config.max_num_batched_tokens)
         # Decodes first, then prefills in progress (more important tiers first), then
-        # admissions. A tenant under half its fair share of its tier is admitted before the
-        # prefills in progress of its own and less important tiers: a light tenant's prompt
-        # does not wait for a heavy tenant's chunks.
+        # admissions. With fair sharing, in the most important tier that has work, the prompts
+        # of tenants under half their weighted share of its running requests (in progress, or
+        # waiting) go even before that tier's decodes: a light tenant's long prompt takes the
+        # budget that a heavy tenant's decodes would otherwise fill, step after step. Below
+        # that tier a tenant under half its share is still admitted before the prefills in
+        # progress of its own and less important tiers, and inside every tier the prefills in
+        # progress of the tenants holding the fewest running requests per unit of weight go
+        # first.
         order = sorted(
             self.running, key=lambda r: (not r.is_prefill_done, self._effective_priority(r))
         )
         decodes = [r for r in order if r.is_prefill_done]
         prefills = [r for r in order if not r.is_prefill_done]
+        if not self._fair_share_applies:
+            self._schedule_running_all(decodes, plan)
+            self._schedule_running_all(prefills, plan)
+            self._schedule_waiting(plan)
+            return self._build_output(plan)
+        shares = _TierShares.by_priority(self.running)
+        prefills.sort(key=lambda r: (r.priority, shares[r.priority].load(r.tenant_id)))
+        best_waiting = self._best_waiting_priority()
+        first_tier = min(min(shares, default=float("inf")), best_waiting)
+        if first_tier != float("inf"):
+            starved = [
+                r for r in prefills
+                if r.priority == first_tier and shares[r.priority].holds_under_half(r.tenant_id)
+            ]
+            self._schedule_running_all(starved, plan)
+            if best_waiting == first_tier:  # the under-share pass's tier: it runs here
+                self._schedule_waiting(plan, under_share_only=True)
         self._schedule_running_all(decodes, plan)
-        if self._fair_share_applies:
-            best_waiting = self._best_waiting_priority()
-            first_prefills = [r for r in prefills if r.priority < best_waiting]
-            self._schedule_running_all(first_prefills, plan)
+        if best_waiting != first_tier:
+            self._schedule_running_all([r for r in prefills if r.priority < best_waiting], plan)
             self._schedule_waiting(plan, under_share_only=True)
         self._schedule_running_all(prefills, plan)
         self._schedule_waiting(plan)
@@ -432,14 +454,31 @@ class _TierShares:
     total_weight: float
 
     @classmethod
-    def of(cls, priority: int, running: list[Request]) -> _TierShares:
-        num_running: dict[str, int] = {}
-        weights: dict[str, float] = {}
+    def by_priority(
+        cls, running: list[Request], only: int | None = None
+    ) -> dict[int, _TierShares]:
+        """The shares of every tier with running requests (or of tier `only`), in one pass."""
+        tiers: dict[int, _TierShares] = {}
         for r in running:
-            if r.priority == priority:
-                num_running[r.tenant_id] = num_running.get(r.tenant_id, 0) + 1
-                weights[r.tenant_id] = r.weight
-        return cls(num_running, weights, sum(num_running.values()), sum(weights.values()))
+            if only is not None and r.priority != only:
+                continue
+            shares = tiers.get(r.priority)
+            if shares is None:
+                shares = tiers[r.priority] = cls({}, {}, 0, 0.0)
+            shares.num_running[r.tenant_id] = shares.num_running.get(r.tenant_id, 0) + 1
+            shares.num_in_tier += 1
+            if r.tenant_id not in shares.weights:
+                shares.weights[r.tenant_id] = r.weight
+                shares.total_weight += r.weight
+        return tiers
+
+    @classmethod
+    def of(cls, priority: int, running: list[Request]) -> _TierShares:
+        return cls.by_priority(running, only=priority).get(priority) or cls({}, {}, 0, 0.0)
+
+    def load(self, tenant_id: str) -> float:
+        """Running requests a tenant holds in the tier per unit of its weight."""
+        return self.num_running[tenant_id] / self.weights[tenant_id]
 
     def share(self, tenant_id: str, requester: Request) -> float:
         """tenant_id's share of the tier's running requests once requester's joins them."""
@@ -448,6 +487,11 @@ class _TierShares:
             total_weight += requester.weight
         weight = requester.weight if tenant_id == requester.tenant_id else self.weights[tenant_id]
         return (self.num_in_tier + 1) * weight / total_weight
+
+    def holds_under_half(self, tenant_id: str) -> bool:
+        """Whether a tenant with running requests in the tier holds under half its share."""
+        share = self.num_in_tier * self.weights[tenant_id] / self.total_weight
+        return self.num_running[tenant_id] < share / 2
 
     def is_under_share(self, request: Request) -> bool:
         """Whether request's tenant holds under half its share (counting request)."""

@@ -9,6 +9,7 @@ import pytest
 from engine import (
     ContextLengthExceededError,
     InvalidRequestError,
+    RequestOutput,
     SamplingParams,
     TenantContext,
     TenantShare,
@@ -154,3 +155,44 @@ def test_async_engine_streams_outputs_and_aborts_on_early_exit() -> None:
         async_engine.shutdown()
     assert tokens == reference_output([5, 6, 7], 5)
     assert engine.kv.num_used_blocks == 0 and not engine.has_unfinished_requests()
+
+
+def test_a_steps_first_tokens_reach_their_consumers_before_its_later_tokens() -> None:
+    """A step's outputs wake their consumers in delivery order, so a request's first token
+    (what TTFT objectives hold) is delivered ahead of the same step's decode tokens."""
+    engine = make_engine(num_blocks=64, block_size=4)
+    runner = engine.runner
+    assert isinstance(runner, FakeModelRunner)
+    runner.sleep = True  # real step times, so "b" arrives while "a" is decoding
+    steps: list[list[tuple[str, int]]] = []
+    step = engine.step
+
+    def recorded_step() -> list[RequestOutput]:
+        outputs = step()
+        steps.append([(o.request_id, o.num_output_tokens) for o in outputs])
+        return outputs
+
+    engine.step = recorded_step  # type: ignore[method-assign]
+    async_engine = AsyncLLMEngine(engine)
+    received: list[tuple[str, int]] = []
+
+    async def consume(request_id: str, prompt: list[int], max_tokens: int) -> None:
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        async for out in async_engine.generate(request_id, prompt, params):
+            received.append((out.request_id, out.num_output_tokens))
+
+    async def main() -> None:
+        first = asyncio.ensure_future(consume("a", [5, 6, 7], 100))
+        while len(received) < 3:
+            await asyncio.sleep(0.001)
+        await consume("b", [5, 6, 8], 2)
+        await first
+
+    try:
+        asyncio.run(main())
+    finally:
+        async_engine.shutdown()
+    (shared,) = [s for s in steps if ("b", 1) in s]
+    assert shared[0][0] == "a"  # the engine itself lists the running decode first
+    later_token = next(output for output in shared if output[0] == "a")
+    assert received.index(("b", 1)) < received.index(later_token)

@@ -196,3 +196,44 @@ def test_an_under_share_tenants_prompt_goes_before_over_share_prefill_chunks() -
         outputs = run_to_completion(engine)
         check_invariants(engine)
         assert outputs[("h0", 0)][-4:] == reference_output(list(range(100, 164)), 4)
+
+
+def test_a_light_tenants_long_prompt_goes_before_a_heavy_tenants_decodes_and_prefills() -> None:
+    """An under-share tenant's prompt takes the step's whole budget, first chunk and later ones,
+    ahead of the over-share tenant's decodes and its prefill admitted earlier; FCFS serves
+    decodes first and prefills in admission order."""
+    for fair in (True, False):
+        engine = make_engine(
+            num_blocks=256, block_size=4, max_num_batched_tokens=16, max_num_seqs=8,
+            queue=TieredFairQueue(), priority_preemption=fair,
+        )
+        prompts = {f"h{i}": list(range(100 + 10 * i, 108 + 10 * i)) for i in range(3)}
+        prompts["h3"] = list(range(200, 264))
+        for request_id, prompt in prompts.items():
+            engine.add_request(request_id, prompt, _params(30 if request_id != "h3" else 4), HEAVY)
+        outputs: Outputs = {}
+        for _ in range(3):  # h0-h2 decoding (3 tokens a step), h3's prompt in progress
+            _step(engine, outputs)
+        heavy_prefill = engine.scheduler.requests["h3"]
+        assert not heavy_prefill.is_prefill_done
+        heavy_before = heavy_prefill.num_computed_tokens
+        decoded_before = len(outputs["h0"])
+        prompts["l0"] = list(range(600, 640))
+        engine.add_request("l0", prompts["l0"], _params(4), LIGHT)
+        for _ in range(3):
+            _step(engine, outputs)
+        light = engine.scheduler.requests["l0"]
+        if fair:  # 16 + 16 + 8: the heavy decodes get only the third step's leftover budget
+            assert light.num_computed_tokens == 40
+            assert len(outputs["h0"]) == decoded_before + 1
+            assert heavy_prefill.num_computed_tokens == heavy_before + 16 - 8 - 3
+        else:  # 13 tokens a step (16 less 3 decodes), h3's chunks first
+            assert light.num_computed_tokens < 3 * 13
+            assert len(outputs["h0"]) == decoded_before + 3
+            assert heavy_prefill.num_computed_tokens > heavy_before
+        for (request_id, _), tokens in run_to_completion(engine).items():
+            outputs.setdefault(request_id, []).extend(tokens)
+        check_invariants(engine)
+        for request_id, prompt in prompts.items():
+            num_tokens = 30 if request_id in ("h0", "h1", "h2") else 4
+            assert outputs[request_id] == reference_output(prompt, num_tokens), request_id

@@ -20,11 +20,13 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.admission import AdmissionSettings
 from policies import TierTable
@@ -106,6 +108,39 @@ class _Overload:
         )
 
 
+def _standard_counts(server: ServeProcess) -> Counter[tuple[str, int]]:
+    """The standard tier's tiergate_requests_total by (status, code), and its shed refusals
+    (tiergate_rejections_total, reason slo_shed) as ("shed", 0)."""
+    text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+    counts: Counter[tuple[str, int]] = Counter()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.labels.get("tier") != "standard":
+                continue
+            if sample.name == "tiergate_requests_total":
+                counts[(sample.labels["status"], int(sample.labels["code"]))] += int(sample.value)
+            elif (
+                sample.name == "tiergate_rejections_total" and sample.labels["reason"] == "slo_shed"
+            ):
+                counts[("shed", 0)] += int(sample.value)
+    return counts
+
+
+def _settled_increase(
+    server: ServeProcess, before: Counter[tuple[str, int]], expected: Counter[tuple[str, int]]
+) -> Counter[tuple[str, int]]:
+    """The counts' increase since before, once it reaches expected (ended requests reach the
+    metrics just after their answer) or after 30 s."""
+    deadline_s = time.monotonic() + 30
+    while True:
+        increase = _standard_counts(server)
+        increase.subtract(before)
+        increase = +increase  # drop the series that did not move
+        if increase == expected or time.monotonic() > deadline_s:
+            return increase
+        time.sleep(0.1)
+
+
 async def _overload(
     base_url: str, standard_key: str, premium_key: str, overload: _Overload
 ) -> tuple[list[_StandardClient], list[int]]:
@@ -160,6 +195,7 @@ def test_overload_sheds_standard_fast_with_truthful_retry_after_premium_admitted
         assert {o.status_code for o in outcomes} == {200}
     overload = _Overload.from_warm_up(warm_up_s)
 
+    before = _standard_counts(server)
     clients, premium_statuses = asyncio.run(
         _overload(server.base_url, standard_key, premium_key, overload)
     )
@@ -187,9 +223,20 @@ def test_overload_sheds_standard_fast_with_truthful_retry_after_premium_admitted
         f"retries after retry-after-ms admitted {num_retried_ok}/{len(shed)}; "
         f"premium {premium_statuses}"
     )
-    # Refusals are cheap. The real target (< 50 ms p99) is a wall-clock claim, reported above,
-    # not gated on a shared CI machine.
-    assert p99_ms < 1000
+    # Refused at once: a shed request is answered without waiting for the engine, so the
+    # median refusal is far quicker than the median admitted request of the same run (about
+    # 100x here). The absolute target (< 50 ms p99) is a wall-clock claim, reported above and
+    # in the serving benchmark, not gated on a shared CI machine.
+    assert p50_ms < admitted_p50_ms / 10, (p50_ms, admitted_p50_ms)
+    # Every 429 was a shedding decision that ran nothing, as the server counted it.
+    answers = [c.status_code for c in clients] + [
+        c.retry_status_code for c in shed if c.retry_status_code is not None
+    ]
+    expected = Counter(
+        {("refused", 429): answers.count(429), ("completed", 200): answers.count(200),
+         ("shed", 0): answers.count(429)}
+    )  # fmt: skip
+    assert _settled_increase(server, before, expected) == expected
     # The retry delay is truthful: waiting it out gets a client in more often than not.
     assert num_retried_ok > len(shed) / 2
     # Premium is never shed while standard is.
