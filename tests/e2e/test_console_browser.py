@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import io
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -509,10 +510,16 @@ def test_live_view_refreshes_in_place_and_flags_the_slo(
         console.screenshot("live")
         refresh_ms = page.evaluate("import('/admin/assets/live.js').then(m => m.REFRESH_MS)")
         console.go("Tenants")  # leaving the view stops the polling
-        page.wait_for_timeout(500)  # a poll already in flight may still land
+        # A poll already in flight may still land (late, if this machine stalls): the count
+        # must come to rest, and still polling it never would.
+        deadline_s = time.monotonic() + 15
         num_calls = contract.num_live_calls
-        page.wait_for_timeout(refresh_ms + 1000)
-        assert contract.num_live_calls == num_calls
+        while True:
+            page.wait_for_timeout(refresh_ms + 1000)
+            if contract.num_live_calls == num_calls:
+                break
+            assert time.monotonic() < deadline_s, "the live view kept polling after it was left"
+            num_calls = contract.num_live_calls
 
 
 def test_usage_view_charts_per_tenant_per_day_and_downloads_the_export(

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 
 import pytest
 
@@ -143,9 +145,8 @@ def test_async_engine_streams_outputs_and_aborts_on_early_exit() -> None:
             num_seen += 1
             if num_seen == 3:
                 break  # the client went away
-        for _ in range(100):
-            if not engine.has_unfinished_requests():
-                break
+        deadline_s = time.monotonic() + 10  # the abort lands at the engine's next step
+        while engine.has_unfinished_requests() and time.monotonic() < deadline_s:
             await asyncio.sleep(0.01)
         return tokens, num_seen
 
@@ -164,6 +165,7 @@ def test_a_steps_first_tokens_reach_their_consumers_before_its_later_tokens() ->
     runner = engine.runner
     assert isinstance(runner, FakeModelRunner)
     runner.sleep = True  # real step times, so "b" arrives while "a" is decoding
+    runner.extra_delay_s = 0.02
     steps: list[list[tuple[str, int]]] = []
     step = engine.step
 
@@ -182,11 +184,15 @@ def test_a_steps_first_tokens_reach_their_consumers_before_its_later_tokens() ->
             received.append((out.request_id, out.num_output_tokens))
 
     async def main() -> None:
-        first = asyncio.ensure_future(consume("a", [5, 6, 7], 100))
+        # "a" decodes for 4 s at least (200 steps of 20 ms or more): "b" gets added while it
+        # runs even if this machine stalls for a while.
+        first = asyncio.ensure_future(consume("a", [5, 6, 7], 200))
         while len(received) < 3:
             await asyncio.sleep(0.001)
         await consume("b", [5, 6, 8], 2)
-        await first
+        first.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await first
 
     try:
         asyncio.run(main())

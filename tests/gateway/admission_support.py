@@ -230,6 +230,11 @@ def admit_n_of_3n(
     outcomes = send_all(servers, key, bodies, concurrency_per_server=8)
     elapsed_s = time.monotonic() - start_s
     num_admitted = count_admitted(outcomes, words)
+    # Every server answered its round-robin share (a 200, or a 429 naming the limit): with a
+    # limit local to each, each would admit up to n of its share.
+    assert [sum(o.server_index == i for o in outcomes) for i in range(len(servers))] == [
+        len(range(i, len(bodies), len(servers))) for i in range(len(servers))
+    ]
     per_server = [
         sum(o.status_code == 200 for o in outcomes if o.server_index == i)
         for i in range(len(servers))

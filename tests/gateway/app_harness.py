@@ -84,7 +84,9 @@ class InProcessGateway:
         return self.loader.runner
 
     def admin(self) -> httpx.Client:
-        return httpx.Client(base_url=self.base_url, headers={"x-admin-token": ADMIN_TOKEN})
+        return httpx.Client(
+            base_url=self.base_url, headers={"x-admin-token": ADMIN_TOKEN}, timeout=30
+        )
 
     def create_tenant(
         self, name: str, tier: str, quota: Mapping[str, Any] | None = None

@@ -146,8 +146,9 @@ def _recording_client(
 
 
 def test_sdk_raises_rate_limit_error_and_waits_retry_after_ms(server: ServeProcess) -> None:
-    # one request a second, one at a time
-    key = create_tenant(server, {"requests_per_minute": 60, "burst_requests": 1}, tier="batch")
+    # One request every 5 s, one at a time: long enough that each refusal below holds even
+    # when this shared machine stalls between two requests for a second or two.
+    key = create_tenant(server, {"requests_per_minute": 12, "burst_requests": 1}, tier="batch")
     with _recording_client(server, key, max_retries=0) as (client, _):
         client.completions.create(model=MODEL, prompt="a", max_tokens=1)
         with pytest.raises(openai.RateLimitError) as refused:
@@ -161,14 +162,15 @@ def test_sdk_raises_rate_limit_error_and_waits_retry_after_ms(server: ServeProce
     assert completion.choices[0].text is not None
     assert [a.status_code for a in attempts] == [429, 200], attempts
     first, second = attempts
-    assert first.retry_after_ms is not None and 0 < first.retry_after_ms <= 1000
+    assert first.retry_after_ms is not None and 0 < first.retry_after_ms <= 5000
     waited_ms = (second.sent_at_s - first.answered_at_s) * 1000
     report(
         f"SDK retry: retry-after-ms {first.retry_after_ms}, second attempt sent "
         f"{waited_ms:.0f} ms after the 429 and admitted"
     )
-    # it waited what the server said (not its own backoff), and that was enough
-    assert first.retry_after_ms <= waited_ms < first.retry_after_ms + 1000
+    # It waited what the server said, not its own backoff (0.5-1 s for a first retry), and
+    # that was enough.
+    assert waited_ms >= first.retry_after_ms
 
 
 def test_exhausted_budget_is_insufficient_quota_and_not_retried(server: ServeProcess) -> None:

@@ -257,22 +257,20 @@ def test_deliveries_retry_server_errors_and_give_up_on_refusals(
 
 
 def test_unreachable_webhook_does_not_block_evaluation(receiver: LoopbackReceiver) -> None:
-    receiver.delay_s = 0.5
+    receiver.delay_s = 2.0  # it records a post after this, then answers
     clock = FakeClock()
     settings = _settings(receiver, rules=(TtftAlertRule("premium", 0.4, for_s=0.0, min_samples=1),))
 
-    async def main() -> float:
+    async def main() -> None:
         monitor = AlertMonitor.from_settings(settings, clock=clock)
         await monitor.start()
         monitor.observe_ttft("premium", 2.0)
-        started = time.perf_counter()
         (event,) = monitor.evaluate_now()
-        elapsed_s = time.perf_counter() - started
+        assert receiver.received == []  # evaluation returned before any answer came
         assert event.kind is AlertEventKind.FIRE
         await monitor.stop()
-        return elapsed_s
 
-    assert asyncio.run(main()) < 0.25  # the receiver takes 0.5 s to answer
+    asyncio.run(main())
     assert len(receiver.received) == 2  # delivered on stop, after the slow receiver answered
 
 

@@ -57,7 +57,9 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero(tmp_path: Path) -> No
     first_chunk = threading.Event()
 
     def stream() -> None:
-        body = {"model": MODEL, "prompt": "drain", "max_tokens": 300, "ignore_eos": True,
+        # Long enough (seconds) to be still streaming while the drain is checked below, even
+        # if this machine stalls meanwhile; well inside the 30 s drain timeout.
+        body = {"model": MODEL, "prompt": "drain", "max_tokens": 1000, "ignore_eos": True,
                 "stream": True}
         with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body,
                           headers=headers, timeout=60) as response:
@@ -76,11 +78,11 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero(tmp_path: Path) -> No
     status = 0
     while time.monotonic() < deadline:
         status = httpx.post(f"{server.base_url}/v1/completions", headers=headers,
-                            json={"model": MODEL, "prompt": "x"}).status_code
+                            json={"model": MODEL, "prompt": "x"}, timeout=30).status_code
         if status == 503:
             break
     assert status == 503
-    assert httpx.get(f"{server.base_url}/health/ready").status_code == 503
+    assert httpx.get(f"{server.base_url}/health/ready", timeout=30).status_code == 503
     thread.join(60)
     assert lines[-1] == "data: [DONE]"
     chunks = [json.loads(line[6:]) for line in lines[:-1]]

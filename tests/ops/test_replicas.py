@@ -495,7 +495,9 @@ def test_rate_limits_hold_across_three_replicas_within_two_percent(
     )
     assert N <= len(admitted) <= N + num_refilled
     assert abs(len(admitted) - N) <= 0.02 * N
-    assert all(n > 0 for n in per_replica), per_replica  # the load really was spread
+    # The load really was spread: every replica answered the limited tenant (which of them
+    # admitted depends on which this shared machine ran first).
+    assert all(any(o.replica_index == i for o in seen) for i in range(NUM_REPLICAS))
 
 
 @pytest.mark.parametrize("name", ["key revocation", "tenant disable", "quota edit"])

@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import random
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 import redis
+from redis.asyncio import Redis as AsyncRedis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 from policies import (
     FailurePolicy,
@@ -24,12 +28,16 @@ from policies import (
     RedisRateLimiter,
     TenantLimits,
 )
-from tests.policies.conftest import ThrowawayRedis
+from policies.rate_limits import EMPTY_SNAPSHOT
+from tests.policies.conftest import ManualClock, ThrowawayRedis
 
 T = TypeVar("T")
 
 # Generous: a loaded CI machine must not turn a slow answer into a fallback mid-count.
 _PATIENT = {"timeout_s": 5.0}
+# Outage tests: as patient while Redis is up; a lost Redis is probed only when the test moves
+# its clock; leases renew every 100 s, after the test, so every script call is the test's own.
+_OUTAGE = {**_PATIENT, "probe_interval_s": 1.0, "lease_ttl_s": 300.0}
 
 
 def _replicas(url: str, prefix: str, n: int, **config: object) -> list[RedisRateLimiter]:
@@ -41,6 +49,55 @@ def _replicas(url: str, prefix: str, n: int, **config: object) -> list[RedisRate
 async def _close(limiters: list[RedisRateLimiter]) -> None:
     for limiter in limiters:
         await limiter.aclose()
+
+
+class _CountingRedis(AsyncRedis):
+    """A client that counts the script calls it sends: a test can then say Redis was (not)
+    tried rather than time how long a call took."""
+
+    num_script_calls = 0
+
+    async def execute_command(self, *args: Any, **options: Any) -> Any:
+        if args[0] == "EVALSHA":
+            self.num_script_calls += 1
+        return await super().execute_command(*args, **options)
+
+
+def _probed_by_hand(
+    url: str, clock: ManualClock, **config: object
+) -> tuple[RedisRateLimiter, _CountingRedis]:
+    """A limiter that probes a lost Redis only when clock has moved on, and its counting
+    client, built as RedisRateLimiter.from_url builds one."""
+    settings = RedisLimiterConfig(**config)  # type: ignore[arg-type]
+    client = _CountingRedis.from_url(
+        url,
+        socket_timeout=settings.timeout_s,
+        socket_connect_timeout=settings.timeout_s,
+        retry=Retry(NoBackoff(), 1),
+    )
+    return RedisRateLimiter(client, settings, clock=clock, owns_client=True), client
+
+
+async def _outcome(call: Callable[[], Awaitable[T]]) -> T | Exception:
+    """The call's result or exception."""
+    try:
+        return await call()
+    except Exception as exc:
+        return exc
+
+
+async def _until(predicate: Callable[[], Awaitable[bool]], within_s: float) -> None:
+    """Poll predicate() every 50 ms until it holds; fails after within_s."""
+    deadline_s = time.monotonic() + within_s
+    while not await predicate():
+        assert time.monotonic() < deadline_s, f"not within {within_s} s"
+        await asyncio.sleep(0.05)
+
+
+def _us(time_reply: tuple[int, int]) -> int:
+    """Microseconds since the epoch from a Redis TIME reply."""
+    seconds, micros = time_reply
+    return seconds * 1_000_000 + micros
 
 
 async def _hammer(
@@ -100,7 +157,14 @@ def test_replicas_never_overshoot_a_token_limit(redis_url: str, key_prefix: str)
 
 
 def test_refusal_charges_nothing_and_release_refunds(redis_url: str, key_prefix: str) -> None:
-    limits = TenantLimits(requests_per_minute=60, tokens_per_minute=6000, max_concurrent_requests=1)
+    # full bursts refilling at one unit a minute: the counts below are exact for a minute
+    limits = TenantLimits(
+        requests_per_minute=1,
+        burst_requests=60,
+        tokens_per_minute=1,
+        burst_tokens=6000,
+        max_concurrent_requests=1,
+    )
 
     async def main() -> None:
         (limiter,) = _replicas(redis_url, key_prefix, 1, **_PATIENT)
@@ -116,14 +180,14 @@ def test_refusal_charges_nothing_and_release_refunds(redis_url: str, key_prefix:
                 assert refused.value.limit_name is LimitName.CONCURRENT_REQUESTS
                 snapshot = refused.value.snapshot
                 assert snapshot is not None and snapshot.requests and snapshot.tokens
-                # nothing was charged by the refusals (a refill of under a second's worth at most)
+                # nothing was charged by the refusals
                 assert snapshot.requests.remaining == 59
-                assert 5000 <= snapshot.tokens.remaining <= 5100
+                assert snapshot.tokens.remaining == 5000
             released = await limiter.release(lease, num_tokens_used=300)
             assert released.num_concurrent == 0
-            assert released.tokens is not None and 5700 <= released.tokens.remaining <= 5800
+            assert released.tokens is not None and released.tokens.remaining == 5700
             twice = await limiter.release(lease, num_tokens_used=300)
-            assert twice.tokens is not None and twice.tokens.remaining < 5900  # no 2nd refund
+            assert twice.tokens is not None and twice.tokens.remaining == 5700  # no 2nd refund
             with pytest.raises(RateLimited) as too_large:
                 await limiter.acquire("t", limits, 7000)
             assert not too_large.value.should_retry
@@ -134,7 +198,20 @@ def test_refusal_charges_nothing_and_release_refunds(redis_url: str, key_prefix:
 
 
 def test_keys_are_hash_tagged_expire_and_use_redis_time(redis_url: str, key_prefix: str) -> None:
-    limits = TenantLimits(requests_per_minute=60, tokens_per_minute=600, max_concurrent_requests=4)
+    # a request refills in 60 s, the 300 tokens in 30 s: no stall outlives a key
+    limits = TenantLimits(
+        requests_per_minute=1,
+        burst_requests=60,
+        tokens_per_minute=600,
+        max_concurrent_requests=4,
+    )
+    assert limits.requests_bucket is not None and limits.tokens_bucket is not None
+    expected_pttl_ms = {
+        # until full again, as admit.lua computes it (same doubles, same rounding)
+        "requests": math.ceil(1 / limits.requests_bucket.rate_per_s * 1000),
+        "tokens": math.ceil(300 / limits.tokens_bucket.rate_per_s * 1000),
+        "leases": 20_000,  # the lease's ttl
+    }
 
     async def main() -> None:
         (limiter,) = _replicas(redis_url, key_prefix, 1, lease_ttl_s=20.0, **_PATIENT)
@@ -143,18 +220,22 @@ def test_keys_are_hash_tagged_expire_and_use_redis_time(redis_url: str, key_pref
         finally:
             await limiter.aclose()
 
-    asyncio.run(main())
     client = redis.Redis.from_url(redis_url)
     try:
+        # everything below happened between before_us and after_us on Redis's clock
+        before_us = _us(client.time())
+        asyncio.run(main())
         keys = sorted(k.decode() for k in client.scan_iter(match=f"{key_prefix}:*"))
-        assert keys == [f"{key_prefix}:{{42}}:{name}" for name in ("leases", "requests", "tokens")]
-        # each bucket lives until it would be full again; the lease set as long as its lease
-        assert 0 < client.pttl(f"{key_prefix}:{{42}}:requests") <= 1000
-        assert 29_000 < client.pttl(f"{key_prefix}:{{42}}:tokens") <= 30_000
-        assert 19_000 < client.pttl(f"{key_prefix}:{{42}}:leases") <= 20_000
-        seconds, micros = client.time()
+        assert keys == [f"{key_prefix}:{{42}}:{name}" for name in sorted(expected_pttl_ms)]
+        pttl_ms = {name: client.pttl(f"{key_prefix}:{{42}}:{name}") for name in expected_pttl_ms}
         stored_us = int(client.hget(f"{key_prefix}:{{42}}:tokens", "ts_us") or 0)
-        assert 0 <= seconds * 1_000_000 + micros - stored_us < 5_000_000
+        after_us = _us(client.time())
+        # each key expires when its bucket would be full again (the lease set with its lease):
+        # set at most window_ms before it was read
+        window_ms = after_us // 1000 - before_us // 1000
+        for name, expected_ms in expected_pttl_ms.items():
+            assert expected_ms - window_ms - 1 <= pttl_ms[name] <= expected_ms, name
+        assert before_us <= stored_us <= after_us
     finally:
         client.close()
 
@@ -163,52 +244,52 @@ def test_a_dead_replicas_slots_expire_and_a_live_ones_are_renewed(
     redis_url: str, key_prefix: str
 ) -> None:
     limits = TenantLimits(max_concurrent_requests=1)
+    # renewed every ttl/3: only a stall of over 2/3 ttl could let the live lease lapse
+    ttl_s = 5.0
 
     async def main() -> None:
-        alive, dead, other = _replicas(redis_url, key_prefix, 3, lease_ttl_s=0.9, **_PATIENT)
+        alive, dead, other = _replicas(redis_url, key_prefix, 3, lease_ttl_s=ttl_s, **_PATIENT)
+        client = AsyncRedis.from_url(redis_url, socket_timeout=_PATIENT["timeout_s"])
+        live_leases = f"{key_prefix}:{{live}}:leases"
         try:
             held = await alive.acquire("live", limits, 1)
+            first_expiry_ms = await client.zscore(live_leases, held.lease_id)
             await dead.acquire("dead", limits, 1)
             await dead.aclose()  # stops renewing without releasing: the replica died
-            await asyncio.sleep(2.0)  # over 2 ttl: only renewal keeps a lease alive
+
+            async def dead_slot_freed() -> bool:
+                try:
+                    await other.acquire("dead", limits, 1)
+                except RateLimited:
+                    return False
+                return True
+
+            await _until(dead_slot_freed, within_s=30.0)
+            # the dead lease was taken after the live one with the same ttl, so the live
+            # one's first expiry has passed too: only renewal kept it
+            assert _us(await client.time()) // 1000 >= first_expiry_ms
+            renewed_expiry_ms = await client.zscore(live_leases, held.lease_id)
+            assert renewed_expiry_ms is not None and renewed_expiry_ms > first_expiry_ms
             with pytest.raises(RateLimited):
                 await other.acquire("live", limits, 1)
-            await other.acquire("dead", limits, 1)  # the dead replica's slot freed itself
             await alive.release(held, 1)
             await other.acquire("live", limits, 1)
         finally:
+            await client.aclose()
             await _close([alive, other])
 
     asyncio.run(main())
-
-
-async def _timed(call: Callable[[], Awaitable[T]]) -> tuple[T | BaseException, float]:
-    """The call's result (or exception) and how long it took."""
-    start = time.monotonic()
-    try:
-        result: T | BaseException = await call()
-    except Exception as exc:
-        result = exc
-    return result, time.monotonic() - start
-
-
-async def _until(predicate: Callable[[], Awaitable[bool]], within_s: float) -> float:
-    """Seconds until predicate() holds, polled every 50 ms; fails after within_s."""
-    start = time.monotonic()
-    while not await predicate():
-        assert time.monotonic() - start < within_s, f"not within {within_s} s"
-        await asyncio.sleep(0.05)
-    return time.monotonic() - start
 
 
 def test_fail_open_falls_back_to_a_local_share_and_heals(
     throwaway_redis: ThrowawayRedis,
 ) -> None:
     limits = TenantLimits(requests_per_minute=1, burst_requests=10)
-    config = {"timeout_s": 0.25, "probe_interval_s": 0.2, "num_replicas": 2}
+    clock = ManualClock()
 
     async def main() -> None:
-        first, second = _replicas(throwaway_redis.url, "tiergate", 2, **config)
+        first, client = _probed_by_hand(throwaway_redis.url, clock, num_replicas=2, **_OUTAGE)
+        (second,) = _replicas(throwaway_redis.url, "tiergate", 1, num_replicas=2, **_PATIENT)
         try:
             before = await first.acquire("t", limits, 1)
             assert before.backend is LimiterBackend.REDIS
@@ -216,31 +297,33 @@ def test_fail_open_falls_back_to_a_local_share_and_heals(
             assert loads_before == 1  # the first call met NOSCRIPT and loaded the script
 
             throwaway_redis.kill()
-            outcomes = [await _timed(lambda: first.acquire("t", limits, 1)) for _ in range(8)]
-            # every call answered quickly, from the fallback holding half the burst
-            assert max(seconds for _, seconds in outcomes) < 1.0  # timeout_s 0.25
-            admitted = [r for r, _ in outcomes if isinstance(r, RateLimitLease)]
-            refused = [r for r, _ in outcomes if isinstance(r, RateLimited)]
+            num_calls = client.num_script_calls
+            outcomes = [await _outcome(lambda: first.acquire("t", limits, 1)) for _ in range(8)]
+            # the first call found Redis gone; the others, before the next probe, did not try it
+            assert client.num_script_calls == num_calls + 1
+            # all were answered by the fallback holding half the burst
+            admitted = [r for r in outcomes if isinstance(r, RateLimitLease)]
+            refused = [r for r in outcomes if isinstance(r, RateLimited)]
             assert (len(admitted), len(refused)) == (5, 3)
             assert {lease.backend for lease in admitted} == {LimiterBackend.FALLBACK}
             assert not first.is_available
-            # releasing a Redis lease while Redis is away neither raises nor hangs
-            released, seconds = await _timed(lambda: first.release(before, 1))
-            assert not isinstance(released, BaseException) and seconds < 1.0
+            # releasing a Redis lease as the probe: Redis is still away, and it does not raise
+            clock.advance(_OUTAGE["probe_interval_s"])
+            assert await first.release(before, 1) == EMPTY_SNAPSHOT
+            assert client.num_script_calls == num_calls + 2 and not first.is_available
             await first.release(admitted[0], 1)
 
             throwaway_redis.start()  # empty: no keys, no scripts
-
-            async def back_on_redis() -> bool:
-                result, _ = await _timed(lambda: first.acquire("t", limits, 1))
-                return isinstance(result, RateLimitLease) and result.backend is LimiterBackend.REDIS
-
-            healed_s = await _until(back_on_redis, within_s=5.0)
-            assert healed_s < 3.0
-            assert first.is_available
+            # back, but not tried before the next probe: the fallback's share is spent
+            with pytest.raises(RateLimited):
+                await first.acquire("t", limits, 1)
+            assert client.num_script_calls == num_calls + 2
+            clock.advance(_OUTAGE["probe_interval_s"])
+            probe = await first.acquire("t", limits, 1)
+            assert probe.backend is LimiterBackend.REDIS and first.is_available
             assert first.num_script_loads == loads_before + 1  # NOSCRIPT after the restart
-            # shared again: the replicas together get the burst of 10, one already taken
-            taken = 1  # before the outage
+            # shared again: the replicas together get the burst of 10, the probe took one
+            taken = 1
             for replica in (first, second):
                 for _ in range(10):
                     with contextlib.suppress(RateLimited):
@@ -254,30 +337,33 @@ def test_fail_open_falls_back_to_a_local_share_and_heals(
     asyncio.run(main())
 
 
-def test_fail_closed_refuses_quickly_and_heals(throwaway_redis: ThrowawayRedis) -> None:
+def test_fail_closed_refuses_without_trying_redis_and_heals(
+    throwaway_redis: ThrowawayRedis,
+) -> None:
     limits = TenantLimits(requests_per_minute=600)
-    config = {
-        "timeout_s": 0.25,
-        "probe_interval_s": 0.2,
-        "on_failure": FailurePolicy.FAIL_CLOSED,
-    }
+    clock = ManualClock()
 
     async def main() -> None:
-        (limiter,) = _replicas(throwaway_redis.url, "tiergate", 1, **config)
+        limiter, client = _probed_by_hand(
+            throwaway_redis.url, clock, on_failure=FailurePolicy.FAIL_CLOSED, **_OUTAGE
+        )
         try:
             await limiter.acquire("t", limits, 1)
             throwaway_redis.kill()
+            num_calls = client.num_script_calls
             for _ in range(5):
-                result, seconds = await _timed(lambda: limiter.acquire("t", limits, 1))
-                assert isinstance(result, LimiterUnavailable)
-                assert result.retry_after_s == 0.2 and seconds < 1.0
+                with pytest.raises(LimiterUnavailable) as refused:
+                    await limiter.acquire("t", limits, 1)
+                assert refused.value.retry_after_s == _OUTAGE["probe_interval_s"]
+            # the first found Redis gone; the others were refused without trying it
+            assert client.num_script_calls == num_calls + 1
             throwaway_redis.start()
-
-            async def admitted() -> bool:
-                result, _ = await _timed(lambda: limiter.acquire("t", limits, 1))
-                return isinstance(result, RateLimitLease)
-
-            assert await _until(admitted, within_s=5.0) < 3.0
+            with pytest.raises(LimiterUnavailable):  # back, but not before the next probe
+                await limiter.acquire("t", limits, 1)
+            assert client.num_script_calls == num_calls + 1
+            clock.advance(_OUTAGE["probe_interval_s"])
+            lease = await limiter.acquire("t", limits, 1)  # the probe, admitted by Redis
+            assert lease.backend is LimiterBackend.REDIS and limiter.is_available
             assert limiter.num_script_loads == 2
         finally:
             await limiter.aclose()
@@ -286,28 +372,32 @@ def test_fail_closed_refuses_quickly_and_heals(throwaway_redis: ThrowawayRedis) 
 
 
 def test_a_frozen_redis_costs_one_timeout_per_probe(throwaway_redis: ThrowawayRedis) -> None:
-    """A server that accepts but never answers: no call waits much past timeout_s."""
+    """A server that accepts but never answers: the call that finds it waits timeout_s once,
+    then falls back; until the next probe Redis is not tried."""
     limits = TenantLimits(requests_per_minute=600)
-    config = {"timeout_s": 0.2, "probe_interval_s": 0.5}
+    clock = ManualClock()
+    timeout_s = _OUTAGE["timeout_s"]
 
     async def main() -> None:
-        (limiter,) = _replicas(throwaway_redis.url, "tiergate", 1, **config)
+        limiter, client = _probed_by_hand(throwaway_redis.url, clock, **_OUTAGE)
         try:
             await limiter.acquire("t", limits, 1)
             throwaway_redis.pause()
-            probe, probe_s = await _timed(lambda: limiter.acquire("t", limits, 1))
-            assert isinstance(probe, RateLimitLease) and probe.backend is LimiterBackend.FALLBACK
-            assert 0.15 < probe_s < 1.0  # waited for the timeout, then fell back
-            # until the next probe Redis is not tried at all
-            _, seconds = await _timed(lambda: limiter.acquire("t", limits, 1))
-            assert seconds < 0.15
+            num_calls = client.num_script_calls
+            start_s = time.monotonic()
+            lease = await limiter.acquire("t", limits, 1)
+            waited_s = time.monotonic() - start_s
+            assert lease.backend is LimiterBackend.FALLBACK and not limiter.is_available
+            assert client.num_script_calls == num_calls + 1
+            # it waited for the timeout, and only once: a retry would take 2 * timeout_s
+            assert 0.9 * timeout_s < waited_s < 2 * timeout_s
+            lease = await limiter.acquire("t", limits, 1)
+            assert lease.backend is LimiterBackend.FALLBACK
+            assert client.num_script_calls == num_calls + 1  # not tried: no wait
             throwaway_redis.resume()
-
-            async def back_on_redis() -> bool:
-                result, _ = await _timed(lambda: limiter.acquire("t", limits, 1))
-                return isinstance(result, RateLimitLease) and result.backend is LimiterBackend.REDIS
-
-            assert await _until(back_on_redis, within_s=5.0) < 3.0
+            clock.advance(_OUTAGE["probe_interval_s"])
+            lease = await limiter.acquire("t", limits, 1)  # the probe
+            assert lease.backend is LimiterBackend.REDIS and limiter.is_available
         finally:
             throwaway_redis.resume()
             await limiter.aclose()

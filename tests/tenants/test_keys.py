@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import re
 
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tenants.keys import (
@@ -61,6 +61,7 @@ def test_lookup_prefix_rejects_malformed_keys() -> None:
         assert lookup_prefix(value) is None, value
 
 
+@settings(deadline=None)  # a stall of the loaded CI machine is not a failure
 @given(st.text(max_size=80))
 def test_lookup_prefix_never_fails_on_arbitrary_text(value: str) -> None:
     prefix = lookup_prefix(value)
