@@ -5,6 +5,8 @@ are checked for consistency with each other, never against a bound."""
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import json
 import math
 from collections.abc import Iterator
@@ -21,9 +23,10 @@ from gateway.bench_serve.calibration import (
     measure_reference_prefill_s,
 )
 from gateway.bench_serve.errors import BenchConfigError
-from gateway.bench_serve.loadgen import CANCELLED, RequestResult
+from gateway.bench_serve.loadgen import CANCELLED, LoadGenerator, RequestResult
 from gateway.bench_serve.plan import (
     ArrivalProcess,
+    PlannedRequest,
     PromptVocabulary,
     plan_requests,
     retime,
@@ -160,6 +163,41 @@ def _result(
         num_output_tokens_requested=num_requested, num_output_tokens=num_tokens, ttft_s=ttft_s,
         e2e_s=e2e_s, itl_s=itl_s, error=error,
     )
+
+
+def test_the_heap_before_a_run_is_out_of_the_collectors_reach_during_it() -> None:
+    """A full collection in the generator would walk every object of its imports, a pause
+    of its event loop counted in the latencies it measures: the run freezes them, and
+    unfreezes them after."""
+    freeze_counts: list[int] = []
+    refusal = b'{"error": {"message": "overloaded", "type": "x", "param": null, "code": null}}'
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:"))  # fmt: skip
+        await reader.readexactly(length)
+        freeze_counts.append(gc.get_freeze_count())
+        writer.write(b"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\n"
+                     b"content-length: %d\r\nconnection: close\r\n\r\n%s"
+                     % (len(refusal), refusal))  # fmt: skip
+        await writer.drain()
+        writer.close()
+
+    async def main() -> list[RequestResult]:
+        server = await asyncio.start_server(answer, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        plan = [PlannedRequest(f"r{i}", "t", "standard", 0.01 * i, (5, 6, 7), 2)
+                for i in range(3)]  # fmt: skip
+        generator = LoadGenerator(f"http://127.0.0.1:{port}", "m", {"t": "key"}, progress=False)
+        async with server:
+            return await generator.run(plan)
+
+    assert gc.get_freeze_count() == 0
+    results = asyncio.run(main())
+    assert [r.status_code for r in results] == [429] * 3
+    assert len(freeze_counts) == 3 and min(freeze_counts) > 0
+    assert gc.get_freeze_count() == 0
 
 
 def test_summary_figures_from_hand_made_results() -> None:
