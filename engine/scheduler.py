@@ -22,7 +22,7 @@ from engine.queues import WaitingQueue
 from engine.request import Request, RequestStatus
 from engine.runner import ModelRunnerOutput
 from engine.scheduler_output import ScheduledChunk, SchedulerOutput
-from engine.scheduler_stats import SchedulerStats, StepRates, build_stats
+from engine.scheduler_stats import SchedulerStats, StepRates, WaitingTotals, build_stats
 from engine.stop_check import check_token_stop
 
 # Tenants the under-share admission pass looks at per step, at most: it runs every step the
@@ -51,6 +51,7 @@ class Scheduler:
         self.kv = kv_manager
         self.waiting = waiting
         self.rates = rates if rates is not None else StepRates()
+        self._waiting_totals = WaitingTotals()  # kept with every change to self.waiting
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
@@ -65,6 +66,7 @@ class Scheduler:
         self.requests[request.request_id] = request
         request.status = RequestStatus.WAITING
         self.waiting.add(request)
+        self._waiting_totals.add(request)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """End a request (abort, stop string, error); frees its blocks at once."""
@@ -76,6 +78,7 @@ class Scheduler:
             self.running.remove(request)
         elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(request)
+            self._waiting_totals.remove(request)
         request.status = status
         self.kv.free(request)
         self.kv.forget(request)
@@ -199,6 +202,7 @@ class Scheduler:
                     return  # the head cannot get in: nobody behind it may overtake
                 num_new = min(num_new, plan.budget)
             self.waiting.remove(request)
+            self._waiting_totals.remove(request)
             self.kv.allocate(request, num_new, computed)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = computed.num_tokens
@@ -365,6 +369,7 @@ class Scheduler:
         plan.preempted.append(victim)
         self.num_preemptions_total += 1
         self.waiting.prepend(victim)
+        self._waiting_totals.add(victim)
 
     def _effective_priority(self, request: Request) -> int:
         """Tiers only matter for preemption when priority preemption is on."""
@@ -440,7 +445,11 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         return build_stats(
-            self.running, self.waiting, self.kv, self.rates, self.config.enable_priority_preemption
+            self.running,
+            self._waiting_totals,
+            self.kv,
+            self.rates,
+            self.config.enable_priority_preemption,
         )
 
 

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from engine.kv_manager import KVCacheManager
-from engine.request import Request, RequestStatus
+from engine.request import Request
 
 # Steps kept for the measured rates.
 _RATE_WINDOW_STEPS = 64
@@ -49,6 +49,59 @@ class StepRates:
     @property
     def mean_step_time_s(self) -> float | None:
         return sum(s[2] for s in self._steps) / len(self._steps) if self._steps else None
+
+
+@dataclass
+class _TierWaiting:
+    tier: str
+    num_waiting: int = 0
+    num_pending_tokens: int = 0
+    num_by_tenant: dict[str, int] = field(default_factory=dict)
+    tokens_by_tenant: dict[str, int] = field(default_factory=dict)
+    weight_by_tenant: dict[str, float] = field(default_factory=dict)
+
+
+class WaitingTotals:
+    """Per-tier (and per-tenant) totals of the waiting queue, kept as requests enter and leave
+    it, so a statistics snapshot after every step costs O(tiers x tenants), not O(waiting):
+    with a thousand requests queued, walking them took 0.6 ms a step.
+
+    A waiting or preempted request's pending prefill is all of its tokens (it holds no KV),
+    and they do not change while it waits, so what enters is what leaves.
+    """
+
+    def __init__(self) -> None:
+        self._tiers: dict[int, _TierWaiting] = {}
+
+    def add(self, request: Request) -> None:
+        totals = self._tiers.get(request.priority)
+        if totals is None:
+            totals = self._tiers[request.priority] = _TierWaiting(request.tier)
+        tenant_id = request.tenant_id
+        totals.num_waiting += 1
+        totals.num_pending_tokens += request.num_tokens
+        totals.num_by_tenant[tenant_id] = totals.num_by_tenant.get(tenant_id, 0) + 1
+        totals.tokens_by_tenant[tenant_id] = (
+            totals.tokens_by_tenant.get(tenant_id, 0) + request.num_tokens
+        )
+        totals.weight_by_tenant[tenant_id] = request.weight
+
+    def remove(self, request: Request) -> None:
+        totals = self._tiers[request.priority]
+        tenant_id = request.tenant_id
+        totals.num_waiting -= 1
+        totals.num_pending_tokens -= request.num_tokens
+        totals.tokens_by_tenant[tenant_id] -= request.num_tokens
+        totals.num_by_tenant[tenant_id] -= 1
+        if not totals.num_by_tenant[tenant_id]:
+            del totals.num_by_tenant[tenant_id]
+            del totals.tokens_by_tenant[tenant_id]
+            del totals.weight_by_tenant[tenant_id]
+        if not totals.num_waiting:
+            del self._tiers[request.priority]
+
+    def items(self) -> Iterable[tuple[int, _TierWaiting]]:
+        return self._tiers.items()
 
 
 @dataclass
@@ -179,7 +232,7 @@ def tenant_share_ahead(
 
 def build_stats(
     running: Iterable[Request],
-    waiting: Iterable[Request],
+    waiting: WaitingTotals,
     kv: KVCacheManager,
     rates: StepRates,
     priority_preemption: bool,
@@ -203,11 +256,14 @@ def build_stats(
         stats.num_running += 1
         if not request.is_prefill_done:
             add_pending(stats, request, request.num_uncomputed_tokens)
-    for request in waiting:
-        stats = tier_of(request)
-        stats.num_waiting += 1
-        if request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
-            add_pending(stats, request, request.num_tokens)
+    for priority, totals in waiting.items():
+        stats = tiers.setdefault(priority, TierStats(priority, totals.tier))
+        stats.num_waiting += totals.num_waiting
+        stats.num_pending_prefill_tokens += totals.num_pending_tokens
+        by_tenant = stats.pending_prefill_tokens_by_tenant
+        for tenant_id, num_tokens in totals.tokens_by_tenant.items():
+            by_tenant[tenant_id] = by_tenant.get(tenant_id, 0) + num_tokens
+        stats.weight_by_tenant.update(totals.weight_by_tenant)
     for priority, num_reserved in kv.reserved_blocks.items():
         if priority in tiers:
             tiers[priority].num_kv_blocks_reserved = num_reserved

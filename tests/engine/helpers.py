@@ -44,7 +44,9 @@ def reference_output(prompt: list[int], num_tokens: int) -> list[int]:
 
 
 def check_invariants(engine: LLMEngine) -> None:
-    """Block ownership, reference counts, reservations, tenant caps, KV contents."""
+    """Block ownership, reference counts, reservations, tenant caps, KV contents, and the
+    statistics' per-tier counts against a walk over the running and waiting requests."""
+    _check_stats(engine)
     kv = engine.kv
     pool = kv.pool
     occurrences: Counter[int] = Counter()
@@ -99,3 +101,28 @@ def run_to_completion(
             outputs.setdefault((out.request_id, out.sample_index), []).extend(out.new_token_ids)
         check_invariants(engine)
     raise AssertionError("engine did not finish")
+
+
+def _check_stats(engine: LLMEngine) -> None:
+    """The snapshot's tiers (kept incrementally for the waiting queue) against a recount."""
+    expected: dict[int, tuple[int, int, Counter[str]]] = {}
+    scheduler = engine.scheduler
+    for request in [*scheduler.running, *scheduler.waiting]:
+        num_running, num_waiting, pending = expected.get(request.priority, (0, 0, Counter()))
+        if request.status == RequestStatus.RUNNING:
+            num_running += 1
+            if not request.is_prefill_done:
+                pending[request.tenant_id] += request.num_uncomputed_tokens
+        else:
+            num_waiting += 1
+            pending[request.tenant_id] += request.num_tokens
+        expected[request.priority] = (num_running, num_waiting, pending)
+    tiers = engine.stats().tiers
+    assert tiers.keys() == expected.keys()
+    for priority, (num_running, num_waiting, pending) in expected.items():
+        stats = tiers[priority]
+        assert (stats.num_running, stats.num_waiting) == (num_running, num_waiting), priority
+        assert stats.num_pending_prefill_tokens == sum(pending.values()), priority
+        assert {t: n for t, n in stats.pending_prefill_tokens_by_tenant.items() if n} == {
+            t: n for t, n in pending.items() if n
+        }, priority
