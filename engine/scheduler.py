@@ -51,7 +51,7 @@ class Scheduler:
         self.kv = kv_manager
         self.waiting = waiting
         self.rates = rates if rates is not None else StepRates()
-        self._waiting_totals = WaitingTotals()  # kept with every change to self.waiting
+        self._waiting_totals = WaitingTotals()  # changed with self.waiting, in _wait/_unwait
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
@@ -65,8 +65,19 @@ class Scheduler:
         assert request.request_id not in self.requests, "duplicate request id"
         self.requests[request.request_id] = request
         request.status = RequestStatus.WAITING
-        self.waiting.add(request)
+        self._wait(request)
+
+    def _wait(self, request: Request, *, at_head: bool = False) -> None:
+        """Into the waiting queue (at the head of its tier: a preempted request)."""
+        if at_head:
+            self.waiting.prepend(request)
+        else:
+            self.waiting.add(request)
         self._waiting_totals.add(request)
+
+    def _unwait(self, request: Request) -> None:
+        self.waiting.remove(request)
+        self._waiting_totals.remove(request)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """End a request (abort, stop string, error); frees its blocks at once."""
@@ -77,8 +88,7 @@ class Scheduler:
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
-            self.waiting.remove(request)
-            self._waiting_totals.remove(request)
+            self._unwait(request)
         request.status = status
         self.kv.free(request)
         self.kv.forget(request)
@@ -201,8 +211,7 @@ class Scheduler:
                     self._undo_fork(request)
                     return  # the head cannot get in: nobody behind it may overtake
                 num_new = min(num_new, plan.budget)
-            self.waiting.remove(request)
-            self._waiting_totals.remove(request)
+            self._unwait(request)
             self.kv.allocate(request, num_new, computed)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = computed.num_tokens
@@ -368,8 +377,7 @@ class Scheduler:
         victim.preempted_by_tenant_id = preempted_by.tenant_id
         plan.preempted.append(victim)
         self.num_preemptions_total += 1
-        self.waiting.prepend(victim)
-        self._waiting_totals.add(victim)
+        self._wait(victim, at_head=True)
 
     def _effective_priority(self, request: Request) -> int:
         """Tiers only matter for preemption when priority preemption is on."""
