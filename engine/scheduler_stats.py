@@ -56,8 +56,7 @@ class _TierWaiting:
     tier: str
     num_waiting: int = 0
     num_pending_tokens: int = 0
-    num_by_tenant: dict[str, int] = field(default_factory=dict)
-    tokens_by_tenant: dict[str, int] = field(default_factory=dict)
+    tokens_by_tenant: dict[str, int] = field(default_factory=dict)  # never 0: prompts are not empty
     weight_by_tenant: dict[str, float] = field(default_factory=dict)
 
 
@@ -80,7 +79,6 @@ class WaitingTotals:
         tenant_id = request.tenant_id
         totals.num_waiting += 1
         totals.num_pending_tokens += request.num_tokens
-        totals.num_by_tenant[tenant_id] = totals.num_by_tenant.get(tenant_id, 0) + 1
         totals.tokens_by_tenant[tenant_id] = (
             totals.tokens_by_tenant.get(tenant_id, 0) + request.num_tokens
         )
@@ -92,9 +90,7 @@ class WaitingTotals:
         totals.num_waiting -= 1
         totals.num_pending_tokens -= request.num_tokens
         totals.tokens_by_tenant[tenant_id] -= request.num_tokens
-        totals.num_by_tenant[tenant_id] -= 1
-        if not totals.num_by_tenant[tenant_id]:
-            del totals.num_by_tenant[tenant_id]
+        if not totals.tokens_by_tenant[tenant_id]:  # its last waiting request left
             del totals.tokens_by_tenant[tenant_id]
             del totals.weight_by_tenant[tenant_id]
         if not totals.num_waiting:

@@ -110,14 +110,18 @@ class RedisRateLimiter:
     def from_url(cls, url: str, config: RedisLimiterConfig | None = None) -> RedisRateLimiter:
         """A limiter with its own connection pool, timeouts bounded by config.timeout_s."""
         config = config or RedisLimiterConfig()
-        client = Redis.from_url(
-            url,
-            socket_timeout=config.timeout_s,
-            socket_connect_timeout=config.timeout_s,
-            # one immediate retry replaces a pooled connection that a restart left dead
-            retry=Retry(NoBackoff(), 1),
-        )
+        client = Redis.from_url(url, **cls.client_options(config))
         return cls(client, config, owns_client=True)
+
+    @staticmethod
+    def client_options(config: RedisLimiterConfig) -> dict[str, Any]:
+        """Keyword options of the Redis client from_url builds."""
+        return {
+            "socket_timeout": config.timeout_s,
+            "socket_connect_timeout": config.timeout_s,
+            # one immediate retry replaces a pooled connection that a restart left dead
+            "retry": Retry(NoBackoff(), 1),
+        }
 
     @property
     def is_available(self) -> bool:

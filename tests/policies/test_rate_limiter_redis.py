@@ -14,8 +14,6 @@ from typing import Any, TypeVar
 import pytest
 import redis
 from redis.asyncio import Redis as AsyncRedis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 
 from policies import (
     FailurePolicy,
@@ -67,14 +65,9 @@ def _probed_by_hand(
     url: str, clock: ManualClock, **config: object
 ) -> tuple[RedisRateLimiter, _CountingRedis]:
     """A limiter that probes a lost Redis only when clock has moved on, and its counting
-    client, built as RedisRateLimiter.from_url builds one."""
+    client, with the options RedisRateLimiter.from_url gives its own."""
     settings = RedisLimiterConfig(**config)  # type: ignore[arg-type]
-    client = _CountingRedis.from_url(
-        url,
-        socket_timeout=settings.timeout_s,
-        socket_connect_timeout=settings.timeout_s,
-        retry=Retry(NoBackoff(), 1),
-    )
+    client = _CountingRedis.from_url(url, **RedisRateLimiter.client_options(settings))
     return RedisRateLimiter(client, settings, clock=clock, owns_client=True), client
 
 
