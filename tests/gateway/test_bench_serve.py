@@ -165,11 +165,12 @@ def _result(
     )
 
 
-def test_the_heap_before_a_run_is_out_of_the_collectors_reach_during_it() -> None:
-    """A full collection in the generator would walk every object of its imports, a pause
-    of its event loop counted in the latencies it measures: the run freezes them, and
-    unfreezes them after."""
+def test_the_collector_stays_out_of_a_run() -> None:
+    """A collection in the generator pauses its event loop, counted in the latencies it
+    measures: during a run the heap it started with is frozen and automatic collection is
+    off; both are undone after it."""
     freeze_counts: list[int] = []
+    collector_enabled: list[bool] = []
     refusal = b'{"error": {"message": "overloaded", "type": "x", "param": null, "code": null}}'
 
     async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -178,6 +179,7 @@ def test_the_heap_before_a_run_is_out_of_the_collectors_reach_during_it() -> Non
                       if line.lower().startswith(b"content-length:"))  # fmt: skip
         await reader.readexactly(length)
         freeze_counts.append(gc.get_freeze_count())
+        collector_enabled.append(gc.isenabled())
         writer.write(b"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\n"
                      b"content-length: %d\r\nconnection: close\r\n\r\n%s"
                      % (len(refusal), refusal))  # fmt: skip
@@ -193,11 +195,12 @@ def test_the_heap_before_a_run_is_out_of_the_collectors_reach_during_it() -> Non
         async with server:
             return await generator.run(plan)
 
-    assert gc.get_freeze_count() == 0
+    assert gc.get_freeze_count() == 0 and gc.isenabled()
     results = asyncio.run(main())
     assert [r.status_code for r in results] == [429] * 3
     assert len(freeze_counts) == 3 and min(freeze_counts) > 0
-    assert gc.get_freeze_count() == 0
+    assert collector_enabled == [False] * 3
+    assert gc.get_freeze_count() == 0 and gc.isenabled()
 
 
 def test_summary_figures_from_hand_made_results() -> None:
