@@ -167,9 +167,7 @@ def _result(
 
 def test_the_collector_stays_out_of_a_run() -> None:
     """A collection in the generator pauses its event loop, counted in the latencies it
-    measures: during a run the heap it started with is frozen and automatic collection is
-    off; both are undone after it."""
-    freeze_counts: list[int] = []
+    measures: automatic collection is off during a run, and on again after it."""
     collector_enabled: list[bool] = []
     refusal = b'{"error": {"message": "overloaded", "type": "x", "param": null, "code": null}}'
 
@@ -178,7 +176,6 @@ def test_the_collector_stays_out_of_a_run() -> None:
         length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
                       if line.lower().startswith(b"content-length:"))  # fmt: skip
         await reader.readexactly(length)
-        freeze_counts.append(gc.get_freeze_count())
         collector_enabled.append(gc.isenabled())
         writer.write(b"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\n"
                      b"content-length: %d\r\nconnection: close\r\n\r\n%s"
@@ -195,12 +192,11 @@ def test_the_collector_stays_out_of_a_run() -> None:
         async with server:
             return await generator.run(plan)
 
-    assert gc.get_freeze_count() == 0 and gc.isenabled()
+    assert gc.isenabled()
     results = asyncio.run(main())
     assert [r.status_code for r in results] == [429] * 3
-    assert len(freeze_counts) == 3 and min(freeze_counts) > 0
     assert collector_enabled == [False] * 3
-    assert gc.get_freeze_count() == 0 and gc.isenabled()
+    assert gc.isenabled()
 
 
 def test_summary_figures_from_hand_made_results() -> None:
