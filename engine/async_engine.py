@@ -22,10 +22,15 @@ from engine.scheduler_stats import SchedulerStats
 logger = logging.getLogger(__name__)
 
 
+_OutputQueue = asyncio.Queue[RequestOutput | BaseException]
+# Outputs of one step for one event loop, each with its stream's queue.
+_Batch = list[tuple[_OutputQueue, RequestOutput]]
+
+
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[RequestOutput | BaseException]
+    queue: _OutputQueue
     num_samples: int  # finished outputs expected before the stream ends
 
 
@@ -118,8 +123,7 @@ class AsyncLLMEngine:
                     continue
                 # First tokens go out first (their consumers wake first on the event loop,
                 # ahead of a full batch's later tokens), and before the statistics snapshot.
-                for output in sorted(self.engine.step(), key=_is_not_first_token):
-                    self._deliver(output)
+                self._deliver(sorted(self.engine.step(), key=_is_not_first_token))
                 self._stats = self.engine.stats()
         except BaseException as exc:  # the loop itself broke: fail every open stream
             logger.exception("engine loop stopped")
@@ -131,11 +135,24 @@ class AsyncLLMEngine:
                     stream.queue.put_nowait, EngineDeadError("the engine loop stopped")
                 )
 
-    def _deliver(self, output: RequestOutput) -> None:
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to their streams, in order: one call into each event loop per
+        step, not one per output (each call wakes the loop, a system call and a contest for the
+        GIL with this thread, 64 times a step at a full batch)."""
+        batches: dict[asyncio.AbstractEventLoop, _Batch] = {}
         with self._lock:
-            stream = self._streams.get(output.request_id)
-        if stream is not None:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, output)
+            for output in outputs:
+                stream = self._streams.get(output.request_id)
+                if stream is not None:
+                    batches.setdefault(stream.loop, []).append((stream.queue, output))
+        for loop, batch in batches.items():
+            loop.call_soon_threadsafe(_put_all, batch)
+
+
+def _put_all(batch: _Batch) -> None:
+    """On the event loop: each output into its stream's queue, in the step's order."""
+    for queue, output in batch:
+        queue.put_nowait(output)
 
 
 def _is_not_first_token(output: RequestOutput) -> bool:

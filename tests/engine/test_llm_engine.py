@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from typing import Any
 
 import pytest
 
@@ -156,6 +157,49 @@ def test_async_engine_streams_outputs_and_aborts_on_early_exit() -> None:
         async_engine.shutdown()
     assert tokens == reference_output([5, 6, 7], 5)
     assert engine.kv.num_used_blocks == 0 and not engine.has_unfinished_requests()
+
+
+def test_a_steps_outputs_wake_the_event_loop_once() -> None:
+    """Each call into the event loop from the engine thread is a wake-up (a system call and a
+    contest for the GIL): a step hands all its outputs over in one call, not one per output."""
+    engine = make_engine(num_blocks=64, block_size=4)
+    num_steps = 0
+    step = engine.step
+
+    def counted_step() -> list[RequestOutput]:
+        nonlocal num_steps
+        num_steps += 1
+        return step()
+
+    engine.step = counted_step  # type: ignore[method-assign]
+    async_engine = AsyncLLMEngine(engine)
+    num_calls = 0
+    outputs: dict[str, list[int]] = {}
+
+    async def consume(request_id: str) -> None:
+        params = SamplingParams(max_tokens=5, ignore_eos=True)
+        async for out in async_engine.generate(request_id, [5, 6, len(request_id)], params):
+            outputs.setdefault(request_id, []).extend(out.new_token_ids)
+
+    async def main() -> None:
+        nonlocal num_calls
+        loop = asyncio.get_running_loop()
+        call_soon_threadsafe = loop.call_soon_threadsafe
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            nonlocal num_calls
+            num_calls += 1
+            return call_soon_threadsafe(*args, **kwargs)
+
+        loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
+        await asyncio.gather(*(consume("r" * (i + 1)) for i in range(8)))
+
+    try:
+        asyncio.run(main())
+    finally:
+        async_engine.shutdown()
+    assert {r: len(tokens) for r, tokens in outputs.items()} == {"r" * (i + 1): 5 for i in range(8)}
+    assert num_calls <= num_steps < 40  # 40 outputs (8 requests x 5 tokens) in fewer steps
 
 
 def test_a_steps_first_tokens_reach_their_consumers_before_its_later_tokens() -> None:
