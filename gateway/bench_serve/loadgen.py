@@ -257,11 +257,11 @@ async def _session() -> AsyncIterator[httpx.AsyncClient]:
     two busy cores). What earlier runs left is collected first, then automatic collection is
     off until the run ends. Objects are still freed by reference counting; only reference
     cycles wait for the end of the run, which bounds what they can hold."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    timeout = httpx.Timeout(connect=30.0, read=_READ_TIMEOUT_S, write=30.0, pool=None)
     was_enabled = gc.isenabled()
     gc.collect()
     gc.disable()
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    timeout = httpx.Timeout(connect=30.0, read=_READ_TIMEOUT_S, write=30.0, pool=None)
     try:
         async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
             yield client
