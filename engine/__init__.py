@@ -17,7 +17,13 @@ from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner, ModelRunnerOutput, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ScheduledChunk, SchedulerOutput
-from engine.scheduler_stats import EngineCounters, SchedulerStats, TenantShare, TierStats
+from engine.scheduler_stats import (
+    EngineCounters,
+    SchedulerStats,
+    TenantShare,
+    TierStats,
+    Unseen,
+)
 
 __all__ = [
     "CacheConfig",
@@ -45,5 +51,6 @@ __all__ = [
     "TenantShare",
     "TierStats",
     "TokenLogprobs",
+    "Unseen",
     "WaitingQueue",
 ]

@@ -115,6 +115,8 @@ class LLMEngine:
                 )
             )
         self._groups[request_id] = samples
+        # n samples share one prompt: it is prefilled once
+        self.scheduler.arrivals.record(tenant.priority, len(prompt_token_ids), self.clock())
         for sample in samples:
             if self.tokenizer is not None:
                 self._text[sample.request_id] = TextOutputState(
@@ -178,7 +180,7 @@ class LLMEngine:
 
     def stats(self) -> SchedulerStats:
         """A snapshot: scheduler state and a copy of the engine's counters."""
-        stats = self.scheduler.stats()
+        stats = self.scheduler.stats(self.clock())
         stats.counters = replace(self.counters)
         return stats
 

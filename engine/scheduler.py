@@ -19,10 +19,11 @@ from dataclasses import dataclass, field
 from engine.config import SchedulerConfig
 from engine.kv_manager import ComputedBlocks, KVCacheManager
 from engine.queues import WaitingQueue
+from engine.rates import ArrivalRates, StepRates
 from engine.request import Request, RequestStatus
 from engine.runner import ModelRunnerOutput
 from engine.scheduler_output import ScheduledChunk, SchedulerOutput
-from engine.scheduler_stats import SchedulerStats, StepRates, WaitingTotals, build_stats
+from engine.scheduler_stats import SchedulerStats, WaitingTotals, build_stats
 from engine.stop_check import check_token_stop
 
 # Tenants the under-share admission pass looks at per step, at most: it runs every step the
@@ -37,6 +38,12 @@ class _StepPlan:
     budget: int  # tokens left in this step
     num_new_tokens: dict[str, int] = field(default_factory=dict)  # request id -> chunk length
     preempted: list[Request] = field(default_factory=list)
+    # Most important tier whose waiting head found no place in the batch or no KV blocks.
+    blocked_priority: int | None = None
+
+    def block(self, priority: int) -> None:
+        if self.blocked_priority is None or priority < self.blocked_priority:
+            self.blocked_priority = priority
 
 
 class Scheduler:
@@ -51,6 +58,7 @@ class Scheduler:
         self.kv = kv_manager
         self.waiting = waiting
         self.rates = rates if rates is not None else StepRates()
+        self.arrivals = ArrivalRates()  # prompts coming in, fed by the engine (it has the clock)
         self._waiting_totals = WaitingTotals()  # changed with self.waiting, in _wait/_unwait
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -58,6 +66,9 @@ class Scheduler:
         self._num_admissions = 0
         self._finished_ids: set[str] = set()
         self.num_preemptions_total = 0
+        self._num_left_batch = 0  # running requests finished or aborted since record_step
+        # the latest step's blocked tier (_StepPlan.blocked_priority)
+        self.blocked_priority: int | None = None
 
     # -- requests in and out -------------------------------------------------------------------
 
@@ -87,6 +98,7 @@ class Scheduler:
             return None
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+            self._num_left_batch += 1
         elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self._unwait(request)
         request.status = status
@@ -190,6 +202,7 @@ class Scheduler:
             if len(self.running) >= self.config.max_num_seqs:
                 victims = self._admission_victims(request)
                 if not victims:
+                    plan.block(request.priority)
                     return
                 self._preempt(victims[0], plan, preempted_by=self._payer(victims[0], request))
             if request.fork_parent is not None:
@@ -209,6 +222,7 @@ class Scheduler:
             if not self.kv.can_allocate(request, num_new, computed):
                 if not self._preempt_to_admit(request, num_new, computed, plan):
                     self._undo_fork(request)
+                    plan.block(request.priority)
                     return  # the head cannot get in: nobody behind it may overtake
                 num_new = min(num_new, plan.budget)
             self._unwait(request)
@@ -386,6 +400,7 @@ class Scheduler:
     # -- output --------------------------------------------------------------------------------
 
     def _build_output(self, plan: _StepPlan) -> SchedulerOutput:
+        self.blocked_priority = plan.blocked_priority
         chunks: list[ScheduledChunk] = []
         for request in self.running:
             num_new = plan.num_new_tokens.get(request.request_id)
@@ -448,15 +463,21 @@ class Scheduler:
         """Feed the measured step time into the rate estimates used for queue-wait estimates."""
         num_prefill = sum(c.num_tokens for c in scheduler_output.chunks if c.is_prefill)
         num_decode = scheduler_output.num_batched_tokens - num_prefill
-        had_backlog = num_prefill > 0 or len(self.waiting) > 0
-        self.rates.record(num_prefill, num_decode, step_time_s, had_backlog)
+        # A step whose admissions stopped for want of a place or KV blocks drained what those
+        # allowed, not what the token budget does: the place estimate covers such waits.
+        had_backlog = (num_prefill > 0 or len(self.waiting) > 0) and self.blocked_priority is None
+        num_left, self._num_left_batch = self._num_left_batch, 0
+        self.rates.record(num_prefill, num_decode, step_time_s, had_backlog, num_left)
 
-    def stats(self) -> SchedulerStats:
+    def stats(self, now_s: float) -> SchedulerStats:
         return build_stats(
             self.running,
             self._waiting_totals,
             self.kv,
             self.rates,
+            self.arrivals.rates(now_s),
+            self.config.max_num_seqs,
+            self.blocked_priority,
             self.config.enable_priority_preemption,
         )
 

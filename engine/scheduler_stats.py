@@ -3,52 +3,16 @@ the engine's counters for metrics."""
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from engine.kv_manager import KVCacheManager
+from engine.rates import Arrivals, StepRates
 from engine.request import Request
 
-# Steps kept for the measured rates.
-_RATE_WINDOW_STEPS = 64
-
-
-class StepRates:
-    """Measured prefill and decode throughput over the last steps.
-
-    The prefill rate is taken over steps that had prefill work waiting, including steps that
-    ran none (KV full, budget spent on decodes): it is the rate at which the backlog drains.
-    """
-
-    def __init__(self, window_steps: int = _RATE_WINDOW_STEPS) -> None:
-        # (prefill tokens, decode tokens, step seconds, had a prefill backlog)
-        self._steps: deque[tuple[int, int, float, bool]] = deque(maxlen=window_steps)
-
-    def record(
-        self,
-        num_prefill_tokens: int,
-        num_decode_tokens: int,
-        step_time_s: float,
-        had_backlog: bool = True,
-    ) -> None:
-        self._steps.append((num_prefill_tokens, num_decode_tokens, step_time_s, had_backlog))
-
-    @property
-    def prefill_tokens_per_s(self) -> float | None:
-        steps = [s for s in self._steps if s[3]]
-        seconds = sum(s[2] for s in steps)
-        return sum(s[0] for s in steps) / seconds if seconds > 0 else None
-
-    @property
-    def decode_tokens_per_s(self) -> float | None:
-        steps = [s for s in self._steps if s[1] > 0]
-        seconds = sum(s[2] for s in steps)
-        return sum(s[1] for s in steps) / seconds if seconds > 0 else None
-
-    @property
-    def mean_step_time_s(self) -> float | None:
-        return sum(s[2] for s in self._steps) / len(self._steps) if self._steps else None
+# Least share of a measured rate a tier is assumed to keep while the tiers above it arrive at
+# least as fast: its wait is then long (20x what the backlog alone takes), not infinite.
+_MIN_SERVICE_SHARE = 0.05
 
 
 @dataclass
@@ -57,6 +21,7 @@ class _TierWaiting:
     num_waiting: int = 0
     num_pending_tokens: int = 0
     tokens_by_tenant: dict[str, int] = field(default_factory=dict)  # never 0: prompts are not empty
+    requests_by_tenant: dict[str, int] = field(default_factory=dict)  # never 0
     weight_by_tenant: dict[str, float] = field(default_factory=dict)
 
 
@@ -82,6 +47,7 @@ class WaitingTotals:
         totals.tokens_by_tenant[tenant_id] = (
             totals.tokens_by_tenant.get(tenant_id, 0) + request.num_tokens
         )
+        totals.requests_by_tenant[tenant_id] = totals.requests_by_tenant.get(tenant_id, 0) + 1
         totals.weight_by_tenant[tenant_id] = request.weight
 
     def remove(self, request: Request) -> None:
@@ -90,8 +56,10 @@ class WaitingTotals:
         totals.num_waiting -= 1
         totals.num_pending_tokens -= request.num_tokens
         totals.tokens_by_tenant[tenant_id] -= request.num_tokens
-        if not totals.tokens_by_tenant[tenant_id]:  # its last waiting request left
+        totals.requests_by_tenant[tenant_id] -= 1
+        if not totals.requests_by_tenant[tenant_id]:  # its last waiting request left
             del totals.tokens_by_tenant[tenant_id]
+            del totals.requests_by_tenant[tenant_id]
             del totals.weight_by_tenant[tenant_id]
         if not totals.num_waiting:
             del self._tiers[request.priority]
@@ -112,6 +80,7 @@ class TierStats:
     # The pending prefill tokens split by tenant, with each tenant's fair-share weight.
     pending_prefill_tokens_by_tenant: dict[str, int] = field(default_factory=dict)
     weight_by_tenant: dict[str, float] = field(default_factory=dict)
+    num_waiting_by_tenant: dict[str, int] = field(default_factory=dict)  # requests
 
 
 @dataclass
@@ -139,6 +108,13 @@ class SchedulerStats:
     prefill_tokens_per_s: float | None = None  # backlog drain rate (None: not measured yet)
     decode_tokens_per_s: float | None = None
     mean_step_time_s: float | None = None
+    # running requests leaving the batch per second (None: none has yet)
+    finished_requests_per_s: float | None = None
+    max_num_seqs: int = 0  # places in the batch (0: unknown, no batch wait is estimated)
+    # Most important tier whose waiting head found no place or no KV blocks in the latest
+    # step (None: nothing was held back for either).
+    blocked_priority: int | None = None
+    arrivals: dict[int, Arrivals] = field(default_factory=dict)  # by priority, lately
     priority_preemption: bool = True  # whether tiers are ordered (False: FCFS)
     counters: EngineCounters = field(default_factory=EngineCounters)  # filled by the engine
 
@@ -151,21 +127,100 @@ class SchedulerStats:
         priority: int,
         num_prompt_tokens: int,
         tenant: TenantShare | None = None,
-        unseen_tokens: Mapping[tuple[int, str], int] | None = None,
+        unseen: Unseen | None = None,
     ) -> float:
         """Seconds until a new request of this priority would have its prompt computed.
 
-        The prefill work ahead of it plus its own prompt, divided by the measured backlog
-        drain rate; 0 until a rate has been measured. Ahead of it: every tier under FCFS;
-        with tiers, the more important tiers' whole backlog and, inside its own tier, either
-        all of it (tenant None) or what fair sharing serves first (`tenant_share_ahead`).
-        unseen_tokens: prompt tokens by (priority, tenant id) admitted since these
-        statistics were taken, counted as pending.
+        The longer of two waits (0 for one whose rate is not measured yet):
+        - for its prompt: the prefill work ahead of it plus its own prompt, over the prefill
+          tokens per second it is served at;
+        - for a place in the batch: the requests waiting ahead of it, itself included, beyond
+          the places free to it, over the places per second it is given.
+        The rates are what the engine measures (backlog drain, requests leaving the batch)
+        less what more important tiers bring in while it waits. Ahead of it: every tier
+        under FCFS; with tiers, the more important tiers' whole backlog and, inside its own
+        tier, either all of it (tenant None) or what fair sharing serves first
+        (`tenant_share_ahead`). unseen: admissions since these statistics were taken.
         """
-        rate = self.prefill_tokens_per_s
+        unseen = unseen or Unseen()
+        prefill_s = 0.0
+        prefill_rate = self.prefill_service_rate(priority)
+        if prefill_rate:
+            tokens_ahead = self._ahead(
+                priority,
+                tenant,
+                num_prompt_tokens,
+                lambda t: (t.num_pending_prefill_tokens, t.pending_prefill_tokens_by_tenant),
+                unseen.tokens,
+            )
+            prefill_s = (tokens_ahead + num_prompt_tokens) / prefill_rate
+        batch_s = 0.0
+        place_rate = self.place_service_rate(priority)
+        if place_rate:
+            requests_ahead = self._ahead(
+                priority,
+                tenant,
+                1,
+                lambda t: (t.num_waiting, t.num_waiting_by_tenant),
+                unseen.requests,
+            )
+            batch_s = max(0.0, requests_ahead + 1 - self.free_places(priority)) / place_rate
+        return max(prefill_s, batch_s)
+
+    def prefill_service_rate(self, priority: int) -> float | None:
+        """Prefill tokens per second a queued request of this priority is drained at: the
+        measured drain rate less the prompt tokens more important tiers bring in meanwhile
+        (under FCFS what arrives later is behind it); never under 5 % of the drain rate."""
+        return self._less_arrivals_above(
+            self.prefill_tokens_per_s, priority, lambda a: a.prompt_tokens_per_s
+        )
+
+    def place_service_rate(self, priority: int) -> float | None:
+        """Places in the batch per second given to queued requests of this priority: the
+        measured rate requests leave it less the requests more important tiers bring in;
+        None without a measured rate or a known batch size."""
+        if not self.max_num_seqs:
+            return None
+        return self._less_arrivals_above(
+            self.finished_requests_per_s, priority, lambda a: a.requests_per_s
+        )
+
+    def free_places(self, priority: int) -> int:
+        """Places in the batch a request of this priority can take now: those not held by
+        its own or more important tiers (it preempts less important ones; under FCFS every
+        running request holds its place). None while a waiting request of its own or a more
+        important tier could not get in (no place, or no KV blocks to be had)."""
+        if self.blocked_priority is not None and (
+            not self.priority_preemption or self.blocked_priority <= priority
+        ):
+            return 0
+        running_above = sum(
+            t.num_running
+            for p, t in self.tiers.items()
+            if not self.priority_preemption or p <= priority
+        )
+        return max(0, self.max_num_seqs - running_above)
+
+    def _less_arrivals_above(
+        self, rate: float | None, priority: int, of: Callable[[Arrivals], float]
+    ) -> float | None:
         if not rate:
-            return 0.0
-        unseen = unseen_tokens or {}
+            return None
+        if not self.priority_preemption:
+            return rate
+        arriving_above = sum(of(a) for p, a in self.arrivals.items() if p < priority)
+        return max(rate - arriving_above, rate * _MIN_SERVICE_SHARE)
+
+    def _ahead(
+        self,
+        priority: int,
+        tenant: TenantShare | None,
+        own_amount: int,
+        amounts: Callable[[TierStats], tuple[int, Mapping[str, int]]],
+        unseen: Mapping[tuple[int, str], int],
+    ) -> float:
+        """How much of a backlog (tokens or requests: amounts gives a tier's total and its
+        split by tenant) is served before a new request bringing own_amount of it."""
         # The caller's own tier is split by tenant only when its queue shares by tenant.
         shared = tenant is not None and self.priority_preemption
 
@@ -174,22 +229,28 @@ class SchedulerStats:
             return in_view and not (shared and p == priority)
 
         num_ahead = float(
-            sum(t.num_pending_prefill_tokens for p, t in self.tiers.items() if whole_tier_ahead(p))
+            sum(amounts(t)[0] for p, t in self.tiers.items() if whole_tier_ahead(p))
             + sum(n for (p, _), n in unseen.items() if whole_tier_ahead(p))
         )
         if tenant is not None and shared:
             own = self.tiers.get(priority) or TierStats(priority, "")
-            by_tenant = dict(own.pending_prefill_tokens_by_tenant)
+            total, split = amounts(own)
+            by_tenant = dict(split)
             for (p, tenant_id), n in unseen.items():
                 if p == priority:
                     by_tenant[tenant_id] = by_tenant.get(tenant_id, 0) + n
             # Backlog the statistics do not split by tenant is all counted as ahead.
-            attributed = sum(own.pending_prefill_tokens_by_tenant.values())
-            num_ahead += max(0, own.num_pending_prefill_tokens - attributed)
-            num_ahead += tenant_share_ahead(
-                by_tenant, own.weight_by_tenant, tenant, num_prompt_tokens
-            )
-        return (num_ahead + num_prompt_tokens) / rate
+            num_ahead += max(0, total - sum(split.values()))
+            num_ahead += tenant_share_ahead(by_tenant, own.weight_by_tenant, tenant, own_amount)
+        return num_ahead
+
+
+@dataclass(frozen=True)
+class Unseen:
+    """Admissions the statistics may not include yet, by (priority, tenant id)."""
+
+    tokens: Mapping[tuple[int, str], int] = field(default_factory=dict)  # prompt tokens
+    requests: Mapping[tuple[int, str], int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -204,19 +265,20 @@ def tenant_share_ahead(
     pending_by_tenant: Mapping[str, int],
     weights: Mapping[str, float],
     tenant: TenantShare,
-    num_prompt_tokens: int,
+    own_amount: int,
 ) -> float:
-    """Prefill tokens of its own tier computed before a new request of `tenant` completes.
+    """How much of its own tier's backlog (prefill tokens, or waiting requests) is served
+    before a new request of `tenant`, bringing own_amount of it, is.
 
     Inside a tier the queue shares service between tenants by weight (VTC): while the tenant
-    gets its own backlog and this prompt served, another tenant u gets at most the same
+    gets its own backlog and this request served, another tenant u gets at most the same
     amount scaled by w_u / w_tenant, and never more than u has waiting. So a light tenant's
     request waits for little of a heavy tenant's backlog, and the heavy tenant's for all of
-    its own. (Virtual counters carry some history, so this is an estimate, as the drain
-    rate is.)
+    its own. (Virtual counters carry some history, so this is an estimate, as the rates
+    are.)
     """
     own = pending_by_tenant.get(tenant.tenant_id, 0)
-    served_own = own + num_prompt_tokens
+    served_own = own + own_amount
     ahead = float(own)
     for tenant_id, num_pending in pending_by_tenant.items():
         if tenant_id == tenant.tenant_id:
@@ -231,6 +293,9 @@ def build_stats(
     waiting: WaitingTotals,
     kv: KVCacheManager,
     rates: StepRates,
+    arrivals: dict[int, Arrivals],
+    max_num_seqs: int,
+    blocked_priority: int | None,
     priority_preemption: bool,
 ) -> SchedulerStats:
     tiers: dict[int, TierStats] = {}
@@ -259,6 +324,7 @@ def build_stats(
         by_tenant = stats.pending_prefill_tokens_by_tenant
         for tenant_id, num_tokens in totals.tokens_by_tenant.items():
             by_tenant[tenant_id] = by_tenant.get(tenant_id, 0) + num_tokens
+        stats.num_waiting_by_tenant = dict(totals.requests_by_tenant)
         stats.weight_by_tenant.update(totals.weight_by_tenant)
     for priority, num_reserved in kv.reserved_blocks.items():
         if priority in tiers:
@@ -277,5 +343,9 @@ def build_stats(
         prefill_tokens_per_s=rates.prefill_tokens_per_s,
         decode_tokens_per_s=rates.decode_tokens_per_s,
         mean_step_time_s=rates.mean_step_time_s,
+        finished_requests_per_s=rates.finished_requests_per_s,
+        max_num_seqs=max_num_seqs,
+        blocked_priority=blocked_priority,
+        arrivals=arrivals,
         priority_preemption=priority_preemption,
     )

@@ -1,17 +1,22 @@
 """SLO-derived load shedding: refuse a request whose tier's queue wait would already miss.
 
-A new request's wait is the time until its prompt is computed: the prefill backlog ahead of
-it plus its own prompt, over the engine's measured drain rate
-(`SchedulerStats.estimate_queue_wait_s`). Ahead of it are the tiers above and, inside its
-own tier, what fair sharing serves before it: the tenant's own backlog and at most as much
-(weight-scaled) of each other tenant's. Under FCFS everything queued is ahead. Over
-`slo_fraction` of the tier's TTFT objective it is shed. So under overload the tenant sending
-more than its share is shed, not the light one sharing its tier. Three things keep that
-estimate honest between the engine's snapshots and keep the offered retry delay truthful:
+A new request's wait (`SchedulerStats.estimate_queue_wait_s`) is the longer of the time
+until its prompt is computed (the prefill backlog ahead of it plus its own prompt, over the
+engine's measured drain rate) and the time until it has a place in the batch (the requests
+waiting ahead of it beyond the free places, over the rate requests leave the batch). Both
+rates are less what the tiers above keep bringing in while it waits. On a decode-heavy load
+the batch is what runs out: with 64 places and requests decoding for seconds, fifty short
+prompts wait ten seconds for places while their prefill would take one. Ahead of it are the
+tiers above and, inside its own tier, what fair sharing serves before it: the tenant's own
+backlog and at most as much (weight-scaled) of each other tenant's. Under FCFS everything
+queued is ahead and later arrivals behind. Over `slo_fraction` of the tier's TTFT objective
+it is shed. So under overload the tenant sending more than its share is shed, not the light
+one sharing its tier. Three things keep that estimate honest between the engine's snapshots
+and keep the offered retry delay truthful:
 
 - The engine publishes its statistics after each step, so requests admitted since then are
   not in them. A burst arriving within one step would all see the same backlog and all be
-  let in. The shedder counts the prompts it admitted itself until the statistics must
+  let in. The shedder counts the requests it admitted itself until the statistics must
   include them.
 - A prompt that alone takes longer than the threshold can never meet it; it is admitted when
   nothing is ahead of it rather than refused forever.
@@ -33,7 +38,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine import SchedulerStats, TenantShare
+from engine import SchedulerStats, TenantShare, Unseen
 from policies.errors import AdmissionConfigError, Shed
 from policies.rate_limits import format_duration
 from policies.tiers import Tier, TierTable
@@ -97,20 +102,22 @@ class SloShedder:
         if threshold_s is None:
             return None
         self._unseen.observe(stats, self._clock())
-        rate = stats.prefill_tokens_per_s
-        if not rate:
-            return None
         wait_s = stats.estimate_queue_wait_s(
-            tier.priority, num_prompt_tokens, tenant, self._unseen.tokens
+            tier.priority,
+            num_prompt_tokens,
+            tenant,
+            Unseen(self._unseen.tokens, self._unseen.requests),
         )
-        own_s = num_prompt_tokens / rate
-        ahead_s = wait_s - own_s
-        if wait_s <= threshold_s or (own_s >= threshold_s and ahead_s <= 0):
+        rate = stats.prefill_service_rate(tier.priority)
+        own_s = num_prompt_tokens / rate if rate else 0.0
+        if wait_s <= threshold_s or (own_s >= threshold_s and wait_s <= own_s):
             return None
         if _reservation_has_room(stats, tier):
             return None
-        # how long until little enough is ahead of this prompt for it to be admitted
-        drain_s = ahead_s - max(0.0, threshold_s - own_s)
+        # How long until little enough is ahead of it to be admitted (a prompt over the
+        # threshold alone: nothing): what is ahead drains at the rates the estimate divides
+        # by, so the wait falls a second per second.
+        drain_s = wait_s - max(threshold_s, own_s)
         retry_after_s = self._promise(
             (tier.name, None if tenant is None else tenant.tenant_id), drain_s, own_s, stats
         )
@@ -159,8 +166,9 @@ class _UnseenAdmissions:
         self._num_steps = 0  # the engine's step count in the latest statistics seen
         # (step count when admitted, when admitted in seconds, (priority, tenant id), tokens)
         self._entries: deque[tuple[int, float, tuple[int, str], int]] = deque()
-        # (priority, tenant id) -> prompt tokens, summed over _entries
+        # (priority, tenant id) -> prompt tokens and requests, summed over _entries
         self.tokens: dict[tuple[int, str], int] = {}
+        self.requests: dict[tuple[int, str], int] = {}
 
     def observe(self, stats: SchedulerStats, now_s: float) -> None:
         self._num_steps = stats.counters.num_steps
@@ -179,6 +187,7 @@ class _UnseenAdmissions:
         self._forget_older_than(now_s - _MAX_UNSEEN_S)
         self._entries.append((self._num_steps, now_s, key, num_tokens))
         self.tokens[key] = self.tokens.get(key, 0) + num_tokens
+        self.requests[key] = self.requests.get(key, 0) + 1
 
     def _forget_older_than(self, admitted_at_s: float) -> None:
         while self._entries and self._entries[0][1] < admitted_at_s:
@@ -187,8 +196,10 @@ class _UnseenAdmissions:
     def _forget_oldest(self) -> None:
         _, _, key, num_tokens = self._entries.popleft()
         self.tokens[key] -= num_tokens
-        if not self.tokens[key]:
+        self.requests[key] -= 1
+        if not self.requests[key]:
             del self.tokens[key]
+            del self.requests[key]
 
 
 def _reservation_has_room(stats: SchedulerStats, tier: Tier) -> bool:

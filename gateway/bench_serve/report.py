@@ -117,7 +117,8 @@ def headline(result: SweepResult) -> list[str]:
             f"at {factor:g}x: premium TTFT within SLO {_share(tiered, 'premium')} tiered vs "
             f"{_share(fcfs, 'premium')} FCFS; standard goodput tiered/FCFS "
             f"{_ratio(tiered, fcfs, 'standard')}; output tokens/s tiered/FCFS "
-            f"{tiered.overall.output_tokens_per_s / fcfs.overall.output_tokens_per_s:.3f}"
+            f"{tiered.overall.output_tokens_per_s / fcfs.overall.output_tokens_per_s:.3f} "
+            f"over the run, {_while_arriving_ratio(tiered, fcfs)} while arrivals last"
         )
     shed = [r for p in result.points for r in p.record.results if r.is_shed]
     if shed:
@@ -131,6 +132,11 @@ def _share(summary: RunSummary, tier: str) -> str:
         return f"{100 * summary.tier(tier).ttft_slo_attainment:.1f} %"
     except KeyError:
         return "n/a"
+
+
+def _while_arriving_ratio(a: RunSummary, b: RunSummary) -> str:
+    denominator = b.output_tokens_per_s_while_arriving
+    return f"{a.output_tokens_per_s_while_arriving / denominator:.3f}" if denominator else "n/a"
 
 
 def _ratio(a: RunSummary, b: RunSummary, tier: str) -> str:

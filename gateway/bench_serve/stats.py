@@ -1,13 +1,19 @@
 """From per-request results to the figures of the report: latency percentiles, SLO
 attainment, goodput, shed rate and output tokens/s, per tier, per tenant and overall.
 
-Definitions (every rate over the run's duration: first send to last response end):
+Definitions (every rate over the run's duration: first send to last response end, except
+the one named "while arrivals last"):
 - TTFT and TPOT percentiles over requests that got tokens; TPOT is (e2e - TTFT) / (n - 1);
   inter-token gaps (ITL) pooled over requests; end-to-end over completed requests.
 - A request meets its SLOs when it completed with every requested token, its TTFT is within
   the tier's TTFT objective and its TPOT within the TPOT objective (a missing objective is
   met). Shed and failed requests count as misses: attainment is over requests sent.
 - Goodput: requests meeting both SLOs per second. Shed rate: 429s over requests sent.
+- Output tokens/s while arrivals last: tokens received between the first and the last send,
+  over that time. A run ends when its last response does, so the whole-run rate also counts
+  the drain after the arrivals stop: a server that accepted a backlog (FCFS at 2x) decodes
+  it at a full batch for as long again, one that shed it tails off within seconds. The
+  machine's throughput under the offered load is the rate while it is offered.
 """
 
 from __future__ import annotations
@@ -73,6 +79,8 @@ class RunSummary:
     offered_rps: float  # the planned arrival rate
     duration_s: float  # first send to the last response's end
     max_send_lag_s: float  # worst lateness of a send against its plan (generator health)
+    arrival_window_s: float  # first send to last send
+    output_tokens_per_s_while_arriving: float  # all requests' tokens in that window, per second
     overall: GroupSummary
     tiers: list[GroupSummary]  # one per tier present, by name
     tenants: list[GroupSummary]  # one per tenant present, by name
@@ -110,12 +118,21 @@ def summarize(
     if not results:
         raise ValueError("no results to summarize")
     start_s = min(r.sent_s for r in results)
+    last_send_s = max(r.sent_s for r in results)
     duration_s = max(r.finish_s for r in results) - start_s
+    window_s = last_send_s - start_s
+    num_tokens_in_window = sum(
+        start_s <= t <= last_send_s for r in results for t in r.token_times_s
+    )
     return RunSummary(
         label=label,
         offered_rps=offered_rps,
         duration_s=duration_s,
         max_send_lag_s=max(r.sent_s - r.scheduled_s for r in results),
+        arrival_window_s=window_s,
+        output_tokens_per_s_while_arriving=(
+            num_tokens_in_window / window_s if window_s > 0 else math.nan
+        ),
         overall=_group("all", results, tiers, duration_s),
         tiers=_groups(results, lambda r: r.tier, tiers, duration_s),
         tenants=_groups(results, lambda r: r.tenant, tiers, duration_s),

@@ -19,6 +19,7 @@ from engine import (
 )
 from engine.async_engine import AsyncLLMEngine
 from engine.fake_runner import FakeModelRunner
+from engine.rates import Arrivals
 from tests.engine.helpers import make_engine, reference_output, run_to_completion
 
 
@@ -99,6 +100,26 @@ def test_invalid_requests_are_refused_with_the_param() -> None:
         engine.add_request("ok", [5], SamplingParams(max_tokens=2))
 
 
+def test_stats_show_a_full_batch_and_the_rate_places_free_up() -> None:
+    engine = make_engine(max_num_batched_tokens=64, max_num_seqs=2)
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    for i in range(6):
+        engine.add_request(f"r{i}", [5] * 8, params)
+    engine.step()  # two get the two places; the others wait for one
+    stats = engine.stats()
+    assert stats.blocked_priority == 1 and stats.free_places(1) == 0
+    assert stats.max_num_seqs == 2 and stats.finished_requests_per_s is None
+    # the only step so far was held back by places: it says nothing of the prefill rate
+    assert stats.prefill_tokens_per_s is None
+    for _ in range(3):  # r0 and r1 finish at the third step, r2 and r3 take their places
+        engine.step()
+    stats = engine.stats()
+    assert stats.finished_requests_per_s is not None and stats.finished_requests_per_s > 0
+    # the place estimate: the two waiting and a new one behind them, no place free
+    assert stats.tiers[1].num_waiting == 2 and stats.blocked_priority == 1
+    assert stats.estimate_queue_wait_s(1, 8) >= 3 / stats.finished_requests_per_s
+
+
 def test_stats_report_tiers_and_estimate_a_queue_wait() -> None:
     engine = make_engine(num_blocks=64, block_size=4, max_num_batched_tokens=16, max_num_seqs=2)
     premium = TenantContext(tenant_id="p", tier="premium", priority=0)
@@ -113,10 +134,18 @@ def test_stats_report_tiers_and_estimate_a_queue_wait() -> None:
     standard_wait = stats.estimate_queue_wait_s(1, 40)
     premium_wait = stats.estimate_queue_wait_s(0, 40)
     assert standard_wait > premium_wait > 0
+    # Arrivals within the first second are counted over one second: 4 x 40 and 20 tokens.
+    assert stats.arrivals == {1: Arrivals(4.0, 160.0), 0: Arrivals(1.0, 20.0)}
+    # Standard is served with what premium's arrivals leave of the drain rate.
+    assert stats.prefill_service_rate(1) == pytest.approx(stats.prefill_tokens_per_s - 20.0)
+    assert stats.prefill_service_rate(0) == stats.prefill_tokens_per_s
+    # Nobody has finished yet: no rate for places in the batch, the prefill wait is all.
+    assert stats.finished_requests_per_s is None and stats.max_num_seqs == 2
     expected = (sum(t.num_pending_prefill_tokens for t in stats.tiers.values()) + 40) / (
-        stats.prefill_tokens_per_s
+        stats.prefill_tokens_per_s - 20.0
     )
     assert standard_wait == pytest.approx(expected)
+    assert stats.tiers[1].num_waiting_by_tenant == {"default": stats.tiers[1].num_waiting}
     # The backlog is split by tenant (all of standard's is the default tenant's here).
     standard = stats.tiers[1]
     assert standard.pending_prefill_tokens_by_tenant == {

@@ -17,6 +17,7 @@ import pytest
 from engine.workload import Workload, WorkloadRequest
 from gateway import cli
 from gateway.bench_serve.calibration import (
+    Calibration,
     calibration_of,
     capacity_window,
     measure_capacity,
@@ -24,6 +25,7 @@ from gateway.bench_serve.calibration import (
 )
 from gateway.bench_serve.errors import BenchConfigError
 from gateway.bench_serve.loadgen import CANCELLED, LoadGenerator, RequestResult
+from gateway.bench_serve.machine import MachineInfo
 from gateway.bench_serve.plan import (
     ArrivalProcess,
     PlannedRequest,
@@ -32,10 +34,11 @@ from gateway.bench_serve.plan import (
     retime,
     two_tenant_workload,
 )
-from gateway.bench_serve.report import format_run, run_json
+from gateway.bench_serve.report import format_run, headline, run_json
 from gateway.bench_serve.server import VARIANTS, BenchServer, EngineLimits
 from gateway.bench_serve.session import BenchTarget, RunRecord
-from gateway.bench_serve.stats import meets_slo, summarize
+from gateway.bench_serve.stats import RunSummary, meets_slo, summarize
+from gateway.bench_serve.sweep import LoadPoint, SweepResult
 from policies import TierTable
 from tests.serve_process import shared_demo_model_dir
 
@@ -245,6 +248,38 @@ def test_summary_figures_from_hand_made_results() -> None:
     assert document["requests"][0]["num_token_gaps"] == 9
     json.dumps(document, allow_nan=False)
     assert "hand" in format_run(summary)
+
+
+def test_tokens_while_arrivals_last_leave_out_the_drain_after_them() -> None:
+    def run(label: str, drain_gaps: int) -> RunSummary:
+        # sends at 0, 1 and 2 s: the arrivals last 2 s
+        return summarize(label, 1.5, [
+            # tokens at 0.5 .. 2.0 s inside the window, then drain_gaps more after it
+            _result("a", "t", "standard", 0.0, 200, ttft_s=0.5, num_tokens=4 + drain_gaps,
+                    num_requested=4 + drain_gaps, itl_s=[0.5] * (3 + drain_gaps),
+                    e2e_s=2.0 + 0.5 * drain_gaps),
+            # tokens at 1.25, 1.5, 1.75, 2.0 s
+            _result("b", "t", "standard", 1.0, 200, ttft_s=0.25, num_tokens=4, num_requested=4,
+                    itl_s=[0.25] * 3, e2e_s=1.0),
+            _result("c", "t", "standard", 2.0, 429, ttft_s=None, num_tokens=0, num_requested=4,
+                    itl_s=[], e2e_s=0.01, error="overloaded"),
+        ], TierTable())  # fmt: skip
+
+    shedding, draining = run("tiered @ 2x", 0), run("fcfs @ 2x", 8)
+    assert shedding.arrival_window_s == draining.arrival_window_s == pytest.approx(2.0)
+    # the same 8 tokens while arrivals last, whatever comes after
+    assert shedding.output_tokens_per_s_while_arriving == pytest.approx(4.0)
+    assert draining.output_tokens_per_s_while_arriving == pytest.approx(4.0)
+    assert shedding.overall.output_tokens_per_s == pytest.approx(8 / 2.01)  # c ends last
+    assert draining.overall.output_tokens_per_s == pytest.approx(16 / 6.0)
+    calibration = Calibration(slo_scale=1.0, capacity_rps=1.0)
+    machine = MachineInfo("cpu", 2, 24.0, "Linux", "3.11", "2.13.0", "now", 0.0)
+    points = [
+        LoadPoint(variant, 2.0, 0.0, None, RunRecord(summary, []))
+        for variant, summary in [("tiered", shedding), ("fcfs", draining)]
+    ]
+    (line,) = headline(SweepResult(machine, calibration, TierTable(), points))
+    assert "output tokens/s tiered/FCFS 1.493 over the run, 1.000 while arrivals last" in line
 
 
 def test_capacity_is_counted_while_every_closed_loop_slot_is_busy() -> None:

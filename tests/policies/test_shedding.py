@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine import SchedulerStats, TenantShare, TierStats
+from engine.rates import Arrivals
 from policies import AdmissionConfigError, RefusalReason, ShedConfig, SloShedder, TierTable
 
 RATE = 1000.0  # prefill tokens per second the engine drains
@@ -139,3 +140,38 @@ def test_thresholds_follow_the_tier_table_and_config() -> None:
     assert shedder.thresholds_s["standard"] == pytest.approx(10.0)
     with pytest.raises(AdmissionConfigError):
         ShedConfig(slo_fraction=0)
+
+
+def test_standard_is_shed_when_premium_arrivals_leave_too_little_to_drain_its_backlog() -> None:
+    shedder = SloShedder(TierTable(), ShedConfig(slo_fraction=0.8))  # standard: 1.6 s
+    stats = _stats({1: 1000})
+    # 1000 + 200 tokens at the full 1000 tokens/s: 1.2 s, admitted
+    assert shedder.check(stats, "standard", 200) is None
+    # premium prompts arriving at 500 tokens/s are served first: 1200 / 500 = 2.4 s
+    stats.arrivals = {0: Arrivals(5.0, 500.0)}
+    shed = shedder.check(stats, "standard", 200)
+    assert shed is not None and shed.estimated_wait_s == pytest.approx(2.4)
+    # retry when 1000 - (1.6 - 0.4) * 500 = 400 tokens ahead are left: 0.8 s at 500/s
+    assert shed.retry_after_s == pytest.approx(0.8)
+    # premium itself is not slowed by its own arrivals, nor standard by batch's
+    premium = _stats({0: 200}, premium_blocks=(300, 300))
+    premium.arrivals = {0: Arrivals(9.0, 900.0), 1: Arrivals(9.0, 900.0)}
+    assert shedder.check(premium, "premium", 100) is None  # 0.3 s of 0.4
+    stats.arrivals = {2: Arrivals(100.0, 10_000.0)}
+    assert shedder.check(stats, "standard", 200) is None
+
+
+def test_short_prompts_are_shed_when_the_batch_has_no_place_for_them_in_time() -> None:
+    shedder = SloShedder(TierTable(), ShedConfig(slo_fraction=0.8))  # standard: 1.6 s
+    stats = _stats({1: 40 * 20})  # 40 waiting prompts of 20 tokens: 0.8 s of prefill
+    stats.tiers[1].num_waiting = 40
+    stats.tiers[1].num_running = 64
+    stats.max_num_seqs = 64
+    stats.finished_requests_per_s = 50.0
+    # 41 requests for places freeing at 50/s: 0.82 s, admitted
+    assert shedder.check(stats, "standard", 20) is None
+    # premium taking 30 of those places a second leaves 20: 2.05 s
+    stats.arrivals = {0: Arrivals(30.0, 100.0)}  # prefill alone: 820 / 900 tokens/s
+    shed = shedder.check(stats, "standard", 20)
+    assert shed is not None and shed.estimated_wait_s == pytest.approx(41 / 20)
+    assert shed.retry_after_s == pytest.approx(41 / 20 - 1.6)
