@@ -16,12 +16,14 @@ _ARRIVAL_WINDOW_S = 5.0
 
 
 class StepRates:
-    """Measured throughput over the last steps.
+    """Measured throughput over the last steps, per second of wall time while the engine was
+    busy (each step counts for the time since the step before it, when there was no idle time
+    between them).
 
     The prefill rate is taken over steps that had prefill work waiting, including steps that
     ran none (KV full, budget spent on decodes): it is the rate at which the backlog drains.
     The finish rate counts running requests that left the batch (finished or aborted) per
-    second of step time: the rate at which places free up for waiting requests.
+    second: the rate at which places free up for waiting requests.
     """
 
     def __init__(
@@ -29,21 +31,21 @@ class StepRates:
         window_steps: int = _RATE_WINDOW_STEPS,
         finish_window_steps: int = _FINISH_WINDOW_STEPS,
     ) -> None:
-        # (prefill tokens, decode tokens, step seconds, had a prefill backlog)
+        # (prefill tokens, decode tokens, seconds, had a prefill backlog)
         self._steps: deque[tuple[int, int, float, bool]] = deque(maxlen=window_steps)
-        # (requests that left the batch, step seconds)
+        # (requests that left the batch, seconds)
         self._finishes: deque[tuple[int, float]] = deque(maxlen=finish_window_steps)
 
     def record(
         self,
         num_prefill_tokens: int,
         num_decode_tokens: int,
-        step_time_s: float,
+        seconds: float,
         had_backlog: bool = True,
         num_finished: int = 0,
     ) -> None:
-        self._steps.append((num_prefill_tokens, num_decode_tokens, step_time_s, had_backlog))
-        self._finishes.append((num_finished, step_time_s))
+        self._steps.append((num_prefill_tokens, num_decode_tokens, seconds, had_backlog))
+        self._finishes.append((num_finished, seconds))
 
     @property
     def prefill_tokens_per_s(self) -> float | None:

@@ -459,15 +459,16 @@ class Scheduler:
                 request.finish_time = now
         return updated
 
-    def record_step(self, scheduler_output: SchedulerOutput, step_time_s: float) -> None:
-        """Feed the measured step time into the rate estimates used for queue-wait estimates."""
+    def record_step(self, scheduler_output: SchedulerOutput, interval_s: float) -> None:
+        """Feed a step into the rates the queue-wait estimates use; interval_s: the wall time
+        it stands for (`LLMEngine._rate_interval_s`)."""
         num_prefill = sum(c.num_tokens for c in scheduler_output.chunks if c.is_prefill)
         num_decode = scheduler_output.num_batched_tokens - num_prefill
         # A step whose admissions stopped for want of a place or KV blocks drained what those
         # allowed, not what the token budget does: the place estimate covers such waits.
         had_backlog = (num_prefill > 0 or len(self.waiting) > 0) and self.blocked_priority is None
         num_left, self._num_left_batch = self._num_left_batch, 0
-        self.rates.record(num_prefill, num_decode, step_time_s, had_backlog, num_left)
+        self.rates.record(num_prefill, num_decode, interval_s, had_backlog, num_left)
 
     def stats(self, now_s: float) -> SchedulerStats:
         return build_stats(

@@ -107,6 +107,7 @@ class SchedulerStats:
     prefix_cache_hit_ratio: float = 0.0  # block hits / block lookups since start
     prefill_tokens_per_s: float | None = None  # backlog drain rate (None: not measured yet)
     decode_tokens_per_s: float | None = None
+    # wall time per step while busy, the loop's work between steps included (`StepRates`)
     mean_step_time_s: float | None = None
     # running requests leaving the batch per second (None: none has yet)
     finished_requests_per_s: float | None = None
@@ -177,8 +178,10 @@ class SchedulerStats:
 
     def place_service_rate(self, priority: int) -> float | None:
         """Places in the batch per second given to queued requests of this priority: the
-        measured rate requests leave it less the requests more important tiers bring in;
-        None without a measured rate or a known batch size."""
+        measured rate requests leave it less the requests more important tiers bring in (one
+        of theirs that preempts one of this tier takes that one's place, and the preempted
+        request comes back ahead: the same count); None without a measured rate or a known
+        batch size."""
         if not self.max_num_seqs:
             return None
         return self._less_arrivals_above(

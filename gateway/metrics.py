@@ -186,7 +186,10 @@ class _Series:
             "tiergate_prefix_cache_hit_ratio", "Prefix-cache block hits / lookups.", registry=r
         )
         self.step_time = Gauge(
-            "tiergate_engine_step_seconds", "Mean engine step time over recent steps.", registry=r
+            "tiergate_engine_step_seconds",
+            "Mean wall time per engine step over recent steps, the loop's work between steps "
+            "included.",
+            registry=r,
         )
         self.engine_busy = Counter(
             "tiergate_engine_busy_seconds",

@@ -12,8 +12,10 @@ import pytest
 from engine import (
     ContextLengthExceededError,
     InvalidRequestError,
+    ModelRunnerOutput,
     RequestOutput,
     SamplingParams,
+    SchedulerOutput,
     TenantContext,
     TenantShare,
 )
@@ -118,6 +120,29 @@ def test_stats_show_a_full_batch_and_the_rate_places_free_up() -> None:
     # the place estimate: the two waiting and a new one behind them, no place free
     assert stats.tiers[1].num_waiting == 2 and stats.blocked_priority == 1
     assert stats.estimate_queue_wait_s(1, 8) >= 3 / stats.finished_requests_per_s
+
+
+def test_rates_count_the_loops_time_between_steps_but_not_idle_time() -> None:
+    engine = make_engine()
+    now = [100.0]
+    engine.clock = lambda: now[0]
+    execute = engine.runner.execute
+
+    def slow_execute(output: SchedulerOutput) -> ModelRunnerOutput:
+        now[0] += 0.02  # the model step
+        return execute(output)
+
+    engine.runner.execute = slow_execute  # type: ignore[method-assign]
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    engine.add_request("a", [5] * 8, params)
+    engine.step()  # the first step: its own 20 ms
+    now[0] += 0.03  # the loop's work before the next step
+    engine.step()  # "a" finishes: 50 ms since the step before
+    assert engine.stats().mean_step_time_s == pytest.approx((0.02 + 0.05) / 2)
+    now[0] += 10.0  # idle: nothing to do
+    engine.add_request("b", [6] * 8, params)
+    engine.step()  # after idle time only the step counts
+    assert engine.stats().mean_step_time_s == pytest.approx((0.02 + 0.05 + 0.02) / 3)
 
 
 def test_stats_report_tiers_and_estimate_a_queue_wait() -> None:
