@@ -217,8 +217,9 @@ class LLMEngine:
     def _rate_interval_s(self, started: float, now: float) -> float:
         """The wall time a step stands for in the measured rates: since the previous step
         ended, when the engine has had work ever since (what the loop does between steps,
-        handing outputs over included, is part of what a step costs: counted out, rates came
-        out 15 % high on a CPU server), else the step alone (idle time is not)."""
+        handing outputs over included, is part of what a step costs: left out, the finish rate
+        read 5-20 % high on the CPU benchmark server), else the step alone (idle time is
+        not)."""
         previous, self._last_step_end = self._last_step_end, now
         if previous is not None and self._busy_since_last_step:
             return now - previous
