@@ -191,7 +191,7 @@ class SchedulerStats:
     def free_places(self, priority: int) -> int:
         """Places in the batch a request of this priority can take now: those not held by
         its own or more important tiers (it preempts less important ones; under FCFS every
-        running request holds its place). None while a waiting request of its own or a more
+        running request holds its place). 0 while a waiting request of its own or a more
         important tier could not get in (no place, or no KV blocks to be had)."""
         if self.blocked_priority is not None and (
             not self.priority_preemption or self.blocked_priority <= priority
