@@ -84,8 +84,8 @@ class ArrivalRates:
 
     Under priorities a queued request is served only with what the more important tiers leave,
     and they keep arriving while it waits: a standard request behind a backlog B, with
-    premium prompts arriving at a rate a, waits B / (rate - a), not B / rate. At 2x overload
-    with premium a third of the requests, that is the difference between 3 s and 10 s.
+    premium prompts arriving at a rate a, waits B / (rate - a), not B / rate (measured
+    cases: ops/bench/README.md, runs 5-6 and 12-15).
     """
 
     def __init__(self, window_s: float = _ARRIVAL_WINDOW_S) -> None:

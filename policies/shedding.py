@@ -5,8 +5,8 @@ until its prompt is computed (the prefill backlog ahead of it plus its own promp
 engine's measured drain rate) and the time until it has a place in the batch (the requests
 waiting ahead of it beyond the free places, over the rate requests leave the batch). Both
 rates are less what the tiers above keep bringing in while it waits. On a decode-heavy load
-the batch is what runs out: with 64 places and requests decoding for seconds, fifty short
-prompts wait ten seconds for places while their prefill would take one. Ahead of it are the
+the batch is what runs out: in a probed 2x run of the CPU benchmark, 20-25 queued standard
+prompts looked like 1-3 s of prefill and waited 7-10 s for places. Ahead of it are the
 tiers above and, inside its own tier, what fair sharing serves before it: the tenant's own
 backlog and at most as much (weight-scaled) of each other tenant's. Under FCFS everything
 queued is ahead and later arrivals behind. Over `slo_fraction` of the tier's TTFT objective
