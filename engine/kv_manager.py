@@ -9,7 +9,7 @@ blocks that a higher tier has reserved and not used.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -44,6 +44,26 @@ class _DistinctHolders(Generic[K]):
 
     def holds(self, key: K, block: KVBlock) -> bool:
         return key in self._refs.get(block.block_id, {})
+
+
+def tier_allowance(
+    num_blocks: int,
+    used_by_priority: Mapping[int, int],
+    reserved_by_priority: Mapping[int, int],
+    priority: int,
+    count_lower_tiers_as_free: bool = False,
+) -> int:
+    """Blocks of a pool of num_blocks a request of this priority may still take under the
+    reservation rule; count_lower_tiers_as_free: what less important tiers hold counts as
+    free (it may preempt them)."""
+    used_or_reserved = 0
+    for prio in set(reserved_by_priority) | set(used_by_priority):
+        used = used_by_priority.get(prio, 0)
+        if prio < priority:
+            used_or_reserved += max(used, reserved_by_priority.get(prio, 0))
+        elif prio == priority or not count_lower_tiers_as_free:
+            used_or_reserved += used
+    return num_blocks - used_or_reserved
 
 
 @dataclass
@@ -117,16 +137,11 @@ class KVCacheManager:
         """Blocks that would return to the pool if this request were freed now."""
         return sum(1 for b in self._tables.get(request_id, []) if b.ref_cnt == 1)
 
-    def tier_allowance(self, priority: int, count_lower_tiers_as_free: bool = False) -> int:
+    def tier_allowance(self, priority: int) -> int:
         """Blocks a request of this priority may still take without touching others' floors."""
-        used_or_reserved = 0
-        for prio in set(self.reserved_blocks) | set(self._tiers.num_blocks):
-            used = self._tiers.num_blocks.get(prio, 0)
-            if prio < priority:
-                used_or_reserved += max(used, self.reserved_blocks.get(prio, 0))
-            elif prio == priority or not count_lower_tiers_as_free:
-                used_or_reserved += used
-        return self.num_blocks - used_or_reserved
+        return tier_allowance(
+            self.num_blocks, self._tiers.num_blocks, self.reserved_blocks, priority
+        )
 
     # -- prefix cache ------------------------------------------------------------------------
 

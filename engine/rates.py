@@ -22,6 +22,11 @@ class StepRates:
 
     The prefill rate is taken over steps that had prefill work waiting, including steps that
     ran none (KV full, budget spent on decodes): it is the rate at which the backlog drains.
+    It counts the prompt tokens a step took off the backlog, computed or not: the backlog
+    counts whole prompts, and a prompt found in the prefix cache leaves it with little
+    computed (counting computed tokens only, warm-up rounds of one shared 300-token prompt
+    read as a fifth of their drain rate on a loaded CPU host, and the test of shedding saw its
+    own warm-up shed).
     The finish rate counts running requests that left the batch (finished or aborted) per
     second: the rate at which places free up for waiting requests.
     """
@@ -31,20 +36,21 @@ class StepRates:
         window_steps: int = _RATE_WINDOW_STEPS,
         finish_window_steps: int = _FINISH_WINDOW_STEPS,
     ) -> None:
-        # (prefill tokens, decode tokens, seconds, had a prefill backlog)
+        # (prompt tokens drained, decode tokens, seconds, had a prefill backlog)
         self._steps: deque[tuple[int, int, float, bool]] = deque(maxlen=window_steps)
         # (requests that left the batch, seconds)
         self._finishes: deque[tuple[int, float]] = deque(maxlen=finish_window_steps)
 
     def record(
         self,
-        num_prefill_tokens: int,
+        num_drained_tokens: int,
         num_decode_tokens: int,
         seconds: float,
         had_backlog: bool = True,
         num_finished: int = 0,
     ) -> None:
-        self._steps.append((num_prefill_tokens, num_decode_tokens, seconds, had_backlog))
+        """num_drained_tokens: prompt tokens the step computed or found in the prefix cache."""
+        self._steps.append((num_drained_tokens, num_decode_tokens, seconds, had_backlog))
         self._finishes.append((num_finished, seconds))
 
     @property

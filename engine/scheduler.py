@@ -67,6 +67,9 @@ class Scheduler:
         self._finished_ids: set[str] = set()
         self.num_preemptions_total = 0
         self._num_left_batch = 0  # running requests finished or aborted since record_step
+        # prompt tokens admissions took off the backlog without computing them (prefix-cache
+        # hits, forked prompts) since record_step
+        self._num_reused_tokens = 0
         # the latest step's blocked tier (_StepPlan.blocked_priority)
         self.blocked_priority: int | None = None
 
@@ -226,6 +229,9 @@ class Scheduler:
                     return  # the head cannot get in: nobody behind it may overtake
                 num_new = min(num_new, plan.budget)
             self._unwait(request)
+            # What the backlog held of it and this step does not compute: a fork's prompt, or
+            # the prefix cache's blocks.
+            self._num_reused_tokens += request.num_computed_tokens + computed.num_tokens
             self.kv.allocate(request, num_new, computed)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = computed.num_tokens
@@ -468,7 +474,10 @@ class Scheduler:
         # allowed, not what the token budget does: the place estimate covers such waits.
         had_backlog = (num_prefill > 0 or len(self.waiting) > 0) and self.blocked_priority is None
         num_left, self._num_left_batch = self._num_left_batch, 0
-        self.rates.record(num_prefill, num_decode, interval_s, had_backlog, num_left)
+        num_reused, self._num_reused_tokens = self._num_reused_tokens, 0
+        self.rates.record(
+            num_prefill + num_reused, num_decode, interval_s, had_backlog, num_left
+        )
 
     def stats(self, now_s: float) -> SchedulerStats:
         return build_stats(

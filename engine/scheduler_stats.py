@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from engine.kv_manager import KVCacheManager
+from engine.kv_manager import KVCacheManager, tier_allowance
 from engine.rates import Arrivals, StepRates
 from engine.request import Request
 
@@ -104,6 +104,7 @@ class SchedulerStats:
     num_kv_blocks_total: int = 0
     num_kv_blocks_used: int = 0  # held by some request
     num_kv_blocks_cached: int = 0  # holding a prefix-cache entry (free or in use)
+    kv_reserved_blocks: dict[int, int] = field(default_factory=dict)  # by priority, every tier
     prefix_cache_hit_ratio: float = 0.0  # block hits / block lookups since start
     prefill_tokens_per_s: float | None = None  # backlog drain rate (None: not measured yet)
     decode_tokens_per_s: float | None = None
@@ -191,8 +192,9 @@ class SchedulerStats:
     def free_places(self, priority: int) -> int:
         """Places in the batch a request of this priority can take now: those not held by
         its own or more important tiers (it preempts less important ones; under FCFS every
-        running request holds its place). 0 while a waiting request of its own or a more
-        important tier could not get in (no place, or no KV blocks to be had)."""
+        running request holds its place), and no more than the KV blocks it may take hold
+        (`kv_places`). 0 while a waiting request of its own or a more important tier could
+        not get in (no place, or no KV blocks to be had)."""
         if self.blocked_priority is not None and (
             not self.priority_preemption or self.blocked_priority <= priority
         ):
@@ -202,7 +204,31 @@ class SchedulerStats:
             for p, t in self.tiers.items()
             if not self.priority_preemption or p <= priority
         )
-        return max(0, self.max_num_seqs - running_above)
+        places = max(0, self.max_num_seqs - running_above)
+        kv_places = self.kv_places(priority)
+        return places if kv_places is None else min(places, kv_places)
+
+    def kv_places(self, priority: int) -> int | None:
+        """How many requests of this priority the KV blocks it may still take (under the
+        reservations, less important tiers' counted as free where it preempts them) would
+        hold, at the blocks a running request holds on average; None with nothing running.
+
+        Without it a KV-bound batch looked full only at the steps whose head found no blocks:
+        in between, an estimate from a step that had just admitted the last request that
+        fitted saw dozens of free places, and the shedder admitted requests that then waited
+        seconds for memory (the test of shedding, with 9 of its prompts filling the pool)."""
+        num_running = sum(t.num_running for t in self.tiers.values())
+        if not num_running or not self.num_kv_blocks_total:
+            return None
+        allowance = tier_allowance(
+            self.num_kv_blocks_total,
+            {p: t.num_kv_blocks for p, t in self.tiers.items()},
+            self.kv_reserved_blocks,
+            priority,
+            count_lower_tiers_as_free=self.priority_preemption,
+        )
+        blocks_per_request = max(1.0, self.num_kv_blocks_used / num_running)
+        return max(0, int(allowance / blocks_per_request))
 
     def _less_arrivals_above(
         self, rate: float | None, priority: int, of: Callable[[Arrivals], float]
@@ -340,6 +366,7 @@ def build_stats(
         num_kv_blocks_total=kv.num_blocks,
         num_kv_blocks_used=kv.num_used_blocks,
         num_kv_blocks_cached=pool.num_cached_blocks,
+        kv_reserved_blocks=dict(kv.reserved_blocks),
         prefix_cache_hit_ratio=(
             pool.num_prefix_hits / pool.num_prefix_queries if pool.num_prefix_queries else 0.0
         ),

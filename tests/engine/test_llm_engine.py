@@ -145,6 +145,31 @@ def test_rates_count_the_loops_time_between_steps_but_not_idle_time() -> None:
     assert engine.stats().mean_step_time_s == pytest.approx((0.02 + 0.05 + 0.02) / 3)
 
 
+def test_the_drain_rate_counts_prompt_tokens_found_in_the_prefix_cache() -> None:
+    """The backlog counts whole prompts, so the rate it drains at must too: a prompt found in
+    the prefix cache leaves the backlog with its last block computed, not slowly."""
+    engine = make_engine(block_size=4)
+    now = [100.0]
+    engine.clock = lambda: now[0]
+    execute = engine.runner.execute
+
+    def slow_execute(output: SchedulerOutput) -> ModelRunnerOutput:
+        now[0] += 0.02
+        return execute(output)
+
+    engine.runner.execute = slow_execute  # type: ignore[method-assign]
+    prompt = list(range(10, 42))  # 32 tokens: 8 full blocks
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    engine.add_request("a", prompt, params)
+    engine.step()  # all 32 computed in 20 ms
+    assert engine.stats().prefill_tokens_per_s == pytest.approx(32 / 0.02)
+    engine.add_request("b", prompt, params)
+    (out,) = engine.step()  # 28 of its tokens are cached, 4 computed, in 20 ms
+    assert out.finished and out.num_cached_tokens == 28
+    # 64 prompt tokens left the backlog in 40 ms (computed only: 36 in 40 ms)
+    assert engine.stats().prefill_tokens_per_s == pytest.approx(64 / 0.04)
+
+
 def test_stats_report_tiers_and_estimate_a_queue_wait() -> None:
     engine = make_engine(num_blocks=64, block_size=4, max_num_batched_tokens=16, max_num_seqs=2)
     premium = TenantContext(tenant_id="p", tier="premium", priority=0)

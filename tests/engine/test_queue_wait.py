@@ -96,6 +96,35 @@ def test_free_places_are_those_not_held_by_its_own_tier_or_above() -> None:
     assert stats.free_places(0) == 0
 
 
+def test_places_are_no_more_than_the_kv_blocks_it_may_take_would_hold() -> None:
+    # 100 blocks, 30 reserved for premium; 8 requests hold 64: 8 blocks a request
+    stats = _stats(
+        tiers={
+            0: TierStats(0, "premium", num_running=2, num_kv_blocks=10),
+            1: TierStats(1, "standard", num_running=6, num_kv_blocks=54, num_waiting=10),
+        },
+        max_num_seqs=64,
+        finished_requests_per_s=16.0,
+        num_kv_blocks_total=100,
+        num_kv_blocks_used=64,
+        kv_reserved_blocks={0: 30},
+    )
+    # standard: 100 - premium's 30 reserved - its own 54 = 16 blocks, 2 requests, of the 56
+    # places the batch has free; no step needs to have been blocked for it to count
+    assert stats.blocked_priority is None
+    assert stats.kv_places(1) == 2 and stats.free_places(1) == 2
+    # 10 waiting ahead and itself, 2 places: 9 wait for places freeing at 16/s
+    assert stats.estimate_queue_wait_s(1, 50) == pytest.approx(9 / 16)
+    # premium may take standard's blocks too: 90 blocks, 11 requests
+    assert stats.kv_places(0) == stats.free_places(0) == 11
+    # under FCFS everything held stays held (and there are no reservations)
+    stats.priority_preemption = False
+    stats.kv_reserved_blocks = {}
+    assert stats.kv_places(0) == stats.kv_places(1) == 4
+    # nothing running: no footprint to go by, only the batch's places count
+    assert _stats(max_num_seqs=64, num_kv_blocks_total=100).kv_places(1) is None
+
+
 def test_a_full_batch_makes_short_prompts_wait_for_places_not_for_prefill() -> None:
     stats = _full_batch(24, 40, arrivals={0: Arrivals(12.0, 1200.0)})
     stats.tiers[1].num_waiting = 30

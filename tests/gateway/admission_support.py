@@ -96,12 +96,23 @@ def create_tenant(
     return str(key.json()["key"])
 
 
-def completion_body(num_prompt_tokens: int, max_tokens: int, **extra: Any) -> dict[str, Any]:
+def completion_body(
+    num_prompt_tokens: int, max_tokens: int, prompt_seed: int | None = None, **extra: Any
+) -> dict[str, Any]:
     """A /v1/completions body whose prompt is exactly num_prompt_tokens token ids and whose
-    completion is exactly max_tokens (ignore_eos), so prompt + max_tokens is what it uses."""
+    completion is exactly max_tokens (ignore_eos), so prompt + max_tokens is what it uses.
+
+    Without prompt_seed every body has the same prompt, and all but the first are mostly
+    prefix-cache hits; with one, the prompt is random tokens from that seed, so bodies of
+    distinct seeds share no cached block and each prompt is computed."""
+    if prompt_seed is None:
+        prompt = [5 + i % 50 for i in range(num_prompt_tokens)]
+    else:
+        rng = random.Random(prompt_seed)
+        prompt = [rng.randrange(5, 500) for _ in range(num_prompt_tokens)]
     return {
         "model": MODEL,
-        "prompt": [5 + i % 50 for i in range(num_prompt_tokens)],
+        "prompt": prompt,
         "max_tokens": max_tokens,
         "ignore_eos": True,
         **extra,

@@ -42,15 +42,17 @@ def test_standard_is_shed_until_the_backlog_ahead_drains_to_the_threshold() -> N
     assert shed is not None and shed.reason is RefusalReason.SHED
     assert shed.estimated_wait_s == pytest.approx(3.2)
     assert shed.threshold_s == pytest.approx(1.6)
-    assert shed.retry_after_s == pytest.approx(1.6)
+    # retry_after is the time until it fits with its own prompt's time (0.2 s) to spare
+    assert shed.retry_after_s == pytest.approx(1.8)
     assert shed.should_retry
-    assert "standard tier" in shed.message and "retry after 1.6s" in shed.message
-    # retry_after is the time until it fits: the backlog drained for that long admits it
-    assert shed.retry_after_s is not None
+    assert "standard tier" in shed.message and "retry after 1.8s" in shed.message
+    # the backlog drained for that long leaves it a 1.4 s wait: admitted
     drained_tokens = round(shed.retry_after_s * RATE)
     drained = _stats({0: 0, 1: 400 + 2600 - drained_tokens, 2: 50_000})
+    assert drained.estimate_queue_wait_s(1, 200) == pytest.approx(1.4)
     assert shedder.check(drained, "standard", 200) is None
-    almost = _stats({0: 0, 1: 400 + 2600 - drained_tokens + 10, 2: 50_000})
+    # while 10 tokens over the threshold are still ahead, it is shed
+    almost = _stats({0: 0, 1: 400 + 2600 - drained_tokens + 200 + 10, 2: 50_000})
     assert shedder.check(almost, "standard", 200) is not None
 
 
@@ -66,7 +68,7 @@ def test_premium_is_admitted_while_its_reservation_has_room() -> None:
     assert shedder.check(_stats(overloaded, premium_blocks=(120, 300)), "premium", 100) is None
     shed = shedder.check(_stats(overloaded, premium_blocks=(300, 300)), "premium", 100)
     assert shed is not None and shed.estimated_wait_s == pytest.approx(2.1)
-    assert shed.retry_after_s == pytest.approx(1.7)
+    assert shed.retry_after_s == pytest.approx(2.1 - (0.4 - 0.1))
     # the standard backlog is not ahead of premium: a saturated reservation alone is no reason
     saturated = _stats({0: 100, 1: 90_000}, premium_blocks=(300, 300))
     assert shedder.check(saturated, "premium", 10) is None
@@ -151,8 +153,9 @@ def test_standard_is_shed_when_premium_arrivals_leave_too_little_to_drain_its_ba
     stats.arrivals = {0: Arrivals(5.0, 500.0)}
     shed = shedder.check(stats, "standard", 200)
     assert shed is not None and shed.estimated_wait_s == pytest.approx(2.4)
-    # retry when 1000 - (1.6 - 0.4) * 500 = 400 tokens ahead are left: 0.8 s at 500/s
-    assert shed.retry_after_s == pytest.approx(0.8)
+    # retry when its wait is its own prompt's time (200 / 500 = 0.4 s) under the threshold:
+    # 1000 - 1.2 * 500 = 400 tokens left ahead, 1.2 s at 500/s
+    assert shed.retry_after_s == pytest.approx(1.2)
     # premium itself is not slowed by its own arrivals, nor standard by batch's
     premium = _stats({0: 200}, premium_blocks=(300, 300))
     premium.arrivals = {0: Arrivals(9.0, 900.0), 1: Arrivals(9.0, 900.0)}
@@ -174,4 +177,5 @@ def test_short_prompts_are_shed_when_the_batch_has_no_place_for_them_in_time() -
     stats.arrivals = {0: Arrivals(30.0, 100.0)}  # prefill alone: 820 / 900 tokens/s
     shed = shedder.check(stats, "standard", 20)
     assert shed is not None and shed.estimated_wait_s == pytest.approx(41 / 20)
-    assert shed.retry_after_s == pytest.approx(41 / 20 - 1.6)
+    # until its wait is its own prompt's time under the threshold (20 tokens at 900/s)
+    assert shed.retry_after_s == pytest.approx(41 / 20 - (1.6 - 20 / 900))

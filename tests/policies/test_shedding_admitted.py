@@ -81,11 +81,12 @@ def test_shed_requests_are_promised_retry_times_one_prompt_apart() -> None:
     shedder = SloShedder(TierTable(), ShedConfig(slo_fraction=0.8), clock=clock)
     stats = _stats({1: 3000}, step_s=0.05)  # 3.1 s for a 100-token prompt, 1.6 s threshold
     retries = [shedder.check(stats, "standard", 100) for _ in range(3)]
-    # 1.5 s drain plus one step (the statistics' age), then one 0.1 s prompt apart
-    assert [r.retry_after_s for r in retries if r] == pytest.approx([1.55, 1.65, 1.75])
+    # a 1.6 s drain (to its own 0.1 s prompt under the threshold) plus one step (the
+    # statistics' age), then one 0.1 s prompt apart
+    assert [r.retry_after_s for r in retries if r] == pytest.approx([1.65, 1.75, 1.85])
     clock.advance(10)  # promises due long ago take nothing from a new one
     again = shedder.check(stats, "standard", 100)
-    assert again is not None and again.retry_after_s == pytest.approx(1.55)
+    assert again is not None and again.retry_after_s == pytest.approx(1.65)
 
 
 def test_memory_peek_charges_nothing() -> None:
