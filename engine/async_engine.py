@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -115,6 +116,7 @@ class AsyncLLMEngine:
             while not self._stopped:
                 with self._lock:
                     commands, self._commands = self._commands, []
+                    taken_in_at_s = time.monotonic()  # what is submitted later is not in
                 for command in commands:
                     command()
                 if not self.engine.has_unfinished_requests():
@@ -124,7 +126,9 @@ class AsyncLLMEngine:
                 # First tokens go out first (their consumers wake first on the event loop,
                 # ahead of a full batch's later tokens), and before the statistics snapshot.
                 self._deliver(sorted(self.engine.step(), key=_is_not_first_token))
-                self._stats = self.engine.stats()
+                stats = self.engine.stats()
+                stats.taken_in_at_s = taken_in_at_s
+                self._stats = stats
         except BaseException as exc:  # the loop itself broke: fail every open stream
             logger.exception("engine loop stopped")
             self._error = exc

@@ -119,6 +119,10 @@ class SchedulerStats:
     arrivals: dict[int, Arrivals] = field(default_factory=dict)  # by priority, lately
     priority_preemption: bool = True  # whether tiers are ordered (False: FCFS)
     counters: EngineCounters = field(default_factory=EngineCounters)  # filled by the engine
+    # When the engine loop last took in new requests before the step these statistics follow
+    # (time.monotonic() seconds): every request submitted before it is in them. None: unknown
+    # (statistics not published by the engine loop).
+    taken_in_at_s: float | None = None
 
     @property
     def kv_usage(self) -> float:

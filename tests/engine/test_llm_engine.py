@@ -238,6 +238,28 @@ def test_async_engine_streams_outputs_and_aborts_on_early_exit() -> None:
     assert engine.kv.num_used_blocks == 0 and not engine.has_unfinished_requests()
 
 
+def test_async_engine_statistics_say_when_their_step_took_requests_in() -> None:
+    """The shedder counts its admissions until statistics whose step took in requests after
+    them: a request submitted before that moment is in them."""
+    engine = make_engine(num_blocks=64, block_size=4)
+    async_engine = AsyncLLMEngine(engine)
+    assert async_engine.stats().taken_in_at_s is None  # no step yet
+
+    async def main() -> None:
+        async for _ in async_engine.generate("a", [5, 6, 7], SamplingParams(max_tokens=2)):
+            pass
+
+    try:
+        submitted_s = time.monotonic()
+        asyncio.run(main())
+        stats = async_engine.stats()
+    finally:
+        async_engine.shutdown()
+    assert stats.taken_in_at_s is not None
+    assert submitted_s <= stats.taken_in_at_s <= time.monotonic()
+    assert stats.counters.num_prompt_tokens == 3
+
+
 def test_a_steps_outputs_wake_the_event_loop_once() -> None:
     """Each call into the event loop from the engine thread is a wake-up (a system call and a
     contest for the GIL): a step hands all its outputs over in one call, not one per output."""

@@ -26,7 +26,7 @@ import math
 import time
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import httpx
 import pytest
@@ -59,6 +59,7 @@ MIN_STANDARD_CLIENTS = 40
 MAX_STANDARD_CLIENTS = 400
 NUM_WARM_UP = 8
 NUM_PROMPT_TOKENS = 300
+MAX_RETRIES = 10
 # Limits no test request reaches, so the x-ratelimit-* headers exist and only shedding refuses.
 GENEROUS = {"requests_per_minute": 100_000, "tokens_per_minute": 10**8}
 
@@ -68,9 +69,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
     directory = tmp_path_factory.mktemp("admission-shedding")
     tiers = [asdict(tier) for tier in TIERS]
     config = write_config(directory / "config.json", {"tiers": tiers})
-    process = ServeProcess(
-        f"sqlite:///{directory / 'tiergate.db'}", args=["--config", str(config)]
-    )
+    process = ServeProcess(f"sqlite:///{directory / 'tiergate.db'}", args=["--config", str(config)])
     try:
         start_all([process])
         yield process
@@ -83,14 +82,15 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
 
 @dataclass
 class _StandardClient:
-    """One standard-tier client: a request, and on 429 one retry after retry-after-ms."""
+    """One standard-tier client: a request, and on 429 retries, each after the retry-after-ms
+    of the refusal before it, until admitted (at most MAX_RETRIES)."""
 
     status_code: int = 0
     latency_s: float = 0.0  # until the first answer was read
     headers: httpx.Headers | None = None
     error: dict[str, object] | None = None  # the 429's OpenAI error object
-    retry_after_ms: int | None = None
-    retry_status_code: int | None = None
+    retry_after_ms: int | None = None  # the first refusal's
+    retry_status_codes: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -167,9 +167,11 @@ async def _overload(
             if response.status_code == 429:
                 client.error = response.json()["error"]
                 client.retry_after_ms = int(response.headers["retry-after-ms"])
-                await asyncio.sleep(client.retry_after_ms / 1000)
-                retry = await http.post("/v1/completions", json=body, headers=headers)
-                client.retry_status_code = retry.status_code
+                retry = response
+                while retry.status_code == 429 and len(client.retry_status_codes) < MAX_RETRIES:
+                    await asyncio.sleep(int(retry.headers["retry-after-ms"]) / 1000)
+                    retry = await http.post("/v1/completions", json=body, headers=headers)
+                    client.retry_status_codes.append(retry.status_code)
             return client
 
         async def premium() -> list[int]:
@@ -221,9 +223,7 @@ def test_overload_sheds_standard_fast_with_truthful_retry_after_premium_admitted
     # be timed as the refusals' latency (median 333 ms in one CI run).
     with collector_paused():
         clients, premium_statuses = asyncio.run(
-            _overload(
-                server.base_url, standard_key, premium_key, overload, next(prompt_seeds)
-            )
+            _overload(server.base_url, standard_key, premium_key, overload, next(prompt_seeds))
         )
     shed = [c for c in clients if c.status_code == 429]
     admitted = [c for c in clients if c.status_code == 200]
@@ -240,14 +240,16 @@ def test_overload_sheds_standard_fast_with_truthful_retry_after_premium_admitted
         assert client.error["code"] == "rate_limit_exceeded", client.error
         assert "overloaded for the standard tier" in str(client.error["message"]), client.error
         assert set(client.headers) >= RATE_LIMIT_HEADERS, client.headers
-    num_retried_ok = sum(c.retry_status_code == 200 for c in shed)
+    num_first_retries_ok = sum(c.retry_status_codes[0] == 200 for c in shed)
+    num_retries = sum(len(c.retry_status_codes) for c in shed)
     p50_ms, p99_ms, max_ms = quantiles_ms([c.latency_s for c in shed])
     admitted_p50_ms, _, _ = quantiles_ms([c.latency_s for c in admitted])
     report(
         f"overload, {summary} (admitted latency p50 {admitted_p50_ms:.0f} ms); "
         f"429 latency p50 {p50_ms:.1f} ms, p99 {p99_ms:.1f} ms, "
         f"max {max_ms:.1f} ms; retry-after-ms {sorted(c.retry_after_ms or 0 for c in shed)}; "
-        f"retries after retry-after-ms admitted {num_retried_ok}/{len(shed)}; "
+        f"first retry after retry-after-ms admitted {num_first_retries_ok}/{len(shed)}, "
+        f"{num_retries} retries in all; "
         f"premium {premium_statuses}"
     )
     # Refused at once: a shed request is answered without waiting for the engine, so the
@@ -256,15 +258,18 @@ def test_overload_sheds_standard_fast_with_truthful_retry_after_premium_admitted
     # in the serving benchmark, not gated on a shared CI machine.
     assert p50_ms < admitted_p50_ms / 10, (p50_ms, admitted_p50_ms)
     # Every 429 was a shedding decision that ran nothing, as the server counted it.
-    answers = [c.status_code for c in clients] + [
-        c.retry_status_code for c in shed if c.retry_status_code is not None
-    ]
+    answers = [c.status_code for c in clients] + [r for c in shed for r in c.retry_status_codes]
     expected = Counter(
         {("refused", 429): answers.count(429), ("completed", 200): answers.count(200),
          ("shed", 0): answers.count(429)}
     )  # fmt: skip
     assert _settled_increase(server, before, expected) == expected
-    # The retry delay is truthful: waiting it out gets a client in more often than not.
-    assert num_retried_ok > len(shed) / 2
+    # The retry delay is truthful: following it, every shed client gets in, at two tries or
+    # fewer on average (over 7 runs, 5 alone and 2 beside two busy loops: first retries got
+    # in 56-84 % of the time, 1.16-1.50 tries on average; a delay at the 100 ms floor against
+    # backlogs of 1-3 s would take several times that). A retry can still be refused:
+    # requests arriving meanwhile and admitted take the room it was promised.
+    assert all(c.retry_status_codes[-1] == 200 for c in shed), [c.retry_status_codes for c in shed]
+    assert num_retries <= 2 * len(shed), num_retries
     # Premium is never shed while standard is.
     assert premium_statuses == [200] * len(premium_statuses)

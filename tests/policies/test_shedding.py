@@ -177,5 +177,10 @@ def test_short_prompts_are_shed_when_the_batch_has_no_place_for_them_in_time() -
     stats.arrivals = {0: Arrivals(30.0, 100.0)}  # prefill alone: 820 / 900 tokens/s
     shed = shedder.check(stats, "standard", 20)
     assert shed is not None and shed.estimated_wait_s == pytest.approx(41 / 20)
-    # until its wait is its own prompt's time under the threshold (20 tokens at 900/s)
-    assert shed.retry_after_s == pytest.approx(41 / 20 - (1.6 - 20 / 900))
+    # until its wait is its own share under the threshold: no place is free, and one frees
+    # up every 1/20 s (more than its 20-token prompt takes at 900 tokens/s)
+    assert shed.retry_after_s == pytest.approx(41 / 20 - (1.6 - 1 / 20))
+    # and the next shed request is promised one place later
+    again = shedder.check(stats, "standard", 20)
+    assert again is not None
+    assert again.retry_after_s == pytest.approx(41 / 20 - 1.55 + 1 / 20, abs=0.01)

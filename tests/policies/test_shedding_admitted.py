@@ -8,7 +8,6 @@ from dataclasses import replace
 import pytest
 
 from engine import SchedulerStats, TierStats
-from engine.scheduler_stats import EngineCounters
 from policies import (
     FailurePolicy,
     MemoryRateLimiter,
@@ -25,7 +24,7 @@ RATE = 1000.0
 
 
 def _stats(
-    pending: dict[int, int], num_steps: int = 0, step_s: float | None = None
+    pending: dict[int, int], taken_in_at_s: float | None = None, step_s: float | None = None
 ) -> SchedulerStats:
     names = {0: "premium", 1: "standard", 2: "batch"}
     tiers = {
@@ -40,14 +39,15 @@ def _stats(
         num_kv_blocks_used=1000,
         prefill_tokens_per_s=RATE,
         mean_step_time_s=step_s,
-        counters=EngineCounters(num_steps=num_steps),
+        taken_in_at_s=taken_in_at_s,
     )
 
 
 def test_admissions_count_until_the_engine_statistics_show_them() -> None:
     clock = ManualClock()
     shedder = SloShedder(TierTable(), clock=clock)
-    stats = _stats({}, num_steps=5, step_s=0.05)
+    stats = _stats({}, taken_in_at_s=clock(), step_s=0.05)
+    clock.advance(0.01)
     # 100-token prompts against 1.6 s at 1000 tokens/s: 16 fit in one step's stale snapshot
     for _ in range(16):
         assert shedder.check(stats, "standard", 100) is None
@@ -56,17 +56,18 @@ def test_admissions_count_until_the_engine_statistics_show_them() -> None:
     assert shed is not None and shed.estimated_wait_s == pytest.approx(1.7)
     # batch admissions are not ahead of standard (they are under FCFS)
     shedder.admitted("batch", 10_000)
-    # one step later the engine may not have them yet; two steps later it has
-    assert shedder.check(replace(stats, counters=EngineCounters(num_steps=6)), "standard", 100)
-    assert (
-        shedder.check(replace(stats, counters=EngineCounters(num_steps=7)), "standard", 100) is None
-    )
-    # an engine that went idle after one step: forgotten once two steps' time has passed
+    # statistics of a step that took requests in before them do not have them, however long
+    # that step took (a long prefill step's statistics come out long after its start)
+    clock.advance(2.0)
+    assert shedder.check(stats, "standard", 100)
+    # those of the step that took them in do
+    assert shedder.check(replace(stats, taken_in_at_s=clock()), "standard", 100) is None
+    # statistics not published by the engine loop say nothing: counted for at most 10 s
     shedder.admitted("standard", 1600)
-    idle = replace(stats, counters=EngineCounters(num_steps=8))
-    assert shedder.check(idle, "standard", 100) is not None
-    clock.advance(0.1)
-    assert shedder.check(idle, "standard", 100) is None
+    unknown = replace(stats, taken_in_at_s=None)
+    assert shedder.check(unknown, "standard", 100) is not None
+    clock.advance(10.1)
+    assert shedder.check(unknown, "standard", 100) is None
 
 
 def test_a_prompt_over_the_threshold_is_admitted_when_nothing_is_ahead() -> None:
