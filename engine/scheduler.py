@@ -475,9 +475,7 @@ class Scheduler:
         had_backlog = (num_prefill > 0 or len(self.waiting) > 0) and self.blocked_priority is None
         num_left, self._num_left_batch = self._num_left_batch, 0
         num_reused, self._num_reused_tokens = self._num_reused_tokens, 0
-        self.rates.record(
-            num_prefill + num_reused, num_decode, interval_s, had_backlog, num_left
-        )
+        self.rates.record(num_prefill + num_reused, num_decode, interval_s, had_backlog, num_left)
 
     def stats(self, now_s: float) -> SchedulerStats:
         return build_stats(

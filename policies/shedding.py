@@ -21,11 +21,11 @@ and keep the offered retry delay truthful:
 - A prompt that alone takes longer than the threshold can never meet it; it is admitted when
   nothing is ahead of it rather than refused forever.
 - `retry_after` is when the backlog ahead will have drained enough to admit the request with
-  its own prompt's time to spare (plus one engine step, the age of the statistics), and no
-  two shed requests of a tier are promised the same moment: each promise moves the tier's
-  next one on by the time its own prompt takes (or, with no place free in the batch, the
-  time one takes to free up), so a herd told to come back is let in one
-  after another rather than refused again all together.
+  its own share to spare (plus one engine step, the age of the statistics): the time its
+  prompt takes, or with no place free in the batch, the time one takes to free up. No two
+  shed requests of a tier are promised the same moment: each promise moves the tier's next
+  one on by its own share, so a herd told to come back is let in one after another rather
+  than refused again all together.
 
 Tiers without a TTFT objective (batch) are never shed here. A tier that holds a KV
 reservation (premium) is shed only once the reservation is saturated: while it has reserved
