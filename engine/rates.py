@@ -25,8 +25,8 @@ class StepRates:
     It counts the prompt tokens a step took off the backlog, computed or not: the backlog
     counts whole prompts, and a prompt found in the prefix cache leaves it with little
     computed (counting computed tokens only, warm-up rounds of one shared 300-token prompt
-    read as a fifth of their drain rate on a loaded CPU host, and the test of shedding saw its
-    own warm-up shed).
+    read as a fifth to a third of their drain rate on a loaded CPU host, and the test of
+    shedding saw its own warm-up shed).
     The finish rate counts running requests that left the batch (finished or aborted) per
     second: the rate at which places free up for waiting requests.
     """
