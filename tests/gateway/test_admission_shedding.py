@@ -6,8 +6,8 @@ CPU demo model: standard's TTFT objective becomes 1 s (shed over 0.8 s of estima
 wait), premium's 0.25 s (premium also keeps its 30 % KV reservation, so it is not shed while
 that has room).
 
-The overload is sized from the machine's measured speed, not fixed: the warm-up times a batch
-of the same requests, and the standard clients then arrive at OVERLOAD times the rate the
+The overload is sized from the machine's measured speed, not fixed: the warm-up times batches
+of requests like the overload's, and the standard clients then arrive at OVERLOAD times the rate the
 engine served them, for long enough that the queue's wait passes the shedding threshold
 several times over. A fixed count was an overload on a loaded machine and none on an idle one.
 Every prompt is distinct, so each is computed: with one shared prompt nearly all of it was a
