@@ -9,7 +9,9 @@ to restore fair sharing: when its tenant holds under half its weighted share of 
 running requests, it may preempt a request of a tenant over its share (least computed first),
 and that tenant pays the recompute. With fair sharing on, a tier's prefills in progress are
 served in order of their tenant's running requests per unit of weight, fewest first, and in
-the most important tier with work an under-half-share tenant's prompt goes before the decodes.
+the most important tier with work an under-half-share tenant's prompt goes before the decodes;
+when such prompts leave budget over, the step carries them alone (the under-share lane, at most
+one step in `under_share_lane_every_steps`).
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ class Scheduler:
         self._num_reused_tokens = 0
         # the latest step's blocked tier (_StepPlan.blocked_priority)
         self.blocked_priority: int | None = None
+        self._last_lane_step: int | None = None  # the latest under-share lane step
 
     # -- requests in and out -------------------------------------------------------------------
 
@@ -121,7 +124,8 @@ class Scheduler:
         # admissions. With fair sharing, in the most important tier that has work, the prompts
         # of tenants under half their weighted share of its running requests (in progress, or
         # waiting) go even before that tier's decodes: a light tenant's long prompt takes the
-        # budget that a heavy tenant's decodes would otherwise fill, step after step. Below
+        # budget that a heavy tenant's decodes would otherwise fill, step after step; when they
+        # leave budget over, the step may carry them alone (`_takes_under_share_lane`). Below
         # that tier a tenant under half its share is still admitted before the prefills in
         # progress of its own and less important tiers, and inside every tier the prefills in
         # progress of the tenants holding the fewest running requests per unit of weight go
@@ -148,6 +152,8 @@ class Scheduler:
             self._schedule_running_all(starved, plan)
             if best_waiting == first_tier:  # the under-share pass's tier: it runs here
                 self._schedule_waiting(plan, under_share_only=True)
+            if self._takes_under_share_lane(plan, order):
+                return self._build_output(plan)
         self._schedule_running_all(decodes, plan)
         if best_waiting != first_tier:
             self._schedule_running_all([r for r in prefills if r.priority < best_waiting], plan)
@@ -155,6 +161,26 @@ class Scheduler:
         self._schedule_running_all(prefills, plan)
         self._schedule_waiting(plan)
         return self._build_output(plan)
+
+    def _takes_under_share_lane(self, plan: _StepPlan, running: list[Request]) -> bool:
+        """Whether this step carries only the under-share prompts scheduled so far: they left
+        budget over that other tenants' work would fill (a heavy tenant's decodes make the step
+        cost several times what the light prompt costs alone: ops/bench/README.md), and the
+        previous lane step is at least `under_share_lane_every_steps` steps back."""
+        every = self.config.under_share_lane_every_steps
+        if not plan.num_new_tokens or plan.budget == 0 or every == 0:
+            return False
+        if self._last_lane_step is not None and self.num_steps - self._last_lane_step < every:
+            return False
+        lane_tenants = {self.requests[i].tenant_id for i in plan.num_new_tokens}
+        others_wait = self.waiting.peek(lane_tenants) is not None or any(
+            r.tenant_id not in lane_tenants
+            for r in running
+            if r.status == RequestStatus.RUNNING
+        )
+        if others_wait:
+            self._last_lane_step = self.num_steps
+        return others_wait
 
     def _schedule_running_all(self, requests: list[Request], plan: _StepPlan) -> None:
         for request in requests:

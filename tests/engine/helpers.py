@@ -21,6 +21,7 @@ def make_engine(
     priority_preemption: bool = True,
     prefix_caching: bool = True,
     max_model_len: int = 512,
+    under_share_lane_every_steps: int = 4,
 ) -> LLMEngine:
     config = EngineConfig(
         scheduler=SchedulerConfig(
@@ -28,6 +29,7 @@ def make_engine(
             max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,
             enable_priority_preemption=priority_preemption,
+            under_share_lane_every_steps=under_share_lane_every_steps,
         ),
         cache=CacheConfig(block_size, prefix_caching, reserved or {}),
     )

@@ -200,8 +200,9 @@ def test_an_under_share_tenants_prompt_goes_before_over_share_prefill_chunks() -
 
 def test_a_light_tenants_long_prompt_goes_before_a_heavy_tenants_decodes_and_prefills() -> None:
     """An under-share tenant's prompt takes the step's whole budget, first chunk and later ones,
-    ahead of the over-share tenant's decodes and its prefill admitted earlier; FCFS serves
-    decodes first and prefills in admission order."""
+    ahead of the over-share tenant's decodes and its prefill admitted earlier, and its last
+    chunk runs alone (the under-share lane); FCFS serves decodes first and prefills in
+    admission order."""
     for fair in (True, False):
         engine = make_engine(
             num_blocks=256, block_size=4, max_num_batched_tokens=16, max_num_seqs=8,
@@ -223,10 +224,10 @@ def test_a_light_tenants_long_prompt_goes_before_a_heavy_tenants_decodes_and_pre
         for _ in range(3):
             _step(engine, outputs)
         light = engine.scheduler.requests["l0"]
-        if fair:  # 16 + 16 + 8: the heavy decodes get only the third step's leftover budget
+        if fair:  # 16 + 16 + 8, the last 8 alone: the heavy tenant's work waits three steps
             assert light.num_computed_tokens == 40
-            assert len(outputs["h0"]) == decoded_before + 1
-            assert heavy_prefill.num_computed_tokens == heavy_before + 16 - 8 - 3
+            assert len(outputs["h0"]) == decoded_before
+            assert heavy_prefill.num_computed_tokens == heavy_before
         else:  # 13 tokens a step (16 less 3 decodes), h3's chunks first
             assert light.num_computed_tokens < 3 * 13
             assert len(outputs["h0"]) == decoded_before + 3
@@ -237,3 +238,86 @@ def test_a_light_tenants_long_prompt_goes_before_a_heavy_tenants_decodes_and_pre
         for request_id, prompt in prompts.items():
             num_tokens = 30 if request_id in ("h0", "h1", "h2") else 4
             assert outputs[request_id] == reference_output(prompt, num_tokens), request_id
+
+
+def _light_prompt_beside_heavy_decodes(lane_every_steps: int) -> tuple[LLMEngine, Outputs]:
+    """Three heavy requests decoding; the light tenant's 8-token prompt just added."""
+    engine = make_engine(
+        num_blocks=256, block_size=4, max_num_batched_tokens=16, max_num_seqs=8,
+        queue=TieredFairQueue(), under_share_lane_every_steps=lane_every_steps,
+    )
+    for i in range(3):
+        engine.add_request(f"h{i}", list(range(100 + 10 * i, 108 + 10 * i)), _params(30), HEAVY)
+    outputs: Outputs = {}
+    for _ in range(3):
+        _step(engine, outputs)
+    engine.add_request("l0", list(range(600, 608)), _params(4), LIGHT)
+    return engine, outputs
+
+
+def test_an_under_share_prompt_that_leaves_budget_over_runs_alone_then_the_others_resume() -> None:
+    engine, outputs = _light_prompt_beside_heavy_decodes(lane_every_steps=4)
+    decoded = len(outputs["h0"])
+    _step(engine, outputs)
+    light = engine.scheduler.requests["l0"]
+    # The light prompt's step: its 8 tokens and nothing of the heavy tenant's.
+    assert light.num_computed_tokens == 8 and len(outputs["l0"]) == 1
+    assert len(outputs["h0"]) == decoded
+    _step(engine, outputs)  # then everyone decodes
+    assert len(outputs["h0"]) == decoded + 1 and len(outputs["l0"]) == 2
+    for (request_id, _), tokens in run_to_completion(engine).items():
+        outputs.setdefault(request_id, []).extend(tokens)
+    check_invariants(engine)
+    assert outputs["l0"] == reference_output(list(range(600, 608)), 4)
+    assert outputs["h0"] == reference_output(list(range(100, 108)), 30)
+
+
+def test_the_under_share_lane_is_taken_at_most_once_in_so_many_steps() -> None:
+    engine, outputs = _light_prompt_beside_heavy_decodes(lane_every_steps=4)
+    _step(engine, outputs)  # l0 alone: a lane step
+    decoded = []
+    for step in range(1, 6):
+        if step <= 4:  # a new tenant's prompt each step, under its share like l0's
+            tenant = TenantContext(
+                tenant_id=f"new-{step}", tier="standard", priority=1, cache_salt=f"n{step}"
+            )
+            engine.add_request(f"n{step}", list(range(700 + 10 * step, 708 + 10 * step)),
+                               _params(4), tenant)
+        before = len(outputs["h0"])
+        _step(engine, outputs)
+        assert engine.scheduler.requests[f"n{min(step, 4)}"].num_computed_tokens >= 8
+        decoded.append(len(outputs["h0"]) - before)
+    # The three steps after a lane step carry the heavy decodes beside the new prompts; the
+    # fourth is the next lane step; then the heavy tenant decodes again.
+    assert decoded == [1, 1, 1, 0, 1]
+    run_to_completion(engine)
+    check_invariants(engine)
+
+
+def test_no_under_share_lane_when_it_is_off_or_for_fcfs() -> None:
+    for lane_every_steps, fair in ((0, True), (4, False)):
+        engine = make_engine(
+            num_blocks=256, block_size=4, max_num_batched_tokens=16, max_num_seqs=8,
+            queue=TieredFairQueue(), under_share_lane_every_steps=lane_every_steps,
+            priority_preemption=fair,
+        )
+        for i in range(3):
+            engine.add_request(f"h{i}", list(range(100 + 10 * i, 108 + 10 * i)), _params(30), HEAVY)
+        outputs: Outputs = {}
+        for _ in range(3):
+            _step(engine, outputs)
+        engine.add_request("l0", list(range(600, 608)), _params(4), LIGHT)
+        decoded = len(outputs["h0"])
+        _step(engine, outputs)
+        # The light prompt's step also carries the heavy decodes.
+        assert len(outputs["h0"]) == decoded + 1, (lane_every_steps, fair)
+        assert engine.scheduler.requests["l0"].num_computed_tokens == 8
+
+
+def test_one_tenants_own_requests_never_take_the_under_share_lane() -> None:
+    engine = make_engine(max_num_batched_tokens=64, max_num_seqs=8, queue=TieredFairQueue())
+    for i in range(4):
+        engine.add_request(f"h{i}", [5 + i] * 8, _params(3), HEAVY)
+    engine.step()  # its first request is under its share (it held none), and so are the rest
+    assert all(r.num_computed_tokens == 8 for r in engine.scheduler.running)
+    assert len(engine.scheduler.running) == 4
