@@ -240,11 +240,14 @@ def test_a_light_tenants_long_prompt_goes_before_a_heavy_tenants_decodes_and_pre
             assert outputs[request_id] == reference_output(prompt, num_tokens), request_id
 
 
-def _light_prompt_beside_heavy_decodes(lane_every_steps: int) -> tuple[LLMEngine, Outputs]:
+def _light_prompt_beside_heavy_decodes(
+    lane_every_steps: int, fair: bool = True
+) -> tuple[LLMEngine, Outputs]:
     """Three heavy requests decoding; the light tenant's 8-token prompt just added."""
     engine = make_engine(
         num_blocks=256, block_size=4, max_num_batched_tokens=16, max_num_seqs=8,
         queue=TieredFairQueue(), under_share_lane_every_steps=lane_every_steps,
+        priority_preemption=fair,
     )
     for i in range(3):
         engine.add_request(f"h{i}", list(range(100 + 10 * i, 108 + 10 * i)), _params(30), HEAVY)
@@ -285,7 +288,8 @@ def test_the_under_share_lane_is_taken_at_most_once_in_so_many_steps() -> None:
                                _params(4), tenant)
         before = len(outputs["h0"])
         _step(engine, outputs)
-        assert engine.scheduler.requests[f"n{min(step, 4)}"].num_computed_tokens >= 8
+        if step <= 4:  # every new prompt is computed in the step it arrives for
+            assert engine.scheduler.requests[f"n{step}"].num_computed_tokens >= 8
         decoded.append(len(outputs["h0"]) - before)
     # The three steps after a lane step carry the heavy decodes beside the new prompts; the
     # fourth is the next lane step; then the heavy tenant decodes again.
@@ -296,17 +300,7 @@ def test_the_under_share_lane_is_taken_at_most_once_in_so_many_steps() -> None:
 
 def test_no_under_share_lane_when_it_is_off_or_for_fcfs() -> None:
     for lane_every_steps, fair in ((0, True), (4, False)):
-        engine = make_engine(
-            num_blocks=256, block_size=4, max_num_batched_tokens=16, max_num_seqs=8,
-            queue=TieredFairQueue(), under_share_lane_every_steps=lane_every_steps,
-            priority_preemption=fair,
-        )
-        for i in range(3):
-            engine.add_request(f"h{i}", list(range(100 + 10 * i, 108 + 10 * i)), _params(30), HEAVY)
-        outputs: Outputs = {}
-        for _ in range(3):
-            _step(engine, outputs)
-        engine.add_request("l0", list(range(600, 608)), _params(4), LIGHT)
+        engine, outputs = _light_prompt_beside_heavy_decodes(lane_every_steps, fair)
         decoded = len(outputs["h0"])
         _step(engine, outputs)
         # The light prompt's step also carries the heavy decodes.
