@@ -153,6 +153,7 @@ class Scheduler:
             if best_waiting == first_tier:  # the under-share pass's tier: it runs here
                 self._schedule_waiting(plan, under_share_only=True)
             if self._takes_under_share_lane(plan, order):
+                self._last_lane_step = self.num_steps
                 return self._build_output(plan)
         self._schedule_running_all(decodes, plan)
         if best_waiting != first_tier:
@@ -173,14 +174,11 @@ class Scheduler:
         if self._last_lane_step is not None and self.num_steps - self._last_lane_step < every:
             return False
         lane_tenants = {self.requests[i].tenant_id for i in plan.num_new_tokens}
-        others_wait = self.waiting.peek(lane_tenants) is not None or any(
+        return self.waiting.peek(lane_tenants) is not None or any(
             r.tenant_id not in lane_tenants
             for r in running
             if r.status == RequestStatus.RUNNING
         )
-        if others_wait:
-            self._last_lane_step = self.num_steps
-        return others_wait
 
     def _schedule_running_all(self, requests: list[Request], plan: _StepPlan) -> None:
         for request in requests:

@@ -312,6 +312,6 @@ def test_one_tenants_own_requests_never_take_the_under_share_lane() -> None:
     engine = make_engine(max_num_batched_tokens=64, max_num_seqs=8, queue=TieredFairQueue())
     for i in range(4):
         engine.add_request(f"h{i}", [5 + i] * 8, _params(3), HEAVY)
-    engine.step()  # its first request is under its share (it held none), and so are the rest
+    engine.step()  # its first request is under its share (it held none): no lane step for it
     assert all(r.num_computed_tokens == 8 for r in engine.scheduler.running)
     assert len(engine.scheduler.running) == 4
