@@ -197,6 +197,7 @@ class LLMEngine:
         outputs, self._pending = self._pending, []
         scheduler_output = self.scheduler.schedule()
         self.counters.num_preemptions = self.scheduler.num_preemptions_total
+        self.counters.num_lane_steps = self.scheduler.num_lane_steps_total
         if scheduler_output.is_empty:
             return outputs
         started = self.clock()

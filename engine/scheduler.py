@@ -68,6 +68,7 @@ class Scheduler:
         self._num_admissions = 0
         self._finished_ids: set[str] = set()
         self.num_preemptions_total = 0
+        self.num_lane_steps_total = 0  # steps the under-share lane took
         self._num_left_batch = 0  # running requests finished or aborted since record_step
         # prompt tokens admissions took off the backlog without computing them (prefix-cache
         # hits, forked prompts) since record_step
@@ -154,6 +155,7 @@ class Scheduler:
                 self._schedule_waiting(plan, under_share_only=True)
             if self._takes_under_share_lane(plan, order):
                 self._last_lane_step = self.num_steps
+                self.num_lane_steps_total += 1
                 return self._build_output(plan)
         self._schedule_running_all(decodes, plan)
         if best_waiting != first_tier:

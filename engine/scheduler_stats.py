@@ -93,6 +93,7 @@ class EngineCounters:
     recompute_time_s: float = 0.0  # the part of busy_time_s charged as recompute
     last_step_time_s: float | None = None  # None before the first step
     num_preemptions: int = 0
+    num_lane_steps: int = 0  # steps that carried only under-share prompts (the scheduler's lane)
     num_prompt_tokens: int = 0  # prompt tokens computed (prefix-cache hits, recompute excluded)
     num_recomputed_tokens: int = 0  # tokens computed again after preemptions
     num_generated_tokens: int = 0  # tokens sampled

@@ -196,6 +196,26 @@ class _Series:
             "Measured engine step time since start; every second is metered to some request.",
             registry=r,
         )  # fmt: skip
+        self.engine_steps = Counter(
+            "tiergate_engine_steps", "Engine steps that ran the model.", registry=r
+        )
+        self.engine_preemptions = Counter(
+            "tiergate_engine_preemptions",
+            "Preemptions as the engine makes them (tiergate_preemptions counts them by tier "
+            "when the preempted request ends).",
+            registry=r,
+        )  # fmt: skip
+        self.engine_tokens = Counter(
+            "tiergate_engine_tokens",
+            "Tokens the engine's steps computed: prompt (prefix-cache hits not included), "
+            "recomputed (after preemptions), generated (sampled).",
+            ("kind",), registry=r,
+        )  # fmt: skip
+        self.engine_lane_steps = Counter(
+            "tiergate_engine_under_share_lane_steps",
+            "Steps that carried only the prompts of tenants under their fair share.",
+            registry=r,
+        )  # fmt: skip
         self.estimated_wait = Gauge(
             "tiergate_admission_estimated_wait_seconds",
             "Admission's estimate of the queue wait of a new request.", tier, registry=r,
@@ -230,8 +250,8 @@ class GatewayMetrics:
         self.tenants = tenant_labeler or TenantLabeler()
         self._series = _Series(self.registry)
         self._tier_names: list[str] = []
-        # The engine's busy_time_s counted into tiergate_engine_busy_seconds so far.
-        self._engine_busy_s = 0.0
+        # The engine's totals counted into the engine counters so far, by counter.
+        self._engine_totals: dict[Counter, float] = {}
         s = self._series
         for tier in tiers:
             self._tier_names.append(tier.name)
@@ -308,11 +328,24 @@ class GatewayMetrics:
         s.prefix_hit_ratio.set(stats.prefix_cache_hit_ratio)
         if stats.mean_step_time_s is not None:
             s.step_time.set(stats.mean_step_time_s)
-        # The engine's total only grows; a counter takes increments.
-        busy_s = stats.counters.busy_time_s
-        if busy_s > self._engine_busy_s:
-            s.engine_busy.inc(busy_s - self._engine_busy_s)
-            self._engine_busy_s = busy_s
+        counters = stats.counters
+        for counter, total in (
+            (s.engine_busy, counters.busy_time_s),
+            (s.engine_steps, counters.num_steps),
+            (s.engine_preemptions, counters.num_preemptions),
+            (s.engine_tokens.labels("prompt"), counters.num_prompt_tokens),
+            (s.engine_tokens.labels("recomputed"), counters.num_recomputed_tokens),
+            (s.engine_tokens.labels("generated"), counters.num_generated_tokens),
+            (s.engine_lane_steps, counters.num_lane_steps),
+        ):
+            self._advance(counter, total)
+
+    def _advance(self, counter: Counter, total: float) -> None:
+        """The engine's totals only grow; a counter takes the increment since the last call."""
+        counted = self._engine_totals.get(counter, 0.0)
+        if total > counted:
+            counter.inc(total - counted)
+            self._engine_totals[counter] = total
 
     def update_alerts(self, statuses: Iterable[AlertStatus]) -> None:
         """Mirror the in-process alerts: firing flag and windowed p99 per tier."""

@@ -233,7 +233,7 @@ def _one_run(
 
         for path in plot_run(record.results, tiers, args.plot):
             _log(f"wrote {path}")
-    return _with_tiers(run_json(record), tiers), format_run(record.summary)
+    return _with_tiers(run_json(record), tiers), format_run(record)
 
 
 def _with_tiers(document: dict[str, Any], tiers: TierTable) -> dict[str, Any]:

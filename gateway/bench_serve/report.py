@@ -46,8 +46,10 @@ def _machine_columns(point: LoadPoint) -> str:
     return f" {point.load_average_1m:5.1f} {share:>5}"
 
 
-def format_run(summary: RunSummary) -> str:
-    """One run: a row per tier and one for all requests (latencies in seconds)."""
+def format_run(record: RunRecord) -> str:
+    """One run: a row per tier and one for all requests (latencies in seconds), then what the
+    engine did."""
+    summary = record.summary
     lines = [
         f"offered {summary.offered_rps:.2f} req/s over {summary.duration_s:.1f} s "
         f"(generator at most {1000 * summary.max_send_lag_s:.0f} ms late)",
@@ -60,7 +62,42 @@ def format_run(summary: RunSummary) -> str:
             f"{shed.num_samples} shed, answered in p50 {1000 * shed.p50:.1f} ms, "
             f"p99 {1000 * shed.p99:.1f} ms"
         )
+    if record.engine is not None:
+        lines += ["", _ENGINE_HEADER, _engine_row("engine", record)]
     return "\n".join(lines)
+
+
+# What the server's engine did during each run (EngineActivity): steps, mean step time, the
+# share of the run its steps took, prompt tokens and new tokens per step (the latter the
+# batch the steps decoded), preemptions, tokens recomputed after them, and steps the
+# under-share lane took.
+_ENGINE_HEADER = (
+    f"{'engine during the run':24} {'steps':>6} {'step ms':>8} {'busy%':>6} {'prompt/step':>11} "
+    f"{'new/step':>8} {'preempted':>9} {'recomputed':>10} {'lane steps':>10}"
+)
+
+
+def _engine_row(label: str, record: RunRecord) -> str:
+    activity, duration_s = record.engine, record.summary.duration_s
+    if activity is None:
+        return f"{label:24} {'(no engine counters)':>6}"
+    busy = 100 * activity.busy_s / duration_s if duration_s > 0 else math.nan
+    steps = activity.num_steps
+    prompt_per_step = activity.num_prompt_tokens / steps if steps else math.nan
+    return (
+        f"{label:24} {steps:6d} {1000 * activity.mean_step_s:8.1f} {busy:6.1f} "
+        f"{prompt_per_step:11.1f} {activity.mean_generated_per_step:8.1f} "
+        f"{activity.num_preemptions:9d} {activity.num_recomputed_tokens:10d} "
+        f"{activity.num_lane_steps:10d}"
+    )
+
+
+def _engine_rows(result: SweepResult) -> list[str]:
+    records = [p.record for p in result.points]
+    records += [r for f in result.fairness for r in (f.alone, f.shared)]
+    if all(r.engine is None for r in records):
+        return []
+    return ["", _ENGINE_HEADER, *[_engine_row(r.summary.label, r) for r in records]]
 
 
 def format_sweep(result: SweepResult) -> str:
@@ -101,6 +138,7 @@ def format_sweep(result: SweepResult) -> str:
     lines += ["", *headline(result)]
     if result.fairness:
         lines += ["", _fairness_header(), *[_fairness_row(run) for run in result.fairness]]
+    lines += _engine_rows(result)
     return "\n".join(lines)
 
 
@@ -124,7 +162,24 @@ def headline(result: SweepResult) -> list[str]:
     if shed:
         slowest = max(r.e2e_s for r in shed)
         lines.append(f"{len(shed)} shed requests, slowest answered in {1000 * slowest:.1f} ms")
-    return lines
+    return lines + _capacity_check(result)
+
+
+def _capacity_check(result: SweepResult) -> list[str]:
+    """FCFS at 2x and over runs at what the machine sustains, its queue never empty: its
+    output tokens/s then against the calibration's say whether the loads' labels held (a
+    calibration in a fast minute of the host makes every load heavier than its label)."""
+    measured = result.calibration.capacity_output_tokens_per_s
+    overloaded = [p for p in result.points if p.variant == "fcfs" and p.load_factor >= 2]
+    if measured is None or not overloaded:
+        return []
+    rates = ", ".join(
+        f"{p.record.summary.output_tokens_per_s_while_arriving:.0f} at {p.load_factor:g}x "
+        f"({p.record.summary.output_tokens_per_s_while_arriving / measured:.2f})"
+        for p in overloaded
+    )
+    return [f"capacity check: FCFS output tokens/s while arrivals last {rates}, against the "
+            f"calibration's {measured:.0f}"]
 
 
 def _share(summary: RunSummary, tier: str) -> str:
@@ -180,6 +235,7 @@ def run_json(record: RunRecord) -> dict[str, Any]:
     return _finite(
         {
             "summary": dataclasses.asdict(record.summary),
+            "engine": None if record.engine is None else dataclasses.asdict(record.engine),
             "requests": [_request_json(r) for r in record.results],
         }
     )

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from engine.workload import Workload
+from gateway.bench_serve.engine_activity import EngineActivity, read_engine_activity
 from gateway.bench_serve.loadgen import LoadGenerator, RequestResult
 from gateway.bench_serve.plan import PromptVocabulary, plan_requests
 from gateway.bench_serve.provision import provision_tenants, served_model_name
@@ -19,10 +20,12 @@ __all__ = ["BenchTarget", "RunRecord"]
 
 @dataclass(frozen=True)
 class RunRecord:
-    """One run: its summary and every request's result."""
+    """One run: its summary, every request's result, and what the server's engine did
+    meanwhile (None when the server does not serve those counters)."""
 
     summary: RunSummary
     results: list[RequestResult]
+    engine: EngineActivity | None = None
 
 
 @dataclass(frozen=True)
@@ -56,9 +59,11 @@ class BenchTarget:
         """Send the workload at its arrival times (open loop); offered_rps defaults to its
         rate."""
         generator = self._generator()
-        results = asyncio.run(generator.run(plan_requests(workload, self.vocabulary), label))
+        plan = plan_requests(workload, self.vocabulary)
+        before = read_engine_activity(self.base_url)
+        results = asyncio.run(generator.run(plan, label))
         rate = workload.rate_rps if offered_rps is None else offered_rps
-        return RunRecord(summarize(label, rate, results, tiers), results)
+        return RunRecord(summarize(label, rate, results, tiers), results, self._since(before))
 
     def run_closed_loop(
         self,
@@ -73,10 +78,15 @@ class BenchTarget:
         LoadGenerator.run_closed_loop)."""
         generator = self._generator()
         plan = plan_requests(workload, self.vocabulary)
+        before = read_engine_activity(self.base_url)
         results = asyncio.run(
             generator.run_closed_loop(plan, concurrency, label, num_to_complete=num_to_complete)
         )
-        return RunRecord(summarize(label, 0.0, results, tiers), results)
+        return RunRecord(summarize(label, 0.0, results, tiers), results, self._since(before))
+
+    def _since(self, before: EngineActivity | None) -> EngineActivity | None:
+        after = read_engine_activity(self.base_url)
+        return None if before is None or after is None else after.minus(before)
 
     def _generator(self) -> LoadGenerator:
         return LoadGenerator(self.base_url, self.model, self.keys, progress=self.progress)

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from collections import Counter
 
-from engine import CacheConfig, EngineConfig, LLMEngine, SchedulerConfig, WaitingQueue
+from engine import (
+    CacheConfig,
+    EngineConfig,
+    LLMEngine,
+    SamplingParams,
+    SchedulerConfig,
+    TenantContext,
+    WaitingQueue,
+)
 from engine.fake_runner import FakeModelRunner, fake_next_token
 from engine.request import RequestStatus
 
@@ -35,6 +43,17 @@ def make_engine(
     )
     runner = FakeModelRunner(num_blocks, block_size, VOCAB)
     return LLMEngine(config, runner, queue)
+
+
+def preempting_engine() -> LLMEngine:
+    """Two requests added, whose KV outgrows the 6-block pool as they decode: run to the end,
+    the engine preempts one and recomputes it."""
+    engine = make_engine(num_blocks=6, block_size=4, max_num_batched_tokens=32)
+    tenant = TenantContext(tenant_id="b", tier="standard", priority=1)
+    for i in range(2):
+        engine.add_request(f"s{i}", list(range(10 * i, 10 * i + 8)),
+                           SamplingParams(max_tokens=8, ignore_eos=True), tenant)
+    return engine
 
 
 def reference_output(prompt: list[int], num_tokens: int) -> list[int]:

@@ -266,6 +266,7 @@ def test_an_under_share_prompt_that_leaves_budget_over_runs_alone_then_the_other
     # The light prompt's step: its 8 tokens and nothing of the heavy tenant's.
     assert light.num_computed_tokens == 8 and len(outputs["l0"]) == 1
     assert len(outputs["h0"]) == decoded
+    assert engine.stats().counters.num_lane_steps == 1
     _step(engine, outputs)  # then everyone decodes
     assert len(outputs["h0"]) == decoded + 1 and len(outputs["l0"]) == 2
     for (request_id, _), tokens in run_to_completion(engine).items():
@@ -294,6 +295,7 @@ def test_the_under_share_lane_is_taken_at_most_once_in_so_many_steps() -> None:
     # The three steps after a lane step carry the heavy decodes beside the new prompts; the
     # fourth is the next lane step; then the heavy tenant decodes again.
     assert decoded == [1, 1, 1, 0, 1]
+    assert engine.stats().counters.num_lane_steps == 2
     run_to_completion(engine)
     check_invariants(engine)
 
@@ -306,6 +308,7 @@ def test_no_under_share_lane_when_it_is_off_or_for_fcfs() -> None:
         # The light prompt's step also carries the heavy decodes.
         assert len(outputs["h0"]) == decoded + 1, (lane_every_steps, fair)
         assert engine.scheduler.requests["l0"].num_computed_tokens == 8
+        assert engine.stats().counters.num_lane_steps == 0
 
 
 def test_one_tenants_own_requests_never_take_the_under_share_lane() -> None:

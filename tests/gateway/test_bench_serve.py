@@ -10,9 +10,11 @@ import gc
 import json
 import math
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from prometheus_client import generate_latest
 
 from engine.workload import Workload, WorkloadRequest
 from gateway import cli
@@ -23,6 +25,7 @@ from gateway.bench_serve.calibration import (
     measure_capacity,
     measure_reference_prefill_s,
 )
+from gateway.bench_serve.engine_activity import EngineActivity, engine_activity_of
 from gateway.bench_serve.errors import BenchConfigError
 from gateway.bench_serve.loadgen import CANCELLED, LoadGenerator, RequestResult
 from gateway.bench_serve.machine import MachineInfo
@@ -39,7 +42,9 @@ from gateway.bench_serve.server import VARIANTS, BenchServer, EngineLimits
 from gateway.bench_serve.session import BenchTarget, RunRecord
 from gateway.bench_serve.stats import RunSummary, meets_slo, summarize
 from gateway.bench_serve.sweep import LoadPoint, SweepResult
-from policies import TierTable
+from gateway.metrics import GatewayMetrics
+from policies import DEFAULT_TIERS, TierTable
+from tests.engine.helpers import preempting_engine
 from tests.serve_process import shared_demo_model_dir
 
 # -- planning --------------------------------------------------------------------------------
@@ -247,7 +252,7 @@ def test_summary_figures_from_hand_made_results() -> None:
     assert document["summary"]["tenants"][3]["e2e_s"]["p50"] is None  # NaN -> null
     assert document["requests"][0]["num_token_gaps"] == 9
     json.dumps(document, allow_nan=False)
-    assert "hand" in format_run(summary)
+    assert "hand" in format_run(RunRecord(summary, results))
 
 
 def test_tokens_while_arrivals_last_leave_out_the_drain_after_them() -> None:
@@ -280,6 +285,39 @@ def test_tokens_while_arrivals_last_leave_out_the_drain_after_them() -> None:
     ]
     (line,) = headline(SweepResult(machine, calibration, TierTable(), points))
     assert "output tokens/s tiered/FCFS 1.493 over the run, 1.000 while arrivals last" in line
+    # With a measured capacity, FCFS's rate at 2x checks it: here FCFS ran at half of it.
+    measured = replace(calibration, capacity_output_tokens_per_s=8.0, capacity_window_s=1.0)
+    lines = headline(SweepResult(machine, measured, TierTable(), points))
+    assert lines[1] == ("capacity check: FCFS output tokens/s while arrivals last 4 at 2x "
+                        "(0.50), against the calibration's 8")
+
+
+def test_engine_activity_is_read_from_the_metrics_exposition() -> None:
+    engine = preempting_engine()
+    metrics = GatewayMetrics(DEFAULT_TIERS)
+
+    def scraped() -> EngineActivity | None:
+        metrics.update_engine(engine.stats(), {})
+        return engine_activity_of(generate_latest(metrics.registry).decode())
+
+    before = scraped()
+    assert before == EngineActivity(0, 0.0, 0, 0, 0, 0, 0)
+    while engine.has_unfinished_requests():
+        engine.step()
+    after = scraped()
+    assert after is not None
+    counters = engine.stats().counters
+    assert after.minus(before) == EngineActivity(
+        counters.num_steps, pytest.approx(counters.busy_time_s), counters.num_prompt_tokens,
+        counters.num_generated_tokens, counters.num_preemptions, counters.num_recomputed_tokens,
+        0,
+    )
+    assert counters.num_preemptions >= 1 and counters.num_recomputed_tokens >= 1
+    assert (after.num_prompt_tokens, after.num_generated_tokens) == (16, 16)  # 2 x 8 each
+    assert after.mean_step_s == pytest.approx(counters.busy_time_s / counters.num_steps)
+    assert after.mean_generated_per_step == 16 / counters.num_steps
+    # A server without the engine's counters (an older one, say): nothing, not zeros.
+    assert engine_activity_of("# HELP up Up.\n# TYPE up gauge\nup 1\n") is None
 
 
 def test_capacity_is_counted_while_every_closed_loop_slot_is_busy() -> None:
@@ -368,7 +406,18 @@ def test_a_run_against_a_real_server_records_consistent_timings(
     )
     assert [t.name for t in summary.tiers] == ["premium"]
     assert {t.name for t in summary.tenants} == {"p0", "p1"}
-    json.dumps(run_json(record), allow_nan=False)
+    # What the engine did meanwhile, from the server's /metrics: a step per output token of
+    # the longest request at least, each step's time counted.
+    engine = record.engine
+    assert engine is not None and engine.num_steps >= 9 and engine.busy_s > 0
+    assert engine.num_preemptions == engine.num_recomputed_tokens == 0
+    assert engine.num_generated_tokens == sum(4 + i for i in range(6))
+    assert 0 < engine.num_prompt_tokens <= sum(40 + 16 * i for i in range(6))  # less hits
+    assert 0 < engine.mean_step_s < summary.duration_s
+    assert "engine during the run" in format_run(record)
+    document = run_json(record)
+    assert document["engine"]["num_steps"] == engine.num_steps
+    json.dumps(document, allow_nan=False)
     # Provisioning again (tenants exist): they are reset and get fresh keys that work.
     again = BenchTarget.provision(server.base_url, server.admin_token, tenants, vocabulary,
                                   progress=False)
@@ -519,6 +568,7 @@ def test_a_small_sweep_from_the_command_line(
     assert len(run["requests"]) == 4  # 2 req/s over 2 s
     overall = run["summary"]["overall"]
     assert overall["num_completed"] == overall["num_requests"] == len(run["requests"])
+    assert run["engine"]["num_steps"] >= 4 and "engine during the run" in out
     (fairness,) = document["fairness"]
     assert fairness["heavy_rate_rps"] == pytest.approx(2 * fairness["light_rate_rps"])
     alone = fairness["alone"]["summary"]["tenants"]

@@ -29,16 +29,20 @@ from gateway.metrics import (
 )
 from policies import DEFAULT_TIERS
 from policies.alerts import ALERT_NAME, AlertState, AlertStatus, TtftAlertRule
-from tests.engine.helpers import make_engine
+from tests.engine.helpers import make_engine, preempting_engine
 
 METRICS_MD = Path(__file__).resolve().parents[2] / "ops" / "METRICS.md"
-# Pool-wide gauges: the only series without a tier label.
+# Pool-wide series: the only ones without a tier label.
 POOL_WIDE = {
     "tiergate_kv_blocks_total",
     "tiergate_kv_usage_ratio",
     "tiergate_prefix_cache_hit_ratio",
     "tiergate_engine_step_seconds",
     "tiergate_engine_busy_seconds",
+    "tiergate_engine_steps",
+    "tiergate_engine_preemptions",
+    "tiergate_engine_tokens",
+    "tiergate_engine_under_share_lane_steps",
 }
 
 
@@ -185,6 +189,26 @@ def test_update_engine_mirrors_scheduler_stats() -> None:
     assert value("tiergate_kv_blocks_used", {"tier": "standard"}) == 0
 
 
+def test_engine_counters_are_mirrored_once() -> None:
+    engine = preempting_engine()
+    metrics = GatewayMetrics(DEFAULT_TIERS)
+    value = metrics.registry.get_sample_value
+    while engine.has_unfinished_requests():
+        engine.step()
+        metrics.update_engine(engine.stats(), {})
+    counters = engine.stats().counters
+    assert counters.num_preemptions >= 1 and counters.num_recomputed_tokens >= 1
+    metrics.update_engine(engine.stats(), {})  # a second scrape of the same totals adds nothing
+    assert value("tiergate_engine_steps_total") == counters.num_steps
+    assert value("tiergate_engine_preemptions_total") == counters.num_preemptions
+    for kind, total in (("prompt", counters.num_prompt_tokens),
+                        ("recomputed", counters.num_recomputed_tokens),
+                        ("generated", counters.num_generated_tokens)):
+        assert value("tiergate_engine_tokens_total", {"kind": kind}) == total > 0
+    assert value("tiergate_engine_under_share_lane_steps_total") == 0
+    assert value("tiergate_engine_busy_seconds_total") == pytest.approx(counters.busy_time_s)
+
+
 def test_alert_state_and_thresholds_are_exported() -> None:
     rule = TtftAlertRule("premium", 0.4)
     metrics = GatewayMetrics(DEFAULT_TIERS, alert_rules=[rule])
@@ -237,7 +261,7 @@ def test_metrics_route_serves_the_exposition_format() -> None:
     content_type, text = _scrape(metrics)
     assert content_type.startswith("text/plain; version=0.0.4")
     families = _families(text)
-    assert len(families) == 25
+    assert len(families) == 29
     for family in families:
         assert family.name.startswith("tiergate_"), family.name
         assert family.samples, family.name
