@@ -58,6 +58,8 @@ class Calibration:
     capacity_window_s: float | None = None
     num_capacity_completions: int = 0  # completions the window spans (0: given)
     capacity_concurrency: int = 0  # requests the closed-loop run kept in flight
+    # CPU time the hypervisor took from this machine during the capacity run (None: unknown)
+    capacity_steal_share: float | None = None
 
     @property
     def is_slo_scale_measured(self) -> bool:
@@ -166,5 +168,6 @@ def calibration_of(
         return Calibration(
             scale, capacity_rps, reference_s, list(prefill_samples_s or []), tokens_per_s,
             window_s, sum(r.is_completed for r in capacity.results), concurrency,
+            capacity.host_steal_share,
         )
     return Calibration(scale, capacity_rps_given, reference_s, list(prefill_samples_s or []))

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-__all__ = ["MachineInfo"]
+__all__ = ["CpuTicks", "MachineInfo", "read_cpu_ticks", "steal_share"]
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,38 @@ class MachineInfo:
             started_at=datetime.now(UTC).replace(microsecond=0).isoformat(),
             load_average_1m=os.getloadavg()[0],
         )
+
+
+@dataclass(frozen=True)
+class CpuTicks:
+    """The machine's CPU time since boot from /proc/stat, in clock ticks: all of it, and the
+    part the hypervisor gave to other guests while this one wanted to run (steal)."""
+
+    total: int
+    steal: int
+
+    def steal_share_since(self, earlier: CpuTicks) -> float | None:
+        """Steal over all CPU time between two readings (None: no time passed)."""
+        total = self.total - earlier.total
+        return (self.steal - earlier.steal) / total if total > 0 else None
+
+
+def read_cpu_ticks() -> CpuTicks | None:
+    """None where /proc/stat is not available."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = stat.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu" or len(fields) < 9:
+        return None
+    # user nice system idle iowait irq softirq steal (guest time is already in user)
+    ticks = [int(f) for f in fields[1:9]]
+    return CpuTicks(total=sum(ticks), steal=ticks[7])
+
+
+def steal_share(before: CpuTicks | None, after: CpuTicks | None) -> float | None:
+    return None if before is None or after is None else after.steal_share_since(before)
 
 
 def _cpu_model() -> str:

@@ -22,9 +22,9 @@ _HEADER = (
 )
 
 
-# Sweep tables add the machine's 1-minute load average just before each run and the share
-# of the machine's CPUs the server used during it.
-_MACHINE_COLUMNS = f" {'load':>5} {'cpu%':>5}"
+# Sweep tables add the machine's 1-minute load average just before each run, the share of
+# the machine's CPUs the server used during it, and the share the hypervisor took (steal).
+_MACHINE_COLUMNS = f" {'load':>5} {'cpu%':>5} {'steal%':>6}"
 
 
 def _row(label: str, g: GroupSummary) -> str:
@@ -43,7 +43,11 @@ def _rows(summary: RunSummary, machine: str = "") -> list[str]:
 
 def _machine_columns(point: LoadPoint) -> str:
     share = "" if point.server_cpu_share is None else f"{100 * point.server_cpu_share:.0f}"
-    return f" {point.load_average_1m:5.1f} {share:>5}"
+    return f" {point.load_average_1m:5.1f} {share:>5} {_percent(point.record.host_steal_share):>6}"
+
+
+def _percent(share: float | None) -> str:
+    return "" if share is None else f"{100 * share:.1f}"
 
 
 def format_run(record: RunRecord) -> str:
@@ -118,8 +122,10 @@ def format_sweep(result: SweepResult) -> str:
         capacity = (
             f"capacity {c.capacity_rps:.3f} req/s, {c.capacity_output_tokens_per_s:.1f} output "
             f"tokens/s (FCFS, closed loop with {c.capacity_concurrency} in flight: "
-            f"{c.num_capacity_completions} completions over {c.capacity_window_s:.1f} s)"
-        )
+            f"{c.num_capacity_completions} completions over {c.capacity_window_s:.1f} s"
+            + ("" if c.capacity_steal_share is None
+               else f"; host steal {100 * c.capacity_steal_share:.1f} %") + ")"
+        )  # fmt: skip
     else:
         capacity = f"capacity {c.capacity_rps:.3f} req/s (given)"
     lines = [
@@ -206,7 +212,8 @@ def _fairness_header() -> str:
     return (
         f"{'fairness: light TTFT':22} {'light/s':>7} {'heavy/s':>7} {'n':>4} "
         f"{'alone p50':>9} {'p90':>6} {'p99':>6} {'shared p50':>10} {'p90':>6} {'p99':>6} "
-        f"{'p99 ratio':>9} {'light shed%':>11} {'heavy shed%':>11}"
+        f"{'p99 ratio':>9} {'light shed%':>11} {'heavy shed%':>11} {'steal% alone':>12} "
+        f"{'shared':>6}"
     )
 
 
@@ -219,7 +226,8 @@ def _fairness_row(run: FairnessRun) -> str:
         f"{light.num_requests:4d} {alone.ttft_s.p50:9.3f} {alone.ttft_s.p90:6.3f} "
         f"{alone.ttft_s.p99:6.3f} {light.ttft_s.p50:10.3f} {light.ttft_s.p90:6.3f} "
         f"{light.ttft_s.p99:6.3f} {run.light_ttft_p99_ratio:9.2f} "
-        f"{100 * light.shed_rate:11.1f} {100 * heavy.shed_rate:11.1f}"
+        f"{100 * light.shed_rate:11.1f} {100 * heavy.shed_rate:11.1f} "
+        f"{_percent(run.alone.host_steal_share):>12} {_percent(run.shared.host_steal_share):>6}"
     )
 
 
@@ -236,6 +244,7 @@ def run_json(record: RunRecord) -> dict[str, Any]:
         {
             "summary": dataclasses.asdict(record.summary),
             "engine": None if record.engine is None else dataclasses.asdict(record.engine),
+            "host_steal_share": record.host_steal_share,
             "requests": [_request_json(r) for r in record.results],
         }
     )

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from engine.workload import Workload
 from gateway.bench_serve.engine_activity import EngineActivity, read_engine_activity
 from gateway.bench_serve.loadgen import LoadGenerator, RequestResult
+from gateway.bench_serve.machine import CpuTicks, read_cpu_ticks, steal_share
 from gateway.bench_serve.plan import PromptVocabulary, plan_requests
 from gateway.bench_serve.provision import provision_tenants, served_model_name
 from gateway.bench_serve.stats import RunSummary, summarize
@@ -20,12 +21,15 @@ __all__ = ["BenchTarget", "RunRecord"]
 
 @dataclass(frozen=True)
 class RunRecord:
-    """One run: its summary, every request's result, and what the server's engine did
-    meanwhile (None when the server does not serve those counters)."""
+    """One run: its summary, every request's result, what the server's engine did meanwhile
+    (None when the server does not serve those counters), and the share of this machine's
+    CPU time the hypervisor took for other guests (None without /proc/stat): a run with
+    much steal ran on a slower machine than its neighbours."""
 
     summary: RunSummary
     results: list[RequestResult]
     engine: EngineActivity | None = None
+    host_steal_share: float | None = None
 
 
 @dataclass(frozen=True)
@@ -60,10 +64,10 @@ class BenchTarget:
         rate."""
         generator = self._generator()
         plan = plan_requests(workload, self.vocabulary)
-        before = read_engine_activity(self.base_url)
+        before = self._readings()
         results = asyncio.run(generator.run(plan, label))
         rate = workload.rate_rps if offered_rps is None else offered_rps
-        return RunRecord(summarize(label, rate, results, tiers), results, self._since(before))
+        return self._record(summarize(label, rate, results, tiers), results, before)
 
     def run_closed_loop(
         self,
@@ -78,15 +82,26 @@ class BenchTarget:
         LoadGenerator.run_closed_loop)."""
         generator = self._generator()
         plan = plan_requests(workload, self.vocabulary)
-        before = read_engine_activity(self.base_url)
+        before = self._readings()
         results = asyncio.run(
             generator.run_closed_loop(plan, concurrency, label, num_to_complete=num_to_complete)
         )
-        return RunRecord(summarize(label, 0.0, results, tiers), results, self._since(before))
+        return self._record(summarize(label, 0.0, results, tiers), results, before)
 
-    def _since(self, before: EngineActivity | None) -> EngineActivity | None:
-        after = read_engine_activity(self.base_url)
-        return None if before is None or after is None else after.minus(before)
+    def _readings(self) -> tuple[EngineActivity | None, CpuTicks | None]:
+        return read_engine_activity(self.base_url), read_cpu_ticks()
+
+    def _record(
+        self,
+        summary: RunSummary,
+        results: list[RequestResult],
+        before: tuple[EngineActivity | None, CpuTicks | None],
+    ) -> RunRecord:
+        (engine_before, ticks_before), (engine_after, ticks_after) = before, self._readings()
+        engine = None
+        if engine_before is not None and engine_after is not None:
+            engine = engine_after.minus(engine_before)
+        return RunRecord(summary, results, engine, steal_share(ticks_before, ticks_after))
 
     def _generator(self) -> LoadGenerator:
         return LoadGenerator(self.base_url, self.model, self.keys, progress=self.progress)

@@ -28,7 +28,7 @@ from gateway.bench_serve.calibration import (
 from gateway.bench_serve.engine_activity import EngineActivity, engine_activity_of
 from gateway.bench_serve.errors import BenchConfigError
 from gateway.bench_serve.loadgen import CANCELLED, LoadGenerator, RequestResult
-from gateway.bench_serve.machine import MachineInfo
+from gateway.bench_serve.machine import CpuTicks, MachineInfo, read_cpu_ticks
 from gateway.bench_serve.plan import (
     ArrivalProcess,
     PlannedRequest,
@@ -292,6 +292,14 @@ def test_tokens_while_arrivals_last_leave_out_the_drain_after_them() -> None:
                         "(0.50), against the calibration's 8")
 
 
+def test_host_steal_is_the_share_of_cpu_time_taken_by_the_hypervisor() -> None:
+    earlier = CpuTicks(total=1000, steal=40)
+    assert CpuTicks(total=1200, steal=70).steal_share_since(earlier) == pytest.approx(0.15)
+    assert CpuTicks(total=1000, steal=40).steal_share_since(earlier) is None  # no time passed
+    now = read_cpu_ticks()  # this machine is Linux: /proc/stat is there
+    assert now is not None and 0 <= now.steal <= now.total
+
+
 def test_engine_activity_is_read_from_the_metrics_exposition() -> None:
     engine = preempting_engine()
     metrics = GatewayMetrics(DEFAULT_TIERS)
@@ -415,6 +423,7 @@ def test_a_run_against_a_real_server_records_consistent_timings(
     assert 0 < engine.num_prompt_tokens <= sum(40 + 16 * i for i in range(6))  # less hits
     assert 0 < engine.mean_step_s < summary.duration_s
     assert "engine during the run" in format_run(record)
+    assert record.host_steal_share is not None and 0 <= record.host_steal_share <= 1
     document = run_json(record)
     assert document["engine"]["num_steps"] == engine.num_steps
     json.dumps(document, allow_nan=False)
@@ -483,6 +492,7 @@ def test_calibration_measures_prefill_and_closed_loop_capacity(
             calibration.capacity_window_s) == capacity_window(capacity)
     assert calibration.num_capacity_completions == num_completed
     assert calibration.capacity_concurrency == 2
+    assert calibration.capacity_steal_share == capacity.host_steal_share is not None
     with pytest.raises(BenchConfigError):
         measure_capacity(target, workload, _TIGHT_TIERS, 2, 1)  # no window
 
@@ -569,6 +579,7 @@ def test_a_small_sweep_from_the_command_line(
     overall = run["summary"]["overall"]
     assert overall["num_completed"] == overall["num_requests"] == len(run["requests"])
     assert run["engine"]["num_steps"] >= 4 and "engine during the run" in out
+    assert 0 <= run["host_steal_share"] <= 1 and "steal%" in out
     (fairness,) = document["fairness"]
     assert fairness["heavy_rate_rps"] == pytest.approx(2 * fairness["light_rate_rps"])
     alone = fairness["alone"]["summary"]["tenants"]
