@@ -217,6 +217,14 @@ class Scheduler:
             request = self.waiting.peek(skip_tenants)
             if request is None:
                 return
+            if under_share_only and any(request is p for p in plan.preempted):
+                # Not taken back ahead of the decodes in the step that preempted it: the
+                # blocks it gave up go to them first. (An under-share prompt that took the
+                # whole budget ahead of the decodes, preempted itself to grow and came
+                # straight back, step after step, kept the decodes from ever running: the
+                # property test found it.) It heads its tier, so nobody behind overtakes
+                # it here; after the decodes it may be admitted again.
+                return
             if under_share_only:
                 if first_priority is None:
                     first_priority = request.priority

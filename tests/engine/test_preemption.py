@@ -318,3 +318,42 @@ def test_one_tenants_own_requests_never_take_the_under_share_lane() -> None:
     engine.step()  # its first request is under its share (it held none): no lane step for it
     assert all(r.num_computed_tokens == 8 for r in engine.scheduler.running)
     assert len(engine.scheduler.running) == 4
+
+
+def test_a_request_that_preempts_itself_is_not_taken_back_ahead_of_the_decodes() -> None:
+    # Four heavy requests decoding, a fifth waiting for a place; the light tenant's long
+    # prompt, under half its share (1 of 5 places), goes ahead of the decodes and takes the
+    # 16-token budget. Once its next chunk finds no blocks it gives way to its own growth
+    # (the latest admitted). Taken straight back by the under-share pass it would take the
+    # whole budget again, step after step, and the decodes would never run: a livelock the
+    # property test found. After the decodes it may come back. (No prefix caching: a cache
+    # hit on its own first chunk would make the comeback need more blocks than are free.)
+    engine = make_engine(num_blocks=22, block_size=4, max_num_batched_tokens=16,
+                         max_num_seqs=5, queue=TieredFairQueue(), prefix_caching=False)
+    heavy_prompts = {f"h{i}": list(range(100 + 20 * i, 112 + 20 * i)) for i in range(5)}
+    decoding = ["h0", "h1", "h2", "h3"]
+    for request_id in decoding:
+        engine.add_request(request_id, heavy_prompts[request_id], _params(30), HEAVY)
+    outputs: Outputs = {}
+    while len(outputs.get("h3", [])) < 2:
+        _step(engine, outputs)
+    engine.add_request("h4", heavy_prompts["h4"], _params(30), HEAVY)
+    light_prompt = list(range(600, 640))
+    engine.add_request("l0", light_prompt, _params(4), LIGHT)
+    light = engine.scheduler.requests["l0"]
+    for _ in range(20):
+        decoded = {request_id: len(outputs[request_id]) for request_id in decoding}
+        preemptions = light.num_preemptions
+        _step(engine, outputs)
+        if light.num_preemptions > preemptions:
+            break
+    else:
+        raise AssertionError("the light prompt never had to give way")
+    for request_id in decoding:  # the blocks it gave up went to the decodes first
+        assert len(outputs[request_id]) == decoded[request_id] + 1
+    for (request_id, _), tokens in run_to_completion(engine).items():
+        outputs.setdefault(request_id, []).extend(tokens)
+    check_invariants(engine)
+    assert outputs["l0"] == reference_output(light_prompt, 4)
+    for request_id, prompt in heavy_prompts.items():
+        assert outputs[request_id] == reference_output(prompt, 30)
