@@ -213,7 +213,7 @@ class _Series:
         )  # fmt: skip
         self.engine_lane_steps = Counter(
             "tiergate_engine_under_share_lane_steps",
-            "Steps that carried only the prompts of tenants under their fair share.",
+            "Steps that carried only the prompts of tenants under half their fair share.",
             registry=r,
         )  # fmt: skip
         self.estimated_wait = Gauge(
