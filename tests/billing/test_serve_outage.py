@@ -43,14 +43,18 @@ POLL_S = 0.25
 
 
 class SqliteWriteLock:
-    """Makes a SQLite database unavailable to writers: this process holds its write lock."""
+    """Makes a SQLite database unavailable to writers: this process holds its write lock.
+    stop() and resume() run in worker threads (asyncio.to_thread), not always the same one,
+    so the connection is not tied to the thread that opened it; they never overlap."""
 
     def __init__(self, url: str) -> None:
         self._path = str(make_url(url).database)
         self._connection: sqlite3.Connection | None = None
 
     def stop(self) -> None:
-        self._connection = sqlite3.connect(self._path, timeout=30.0, isolation_level=None)
+        self._connection = sqlite3.connect(
+            self._path, timeout=30.0, isolation_level=None, check_same_thread=False
+        )
         self._connection.execute("BEGIN EXCLUSIVE")
 
     def resume(self) -> None:
