@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-__all__ = ["CpuTicks", "MachineInfo", "read_cpu_ticks", "steal_share"]
+__all__ = ["CpuTicks", "MachineInfo", "read_cpu_ticks"]
 
 
 @dataclass(frozen=True)
@@ -64,10 +64,6 @@ def read_cpu_ticks() -> CpuTicks | None:
     # user nice system idle iowait irq softirq steal (guest time is already in user)
     ticks = [int(f) for f in fields[1:9]]
     return CpuTicks(total=sum(ticks), steal=ticks[7])
-
-
-def steal_share(before: CpuTicks | None, after: CpuTicks | None) -> float | None:
-    return None if before is None or after is None else after.steal_share_since(before)
 
 
 def _cpu_model() -> str:

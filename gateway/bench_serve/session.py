@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from engine.workload import Workload
 from gateway.bench_serve.engine_activity import EngineActivity, read_engine_activity
 from gateway.bench_serve.loadgen import LoadGenerator, RequestResult
-from gateway.bench_serve.machine import CpuTicks, read_cpu_ticks, steal_share
+from gateway.bench_serve.machine import CpuTicks, read_cpu_ticks
 from gateway.bench_serve.plan import PromptVocabulary, plan_requests
 from gateway.bench_serve.provision import provision_tenants, served_model_name
 from gateway.bench_serve.stats import RunSummary, summarize
@@ -98,10 +98,12 @@ class BenchTarget:
         before: tuple[EngineActivity | None, CpuTicks | None],
     ) -> RunRecord:
         (engine_before, ticks_before), (engine_after, ticks_after) = before, self._readings()
-        engine = None
+        engine = steal = None
         if engine_before is not None and engine_after is not None:
             engine = engine_after.minus(engine_before)
-        return RunRecord(summary, results, engine, steal_share(ticks_before, ticks_after))
+        if ticks_before is not None and ticks_after is not None:
+            steal = ticks_after.steal_share_since(ticks_before)
+        return RunRecord(summary, results, engine, steal)
 
     def _generator(self) -> LoadGenerator:
         return LoadGenerator(self.base_url, self.model, self.keys, progress=self.progress)
