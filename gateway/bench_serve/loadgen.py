@@ -46,6 +46,10 @@ class RequestResult:
     num_output_tokens: int = 0  # usage.completion_tokens, else the chunks received
     ttft_s: float | None = None  # send to first token; None when no token came
     e2e_s: float = 0.0  # send to the end of the response (a 429: to its arrival)
+    # The server's own part of the time to the response's headers (its openai-processing-ms:
+    # from reading the request to sending them); None when it sent none. The rest of a 429's
+    # e2e_s is the network, the server's accept queue and this generator's own event loop.
+    server_s: float | None = None
     itl_s: list[float] = field(default_factory=list)  # gap before each token after the first
     error: str | None = None  # error message of a refusal or a failed stream
 
@@ -199,6 +203,7 @@ class LoadGenerator:
                 "POST", f"{self.base_url}/v1/completions", json=body, headers=headers
             ) as response:
                 result.status_code = response.status_code
+                result.server_s = _processing_s(response)
                 if response.status_code != 200:
                     await response.aread()
                     result.error = _error_message(response)
@@ -219,6 +224,13 @@ class LoadGenerator:
                 bar.advance(is_shed=result.is_shed,
                             is_failed=not result.is_shed and not result.is_completed)
         return result
+
+
+def _processing_s(response: httpx.Response) -> float | None:
+    try:
+        return float(response.headers["openai-processing-ms"]) / 1000
+    except (KeyError, ValueError):
+        return None
 
 
 async def _read_stream(response: httpx.Response, result: RequestResult, sent: float) -> None:

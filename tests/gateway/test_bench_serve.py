@@ -163,13 +163,13 @@ def test_two_tenant_workload_keeps_the_rate_ratio() -> None:
 def _result(
     request_id: str, tenant: str, tier: str, sent_s: float, status: int, *, ttft_s: float | None,
     num_tokens: int, num_requested: int, itl_s: list[float], e2e_s: float, lag_s: float = 0.0,
-    error: str | None = None,
+    error: str | None = None, server_s: float | None = None,
 ) -> RequestResult:
     return RequestResult(
         request_id=request_id, tenant=tenant, tier=tier, scheduled_s=sent_s - lag_s,
         sent_s=sent_s, status_code=status, num_prompt_tokens=10,
         num_output_tokens_requested=num_requested, num_output_tokens=num_tokens, ttft_s=ttft_s,
-        e2e_s=e2e_s, itl_s=itl_s, error=error,
+        e2e_s=e2e_s, itl_s=itl_s, error=error, server_s=server_s,
     )
 
 
@@ -290,6 +290,32 @@ def test_tokens_while_arrivals_last_leave_out_the_drain_after_them() -> None:
     lines = headline(SweepResult(machine, measured, TierTable(), points))
     assert lines[1] == ("capacity check: FCFS output tokens/s while arrivals last 4 at 2x "
                         "(0.50), against the calibration's 8")
+
+
+def test_shed_answers_are_reported_per_load_with_the_gateways_own_part() -> None:
+    def shed(request_id: str, e2e_s: float, server_s: float | None) -> RequestResult:
+        return _result(request_id, "t", "standard", 1.0, 429, ttft_s=None, num_tokens=0,
+                       num_requested=4, itl_s=[], e2e_s=e2e_s, error="overloaded",
+                       server_s=server_s)  # fmt: skip
+
+    def point(variant: str, factor: float, results: list[RequestResult]) -> LoadPoint:
+        summary = summarize(variant, factor, results, TierTable())
+        return LoadPoint(variant, factor, 0.0, None, RunRecord(summary, results))
+
+    served = _result("e", "t", "standard", 0.0, 200, ttft_s=0.1, num_tokens=1, num_requested=1,
+                     itl_s=[], e2e_s=0.1)  # fmt: skip
+    points = [
+        point("tiered", 2.0, [shed("a", 0.0125, 0.002), shed("b", 0.0344, 0.004)]),
+        point("fcfs", 2.0, [served]),
+        point("tiered", 3.0, [shed("c", 0.0591, None)]),  # a server without the header
+        point("tiered-noshed", 3.0, [shed("d", 0.020, 0.001)]),
+        point("tiered", 0.5, [served]),  # nothing shed: no entry
+    ]
+    calibration = Calibration(slo_scale=1.0, capacity_rps=1.0)
+    machine = MachineInfo("cpu", 2, 24.0, "Linux", "3.11", "2.13.0", "now", 0.0)
+    lines = headline(SweepResult(machine, calibration, TierTable(), points))
+    assert lines[-1] == ("shed requests answered: 2 at 2x, slowest 34.4 ms (4 in the gateway); "
+                         "2 at 3x, slowest 59.1 ms")  # fmt: skip
 
 
 def test_host_steal_is_the_share_of_cpu_time_taken_by_the_hypervisor() -> None:
@@ -453,6 +479,8 @@ def test_shed_requests_are_counted_as_shed(
     for r in shed:
         assert r.ttft_s is None and r.num_output_tokens == 0 and r.itl_s == []
         assert r.error is not None and "overloaded" in r.error
+        # the gateway's openai-processing-ms, within the time the client waited
+        assert r.server_s is not None and 0 <= r.server_s <= r.e2e_s
     standard = record.summary.tier("standard")
     assert standard.num_shed == len(shed)
     assert standard.shed_rate == len(shed) / 6
