@@ -20,6 +20,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from engine import SchedulerStats
+from gateway.gc_pauses import GcPauseCollector, GcPauses, process_gc_pauses
 from policies.alerts import AlertStatus, TtftAlertRule
 from policies.tiers import Tier
 
@@ -245,10 +246,13 @@ class GatewayMetrics:
         *,
         alert_rules: Sequence[TtftAlertRule] = (),
         tenant_labeler: TenantLabeler | None = None,
+        gc_pauses: GcPauses | None = None,
     ) -> None:
         self.registry = CollectorRegistry()
         self.tenants = tenant_labeler or TenantLabeler()
         self._series = _Series(self.registry)
+        # the process's collector pauses (gateway/gc_pauses.py), read at scrape time
+        self.registry.register(GcPauseCollector(gc_pauses or process_gc_pauses()))
         self._tier_names: list[str] = []
         # The engine's totals counted into the engine counters so far, by counter.
         self._engine_totals: dict[Counter, float] = {}

@@ -1,7 +1,8 @@
 """What the server's engine did during a run: its step, preemption and lane counters from
-/metrics, read before and after the run. They explain a run's figures (a configuration's
-lower tokens/s as slower steps, or as work done twice after preemptions) without a probe in
-the server."""
+/metrics, read before and after the run, and the server process's full garbage collections.
+They explain a run's figures (a configuration's lower tokens/s as slower steps, or as work
+done twice after preemptions; a slow refusal or token gap as a collection's pause) without a
+probe in the server."""
 
 from __future__ import annotations
 
@@ -25,6 +26,12 @@ class EngineActivity:
     num_preemptions: int
     num_recomputed_tokens: int  # computed again after preemptions
     num_lane_steps: int  # steps that carried only under-share tenants' prompts
+    num_full_gcs: int  # the server process's full collections (generation 2)
+    full_gc_s: float  # the time they held the process
+
+    @property
+    def mean_full_gc_s(self) -> float:
+        return self.full_gc_s / self.num_full_gcs if self.num_full_gcs else math.nan
 
     def minus(self, earlier: EngineActivity) -> EngineActivity:
         return EngineActivity(
@@ -41,7 +48,7 @@ class EngineActivity:
         return self.num_generated_tokens / self.num_steps if self.num_steps else math.nan
 
 
-# The sample behind each field: (name, kind label or None).
+# The sample behind each field: (name, its kind or generation label, or None).
 _SAMPLES: dict[str, tuple[str, str | None]] = {
     "num_steps": ("tiergate_engine_steps_total", None),
     "busy_s": ("tiergate_engine_busy_seconds_total", None),
@@ -50,6 +57,8 @@ _SAMPLES: dict[str, tuple[str, str | None]] = {
     "num_preemptions": ("tiergate_engine_preemptions_total", None),
     "num_recomputed_tokens": ("tiergate_engine_tokens_total", "recomputed"),
     "num_lane_steps": ("tiergate_engine_under_share_lane_steps_total", None),
+    "num_full_gcs": ("tiergate_gc_pause_seconds_count", "2"),
+    "full_gc_s": ("tiergate_gc_pause_seconds_sum", "2"),
 }
 
 
@@ -66,7 +75,8 @@ def engine_activity_of(exposition: str) -> EngineActivity | None:
     values: dict[tuple[str, str | None], float] = {}
     for family in text_string_to_metric_families(exposition):
         for sample in family.samples:
-            values[sample.name, sample.labels.get("kind")] = sample.value
+            label = sample.labels.get("kind", sample.labels.get("generation"))
+            values[sample.name, label] = sample.value
     if any(key not in values for key in _SAMPLES.values()):
         return None
 
@@ -81,4 +91,6 @@ def engine_activity_of(exposition: str) -> EngineActivity | None:
         num_preemptions=count("num_preemptions"),
         num_recomputed_tokens=count("num_recomputed_tokens"),
         num_lane_steps=count("num_lane_steps"),
+        num_full_gcs=count("num_full_gcs"),
+        full_gc_s=values[_SAMPLES["full_gc_s"]],
     )

@@ -73,11 +73,12 @@ def format_run(record: RunRecord) -> str:
 
 # What the server's engine did during each run (EngineActivity): steps, mean step time, the
 # share of the run its steps took, prompt tokens and new tokens per step (the latter the
-# batch the steps decoded), preemptions, tokens recomputed after them, and steps the
-# under-share lane took.
+# batch the steps decoded), preemptions, tokens recomputed after them, steps the
+# under-share lane took, and the server's full garbage collections with their mean pause.
 _ENGINE_HEADER = (
     f"{'engine during the run':24} {'steps':>6} {'step ms':>8} {'busy%':>6} {'prompt/step':>11} "
-    f"{'new/step':>8} {'preempted':>9} {'recomputed':>10} {'lane steps':>10}"
+    f"{'new/step':>8} {'preempted':>9} {'recomputed':>10} {'lane steps':>10} {'full gc':>7} "
+    f"{'gc ms':>6}"
 )
 
 
@@ -92,7 +93,8 @@ def _engine_row(label: str, record: RunRecord) -> str:
         f"{label:24} {steps:6d} {1000 * activity.mean_step_s:8.1f} {busy:6.1f} "
         f"{prompt_per_step:11.1f} {activity.mean_generated_per_step:8.1f} "
         f"{activity.num_preemptions:9d} {activity.num_recomputed_tokens:10d} "
-        f"{activity.num_lane_steps:10d}"
+        f"{activity.num_lane_steps:10d} {activity.num_full_gcs:7d} "
+        f"{1000 * activity.mean_full_gc_s:6.1f}"
     )
 
 

@@ -1,0 +1,73 @@
+"""The collector's pauses: timed by a gc callback, exposed as a histogram at scrape time."""
+
+from __future__ import annotations
+
+import gc
+import itertools
+
+import pytest
+
+from gateway.gc_pauses import GcPauses, process_gc_pauses
+from gateway.metrics import GatewayMetrics
+from policies.tiers import TierTable
+
+
+def _make_cycles(n: int) -> None:
+    for _ in range(n):
+        a: list[object] = []
+        a.append(a)
+
+
+def test_each_collection_is_timed_into_its_generation_and_bucket() -> None:
+    ticks = itertools.count(0.0, 0.02)  # each collection reads the clock twice: 20 ms apart
+    pauses = GcPauses(clock=lambda: next(ticks))
+    pauses.install()
+    try:
+        _make_cycles(10)
+        gc.collect(2)
+    finally:
+        pauses.uninstall()
+    full = pauses.cumulative(2)
+    assert full[-1] == ("+Inf", pytest.approx(sum(pauses.counts[2])))
+    assert sum(pauses.counts[2]) >= 1  # at least the one asked for
+    # 20 ms is the upper bound of its bucket (le is inclusive): nothing below it, all in it
+    assert dict(full)["0.01"] == 0
+    assert dict(full)["0.02"] == sum(pauses.counts[2])
+    assert pauses.sums_s[2] == pytest.approx(0.02 * sum(pauses.counts[2]))
+    # uninstalled: collections are no longer counted
+    before = [list(c) for c in pauses.counts]
+    gc.collect(2)
+    assert pauses.counts == before
+
+
+def test_the_metrics_expose_the_pauses_by_generation() -> None:
+    ticks = itertools.count(0.0, 0.04)
+    pauses = GcPauses(clock=lambda: next(ticks))
+    pauses.install()
+    try:
+        gc.collect(2)
+    finally:
+        pauses.uninstall()
+    metrics = GatewayMetrics(TierTable(), gc_pauses=pauses)
+    registry = metrics.registry
+    num_full = sum(pauses.counts[2])
+    labels = {"generation": "2"}
+    assert registry.get_sample_value("tiergate_gc_pause_seconds_count", labels) == num_full
+    assert registry.get_sample_value("tiergate_gc_pause_seconds_sum", labels) == pytest.approx(
+        0.04 * num_full
+    )
+    assert registry.get_sample_value(
+        "tiergate_gc_pause_seconds_bucket", {**labels, "le": "0.03"}
+    ) == 0
+    assert registry.get_sample_value(
+        "tiergate_gc_pause_seconds_bucket", {**labels, "le": "0.05"}
+    ) == num_full
+
+
+def test_the_process_has_one_recorder_installed_once() -> None:
+    first = process_gc_pauses()
+    assert process_gc_pauses() is first
+    assert sum(cb == first._on_collection for cb in gc.callbacks) == 1
+    before = sum(first.counts[2])
+    gc.collect(2)
+    assert sum(first.counts[2]) == before + 1
