@@ -94,7 +94,7 @@ def _engine_row(label: str, record: RunRecord) -> str:
         f"{prompt_per_step:11.1f} {activity.mean_generated_per_step:8.1f} "
         f"{activity.num_preemptions:9d} {activity.num_recomputed_tokens:10d} "
         f"{activity.num_lane_steps:10d} {activity.num_full_gcs:7d} "
-        f"{1000 * activity.mean_full_gc_s:6.1f}"
+        + (f"{1000 * activity.mean_full_gc_s:6.1f}" if activity.num_full_gcs else f"{'-':>6}")
     )
 
 

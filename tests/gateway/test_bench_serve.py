@@ -319,6 +319,23 @@ def test_shed_answers_are_reported_per_load_with_the_gateways_own_part() -> None
                          "2 at 3x, slowest 59.1 ms")  # fmt: skip
 
 
+def test_the_engine_row_gives_the_full_collections_and_their_mean_pause() -> None:
+    served = _result("e", "t", "standard", 0.0, 200, ttft_s=0.1, num_tokens=2, num_requested=2,
+                     itl_s=[0.1], e2e_s=1.0)  # fmt: skip
+    summary = summarize("tiered @ 2x", 2.0, [served], TierTable())
+
+    def engine_row(activity: EngineActivity) -> str:
+        return format_run(RunRecord(summary, [served], engine=activity)).splitlines()[-1]
+
+    row = engine_row(EngineActivity(10, 0.5, 100, 50, 1, 20, 2, 2, 0.07))
+    # steps, step ms, busy%, prompt/step, new/step, preempted, recomputed, lane, full gc, gc ms
+    assert row.split()[-10:] == ["10", "50.0", "50.0", "10.0", "5.0", "1", "20", "2", "2", "35.0"]
+    # none in the run: no mean to give
+    assert engine_row(EngineActivity(10, 0.5, 100, 50, 1, 20, 2, 0, 0.0)).split()[-2:] == [
+        "0", "-"
+    ]
+
+
 def test_host_steal_is_the_share_of_cpu_time_taken_by_the_hypervisor() -> None:
     earlier = CpuTicks(total=1000, steal=40)
     assert CpuTicks(total=1200, steal=70).steal_share_since(earlier) == pytest.approx(0.15)
