@@ -21,6 +21,7 @@ from starlette.routing import Route
 
 from engine import SchedulerStats
 from gateway.gc_pauses import GcPauseCollector, GcPauses, process_gc_pauses
+from gateway.loop_lag import LAG_BUCKETS_S
 from policies.alerts import AlertStatus, TtftAlertRule
 from policies.tiers import Tier
 
@@ -217,6 +218,12 @@ class _Series:
             "Steps that carried only the prompts of tenants under half their fair share.",
             registry=r,
         )  # fmt: skip
+        self.loop_lag = Histogram(
+            "tiergate_event_loop_lag_seconds",
+            "How late the event loop ran a timer due every 10 ms: what any callback due "
+            "then (a refusal, a token write) waited.",
+            registry=r, buckets=LAG_BUCKETS_S,
+        )  # fmt: skip
         self.estimated_wait = Gauge(
             "tiergate_admission_estimated_wait_seconds",
             "Admission's estimate of the queue wait of a new request.", tier, registry=r,
@@ -271,6 +278,10 @@ class GatewayMetrics:
         for rule in alert_rules:
             s.alert_threshold.labels(rule.tier).set(rule.threshold_s)
             s.window_p99.labels(rule.tier).set(math.nan)
+
+    def observe_loop_lag(self, late_s: float) -> None:
+        """One heartbeat of the event loop woke late_s late (gateway/loop_lag.py)."""
+        self._series.loop_lag.observe(late_s)
 
     def observe_request(self, obs: RequestObservation) -> None:
         """Count one request that has ended (answered, refused, aborted or failed)."""

@@ -14,6 +14,7 @@ from engine import SchedulerStats
 from gateway.admin_auth import AdminGuard
 from gateway.alerting import AlertingSettings, AlertMonitor
 from gateway.live_api import alerts_routes, live_route
+from gateway.loop_lag import LoopLagWatch
 from gateway.metrics import GatewayMetrics, RequestObservation, RequestOutcome, metrics_route
 from gateway.request_record import RequestRecord, RequestStatus
 from gateway.telemetry import Telemetry, TelemetrySettings, setup_telemetry
@@ -43,6 +44,7 @@ class Observability:
         self.metrics = GatewayMetrics(tiers, alert_rules=alerting.rules)
         self.monitor = AlertMonitor.from_settings(alerting, metrics=self.metrics)
         self.telemetry = telemetry or setup_telemetry(TelemetrySettings.from_env())
+        self.loop_watch = LoopLagWatch(self.metrics.observe_loop_lag)
 
     @classmethod
     def from_config(
@@ -58,10 +60,12 @@ class Observability:
                    engine_stats, telemetry)
 
     async def start(self) -> None:
+        await self.loop_watch.start()
         await self.monitor.start()
 
     async def close(self) -> None:
         await self.monitor.stop()
+        await self.loop_watch.stop()
         self.telemetry.shutdown()
 
     def routes(self, admin_token: str | None) -> list[BaseRoute]:

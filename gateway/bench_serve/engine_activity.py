@@ -1,8 +1,8 @@
 """What the server's engine did during a run: its step, preemption and lane counters from
-/metrics, read before and after the run, and the server process's full garbage collections.
-They explain a run's figures (a configuration's lower tokens/s as slower steps, or as work
-done twice after preemptions; a slow refusal or token gap as a collection's pause) without a
-probe in the server."""
+/metrics, read before and after the run, the server process's full garbage collections and
+its event loop's late heartbeats. They explain a run's figures (a configuration's lower
+tokens/s as slower steps, or as work done twice after preemptions; a slow refusal or token
+gap as a collection's pause or a held event loop) without a probe in the server."""
 
 from __future__ import annotations
 
@@ -28,6 +28,8 @@ class EngineActivity:
     num_lane_steps: int  # steps that carried only under-share tenants' prompts
     num_full_gcs: int  # the server process's full collections (generation 2)
     full_gc_s: float  # the time they held the process
+    # event-loop heartbeats (one due every 10 ms) that woke more than LATE_BEAT_S late
+    num_late_beats: int
 
     @property
     def mean_full_gc_s(self) -> float:
@@ -48,7 +50,12 @@ class EngineActivity:
         return self.num_generated_tokens / self.num_steps if self.num_steps else math.nan
 
 
-# The sample behind each field: (name, its kind or generation label, or None).
+# A heartbeat later than this held back whatever was due then past the bench's bound on a
+# refusal's answer (a histogram bucket edge of tiergate_event_loop_lag_seconds).
+LATE_BEAT_S = 0.05
+_LAG = "tiergate_event_loop_lag_seconds"
+
+# The sample behind each field: (name, its kind, generation or le label, or None).
 _SAMPLES: dict[str, tuple[str, str | None]] = {
     "num_steps": ("tiergate_engine_steps_total", None),
     "busy_s": ("tiergate_engine_busy_seconds_total", None),
@@ -59,7 +66,9 @@ _SAMPLES: dict[str, tuple[str, str | None]] = {
     "num_lane_steps": ("tiergate_engine_under_share_lane_steps_total", None),
     "num_full_gcs": ("tiergate_gc_pause_seconds_count", "2"),
     "full_gc_s": ("tiergate_gc_pause_seconds_sum", "2"),
+    "num_late_beats": (f"{_LAG}_count", None),
 }
+_ON_TIME_BEATS = (f"{_LAG}_bucket", repr(LATE_BEAT_S))
 
 
 def read_engine_activity(base_url: str) -> EngineActivity | None:
@@ -75,9 +84,10 @@ def engine_activity_of(exposition: str) -> EngineActivity | None:
     values: dict[tuple[str, str | None], float] = {}
     for family in text_string_to_metric_families(exposition):
         for sample in family.samples:
-            label = sample.labels.get("kind", sample.labels.get("generation"))
+            labels = sample.labels
+            label = labels.get("kind", labels.get("generation", labels.get("le")))
             values[sample.name, label] = sample.value
-    if any(key not in values for key in _SAMPLES.values()):
+    if any(key not in values for key in (*_SAMPLES.values(), _ON_TIME_BEATS)):
         return None
 
     def count(name: str) -> int:
@@ -93,4 +103,5 @@ def engine_activity_of(exposition: str) -> EngineActivity | None:
         num_lane_steps=count("num_lane_steps"),
         num_full_gcs=count("num_full_gcs"),
         full_gc_s=values[_SAMPLES["full_gc_s"]],
+        num_late_beats=count("num_late_beats") - int(values[_ON_TIME_BEATS]),
     )

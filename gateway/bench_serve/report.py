@@ -74,11 +74,12 @@ def format_run(record: RunRecord) -> str:
 # What the server's engine did during each run (EngineActivity): steps, mean step time, the
 # share of the run its steps took, prompt tokens and new tokens per step (the latter the
 # batch the steps decoded), preemptions, tokens recomputed after them, steps the
-# under-share lane took, and the server's full garbage collections with their mean pause.
+# under-share lane took, the server's full garbage collections with their mean pause, and
+# its event loop's heartbeats more than 50 ms late.
 _ENGINE_HEADER = (
     f"{'engine during the run':24} {'steps':>6} {'step ms':>8} {'busy%':>6} {'prompt/step':>11} "
     f"{'new/step':>8} {'preempted':>9} {'recomputed':>10} {'lane steps':>10} {'full gc':>7} "
-    f"{'gc ms':>6}"
+    f"{'gc ms':>6} {'loop>50ms':>9}"
 )
 
 
@@ -95,6 +96,7 @@ def _engine_row(label: str, record: RunRecord) -> str:
         f"{activity.num_preemptions:9d} {activity.num_recomputed_tokens:10d} "
         f"{activity.num_lane_steps:10d} {activity.num_full_gcs:7d} "
         + (f"{1000 * activity.mean_full_gc_s:6.1f}" if activity.num_full_gcs else f"{'-':>6}")
+        + f" {activity.num_late_beats:9d}"
     )
 
 

@@ -319,7 +319,7 @@ def test_shed_answers_are_reported_per_load_with_the_gateways_own_part() -> None
                          "2 at 3x, slowest 59.1 ms")  # fmt: skip
 
 
-def test_the_engine_row_gives_the_full_collections_and_their_mean_pause() -> None:
+def test_the_engine_row_gives_the_collections_and_the_late_heartbeats() -> None:
     served = _result("e", "t", "standard", 0.0, 200, ttft_s=0.1, num_tokens=2, num_requested=2,
                      itl_s=[0.1], e2e_s=1.0)  # fmt: skip
     summary = summarize("tiered @ 2x", 2.0, [served], TierTable())
@@ -327,12 +327,15 @@ def test_the_engine_row_gives_the_full_collections_and_their_mean_pause() -> Non
     def engine_row(activity: EngineActivity) -> str:
         return format_run(RunRecord(summary, [served], engine=activity)).splitlines()[-1]
 
-    row = engine_row(EngineActivity(10, 0.5, 100, 50, 1, 20, 2, 2, 0.07))
-    # steps, step ms, busy%, prompt/step, new/step, preempted, recomputed, lane, full gc, gc ms
-    assert row.split()[-10:] == ["10", "50.0", "50.0", "10.0", "5.0", "1", "20", "2", "2", "35.0"]
-    # none in the run: no mean to give
-    assert engine_row(EngineActivity(10, 0.5, 100, 50, 1, 20, 2, 0, 0.0)).split()[-2:] == [
-        "0", "-"
+    row = engine_row(EngineActivity(10, 0.5, 100, 50, 1, 20, 2, 2, 0.07, 3))
+    # steps, step ms, busy%, prompt/step, new/step, preempted, recomputed, lane, full gc, gc ms,
+    # heartbeats more than 50 ms late
+    assert row.split()[-11:] == [
+        "10", "50.0", "50.0", "10.0", "5.0", "1", "20", "2", "2", "35.0", "3"
+    ]
+    # no collection in the run: no mean to give
+    assert engine_row(EngineActivity(10, 0.5, 100, 50, 1, 20, 2, 0, 0.0, 0)).split()[-3:] == [
+        "0", "-", "0"
     ]
 
 
@@ -368,6 +371,11 @@ def test_engine_activity_is_read_from_the_metrics_exposition() -> None:
         0,
     )
     assert run.num_full_gcs >= 1 and run.full_gc_s > 0
+    assert run.num_late_beats == 0
+    for late_s in (0.05, 0.0501, 0.3):  # 50 ms is on time (the bucket edge), the others late
+        metrics.observe_loop_lag(late_s)
+    late = scraped()
+    assert late is not None and late.minus(after).num_late_beats == 2
     assert run.mean_full_gc_s == run.full_gc_s / run.num_full_gcs
     assert counters.num_preemptions >= 1 and counters.num_recomputed_tokens >= 1
     assert (after.num_prompt_tokens, after.num_generated_tokens) == (16, 16)  # 2 x 8 each

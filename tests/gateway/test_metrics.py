@@ -43,6 +43,7 @@ POOL_WIDE = {
     "tiergate_engine_preemptions",
     "tiergate_engine_tokens",
     "tiergate_gc_pause_seconds",  # the process's
+    "tiergate_event_loop_lag_seconds",  # the process's
     "tiergate_engine_under_share_lane_steps",
 }
 
@@ -262,7 +263,7 @@ def test_metrics_route_serves_the_exposition_format() -> None:
     content_type, text = _scrape(metrics)
     assert content_type.startswith("text/plain; version=0.0.4")
     families = _families(text)
-    assert len(families) == 30
+    assert len(families) == 31
     for family in families:
         assert family.name.startswith("tiergate_"), family.name
         assert family.samples, family.name

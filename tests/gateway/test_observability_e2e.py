@@ -667,3 +667,13 @@ def test_requests_refused_before_admission_are_counted_as_invalid(
         )
     expected = Counter({("standard", "completed", 200): 1, ("standard", "refused", 429): 1})
     assert requests_increase(before, settled_scrape(gateway, before, expected)) == expected
+
+
+def test_the_event_loop_heartbeat_runs_in_the_served_app(gateway: InProcessGateway) -> None:
+    """The app's lifespan started the heartbeat: its lag histogram grows between scrapes
+    (one beat due every 10 ms) and its watcher thread runs beside the server."""
+    name = "tiergate_event_loop_lag_seconds_count"
+    before = scrape(gateway)[name, frozenset()]
+    time.sleep(0.2)
+    assert scrape(gateway)[name, frozenset()] > before
+    assert "tiergate-loop-watch" in {thread.name for thread in threading.enumerate()}

@@ -1,0 +1,206 @@
+"""How late the event loop runs, and what the process was doing when it stalled.
+
+Every 429, every token written to a stream and every admission check is a callback on the
+one asyncio event loop; while that loop is held they all wait, and the client sees it as a
+slow refusal or a token gap. It can be held by a slow callback, by a garbage collection, by
+the engine thread's Python holding the GIL, or by the process not being scheduled at all.
+
+A heartbeat task sleeps ``tick_s`` at a time and measures how late it wakes: that lateness
+is what any callback due then waited, observed into ``tiergate_event_loop_lag_seconds``. A
+wake-up ``stall_s`` or more late is a stall, reported (logged at WARNING, at most one record
+per ``log_every_s``) with what tells its causes apart: the loop thread's own CPU time over
+it (a slow callback runs on the loop thread), the whole process's (other threads holding
+the GIL; none at all when the process was not scheduled) and the collector's pauses in it;
+and, taken by a watcher thread while the stall lasted, where each busy thread was. Frames
+are file, line and function names only: no arguments or locals, so nothing secret.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gateway.gc_pauses import GcPauses, process_gc_pauses
+
+__all__ = [
+    "LAG_BUCKETS_S",
+    "LoopLagWatch",
+    "LoopStall",
+    "StallLog",
+]
+
+logger = logging.getLogger(__name__)
+
+# From timer jitter to multi-second stalls; 0.05 is the bound on a refusal's answer.
+LAG_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
+DEFAULT_TICK_S = 0.01  # 100 wake-ups a second: some 10 us each
+DEFAULT_STALL_S = 0.2
+DEFAULT_LOG_EVERY_S = 10.0
+NUM_STACK_FRAMES = 8  # innermost frames kept per thread
+
+
+@dataclass(frozen=True)
+class LoopStall:
+    """One heartbeat that woke ``late_s`` late; CPU and collector times cover its whole
+    beat (``late_s`` plus the tick it slept)."""
+
+    late_s: float
+    loop_cpu_s: float  # the event loop thread's own CPU time
+    process_cpu_s: float  # every thread's of this process
+    gc_s: float  # the cyclic collector's pauses
+    # Thread name -> its innermost frames, outermost first, taken while the stall lasted;
+    # the loop thread's always, other threads' unless they were idle.
+    stacks: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        text = (
+            f"event loop stalled {self.late_s * 1e3:.0f} ms (its thread on CPU "
+            f"{self.loop_cpu_s * 1e3:.0f} ms, the process {self.process_cpu_s * 1e3:.0f} ms, "
+            f"garbage collection {self.gc_s * 1e3:.0f} ms)"
+        )
+        if not self.stacks:
+            return text + "; no thread caught during it"
+        parts = [f"{name}: {' > '.join(frames)}" for name, frames in self.stacks.items()]
+        return text + "; " + "; ".join(parts)
+
+
+class StallLog:
+    """Logs stalls at WARNING, at most one record per ``every_s``; the next record counts
+    the ones left out meanwhile."""
+
+    def __init__(
+        self, every_s: float = DEFAULT_LOG_EVERY_S, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.every_s = every_s
+        self._clock = clock
+        self._last_s: float | None = None
+        self._num_left_out = 0
+
+    def __call__(self, stall: LoopStall) -> None:
+        now = self._clock()
+        if self._last_s is not None and now - self._last_s < self.every_s:
+            self._num_left_out += 1
+            return
+        left_out = (
+            f" ({self._num_left_out} more since the last record)" if self._num_left_out else ""
+        )
+        logger.warning("%s%s", stall.describe(), left_out)
+        self._last_s = now
+        self._num_left_out = 0
+
+
+class LoopLagWatch:
+    """The heartbeat on the running loop and the watcher thread; ``start`` and ``stop`` from
+    that loop."""
+
+    def __init__(
+        self,
+        observe_lag: Callable[[float], None],
+        *,
+        tick_s: float = DEFAULT_TICK_S,
+        stall_s: float = DEFAULT_STALL_S,
+        on_stall: Callable[[LoopStall], None] | None = None,
+        gc_pauses: GcPauses | None = None,
+    ) -> None:
+        if tick_s <= 0 or stall_s <= 0:
+            raise ValueError("tick_s and stall_s must be > 0")
+        self.tick_s = tick_s
+        self.stall_s = stall_s
+        self._observe_lag = observe_lag
+        self._on_stall = on_stall or StallLog()
+        self._gc_pauses = gc_pauses or process_gc_pauses()
+        # (beat number, when its sleep began): one attribute, so the watcher reads a pair
+        # the heartbeat wrote together.
+        self._beat: tuple[int, float] = (0, time.perf_counter())
+        # (beat number, stacks) taken by the watcher during that beat's stall
+        self._caught: tuple[int, dict[str, tuple[str, ...]]] | None = None
+        self._loop_thread_id: int | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+
+    async def start(self) -> None:
+        if self._task is not None:
+            return
+        self._loop_thread_id = threading.get_ident()
+        self._stopping.clear()
+        self._task = asyncio.create_task(self._heartbeat(), name="tiergate-loop-heartbeat")
+        self._thread = threading.Thread(
+            target=self._watch, name="tiergate-loop-watch", daemon=True
+        )
+        self._thread.start()
+
+    async def stop(self) -> None:
+        task, thread = self._task, self._thread
+        self._task = self._thread = None
+        self._stopping.set()
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if thread is not None:
+            thread.join()
+
+    # -- the loop thread -------------------------------------------------------------------------
+
+    async def _heartbeat(self) -> None:
+        number = 0
+        while True:
+            number += 1
+            began_s = time.perf_counter()
+            self._beat = (number, began_s)
+            loop_cpu_s, process_cpu_s = time.thread_time(), time.process_time()
+            gc_s = self._gc_total_s()
+            await asyncio.sleep(self.tick_s)
+            late_s = max(0.0, time.perf_counter() - began_s - self.tick_s)
+            self._observe_lag(late_s)
+            if late_s < self.stall_s:
+                continue
+            caught = self._caught
+            self._on_stall(
+                LoopStall(
+                    late_s=late_s,
+                    loop_cpu_s=time.thread_time() - loop_cpu_s,
+                    process_cpu_s=time.process_time() - process_cpu_s,
+                    gc_s=self._gc_total_s() - gc_s,
+                    stacks=caught[1] if caught is not None and caught[0] == number else {},
+                )
+            )
+
+    def _gc_total_s(self) -> float:
+        return sum(self._gc_pauses.sums_s)
+
+    # -- the watcher thread ----------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        poll_s = min(self.tick_s, self.stall_s / 4)
+        while not self._stopping.wait(poll_s):
+            number, began_s = self._beat
+            overdue = time.perf_counter() - began_s - self.tick_s >= self.stall_s
+            caught = self._caught
+            if overdue and (caught is None or caught[0] != number):
+                self._caught = (number, self._stacks())
+
+    def _stacks(self) -> dict[str, tuple[str, ...]]:
+        names = {thread.ident: thread.name for thread in threading.enumerate()}
+        stacks: dict[str, tuple[str, ...]] = {}
+        for ident, frame in sys._current_frames().items():
+            if ident == threading.get_ident():
+                continue
+            summary = traceback.extract_stack(frame, limit=NUM_STACK_FRAMES)
+            is_loop = ident == self._loop_thread_id
+            if not is_loop and summary and Path(summary[-1].filename).name == "threading.py":
+                continue  # parked on a lock or condition: idle
+            name = "event loop" if is_loop else names.get(ident, str(ident))
+            stacks[name] = tuple(
+                f"{Path(entry.filename).name}:{entry.lineno} {entry.name}" for entry in summary
+            )
+        return stacks

@@ -1,0 +1,151 @@
+"""The event loop's lag: a heartbeat measures how late it wakes, a watcher thread catches
+where the threads were while a stall lasts, and the stall is reported with its CPU times."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+
+import pytest
+
+from gateway.gc_pauses import GcPauses
+from gateway.loop_lag import LoopLagWatch, LoopStall, StallLog
+from gateway.metrics import GatewayMetrics
+from policies.tiers import TierTable
+
+BLOCK_S = 0.3
+STALL_S = 0.15
+
+
+def _sleep_on_the_loop(seconds: float, pauses: GcPauses) -> None:
+    """A callback that holds the loop without using CPU, as if it collected for 0.1 s."""
+    pauses.sums_s[2] += 0.1
+    time.sleep(seconds)
+
+
+def _spin_on_the_loop(seconds: float) -> None:
+    """A callback that holds the loop on the CPU."""
+    end_s = time.perf_counter() + seconds
+    while time.perf_counter() < end_s:
+        pass
+
+
+def _watch_a_blocked_loop(block: str) -> tuple[list[float], list[LoopStall]]:
+    lags: list[float] = []
+    stalls: list[LoopStall] = []
+    pauses = GcPauses()  # not installed: the test adds its pause by hand
+
+    async def main() -> None:
+        watch = LoopLagWatch(
+            lags.append, tick_s=0.005, stall_s=STALL_S, on_stall=stalls.append,
+            gc_pauses=pauses,
+        )  # fmt: skip
+        await watch.start()
+        await asyncio.sleep(0.05)
+        if block == "sleep":
+            _sleep_on_the_loop(BLOCK_S, pauses)
+        else:
+            _spin_on_the_loop(BLOCK_S)
+        await asyncio.sleep(0.05)
+        await watch.stop()
+
+    asyncio.run(main())
+    return lags, stalls
+
+
+def test_a_loop_held_without_cpu_is_a_stall_caught_where_it_was_held() -> None:
+    lags, stalls = _watch_a_blocked_loop("sleep")
+    assert lags and min(lags) >= 0.0
+    assert max(lags) >= BLOCK_S - 0.05  # the beat due during the block woke after it
+    stall = max(stalls, key=lambda s: s.late_s)
+    assert stall.late_s == pytest.approx(max(lags))
+    # the watcher caught the loop thread inside the blocking callback
+    assert any("_sleep_on_the_loop" in frame for frame in stall.stacks["event loop"])
+    # asleep, not on the CPU; the collector's time in the beat is reported as such
+    assert stall.loop_cpu_s < stall.late_s / 2
+    assert stall.gc_s == pytest.approx(0.1)
+    assert "tiergate-loop-watch" not in stall.stacks  # the watcher leaves itself out
+    assert "_sleep_on_the_loop" in stall.describe()
+
+
+def test_a_loop_held_by_its_own_callback_shows_its_cpu_time() -> None:
+    _, stalls = _watch_a_blocked_loop("spin")
+    stall = max(stalls, key=lambda s: s.late_s)
+    assert stall.late_s >= BLOCK_S - 0.05
+    assert stall.loop_cpu_s >= stall.late_s / 2
+    assert stall.process_cpu_s >= stall.loop_cpu_s
+    assert stall.gc_s == 0.0
+    assert any("_spin_on_the_loop" in frame for frame in stall.stacks["event loop"])
+
+
+def test_stop_ends_the_heartbeat_and_the_watcher() -> None:
+    lags: list[float] = []
+
+    async def main() -> int:
+        watch = LoopLagWatch(lags.append, tick_s=0.005, stall_s=STALL_S)
+        await watch.start()
+        await watch.start()  # a second start is a no-op: one heartbeat, one watcher
+        await asyncio.sleep(0.05)
+        watchers = [t for t in threading.enumerate() if t.name == "tiergate-loop-watch"]
+        assert len(watchers) == 1
+        await watch.stop()
+        assert not watchers[0].is_alive()
+        counted = len(lags)
+        await asyncio.sleep(0.05)
+        return counted
+
+    counted = asyncio.run(main())
+    assert counted >= 1
+    assert len(lags) == counted  # nothing observed after stop
+
+
+def test_invalid_periods_are_refused() -> None:
+    with pytest.raises(ValueError, match="must be > 0"):
+        LoopLagWatch(lambda _: None, tick_s=0.0)
+    with pytest.raises(ValueError, match="must be > 0"):
+        LoopLagWatch(lambda _: None, stall_s=-1.0)
+
+
+def test_stalls_are_logged_at_most_once_per_interval(caplog: pytest.LogCaptureFixture) -> None:
+    now = [100.0]
+    log = StallLog(every_s=10.0, clock=lambda: now[0])
+    stall = LoopStall(
+        late_s=0.412, loop_cpu_s=0.003, process_cpu_s=0.015, gc_s=0.0,
+        stacks={"event loop": ("base_events.py:1922 _run_once", "selectors.py:468 select"),
+                "tiergate-engine": ("llm_engine.py:210 step",)},
+    )  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="gateway.loop_lag"):
+        log(stall)
+        now[0] += 4.0
+        log(stall)  # within 10 s of the last record: counted, not logged
+        log(stall)
+        now[0] += 6.0
+        log(stall)
+    records = [r.getMessage() for r in caplog.records]
+    assert len(records) == 2
+    assert records[0].startswith(
+        "event loop stalled 412 ms (its thread on CPU 3 ms, the process 15 ms, "
+        "garbage collection 0 ms)"
+    )
+    assert "tiergate-engine: llm_engine.py:210 step" in records[0]
+    assert "event loop: base_events.py:1922 _run_once > selectors.py:468 select" in records[0]
+    assert records[1].endswith("(2 more since the last record)")
+    assert "no thread caught" in LoopStall(0.3, 0.0, 0.0, 0.0).describe()
+
+
+def test_the_lag_is_a_histogram_in_the_metrics() -> None:
+    metrics = GatewayMetrics(TierTable())
+    for late_s in (0.0004, 0.003, 0.06):
+        metrics.observe_loop_lag(late_s)
+    samples = {
+        (sample.name, sample.labels.get("le")): sample.value
+        for family in metrics.registry.collect()
+        for sample in family.samples
+        if family.name == "tiergate_event_loop_lag_seconds"
+    }
+    assert samples["tiergate_event_loop_lag_seconds_count", None] == 3
+    assert samples["tiergate_event_loop_lag_seconds_bucket", "0.001"] == 1
+    assert samples["tiergate_event_loop_lag_seconds_bucket", "0.05"] == 2
+    assert samples["tiergate_event_loop_lag_seconds_bucket", "0.075"] == 3
