@@ -23,7 +23,7 @@ from engine.workload import Workload
 from gateway.bench_serve.errors import BenchConfigError
 from gateway.bench_serve.plan import ArrivalProcess, PromptVocabulary, retime
 from gateway.bench_serve.server import VARIANTS, BenchServer, EngineLimits
-from gateway.bench_serve.sweep_config import SweepConfig
+from gateway.bench_serve.sweep_config import MIN_RUN_DURATION_S, OBJECTIVES_PER_RUN, SweepConfig
 
 if TYPE_CHECKING:
     from policies import TierTable
@@ -69,7 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     work.add_argument("--request-rate", type=float, default=None,
                       help="one run: offered requests/s (default: the workload's own rate)")
     work.add_argument("--duration", type=float, default=None,
-                      help=f"seconds of arrivals per run (sweep: {sweep['duration_s']:g}; one "
+                      help=f"seconds of arrivals per run (sweep: {OBJECTIVES_PER_RUN:g} x the "
+                      f"slowest scaled TTFT objective, at least {MIN_RUN_DURATION_S:g}; one "
                       f"run: {_ONE_RUN_DURATION_S:g}; --quick: {_QUICK_SWEEP['duration_s']:g})")
     work.add_argument("--num-requests", type=int, default=None, help="one run: at most N")
     work.add_argument("--seed", type=int, default=0)

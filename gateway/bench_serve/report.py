@@ -140,6 +140,7 @@ def format_sweep(result: SweepResult) -> str:
         capacity,
         "scaled objectives:",
         *tier_lines,
+        f"arrivals per load run: {result.duration_s:.1f} s",
         "",
         _HEADER + _MACHINE_COLUMNS,
     ]
@@ -279,6 +280,7 @@ def sweep_json(result: SweepResult) -> dict[str, Any]:
                 "is_capacity_measured": result.calibration.is_capacity_measured,
             },
             "tiers": [dataclasses.asdict(t) for t in result.tiers],
+            "duration_s": result.duration_s,
             "runs": [
                 {
                     "variant": p.variant,

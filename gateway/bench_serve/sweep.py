@@ -34,7 +34,7 @@ from gateway.bench_serve.machine import MachineInfo
 from gateway.bench_serve.plan import HEAVY_TENANT, LIGHT_TENANT, retime, two_tenant_workload
 from gateway.bench_serve.server import VARIANTS, BenchServer
 from gateway.bench_serve.session import BenchTarget, RunRecord
-from gateway.bench_serve.sweep_config import SweepConfig
+from gateway.bench_serve.sweep_config import SweepConfig, run_duration_s
 from policies import TierTable
 
 __all__ = ["FairnessRun", "LoadPoint", "SweepResult", "run_sweep"]
@@ -77,6 +77,7 @@ class SweepResult:
     machine: MachineInfo
     calibration: Calibration
     tiers: TierTable  # the scaled table every server got
+    duration_s: float  # arrivals of each load run span this long
     points: list[LoadPoint] = field(default_factory=list)
     fairness: list[FairnessRun] = field(default_factory=list)
     server_exit_codes: dict[str, int | None] = field(default_factory=dict)  # by server
@@ -99,14 +100,16 @@ def run_sweep(config: SweepConfig, log: Log = print) -> SweepResult:
     log(f"{machine.num_cpus} CPU(s), load average {machine.load_average_1m:.1f}")
     calibration = _calibrate(config, tenants, exit_codes, log)
     tiers = TierTable().scaled(calibration.slo_scale)
-    log(f"SLO scale {calibration.slo_scale:.2f}, capacity {calibration.capacity_rps:.3f} req/s")
-    result = SweepResult(machine, calibration, tiers, server_exit_codes=exit_codes)
+    duration_s = config.duration_s or run_duration_s(tiers)
+    log(f"SLO scale {calibration.slo_scale:.2f}, capacity {calibration.capacity_rps:.3f} req/s, "
+        f"{duration_s:.1f} s of arrivals per load run")
+    result = SweepResult(machine, calibration, tiers, duration_s, server_exit_codes=exit_codes)
     # Every run's requests are planned before any server starts: a plan that cannot be made
     # fails here, not after the load points have run.
     timed_loads = [
         replace(
             retime(workload, factor * calibration.capacity_rps, arrivals=config.arrivals,
-                   duration_s=config.duration_s, seed=config.seed + index),
+                   duration_s=duration_s, seed=config.seed + index),
             seed=workload.seed + index,
         )
         for index, factor in enumerate(sorted(config.load_factors))

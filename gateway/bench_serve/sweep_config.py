@@ -11,8 +11,24 @@ from engine.workload import Workload
 from gateway.bench_serve.errors import BenchConfigError
 from gateway.bench_serve.plan import ArrivalProcess, PromptVocabulary
 from gateway.bench_serve.server import VARIANTS, EngineLimits
+from policies import TierTable
 
-__all__ = ["SweepConfig"]
+__all__ = ["MIN_RUN_DURATION_S", "OBJECTIVES_PER_RUN", "SweepConfig", "run_duration_s"]
+
+# A load run's arrivals span OBJECTIVES_PER_RUN of the slowest scaled TTFT objective, at least
+# MIN_RUN_DURATION_S. The objectives scale with the host (calibration.py); a fixed window
+# would make a slow host's overload a shorter one in units of its own objectives, and the
+# policies' comparison at 2x-3x depends on that ratio: FCFS's requests within objective are
+# the ones sent before its queue outgrows the objective, a fixed count, while a shedding
+# policy's grow with the window (ops/bench/README.md, "Why standard goodput moves").
+OBJECTIVES_PER_RUN = 5.0
+MIN_RUN_DURATION_S = 20.0
+
+
+def run_duration_s(tiers: TierTable) -> float:
+    """Seconds of arrivals of each load run for these (scaled) tiers."""
+    objectives = [t.ttft_slo_s for t in tiers if t.ttft_slo_s is not None]
+    return max([MIN_RUN_DURATION_S, *(OBJECTIVES_PER_RUN * s for s in objectives)])
 
 
 @dataclass(frozen=True)
@@ -25,7 +41,7 @@ class SweepConfig:
     work_dir: Path  # one subdirectory per server: config, database, log
     variants: tuple[str, ...] = ("tiered", "fcfs", "tiered-noshed")
     load_factors: tuple[float, ...] = (0.5, 1.0, 1.5, 2.0, 3.0)  # x measured capacity
-    duration_s: float = 20.0  # arrivals of each run span this long
+    duration_s: float | None = None  # arrivals of each run span this long; None: run_duration_s
     arrivals: ArrivalProcess = ArrivalProcess.WORKLOAD
     # Closed-loop capacity run: requests kept in flight (None: the servers' max_num_seqs, a
     # full batch) and completions it counts before stopping.
@@ -51,7 +67,7 @@ class SweepConfig:
             raise BenchConfigError("fairness configurations must be among the configurations")
         if not self.load_factors or min(self.load_factors) <= 0:
             raise BenchConfigError("load factors must be positive")
-        if min(self.duration_s, self.fairness_duration_s) <= 0:
+        if self.fairness_duration_s <= 0 or (self.duration_s is not None and self.duration_s <= 0):
             raise BenchConfigError("durations must be positive")
         if self.num_prefill_probes < 1 or self.capacity_slots < 1:
             raise BenchConfigError("probes and capacity concurrency must be positive")

@@ -43,6 +43,12 @@ from gateway.bench_serve.server import VARIANTS, BenchServer, EngineLimits
 from gateway.bench_serve.session import BenchTarget, RunRecord
 from gateway.bench_serve.stats import RunSummary, meets_slo, summarize
 from gateway.bench_serve.sweep import LoadPoint, SweepResult
+from gateway.bench_serve.sweep_config import (
+    MIN_RUN_DURATION_S,
+    OBJECTIVES_PER_RUN,
+    SweepConfig,
+    run_duration_s,
+)
 from gateway.metrics import GatewayMetrics
 from policies import DEFAULT_TIERS, TierTable
 from tests.engine.helpers import preempting_engine
@@ -174,6 +180,21 @@ def _result(
     )
 
 
+def test_a_load_run_spans_five_of_the_slowest_objectives_and_at_least_20_s() -> None:
+    # The default table: standard's TTFT objective (2 s) is the slowest with one.
+    assert run_duration_s(TierTable()) == MIN_RUN_DURATION_S == 20.0
+    assert run_duration_s(TierTable().scaled(2.18)) == pytest.approx(21.8)  # 5 x 4.36 s
+    assert run_duration_s(TierTable().scaled(4.0)) == pytest.approx(OBJECTIVES_PER_RUN * 8.0)
+    no_objectives = TierTable([replace(t, ttft_slo_s=None) for t in TierTable()])
+    assert run_duration_s(no_objectives) == 20.0
+    vocabulary = PromptVocabulary(vocab_size=40, special_token_ids=frozenset({0}))
+    workload = Workload(seed=0, rate_rps=1.0, requests=[])
+    limits = EngineLimits(model_dir=None, demo_model_dir=Path("."))
+    for duration_s in (0.0, -1.0):
+        with pytest.raises(BenchConfigError, match="durations must be positive"):
+            SweepConfig(workload, vocabulary, limits, Path("."), duration_s=duration_s)
+
+
 def test_the_collector_stays_out_of_a_run() -> None:
     """A collection in the generator pauses its event loop, counted in the latencies it
     measures: automatic collection is off during a run, and on again after it."""
@@ -284,11 +305,11 @@ def test_tokens_while_arrivals_last_leave_out_the_drain_after_them() -> None:
         LoadPoint(variant, 2.0, 0.0, None, RunRecord(summary, []))
         for variant, summary in [("tiered", shedding), ("fcfs", draining)]
     ]
-    (line,) = headline(SweepResult(machine, calibration, TierTable(), points))
+    (line,) = headline(SweepResult(machine, calibration, TierTable(), 20.0, points))
     assert "output tokens/s tiered/FCFS 1.493 over the run, 1.000 while arrivals last" in line
     # With a measured capacity, FCFS's rate at 2x checks it: here FCFS ran at half of it.
     measured = replace(calibration, capacity_output_tokens_per_s=8.0, capacity_window_s=1.0)
-    lines = headline(SweepResult(machine, measured, TierTable(), points))
+    lines = headline(SweepResult(machine, measured, TierTable(), 20.0, points))
     assert lines[1] == ("capacity check: FCFS output tokens/s while arrivals last 4 at 2x "
                         "(0.50), against the calibration's 8")
 
@@ -314,7 +335,7 @@ def test_shed_answers_are_reported_per_load_with_the_gateways_own_part() -> None
     ]
     calibration = Calibration(slo_scale=1.0, capacity_rps=1.0)
     machine = MachineInfo("cpu", 2, 24.0, "Linux", "3.11", "2.13.0", "now", 0.0)
-    lines = headline(SweepResult(machine, calibration, TierTable(), points))
+    lines = headline(SweepResult(machine, calibration, TierTable(), 20.0, points))
     assert lines[-1] == ("shed requests answered: 2 at 2x, slowest 34.4 ms (4 in the gateway); "
                          "2 at 3x, slowest 59.1 ms")  # fmt: skip
 
@@ -625,7 +646,9 @@ def test_a_small_sweep_from_the_command_line(
     assert code == 0, err
     assert "SLO scale 3.00" in err  # progress goes to stderr
     assert "SLO scale 3.00 (given)" in out and "fcfs @ 0.5x" in out and "fairness" in out
+    assert "arrivals per load run: 2.0 s" in out
     document = json.loads(output.read_text())
+    assert document["duration_s"] == 2.0
     assert document["server_exit_codes"] == {"fcfs": 0}
     calibration = document["calibration"]
     assert calibration["is_slo_scale_measured"] is False

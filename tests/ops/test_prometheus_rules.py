@@ -105,6 +105,9 @@ def test_dashboard_shows_what_operators_need() -> None:
     assert "tiergate_requests_waiting" in exprs["Queue depth"]
     assert "reason" in exprs["429s by reason"]
     assert "tenant:tiergate_gpu_seconds" in exprs["GPU-seconds per tenant"]
+    process = exprs["Event loop lag and collector pauses"]
+    assert "tiergate_event_loop_lag_seconds_bucket" in process
+    assert "tiergate_gc_pause_seconds_sum" in process
     ids = [panel["id"] for panel in panels.values()]
     assert len(set(ids)) == len(ids)
     assert all(p["datasource"]["uid"] == "${datasource}" for p in panels.values())
