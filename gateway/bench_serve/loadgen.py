@@ -22,11 +22,14 @@ import httpx
 from gateway.bench_serve.errors import BenchConfigError
 from gateway.bench_serve.plan import PlannedRequest
 from gateway.bench_serve.progress import ProgressBar
+from gateway.loop_lag import LoopLagWatch, LoopStall
 
-__all__ = ["CANCELLED", "LoadGenerator", "RequestResult"]
+__all__ = ["CANCELLED", "ClientLoopLag", "LoadGenerator", "RequestResult"]
 
 # A request that sees no byte for this long is given up (the run would otherwise hang).
 _READ_TIMEOUT_S = 600.0
+# The generator's heartbeats later than this are kept (ClientLoopLag), with their times.
+_CLIENT_LATE_S = 0.01
 # The error of a request the benchmark itself cancelled (closed loop, enough completed).
 CANCELLED = "cancelled by the benchmark"
 
@@ -89,6 +92,31 @@ class RequestResult:
         return self.sent_s + self.e2e_s
 
 
+@dataclass
+class ClientLoopLag:
+    """This generator's own event loop over a run, timed by a heartbeat due every 10 ms
+    (gateway.loop_lag): a response that arrived while the loop was held is timed late by as
+    much, on the client's side only."""
+
+    num_beats: int = 0
+    # (when the beat woke, seconds after the run's start; how late) of every beat late by
+    # more than _CLIENT_LATE_S
+    late_beats: list[tuple[float, float]] = field(default_factory=list)
+
+    def observe(self, at_s: float, late_s: float) -> None:
+        self.num_beats += 1
+        if late_s > _CLIENT_LATE_S:
+            self.late_beats.append((at_s, late_s))
+
+    def most_late_within(self, start_s: float, end_s: float) -> float:
+        """The most a beat was late whose wait overlapped start_s..end_s (0: none over
+        _CLIENT_LATE_S)."""
+        return max(
+            (late for at_s, late in self.late_beats if at_s >= start_s and at_s - late <= end_s),
+            default=0.0,
+        )
+
+
 class LoadGenerator:
     """Sends planned requests to one server, each with its tenant's key."""
 
@@ -104,21 +132,33 @@ class LoadGenerator:
         self.model = model
         self.keys = dict(keys)  # workload tenant -> API key
         self.progress = progress
+        self.loop_lag: ClientLoopLag | None = None  # of the latest open-loop run
 
     async def run(self, plan: Sequence[PlannedRequest], label: str = "") -> list[RequestResult]:
-        """Send every request at its time; returns once all have ended, in plan order."""
+        """Send every request at its time; returns once all have ended, in plan order. Its
+        own event loop's lag meanwhile is left in loop_lag."""
         self._check_keys(plan)
         bar = ProgressBar(len(plan), label, enabled=self.progress)
+        lag = ClientLoopLag()
         async with _session() as client:
             started = time.perf_counter()
-            tasks = []
-            for planned in plan:
-                delay = started + planned.send_at_s - time.perf_counter()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                tasks.append(asyncio.create_task(self._send(client, planned, started, bar)))
-            results = list(await asyncio.gather(*tasks))
+            watch = LoopLagWatch(
+                lambda late_s: lag.observe(time.perf_counter() - started, late_s),
+                on_stall=_no_log,
+            )
+            await watch.start()
+            try:
+                tasks = []
+                for planned in plan:
+                    delay = started + planned.send_at_s - time.perf_counter()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                    tasks.append(asyncio.create_task(self._send(client, planned, started, bar)))
+                results = list(await asyncio.gather(*tasks))
+            finally:
+                await watch.stop()
         bar.close()
+        self.loop_lag = lag
         return results
 
     async def run_closed_loop(
@@ -259,6 +299,10 @@ async def _read_stream(response: httpx.Response, result: RequestResult, sent: fl
             result.num_output_tokens = int(usage["completion_tokens"])
     if not result.num_output_tokens:
         result.num_output_tokens = num_chunks
+
+
+def _no_log(_: LoopStall) -> None:
+    """The generator's stalls are counted in ClientLoopLag, not logged."""
 
 
 @contextlib.contextmanager

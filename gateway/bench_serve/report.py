@@ -174,19 +174,26 @@ def headline(result: SweepResult) -> list[str]:
 
 def _shed_answers(result: SweepResult) -> list[str]:
     """How fast shed requests were answered, per offered load (the issue's bound is at 2x),
-    with the gateway's own part of each slowest answer (its openai-processing-ms): the rest is
-    the accept queue and this generator's event loop, on the same cores."""
-    by_load: dict[float, list[RequestResult]] = {}
+    with the gateway's own part of each slowest answer (its openai-processing-ms) and the most
+    this generator's event loop was late while it waited for it: the rest is the accept
+    queue and both processes' share of the same cores."""
+    by_load: dict[float, list[tuple[RequestResult, RunRecord]]] = {}
     for point in result.points:
         by_load.setdefault(point.load_factor, []).extend(
-            r for r in point.record.results if r.is_shed
+            (r, point.record) for r in point.record.results if r.is_shed
         )
     parts = []
     for factor, shed in sorted(by_load.items()):
         if not shed:
             continue
-        slowest = max(shed, key=lambda r: r.e2e_s)
-        own = "" if slowest.server_s is None else f" ({1000 * slowest.server_s:.0f} in the gateway)"
+        slowest, record = max(shed, key=lambda pair: pair[0].e2e_s)
+        notes = []
+        if slowest.server_s is not None:
+            notes.append(f"{1000 * slowest.server_s:.0f} in the gateway")
+        if record.client_loop_lag is not None:
+            late_s = record.client_loop_lag.most_late_within(slowest.sent_s, slowest.finish_s)
+            notes.append(f"the generator's loop {1000 * late_s:.0f} late")
+        own = f" ({', '.join(notes)})" if notes else ""
         parts.append(f"{len(shed)} at {factor:g}x, slowest {1000 * slowest.e2e_s:.1f} ms{own}")
     return [f"shed requests answered: {'; '.join(parts)}"] if parts else []
 
@@ -265,6 +272,10 @@ def run_json(record: RunRecord) -> dict[str, Any]:
             "summary": dataclasses.asdict(record.summary),
             "engine": None if record.engine is None else dataclasses.asdict(record.engine),
             "host_steal_share": record.host_steal_share,
+            "client_loop_lag": (
+                None if record.client_loop_lag is None
+                else dataclasses.asdict(record.client_loop_lag)
+            ),
             "requests": [_request_json(r) for r in record.results],
         }
     )

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine.workload import Workload
 from gateway.bench_serve.engine_activity import EngineActivity, read_engine_activity
-from gateway.bench_serve.loadgen import LoadGenerator, RequestResult
+from gateway.bench_serve.loadgen import ClientLoopLag, LoadGenerator, RequestResult
 from gateway.bench_serve.machine import CpuTicks, read_cpu_ticks
 from gateway.bench_serve.plan import PromptVocabulary, plan_requests
 from gateway.bench_serve.provision import provision_tenants, served_model_name
@@ -24,12 +24,14 @@ class RunRecord:
     """One run: its summary, every request's result, what the server's engine did meanwhile
     (None when the server does not serve those counters), and the share of this machine's
     CPU time the hypervisor took for other guests (None without /proc/stat): a run with
-    much steal ran on a slower machine than its neighbours."""
+    much steal ran on a slower machine than its neighbours. client_loop_lag: the load
+    generator's own event loop during an open-loop run."""
 
     summary: RunSummary
     results: list[RequestResult]
     engine: EngineActivity | None = None
     host_steal_share: float | None = None
+    client_loop_lag: ClientLoopLag | None = None
 
 
 @dataclass(frozen=True)
@@ -67,7 +69,8 @@ class BenchTarget:
         before = self._readings()
         results = asyncio.run(generator.run(plan, label))
         rate = workload.rate_rps if offered_rps is None else offered_rps
-        return self._record(summarize(label, rate, results, tiers), results, before)
+        record = self._record(summarize(label, rate, results, tiers), results, before)
+        return replace(record, client_loop_lag=generator.loop_lag)
 
     def run_closed_loop(
         self,

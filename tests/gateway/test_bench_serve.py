@@ -28,7 +28,7 @@ from gateway.bench_serve.calibration import (
 )
 from gateway.bench_serve.engine_activity import EngineActivity, engine_activity_of
 from gateway.bench_serve.errors import BenchConfigError
-from gateway.bench_serve.loadgen import CANCELLED, LoadGenerator, RequestResult
+from gateway.bench_serve.loadgen import CANCELLED, ClientLoopLag, LoadGenerator, RequestResult
 from gateway.bench_serve.machine import CpuTicks, MachineInfo, read_cpu_ticks
 from gateway.bench_serve.plan import (
     ArrivalProcess,
@@ -320,14 +320,26 @@ def test_shed_answers_are_reported_per_load_with_the_gateways_own_part() -> None
                        num_requested=4, itl_s=[], e2e_s=e2e_s, error="overloaded",
                        server_s=server_s)  # fmt: skip
 
-    def point(variant: str, factor: float, results: list[RequestResult]) -> LoadPoint:
+    def point(
+        variant: str, factor: float, results: list[RequestResult],
+        loop_lag: ClientLoopLag | None = None,
+    ) -> LoadPoint:  # fmt: skip
         summary = summarize(variant, factor, results, TierTable())
-        return LoadPoint(variant, factor, 0.0, None, RunRecord(summary, results))
+        record = RunRecord(summary, results, client_loop_lag=loop_lag)
+        return LoadPoint(variant, factor, 0.0, None, record)
 
     served = _result("e", "t", "standard", 0.0, 200, ttft_s=0.1, num_tokens=1, num_requested=1,
                      itl_s=[], e2e_s=0.1)  # fmt: skip
+    # The generator's loop: 22 ms late on waking at 1.02 s (held from 0.998 s, during b's
+    # wait from 1.0 to 1.0344 s), 300 ms late at 5 s (after it), 5 ms late (not kept).
+    loop_lag = ClientLoopLag()
+    for at_s, late_s in ((1.02, 0.022), (5.0, 0.3), (1.01, 0.005)):
+        loop_lag.observe(at_s, late_s)
+    assert loop_lag.num_beats == 3 and len(loop_lag.late_beats) == 2
+    assert loop_lag.most_late_within(0.9, 0.999) == 0.022  # held since 0.998 s
+    assert loop_lag.most_late_within(1.03, 4.6) == 0.0
     points = [
-        point("tiered", 2.0, [shed("a", 0.0125, 0.002), shed("b", 0.0344, 0.004)]),
+        point("tiered", 2.0, [shed("a", 0.0125, 0.002), shed("b", 0.0344, 0.004)], loop_lag),
         point("fcfs", 2.0, [served]),
         point("tiered", 3.0, [shed("c", 0.0591, None)]),  # a server without the header
         point("tiered-noshed", 3.0, [shed("d", 0.020, 0.001)]),
@@ -336,8 +348,8 @@ def test_shed_answers_are_reported_per_load_with_the_gateways_own_part() -> None
     calibration = Calibration(slo_scale=1.0, capacity_rps=1.0)
     machine = MachineInfo("cpu", 2, 24.0, "Linux", "3.11", "2.13.0", "now", 0.0)
     lines = headline(SweepResult(machine, calibration, TierTable(), 20.0, points))
-    assert lines[-1] == ("shed requests answered: 2 at 2x, slowest 34.4 ms (4 in the gateway); "
-                         "2 at 3x, slowest 59.1 ms")  # fmt: skip
+    assert lines[-1] == ("shed requests answered: 2 at 2x, slowest 34.4 ms (4 in the gateway, "
+                         "the generator's loop 22 late); 2 at 3x, slowest 59.1 ms")  # fmt: skip
 
 
 def test_the_engine_row_gives_the_collections_and_the_late_heartbeats() -> None:
@@ -502,7 +514,11 @@ def test_a_run_against_a_real_server_records_consistent_timings(
     assert 0 < engine.mean_step_s < summary.duration_s
     assert "engine during the run" in format_run(record)
     assert record.host_steal_share is not None and 0 <= record.host_steal_share <= 1
+    # The generator's own loop was timed throughout the run (a beat due every 10 ms).
+    assert record.client_loop_lag is not None
+    assert record.client_loop_lag.num_beats >= summary.duration_s / 0.02
     document = run_json(record)
+    assert document["client_loop_lag"]["num_beats"] == record.client_loop_lag.num_beats
     assert document["engine"]["num_steps"] == engine.num_steps
     json.dumps(document, allow_nan=False)
     # Provisioning again (tenants exist): they are reset and get fresh keys that work.
