@@ -131,6 +131,7 @@ class LoopLagWatch:
         if self._task is not None:
             return
         self._loop_thread_id = threading.get_ident()
+        self._beat = (0, time.perf_counter())  # the watcher measures from now, not from __init__
         self._stopping.clear()
         self._task = asyncio.create_task(self._heartbeat(), name="tiergate-loop-heartbeat")
         self._thread = threading.Thread(
