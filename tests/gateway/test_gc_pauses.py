@@ -12,14 +12,21 @@ from gateway.metrics import GatewayMetrics
 from policies.tiers import TierTable
 
 
-def test_each_collection_is_timed_into_its_generation_and_bucket() -> None:
-    ticks = itertools.count(0.0, 0.02)  # each collection reads the clock twice: 20 ms apart
+def _timed_full_collection(pause_s: float) -> GcPauses:
+    """A recorder whose clock makes every collection last pause_s (it reads the clock twice
+    per collection), installed for one forced full collection."""
+    ticks = itertools.count(0.0, pause_s)
     pauses = GcPauses(clock=lambda: next(ticks))
     pauses.install()
     try:
         gc.collect(2)
     finally:
         pauses.uninstall()
+    return pauses
+
+
+def test_each_collection_is_timed_into_its_generation_and_bucket() -> None:
+    pauses = _timed_full_collection(0.02)
     full = pauses.cumulative(2)
     assert full[-1] == ("+Inf", pytest.approx(sum(pauses.counts[2])))
     assert sum(pauses.counts[2]) >= 1  # at least the one asked for
@@ -34,13 +41,7 @@ def test_each_collection_is_timed_into_its_generation_and_bucket() -> None:
 
 
 def test_the_metrics_expose_the_pauses_by_generation() -> None:
-    ticks = itertools.count(0.0, 0.04)
-    pauses = GcPauses(clock=lambda: next(ticks))
-    pauses.install()
-    try:
-        gc.collect(2)
-    finally:
-        pauses.uninstall()
+    pauses = _timed_full_collection(0.04)
     metrics = GatewayMetrics(TierTable(), gc_pauses=pauses)
     registry = metrics.registry
     num_full = sum(pauses.counts[2])
