@@ -24,12 +24,12 @@ from gateway.bench_serve.plan import PlannedRequest
 from gateway.bench_serve.progress import ProgressBar
 from gateway.loop_lag import LoopLagWatch, LoopStall
 
-__all__ = ["CANCELLED", "ClientLoopLag", "LoadGenerator", "RequestResult"]
+__all__ = ["CANCELLED", "CLIENT_LATE_S", "ClientLoopLag", "LoadGenerator", "RequestResult"]
 
 # A request that sees no byte for this long is given up (the run would otherwise hang).
 _READ_TIMEOUT_S = 600.0
 # The generator's heartbeats later than this are kept (ClientLoopLag), with their times.
-_CLIENT_LATE_S = 0.01
+CLIENT_LATE_S = 0.01
 # The error of a request the benchmark itself cancelled (closed loop, enough completed).
 CANCELLED = "cancelled by the benchmark"
 
@@ -100,17 +100,17 @@ class ClientLoopLag:
 
     num_beats: int = 0
     # (when the beat woke, seconds after the run's start; how late) of every beat late by
-    # more than _CLIENT_LATE_S
+    # more than CLIENT_LATE_S
     late_beats: list[tuple[float, float]] = field(default_factory=list)
 
     def observe(self, at_s: float, late_s: float) -> None:
         self.num_beats += 1
-        if late_s > _CLIENT_LATE_S:
+        if late_s > CLIENT_LATE_S:
             self.late_beats.append((at_s, late_s))
 
     def most_late_within(self, start_s: float, end_s: float) -> float:
         """The most a beat was late whose wait overlapped start_s..end_s (0: none over
-        _CLIENT_LATE_S)."""
+        CLIENT_LATE_S)."""
         return max(
             (late for at_s, late in self.late_beats if at_s >= start_s and at_s - late <= end_s),
             default=0.0,

@@ -7,7 +7,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from gateway.bench_serve.loadgen import RequestResult
+from gateway.bench_serve.loadgen import CLIENT_LATE_S, RequestResult
 from gateway.bench_serve.plan import HEAVY_TENANT, LIGHT_TENANT
 from gateway.bench_serve.session import RunRecord
 from gateway.bench_serve.stats import GroupSummary, RunSummary
@@ -192,7 +192,10 @@ def _shed_answers(result: SweepResult) -> list[str]:
             notes.append(f"{1000 * slowest.server_s:.0f} in the gateway")
         if record.client_loop_lag is not None:
             late_s = record.client_loop_lag.most_late_within(slowest.sent_s, slowest.finish_s)
-            notes.append(f"the generator's loop {1000 * late_s:.0f} late")
+            notes.append(
+                f"the generator's loop {1000 * late_s:.0f} late" if late_s
+                else f"the generator's loop under {1000 * CLIENT_LATE_S:.0f} late"
+            )
         own = f" ({', '.join(notes)})" if notes else ""
         parts.append(f"{len(shed)} at {factor:g}x, slowest {1000 * slowest.e2e_s:.1f} ms{own}")
     return [f"shed requests answered: {'; '.join(parts)}"] if parts else []
