@@ -91,6 +91,10 @@ class AsyncLLMEngine:
     def abort(self, request_id: str) -> None:
         self._submit(lambda: self.engine.abort(request_id))
 
+    def record_refused(self, num_prompt_tokens: int, tenant: TenantContext) -> None:
+        """A request refused for overload (`LLMEngine.record_refused`), applied between steps."""
+        self._submit(lambda: self.engine.record_refused(num_prompt_tokens, tenant))
+
     def stats(self) -> SchedulerStats:
         """The snapshot taken after the latest step (safe to read from any thread)."""
         return self._stats

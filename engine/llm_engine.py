@@ -118,7 +118,11 @@ class LLMEngine:
             )
         self._groups[request_id] = samples
         # n samples share one prompt: it is prefilled once
-        self.scheduler.arrivals.record(tenant.priority, len(prompt_token_ids), self.clock())
+        now = self.clock()
+        self.scheduler.arrivals.record(tenant.priority, len(prompt_token_ids), now)
+        self.scheduler.demand.record(
+            tenant.priority, tenant.tenant_id, tenant.weight, len(prompt_token_ids), now
+        )
         for sample in samples:
             if self.tokenizer is not None:
                 self._text[sample.request_id] = TextOutputState(
@@ -165,6 +169,13 @@ class LLMEngine:
             )
         return max_tokens
 
+    def record_refused(self, num_prompt_tokens: int, tenant: TenantContext) -> None:
+        """A request turned away for overload before it reached the engine: its tenant sent it
+        all the same (`engine.demand`: a heavy tenant mostly shed is still heavy)."""
+        self.scheduler.demand.record(
+            tenant.priority, tenant.tenant_id, tenant.weight, num_prompt_tokens, self.clock()
+        )
+
     def abort(self, request_id: str) -> None:
         """End every sample of a request now (client gone); frees its blocks before the next
         step. Its final output (finish_reason "abort") comes with the next step()."""
@@ -195,7 +206,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
-        scheduler_output = self.scheduler.schedule()
+        scheduler_output = self.scheduler.schedule(self.clock())
         self.counters.num_preemptions = self.scheduler.num_preemptions_total
         self.counters.num_lane_steps = self.scheduler.num_lane_steps_total
         if scheduler_output.is_empty:

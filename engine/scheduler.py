@@ -5,13 +5,15 @@ the waiting queue's order. A request that cannot grow preempts, in order, the ru
 of the least important tier (most blocks, latest arrival first); within its own tier, the
 latest admitted. A waiting request may preempt running requests of less important tiers to
 get in (when priority preemption is on), never of a more important tier; of its own tier only
-to restore fair sharing: when its tenant holds under half its weighted share of the tier's
-running requests, it may preempt a request of a tenant over its share (least computed first),
-and that tenant pays the recompute. With fair sharing on, a tier's prefills in progress are
-served in order of their tenant's running requests per unit of weight, fewest first, and in
-the most important tier with work an under-half-share tenant's prompt goes before the decodes;
-when such prompts leave budget over, the step carries them alone (the under-share lane, at most
-one step in `under_share_lane_every_steps`).
+to restore fair sharing: when its tenant is light, it may preempt a request of a tenant over
+its share (least computed first), and that tenant pays the recompute. A tenant is light in a
+tier when it holds under half its weighted share of the tier's running requests, or under its
+whole share while it sends under half its weighted share of the tier's prompt tokens
+(`engine.demand`). With fair sharing on, a tier's prefills in progress are served in order of
+their tenant's running requests per unit of weight, fewest first, and in the most important
+tier with work a light tenant's prompt goes before the decodes; when such prompts leave budget
+over, the step carries them alone (the under-share lane, at most one step in
+`under_share_lane_every_steps`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
+from engine.demand import TenantDemand
 from engine.kv_manager import ComputedBlocks, KVCacheManager
 from engine.queues import WaitingQueue
 from engine.rates import ArrivalRates, StepRates
@@ -40,6 +43,8 @@ class _StepPlan:
     budget: int  # tokens left in this step
     num_new_tokens: dict[str, int] = field(default_factory=dict)  # request id -> chunk length
     preempted: list[Request] = field(default_factory=list)
+    # A running request could not grow and a request gave up its blocks for it.
+    short_of_blocks: bool = False
     # Most important tier whose waiting head found no place in the batch or no KV blocks.
     blocked_priority: int | None = None
 
@@ -61,6 +66,9 @@ class Scheduler:
         self.waiting = waiting
         self.rates = rates if rates is not None else StepRates()
         self.arrivals = ArrivalRates()  # prompts coming in, fed by the engine (it has the clock)
+        self.demand = TenantDemand()  # prompts each tenant sent, fed by the engine
+        # this step's light senders by priority (`TenantDemand.light_senders`)
+        self._light_senders: dict[int, frozenset[str]] = {}
         self._waiting_totals = WaitingTotals()  # changed with self.waiting, in _wait/_unwait
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -119,18 +127,18 @@ class Scheduler:
 
     # -- one step ------------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, now_s: float) -> SchedulerOutput:
+        """The next step's batch; now_s: the engine's clock (for what tenants sent lately)."""
         plan = _StepPlan(budget=self.config.max_num_batched_tokens)
         # Decodes first, then prefills in progress (more important tiers first), then
         # admissions. With fair sharing, in the most important tier that has work, the prompts
-        # of tenants under half their weighted share of its running requests (in progress, or
-        # waiting) go even before that tier's decodes: a light tenant's long prompt takes the
-        # budget that a heavy tenant's decodes would otherwise fill, step after step; when they
-        # leave budget over, the step may carry them alone (`_takes_under_share_lane`). Below
-        # that tier a tenant under half its share is still admitted before the prefills in
-        # progress of its own and less important tiers, and inside every tier the prefills in
-        # progress of the tenants holding the fewest running requests per unit of weight go
-        # first.
+        # of light tenants (in progress, or waiting) go even before that tier's decodes: a
+        # light tenant's long prompt takes the budget that a heavy tenant's decodes would
+        # otherwise fill, step after step; when they leave budget over, the step may carry them
+        # alone (`_takes_under_share_lane`). Below that tier a light tenant is still admitted
+        # before the prefills in progress of its own and less important tiers, and inside every
+        # tier the prefills in progress of the tenants holding the fewest running requests per
+        # unit of weight go first.
         order = sorted(
             self.running, key=lambda r: (not r.is_prefill_done, self._effective_priority(r))
         )
@@ -141,14 +149,15 @@ class Scheduler:
             self._schedule_running_all(prefills, plan)
             self._schedule_waiting(plan)
             return self._build_output(plan)
-        shares = _TierShares.by_priority(self.running)
+        self._light_senders = self.demand.light_senders(now_s)
+        shares = _TierShares.by_priority(self.running, self._light_senders)
         prefills.sort(key=lambda r: (r.priority, shares[r.priority].load(r.tenant_id)))
         best_waiting = self._best_waiting_priority()
         first_tier = min(min(shares, default=float("inf")), best_waiting)
         if first_tier != float("inf"):
             starved = [
                 r for r in prefills
-                if r.priority == first_tier and shares[r.priority].holds_under_half(r.tenant_id)
+                if r.priority == first_tier and shares[r.priority].is_light(r.tenant_id)
             ]
             self._schedule_running_all(starved, plan)
             if best_waiting == first_tier:  # the under-share pass's tier: it runs here
@@ -198,6 +207,7 @@ class Scheduler:
     def _schedule_running(self, request: Request, plan: _StepPlan) -> None:
         num_new = min(request.num_uncomputed_tokens, plan.budget)
         while not self.kv.can_allocate(request, num_new):
+            plan.short_of_blocks = True
             victim = self._growth_victim(request, num_new)
             self._preempt(victim, plan, preempted_by=request)
             if victim is request:
@@ -207,8 +217,16 @@ class Scheduler:
 
     def _schedule_waiting(self, plan: _StepPlan, under_share_only: bool = False) -> None:
         """Admit waiting requests in queue order while budget lasts. under_share_only: only
-        those of tenants under half their fair share of the most important waiting tier,
-        looking at no more than _FAIR_SHARE_PROBES tenants (a bounded cost per step)."""
+        those of light tenants (`_TierShares.is_light_with`) of the most important waiting
+        tier, looking at no more than _FAIR_SHARE_PROBES tenants (a bounded cost per step)."""
+        if under_share_only and plan.short_of_blocks:
+            # Nobody goes ahead of the running requests in a step where one of them could
+            # not grow: the blocks given up go to them first. (Admitted ahead of the decodes,
+            # a light tenant's prompt took the whole budget, could not grow in the next step,
+            # gave way, and another of its prompts, or the same one, was admitted with the
+            # blocks it freed, step after step: the decodes never ran. The property test
+            # found it twice.) After them, waiting requests are admitted in queue order.
+            return
         skip_tenants: set[str] = set()
         first_priority: int | None = None
         num_probes = 0
@@ -217,14 +235,6 @@ class Scheduler:
             request = self.waiting.peek(skip_tenants)
             if request is None:
                 return
-            if under_share_only and any(request is p for p in plan.preempted):
-                # Not taken back ahead of the decodes in the step that preempted it: the
-                # blocks it gave up go to them first. (An under-share prompt that took the
-                # whole budget ahead of the decodes, preempted itself to grow and came
-                # straight back, step after step, kept the decodes from ever running: the
-                # property test found it.) It heads its tier, so nobody behind overtakes
-                # it here; after the decodes it may be admitted again.
-                return
             if under_share_only:
                 if first_priority is None:
                     first_priority = request.priority
@@ -232,8 +242,8 @@ class Scheduler:
                     return  # never ahead of a more important tier's waiting requests
                 num_probes += 1
                 if shares is None:
-                    shares = _TierShares.of(first_priority, self.running)
-                if not shares.is_under_share(request):
+                    shares = _TierShares.of(first_priority, self.running, self._light_senders)
+                if not shares.is_light_with(request):
                     skip_tenants.add(request.tenant_id)
                     continue
             if len(self.running) >= self.config.max_num_seqs:
@@ -387,13 +397,12 @@ class Scheduler:
 
     def _fair_share_victims(self, request: Request, guard_step: int) -> list[Request]:
         """Requests of request's own tier it may preempt to restore fair sharing, cheapest
-        recompute first: none unless its tenant holds under half its weighted share of the
-        tier's running requests (counting this one); then those of tenants that keep at
-        least their share after giving one up."""
+        recompute first: none unless its tenant is light (`_TierShares.is_light_with`); then
+        those of tenants that keep at least their share after giving one up."""
         if not self._fair_share_applies:
             return []
-        shares = _TierShares.of(request.priority, self.running)
-        if not shares.is_under_share(request):
+        shares = _TierShares.of(request.priority, self.running, self._light_senders)
+        if not shares.is_light_with(request):
             return []
         limit = self.config.max_preemptions_per_request
         victims = [
@@ -532,10 +541,14 @@ class _TierShares:
     weights: dict[str, float]
     num_in_tier: int
     total_weight: float
+    light_senders: frozenset[str]  # tenants sending under half their share (engine.demand)
 
     @classmethod
     def by_priority(
-        cls, running: list[Request], only: int | None = None
+        cls,
+        running: list[Request],
+        light_senders: dict[int, frozenset[str]],
+        only: int | None = None,
     ) -> dict[int, _TierShares]:
         """The shares of every tier with running requests (or of tier `only`), in one pass."""
         tiers: dict[int, _TierShares] = {}
@@ -544,7 +557,9 @@ class _TierShares:
                 continue
             shares = tiers.get(r.priority)
             if shares is None:
-                shares = tiers[r.priority] = cls({}, {}, 0, 0.0)
+                shares = tiers[r.priority] = cls(
+                    {}, {}, 0, 0.0, light_senders.get(r.priority, frozenset())
+                )
             shares.num_running[r.tenant_id] = shares.num_running.get(r.tenant_id, 0) + 1
             shares.num_in_tier += 1
             if r.tenant_id not in shares.weights:
@@ -553,8 +568,12 @@ class _TierShares:
         return tiers
 
     @classmethod
-    def of(cls, priority: int, running: list[Request]) -> _TierShares:
-        return cls.by_priority(running, only=priority).get(priority) or cls({}, {}, 0, 0.0)
+    def of(
+        cls, priority: int, running: list[Request], light_senders: dict[int, frozenset[str]]
+    ) -> _TierShares:
+        return cls.by_priority(running, light_senders, only=priority).get(priority) or cls(
+            {}, {}, 0, 0.0, light_senders.get(priority, frozenset())
+        )
 
     def load(self, tenant_id: str) -> float:
         """Running requests a tenant holds in the tier per unit of its weight."""
@@ -568,12 +587,17 @@ class _TierShares:
         weight = requester.weight if tenant_id == requester.tenant_id else self.weights[tenant_id]
         return (self.num_in_tier + 1) * weight / total_weight
 
-    def holds_under_half(self, tenant_id: str) -> bool:
-        """Whether a tenant with running requests in the tier holds under half its share."""
+    def is_light(self, tenant_id: str) -> bool:
+        """Whether a tenant with running requests in the tier is light: it holds under half
+        its share, or under its share while it sends under half its share."""
         share = self.num_in_tier * self.weights[tenant_id] / self.total_weight
-        return self.num_running[tenant_id] < share / 2
+        return self._is_light(tenant_id, self.num_running[tenant_id], share)
 
-    def is_under_share(self, request: Request) -> bool:
-        """Whether request's tenant holds under half its share (counting request)."""
+    def is_light_with(self, request: Request) -> bool:
+        """Whether request's tenant is light, its share counting request."""
         num_held = self.num_running.get(request.tenant_id, 0)
-        return num_held < self.share(request.tenant_id, request) / 2
+        return self._is_light(request.tenant_id, num_held, self.share(request.tenant_id, request))
+
+    def _is_light(self, tenant_id: str, num_held: int, share: float) -> bool:
+        limit = share if tenant_id in self.light_senders else share / 2
+        return num_held < limit

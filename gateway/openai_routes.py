@@ -46,6 +46,7 @@ from gateway.request_record import RequestRecord, RequestStatus
 from gateway.runtime import GatewayRuntime
 from gateway.served_model import ServedModel, tenant_context
 from gateway.telemetry import GenAiRequest, GenAiResponse, RequestTrace
+from policies import RefusalReason
 
 logger = logging.getLogger(__name__)
 
@@ -155,6 +156,9 @@ class _OpenAIApi:
                     num_max_tokens=params.n * sum(max_tokens),
                 )
         except AdmissionRefusal as refusal:
+            if refusal.reason == RefusalReason.SHED:  # demand all the same (engine.demand)
+                for prompt in prompts:
+                    engine.record_refused(len(prompt.token_ids), tenant)
             record = refused_record(
                 response_id, principal, parsed, served, num_prompt_tokens, arrival, refusal
             )

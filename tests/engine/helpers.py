@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 
 from engine import (
     CacheConfig,
@@ -15,6 +16,7 @@ from engine import (
 )
 from engine.fake_runner import FakeModelRunner, fake_next_token
 from engine.request import RequestStatus
+from engine.simulation import SimulatedClock
 
 VOCAB = 1000
 
@@ -30,7 +32,12 @@ def make_engine(
     prefix_caching: bool = True,
     max_model_len: int = 512,
     under_share_lane_every_steps: int = 4,
+    clock: Callable[[], float] | None = None,
 ) -> LLMEngine:
+    """An engine over the fake runner. Without clock its clock is simulated, each step moving
+    it by the fake runner's modelled step time, so what the scheduler reads of time (what
+    tenants sent lately) replays exactly; given clock (one the test moves, or real time for a
+    runner that sleeps), the runner leaves it alone."""
     config = EngineConfig(
         scheduler=SchedulerConfig(
             max_num_batched_tokens=max_num_batched_tokens,
@@ -41,8 +48,12 @@ def make_engine(
         ),
         cache=CacheConfig(block_size, prefix_caching, reserved or {}),
     )
-    runner = FakeModelRunner(num_blocks, block_size, VOCAB)
-    return LLMEngine(config, runner, queue)
+    if clock is None:
+        clock = SimulatedClock()
+        runner = FakeModelRunner(num_blocks, block_size, VOCAB, advance_clock=clock.advance)
+    else:
+        runner = FakeModelRunner(num_blocks, block_size, VOCAB)
+    return LLMEngine(config, runner, queue, clock=clock)
 
 
 def preempting_engine() -> LLMEngine:

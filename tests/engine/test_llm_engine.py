@@ -206,7 +206,7 @@ def test_stats_report_tiers_and_estimate_a_queue_wait() -> None:
 
 
 def test_async_engine_streams_outputs_and_aborts_on_early_exit() -> None:
-    engine = make_engine(num_blocks=64, block_size=4)
+    engine = make_engine(num_blocks=64, block_size=4, clock=time.monotonic)
     runner = engine.runner
     assert isinstance(runner, FakeModelRunner)
     runner.sleep = True  # real time, so the consumer can leave mid-stream
@@ -306,7 +306,7 @@ def test_a_steps_outputs_wake_the_event_loop_once() -> None:
 def test_a_steps_first_tokens_reach_their_consumers_before_its_later_tokens() -> None:
     """A step's outputs wake their consumers in delivery order, so a request's first token
     (what TTFT objectives hold) is delivered ahead of the same step's decode tokens."""
-    engine = make_engine(num_blocks=64, block_size=4)
+    engine = make_engine(num_blocks=64, block_size=4, clock=time.monotonic)
     runner = engine.runner
     assert isinstance(runner, FakeModelRunner)
     runner.sleep = True  # real step times, so "b" arrives while "a" is decoding

@@ -3,8 +3,11 @@ exactly the tokens they would have produced without preemption."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 from engine import LLMEngine, SamplingParams, TenantContext
 from engine.request import RequestStatus
+from engine.simulation import SimulatedClock
 from policies import TieredFairQueue
 from tests.engine.helpers import check_invariants, make_engine, reference_output, run_to_completion
 
@@ -357,3 +360,58 @@ def test_a_request_that_preempts_itself_is_not_taken_back_ahead_of_the_decodes()
     assert outputs["l0"] == reference_output(light_prompt, 4)
     for request_id, prompt in heavy_prompts.items():
         assert outputs[request_id] == reference_output(prompt, 30)
+
+
+def _light_holds_a_third_of_twelve_places(
+    num_heavy: int, clock: SimulatedClock
+) -> tuple[LLMEngine, Outputs, Outputs]:
+    """Twelve places: the light tenant's four requests and eight of the heavy tenant's run
+    (past the thrash guard), num_heavy - 8 more heavy ones wait; returns the engine, the
+    prompts and the tokens so far. The light tenant holds a third of the places: over half
+    its share, under its share."""
+    engine = make_engine(
+        num_blocks=128, block_size=4, max_num_batched_tokens=16, max_num_seqs=12,
+        queue=TieredFairQueue(), clock=clock,
+    )
+    prompts = {f"l{i}": list(range(500 + 10 * i, 508 + 10 * i)) for i in range(4)}
+    prompts |= {f"h{i}": list(range(100 + 10 * i, 108 + 10 * i)) for i in range(num_heavy)}
+    for request_id, prompt in prompts.items():
+        tenant = LIGHT if request_id.startswith("l") else HEAVY
+        engine.add_request(request_id, prompt, _params(40), tenant)
+    outputs: Outputs = {}
+    for _ in range(12):
+        _step(engine, outputs)
+        clock.advance(0.01)
+    held = Counter(r.tenant_id for r in engine.scheduler.running)
+    assert held == {"light": 4, "heavy": 8}
+    return engine, prompts, outputs
+
+
+def test_a_tenant_sending_little_keeps_its_prompts_first_while_its_requests_pile_up() -> None:
+    """A light tenant holding a third of the places is over half its share; while it sends
+    under half its share of the tier's prompt tokens it still takes a place from the heavy
+    tenant, its prompt ahead of the decodes. Not when it sends as much, nor once the heavy
+    tenant's sending is older than the window (5 s of the engine's clock)."""
+    for num_heavy, idle_s, light_sender in ((40, 0.0, True), (10, 0.0, False),
+                                           (40, 6.0, False)):
+        clock = SimulatedClock()
+        engine, prompts, outputs = _light_holds_a_third_of_twelve_places(num_heavy, clock)
+        clock.advance(idle_s)
+        prompts["l4"] = list(range(600, 608))
+        engine.add_request("l4", prompts["l4"], _params(4), LIGHT)
+        _step(engine, outputs)
+        light = engine.scheduler.requests["l4"]
+        victims = [r for r in engine.scheduler.requests.values() if r.num_preemptions]
+        case = (num_heavy, idle_s)
+        if light_sender:
+            assert light.num_computed_tokens == 8, case
+            assert len(victims) == 1 and victims[0].tenant_id == "heavy", case
+            assert victims[0].preempted_by_tenant_id == "heavy", case  # it pays its recompute
+        else:
+            assert light.status == RequestStatus.WAITING and not victims, case
+        for (request_id, _), tokens in run_to_completion(engine).items():
+            outputs.setdefault(request_id, []).extend(tokens)
+        check_invariants(engine)
+        for request_id, prompt in prompts.items():
+            assert outputs[request_id] == reference_output(prompt, len(outputs[request_id]))
+            assert len(outputs[request_id]) == (4 if request_id == "l4" else 40), request_id

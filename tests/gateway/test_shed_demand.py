@@ -1,0 +1,69 @@
+"""A request shed for overload still counts as its tenant's demand in the engine
+(`engine.demand`): the scheduler's light-sender rule must see a heavy tenant as heavy however
+much of it the gateway sheds.
+
+The replica runs in this process (tests/gateway/app_harness.py) with its engine slowed to
+0.2 s a step and every objective scaled to a twentieth, so a burst of long prompts overloads
+it: the first is admitted (nothing ahead of it), those arriving within its first step see it
+ahead and are shed. Clients use the openai SDK.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+
+from gateway.served_model import DEMO_MODEL_NAME
+from policies import TierTable
+from tests.gateway.app_harness import start_gateway
+
+NUM_BURST = 6
+BURST_PROMPT = list(range(100, 200))  # 100 token ids
+WARM_UP_PROMPT = [5, 6, 7, 8]
+
+
+def test_shed_requests_count_as_their_tenants_demand(tmp_path: Path) -> None:
+    tiers = TierTable().scaled(0.05)
+    gateway = start_gateway(tmp_path, tiers=tiers)
+    try:
+        tenant_id, key = gateway.create_tenant("bursty", "standard")
+        client = openai.OpenAI(base_url=f"{gateway.base_url}/v1", api_key=key, max_retries=0)
+        gateway.runner.extra_delay_s = 0.2
+        # One request first, so the engine has measured how fast it drains prompts.
+        client.completions.create(model=DEMO_MODEL_NAME, prompt=WARM_UP_PROMPT, max_tokens=2)
+
+        def send(_: int) -> bool:
+            """True: admitted; False: shed."""
+            try:
+                client.completions.create(model=DEMO_MODEL_NAME, prompt=BURST_PROMPT, max_tokens=2)
+                return True
+            except openai.RateLimitError as exc:
+                assert "overloaded" in str(exc)
+                return False
+
+        with ThreadPoolExecutor(NUM_BURST) as pool:
+            admitted = list(pool.map(send, range(NUM_BURST)))
+        assert True in admitted and False in admitted, admitted
+        engine = gateway.runtime.engine
+        assert engine is not None
+        # Read in the engine's thread, after the refusals: its commands run in order, and each
+        # refusal was submitted before its 429 was sent.
+        read = threading.Event()
+        sent: list[dict[int, dict[str, int]]] = []
+
+        def read_demand() -> None:
+            sent.append(engine.engine.scheduler.demand.sent(engine.engine.clock()))
+            read.set()
+
+        engine._submit(read_demand)
+        assert read.wait(10)
+        # Every burst request is in the tenant's demand, shed or not (the warm-up too, unless
+        # this host took over 5 s since it).
+        burst = NUM_BURST * len(BURST_PROMPT)
+        tokens = sent[0][tiers["standard"].priority][str(tenant_id)]
+        assert tokens in (burst, burst + len(WARM_UP_PROMPT)), (sent, admitted)
+    finally:
+        gateway.stop()
