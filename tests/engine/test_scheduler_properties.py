@@ -54,11 +54,21 @@ def _arrival(
             "prompt_len": prompt_len, "max_tokens": max_tokens, "n": n}
 
 
+def _tiered_scenario(
+    arrivals: list[dict[str, object]], aborts: list[tuple[int, int]], num_blocks: int,
+    budget: int, max_num_seqs: int, cap: int | None, seed: int, step_s: float,
+) -> dict[str, object]:
+    """A scenario of the tiered policy without prefix caching (both livelocks found were)."""
+    return {"arrivals": arrivals, "aborts": aborts, "num_blocks": num_blocks, "budget": budget,
+            "max_num_seqs": max_num_seqs, "tiered": True, "cap": cap, "prefix_caching": False,
+            "seed": seed, "step_s": step_s}
+
+
 # Found by this test in CI (2026-11-22): a prompt under its tenant's share took the whole budget
 # ahead of the decodes, preempted itself to grow and was admitted again in the same step, so
 # no decode ever ran (the scheduler no longer takes a request back in the step that preempted it).
-_SELF_PREEMPTION_LIVELOCK = {
-    "arrivals": [
+_SELF_PREEMPTION_LIVELOCK = _tiered_scenario(
+    [
         _arrival(0, "a", 0, 0, 9, 3, 1),
         _arrival(1, "b", 2, 1, 11, 15, 1),
         _arrival(2, "a", 0, 0, 6, 12, 1),
@@ -71,16 +81,8 @@ _SELF_PREEMPTION_LIVELOCK = {
         _arrival(23, "b", 2, 1, 24, 22, 1),
         _arrival(30, "a", 0, 0, 26, 12, 1),
     ],
-    "aborts": [],
-    "num_blocks": 37,
-    "budget": 16,
-    "max_num_seqs": 5,
-    "tiered": True,
-    "cap": None,
-    "prefix_caching": False,
-    "seed": 2830,
-    "step_s": 0.0,
-}
+    aborts=[], num_blocks=37, budget=16, max_num_seqs=5, cap=None, seed=2830, step_s=0.0,
+)
 
 
 # Found by this test (2026-11-22) once what tenants send counted: a light tenant's prompt
@@ -88,8 +90,8 @@ _SELF_PREEMPTION_LIVELOCK = {
 # sample was admitted with the freed blocks, taking the whole budget again; the two took turns
 # for good and the decodes never ran (nobody is admitted ahead of the running requests now in
 # a step where one of them could not grow).
-_SIBLINGS_TAKING_TURNS_LIVELOCK = {
-    "arrivals": [
+_SIBLINGS_TAKING_TURNS_LIVELOCK = _tiered_scenario(
+    [
         _arrival(8, "c", 2, 1, 24, 5, 1),
         _arrival(3, "b", 1, 1, 25, 16, 2),
         _arrival(8, "a", 0, 1, 39, 8, 2),
@@ -105,16 +107,8 @@ _SIBLINGS_TAKING_TURNS_LIVELOCK = {
         _arrival(27, "a", 1, 2, 23, 22, 1),
         _arrival(16, "a", 2, 2, 17, 2, 1),
     ],
-    "aborts": [(5, 0)],
-    "num_blocks": 31,
-    "budget": 8,
-    "max_num_seqs": 6,
-    "tiered": True,
-    "cap": 20,
-    "prefix_caching": False,
-    "seed": 172,
-    "step_s": 0.1,
-}
+    aborts=[(5, 0)], num_blocks=31, budget=8, max_num_seqs=6, cap=20, seed=172, step_s=0.1,
+)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
