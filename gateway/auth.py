@@ -1,9 +1,13 @@
 """Tenant authentication: ``Authorization: Bearer tg-...`` to a tenant, through a TTL cache.
 
 Each process caches resolved keys by their SHA-256 for ``ttl_s`` seconds (5 s by default),
-so a hot key costs one hash and one dict lookup, not a database query. A revocation or a
+so a hot key costs one hash and one dict lookup, not a database query. A request that finds
+its entry in the last fifth of its life is answered from it and starts a reload in the
+background (one at a time per key, on the resolver's own thread), so a key in steady use never
+waits for the database: only a key unseen for most of ``ttl_s`` does. A revocation or a
 tenant change made through this process's admin API calls ``invalidate`` and takes effect
-on the next request; one made elsewhere (another replica, the CLI) within ``ttl_s``.
+on the next request; one made elsewhere (another replica, the CLI) within ``ttl_s``: no
+answer older than that is served while the database answers.
 
 While the database is unreachable, a key this process resolved within the last
 ``max_stale_s`` seconds keeps its last answer (and the database is tried again every
@@ -21,6 +25,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 import anyio.to_thread
@@ -39,6 +44,8 @@ DEFAULT_KEY_CACHE_TTL_S = 5.0
 # How long after its last successful lookup a key is still served while the database is down.
 DEFAULT_KEY_MAX_STALE_S = 900.0
 DEFAULT_KEY_CACHE_MAX_ENTRIES = 10_000
+# An entry this far into its life is reloaded in the background by the next request using it.
+_REFRESH_AT_FRACTION_OF_TTL = 0.8
 
 logger = logging.getLogger(__name__)
 
@@ -96,8 +103,10 @@ class _CacheEntry:
     principal: TenantPrincipal
     is_revoked: bool
     is_tenant_disabled: bool
-    # clock() value after which the entry is reloaded.
+    # clock() value after which the entry is not used (but kept for a database outage).
     expires_at: float
+    # clock() value from which a request using the entry reloads it in the background.
+    refresh_at: float
     # clock() value of the database lookup it came from (bounds its use during an outage).
     loaded_at: float
 
@@ -134,11 +143,15 @@ class TenantKeyResolver:
         # Bumped by invalidate(): a load that started before it must not refill the cache.
         self._generation = 0
         self._lock = threading.Lock()
+        # Background reloads by key hash, while they run; one thread does them in turn.
+        self._refreshes: dict[str, Future[None]] = {}
+        self._refresher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="key-refresh")
+        self._closed = False
 
     async def authenticate(self, request: Request) -> TenantPrincipal:
         """The caller of request; a cache miss queries the database off the event loop."""
         plaintext, key_hash = _presented_key(request.headers.get("authorization"))
-        entry = self._cached(key_hash)
+        entry = self._cached(plaintext, key_hash)
         if entry is None:
             entry = await anyio.to_thread.run_sync(self._load, plaintext, key_hash)
         return _admit(entry)
@@ -146,8 +159,22 @@ class TenantKeyResolver:
     def resolve(self, authorization: str | None) -> TenantPrincipal:
         """Blocking form of authenticate, for code already off the event loop."""
         plaintext, key_hash = _presented_key(authorization)
-        entry = self._cached(key_hash) or self._load(plaintext, key_hash)
+        entry = self._cached(plaintext, key_hash) or self._load(plaintext, key_hash)
         return _admit(entry)
+
+    def wait_for_refreshes(self, timeout_s: float | None = None) -> None:
+        """Block until the background reloads started so far have ended."""
+        with self._lock:
+            pending = list(self._refreshes.values())
+        for future in pending:
+            future.exception(timeout=timeout_s)
+
+    def close(self) -> None:
+        """Stop the background reloads (those already started finish first); the cache still
+        answers, a due entry is then reloaded only when it expires."""
+        with self._lock:
+            self._closed = True
+        self._refresher.shutdown(wait=True)
 
     def invalidate(self, *, api_key_id: int | None = None, tenant_id: int | None = None) -> None:
         """Forget cached entries of a key or of all a tenant's keys (after an admin change)."""
@@ -167,15 +194,38 @@ class TenantKeyResolver:
             self._generation += 1
             self._entries.clear()
 
-    def _cached(self, key_hash: str) -> _CacheEntry | None:
-        """The entry if it has not expired. Expired entries stay (until replaced or evicted)
-        as the fallback of a lookup the database cannot answer."""
+    def _cached(self, plaintext: str, key_hash: str) -> _CacheEntry | None:
+        """The entry if it has not expired, reloading it in the background when it is due.
+        Expired entries stay (until replaced or evicted) as the fallback of a lookup the
+        database cannot answer."""
         with self._lock:
             entry = self._entries.get(key_hash)
-            if entry is None or entry.expires_at <= self._clock():
+            now = self._clock()
+            if entry is None or entry.expires_at <= now:
                 return None
             self._entries.move_to_end(key_hash)
+            if entry.refresh_at <= now and not self._closed and key_hash not in self._refreshes:
+                # _refresh takes the lock to end: it cannot end before this line is done.
+                self._refreshes[key_hash] = self._refresher.submit(
+                    self._refresh, plaintext, key_hash
+                )
             return entry
+
+    def _refresh(self, plaintext: str, key_hash: str) -> None:
+        """A background reload: its answer replaces the entry (`_load`). A key that no longer
+        exists loses its entry, so its next request is refused at once."""
+        try:
+            self._load(plaintext, key_hash)
+        except InvalidApiKeyError:
+            with self._lock:
+                self._entries.pop(key_hash, None)
+        except ServiceUnavailableError:
+            pass  # the entry stays until it expires; the next lookup after that answers 503
+        except Exception:
+            logger.exception("background reload of an API key failed")
+        finally:
+            with self._lock:
+                self._refreshes.pop(key_hash, None)
 
     def _load(self, plaintext: str, key_hash: str) -> _CacheEntry:
         with self._lock:
@@ -204,6 +254,7 @@ class TenantKeyResolver:
                 is_revoked=api_key.is_revoked,
                 is_tenant_disabled=not api_key.tenant.is_active,
                 expires_at=now + self.ttl_s,
+                refresh_at=now + self.ttl_s * _REFRESH_AT_FRACTION_OF_TTL,
                 loaded_at=now,
             )
             if not entry.is_revoked and not entry.is_tenant_disabled:
@@ -235,7 +286,7 @@ class TenantKeyResolver:
             now - stale.loaded_at,
         )
         # Ask the database again after another ttl_s, not on every request.
-        return replace(stale, expires_at=now + self.ttl_s)
+        return replace(stale, expires_at=now + self.ttl_s, refresh_at=now + self.ttl_s)
 
 
 def _presented_key(authorization: str | None) -> tuple[str, str]:

@@ -121,6 +121,7 @@ class GatewayRuntime:
             await asyncio.gather(*self._background, return_exceptions=True)
         for callback in self._on_close:
             await callback()
+        await anyio.to_thread.run_sync(self.key_resolver.close)
         self.db_engine.dispose()
 
     # -- state the routes read -------------------------------------------------------------------

@@ -324,3 +324,67 @@ def test_last_used_that_cannot_be_written_does_not_fail_authentication(
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr("gateway.auth.mark_api_key_used", _database_down)
         assert resolver.resolve(f"Bearer {key}").tenant_name == "acme"
+
+
+def test_a_key_in_use_is_reloaded_in_the_background_before_it_expires(
+    session: Session, session_factory: sessionmaker[Session]
+) -> None:
+    key_id, key = _tenant_key(session)
+    now = [0.0]
+    resolver = TenantKeyResolver(session_factory, ttl_s=5.0, clock=lambda: now[0])
+    principal = resolver.resolve(f"Bearer {key}")
+    tenants.revoke_api_key(session, tenants.get_api_key(session, key_id), actor="elsewhere")
+    session.commit()
+    started, release = threading.Event(), threading.Event()
+    lookups: list[float] = []
+    original = tenants.find_api_key
+
+    def held_find(*args: object, **kwargs: object) -> object:
+        lookups.append(now[0])
+        started.set()
+        assert release.wait(10), "the test never released the lookup"
+        return original(*args, **kwargs)  # type: ignore[arg-type]
+
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr("gateway.auth.find_api_key", held_find)
+            now[0] = 3.9  # before the last fifth of the entry's life: no reload
+            assert resolver.resolve(f"Bearer {key}") == principal
+            resolver.wait_for_refreshes()
+            assert lookups == []
+            now[0] = 4.5  # in it: answered from the entry, the reload runs in the background
+            assert resolver.resolve(f"Bearer {key}") == principal
+            assert started.wait(10)
+            assert not release.is_set()  # the request above did not wait for the database
+            assert resolver.resolve(f"Bearer {key}") == principal  # one reload at a time
+            release.set()
+            resolver.wait_for_refreshes(timeout_s=10)
+        assert lookups == [4.5]
+        # The reload's answer is used before the old entry would have expired.
+        with pytest.raises(RevokedApiKeyError):
+            resolver.resolve(f"Bearer {key}")
+    finally:
+        release.set()
+        resolver.close()
+
+
+def test_a_background_reload_during_an_outage_keeps_the_entry(
+    session: Session, session_factory: sessionmaker[Session]
+) -> None:
+    _, key = _tenant_key(session)
+    now = [0.0]
+    resolver = TenantKeyResolver(
+        session_factory, ttl_s=5.0, max_stale_s=60.0, clock=lambda: now[0]
+    )
+    try:
+        principal = resolver.resolve(f"Bearer {key}")
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr("gateway.auth.find_api_key", _database_down)
+            now[0] = 4.5
+            assert resolver.resolve(f"Bearer {key}") == principal
+            resolver.wait_for_refreshes(timeout_s=10)
+            now[0] = 9.0  # the failed reload kept the entry and put the next try a ttl later
+            assert resolver.resolve(f"Bearer {key}") == principal
+            resolver.wait_for_refreshes(timeout_s=10)
+    finally:
+        resolver.close()
