@@ -5,6 +5,11 @@ with a token-id prompt, and timed from the client's side.
 Per request: the time to the first token, the gap before every later token, the end-to-end
 time, the HTTP status (429s are shed requests when quotas are unlimited) and the usage the
 server reported. Each streamed chunk carries one engine output, i.e. one token.
+
+The client is aiohttp (its response parser is compiled): the generator shares the machine
+with the server it measures, and each of its own milliseconds per chunk is both a
+millisecond the server's steps lose to it and a delay it adds to the times it reports
+(ops/bench/README.md, "The load generator's own cost").
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import time
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-import httpx
+import aiohttp
 
 from gateway.bench_serve.errors import BenchConfigError
 from gateway.bench_serve.plan import PlannedRequest
@@ -208,7 +213,7 @@ class LoadGenerator:
 
     async def _send(
         self,
-        client: httpx.AsyncClient,
+        client: aiohttp.ClientSession,
         planned: PlannedRequest,
         started: float,
         bar: ProgressBar,
@@ -239,17 +244,16 @@ class LoadGenerator:
             num_output_tokens_requested=planned.num_output_tokens,
         )
         try:
-            async with client.stream(
-                "POST", f"{self.base_url}/v1/completions", json=body, headers=headers
+            async with client.post(
+                f"{self.base_url}/v1/completions", json=body, headers=headers
             ) as response:
-                result.status_code = response.status_code
+                result.status_code = response.status
                 result.server_s = _processing_s(response)
-                if response.status_code != 200:
-                    await response.aread()
-                    result.error = _error_message(response)
+                if response.status != 200:
+                    result.error = _error_message(response.status, await response.read())
                 else:
                     await _read_stream(response, result, sent)
-        except httpx.HTTPError as exc:
+        except (aiohttp.ClientError, TimeoutError) as exc:
             result.error = f"{type(exc).__name__}: {exc}"
         except (ValueError, KeyError, TypeError) as exc:  # a malformed event
             result.error = f"unreadable stream: {type(exc).__name__}: {exc}"
@@ -266,21 +270,23 @@ class LoadGenerator:
         return result
 
 
-def _processing_s(response: httpx.Response) -> float | None:
+def _processing_s(response: aiohttp.ClientResponse) -> float | None:
     try:
         return float(response.headers["openai-processing-ms"]) / 1000
     except (KeyError, ValueError):
         return None
 
 
-async def _read_stream(response: httpx.Response, result: RequestResult, sent: float) -> None:
+async def _read_stream(
+    response: aiohttp.ClientResponse, result: RequestResult, sent: float
+) -> None:
     last_token_at: float | None = None
     num_chunks = 0
-    async for line in response.aiter_lines():
-        if not line.startswith("data: "):
+    async for line in response.content:
+        if not line.startswith(b"data: "):
             continue
-        payload = line[len("data: "):]
-        if payload == "[DONE]":
+        payload = line[len(b"data: "):].rstrip(b"\r\n")
+        if payload == b"[DONE]":
             break
         now = time.perf_counter()
         event = json.loads(payload)
@@ -325,17 +331,20 @@ def collector_paused() -> Iterator[None]:
 
 
 @contextlib.asynccontextmanager
-async def _session() -> AsyncIterator[httpx.AsyncClient]:
-    """The client of one run, with no garbage collection while it runs (collector_paused)."""
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    timeout = httpx.Timeout(connect=30.0, read=_READ_TIMEOUT_S, write=30.0, pool=None)
+async def _session() -> AsyncIterator[aiohttp.ClientSession]:
+    """The client of one run, with no garbage collection while it runs (collector_paused):
+    as many connections as requests in flight, kept alive between requests."""
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=None, connect=30.0, sock_read=_READ_TIMEOUT_S)
     with collector_paused():
-        async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
+        async with aiohttp.ClientSession(
+            connector=connector, timeout=timeout, trust_env=False
+        ) as client:
             yield client
 
 
-def _error_message(response: httpx.Response) -> str:
+def _error_message(status: int, body: bytes) -> str:
     try:
-        return str(response.json()["error"]["message"])
+        return str(json.loads(body)["error"]["message"])
     except (ValueError, KeyError, TypeError):
-        return f"HTTP {response.status_code}: {response.text[:200]}"
+        return f"HTTP {status}: {body[:200].decode(errors='replace')}"
