@@ -295,14 +295,23 @@ def _database_down(*_args: object, **_kwargs: object) -> None:
     raise OperationalError("SELECT", {}, ConnectionRefusedError("connection refused"))
 
 
-def test_a_known_key_keeps_its_answer_through_a_database_outage(
-    session: Session, session_factory: sessionmaker[Session]
-) -> None:
-    _, key = _tenant_key(session)
+def _resolver_on_a_clock(
+    session_factory: sessionmaker[Session],
+) -> tuple[list[float], TenantKeyResolver]:
+    """A resolver (TTL 5 s, answers kept 60 s through an outage) on a clock set through
+    now[0]."""
     now = [0.0]
     resolver = TenantKeyResolver(
         session_factory, ttl_s=5.0, max_stale_s=60.0, clock=lambda: now[0]
     )
+    return now, resolver
+
+
+def test_a_known_key_keeps_its_answer_through_a_database_outage(
+    session: Session, session_factory: sessionmaker[Session]
+) -> None:
+    _, key = _tenant_key(session)
+    now, resolver = _resolver_on_a_clock(session_factory)
     principal = resolver.resolve(f"Bearer {key}")
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr("gateway.auth.find_api_key", _database_down)
@@ -330,8 +339,7 @@ def test_a_key_in_use_is_reloaded_in_the_background_before_it_expires(
     session: Session, session_factory: sessionmaker[Session]
 ) -> None:
     key_id, key = _tenant_key(session)
-    now = [0.0]
-    resolver = TenantKeyResolver(session_factory, ttl_s=5.0, clock=lambda: now[0])
+    now, resolver = _resolver_on_a_clock(session_factory)
     principal = resolver.resolve(f"Bearer {key}")
     tenants.revoke_api_key(session, tenants.get_api_key(session, key_id), actor="elsewhere")
     session.commit()
@@ -372,10 +380,7 @@ def test_a_background_reload_during_an_outage_keeps_the_entry(
     session: Session, session_factory: sessionmaker[Session]
 ) -> None:
     _, key = _tenant_key(session)
-    now = [0.0]
-    resolver = TenantKeyResolver(
-        session_factory, ttl_s=5.0, max_stale_s=60.0, clock=lambda: now[0]
-    )
+    now, resolver = _resolver_on_a_clock(session_factory)
     try:
         principal = resolver.resolve(f"Bearer {key}")
         with pytest.MonkeyPatch.context() as patch:
