@@ -44,8 +44,9 @@ DEFAULT_KEY_CACHE_TTL_S = 5.0
 # How long after its last successful lookup a key is still served while the database is down.
 DEFAULT_KEY_MAX_STALE_S = 900.0
 DEFAULT_KEY_CACHE_MAX_ENTRIES = 10_000
-# An entry this far into its life is reloaded in the background by the next request using it.
-_REFRESH_AT_FRACTION_OF_TTL = 0.8
+# The last part of an entry's life (a fraction of ttl_s) in which the next request using it
+# reloads it in the background.
+_REFRESH_AHEAD_FRACTION_OF_TTL = 0.2
 
 logger = logging.getLogger(__name__)
 
@@ -105,8 +106,6 @@ class _CacheEntry:
     is_tenant_disabled: bool
     # clock() value after which the entry is not used (but kept for a database outage).
     expires_at: float
-    # clock() value from which a request using the entry reloads it in the background.
-    refresh_at: float
     # clock() value of the database lookup it came from (bounds its use during an outage).
     loaded_at: float
 
@@ -204,7 +203,8 @@ class TenantKeyResolver:
             if entry is None or entry.expires_at <= now:
                 return None
             self._entries.move_to_end(key_hash)
-            if entry.refresh_at <= now and not self._closed and key_hash not in self._refreshes:
+            is_due = entry.expires_at - now <= self.ttl_s * _REFRESH_AHEAD_FRACTION_OF_TTL
+            if is_due and not self._closed and key_hash not in self._refreshes:
                 # _refresh takes the lock to end: it cannot end before this line is done.
                 self._refreshes[key_hash] = self._refresher.submit(
                     self._refresh, plaintext, key_hash
@@ -254,7 +254,6 @@ class TenantKeyResolver:
                 is_revoked=api_key.is_revoked,
                 is_tenant_disabled=not api_key.tenant.is_active,
                 expires_at=now + self.ttl_s,
-                refresh_at=now + self.ttl_s * _REFRESH_AT_FRACTION_OF_TTL,
                 loaded_at=now,
             )
             if not entry.is_revoked and not entry.is_tenant_disabled:
@@ -285,8 +284,9 @@ class TenantKeyResolver:
             stale.principal.api_key_id,
             now - stale.loaded_at,
         )
-        # Ask the database again after another ttl_s, not on every request.
-        return replace(stale, expires_at=now + self.ttl_s, refresh_at=now + self.ttl_s)
+        # Ask the database again after another ttl_s (from a request near the end of it, in
+        # the background), not on every request.
+        return replace(stale, expires_at=now + self.ttl_s)
 
 
 def _presented_key(authorization: str | None) -> tuple[str, str]:

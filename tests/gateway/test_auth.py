@@ -383,13 +383,23 @@ def test_a_background_reload_during_an_outage_keeps_the_entry(
     now, resolver = _resolver_on_a_clock(session_factory)
     try:
         principal = resolver.resolve(f"Bearer {key}")
+        tries: list[float] = []
+
+        def database_down(*args: object, **kwargs: object) -> None:
+            tries.append(now[0])
+            _database_down(*args, **kwargs)
+
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr("gateway.auth.find_api_key", _database_down)
-            now[0] = 4.5
-            assert resolver.resolve(f"Bearer {key}") == principal
-            resolver.wait_for_refreshes(timeout_s=10)
-            now[0] = 9.0  # the failed reload kept the entry and put the next try a ttl later
-            assert resolver.resolve(f"Bearer {key}") == principal
-            resolver.wait_for_refreshes(timeout_s=10)
+            patch.setattr("gateway.auth.find_api_key", database_down)
+            # Each request near its entry's end tries the database in the background; the
+            # failed try keeps the entry and gives it another ttl_s (up to max_stale_s).
+            for at_s in (4.5, 9.0, 13.6):
+                now[0] = at_s
+                assert resolver.resolve(f"Bearer {key}") == principal
+                resolver.wait_for_refreshes(timeout_s=10)
+            assert tries == [4.5, 9.0, 13.6]  # each before its entry expired: in the background
+            now[0] = 61.0  # past max_stale_s since the last answer: the database's outage shows
+            with pytest.raises(ServiceUnavailableError):
+                resolver.resolve(f"Bearer {key}")
     finally:
         resolver.close()
