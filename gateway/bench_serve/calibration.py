@@ -15,6 +15,13 @@ flight (the batch would only drain from then on). Output tokens per second in th
 over the mean output length of the requests sent, is the request rate the server sustains
 on this mix with a full batch: beyond it the queue grows without bound. (Counting the
 completions instead would overstate it: the first requests to complete are the shortest.)
+
+Both are measured in several attempts, one after another on the same server (each with its
+own prompts, so none is a prefix-cache hit), and the fastest of each kept: the shortest
+median prefill and the highest capacity. The machine's other guests take CPU time in bursts
+(host steal, 0-17 % of a run here); a calibration taken in one of them makes every load of
+the sweep lighter than its label, one taken on a quiet host does not, and the best of a few
+attempts is the quiet host's figure whenever one of them ran quiet.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from policies import TierTable
 __all__ = [
     "REFERENCE_PROMPT_LEN",
     "Calibration",
+    "CapacityAttempt",
     "calibration_of",
     "capacity_window",
     "measure_capacity",
@@ -41,6 +49,27 @@ __all__ = [
 REFERENCE_PROMPT_LEN = 1024  # tokens of the unloaded reference prefill
 # The premium TTFT objective is this many unloaded reference prefills (engine.simulation).
 _PREFILLS_PER_PREMIUM_SLO = 10
+# Seeds of the probes' prompts start here, far from any workload's seed: every attempt's
+# probes and capacity run get prompts of their own.
+_PROBE_SEED_BASE = 1_000_000
+
+
+@dataclass(frozen=True)
+class CapacityAttempt:
+    """One closed-loop capacity run, reduced to its window (see capacity_window)."""
+
+    capacity_rps: float
+    output_tokens_per_s: float
+    window_s: float
+    num_completions: int  # completions the window spans
+    steal_share: float | None  # CPU time the hypervisor took during the run (None: unknown)
+
+    @classmethod
+    def of(cls, record: RunRecord) -> CapacityAttempt:
+        capacity_rps, tokens_per_s, window_s = capacity_window(record)
+        num_completions = sum(r.is_completed for r in record.results)
+        return cls(capacity_rps, tokens_per_s, window_s, num_completions,
+                   record.host_steal_share)
 
 
 @dataclass(frozen=True)
@@ -50,16 +79,24 @@ class Calibration:
 
     slo_scale: float  # factor applied to every latency objective of the tier table
     capacity_rps: float  # requests/s the loads are multiples of
-    # Median unloaded TTFT of a 1024-token prompt; None when the scale was given.
-    reference_prefill_s: float | None = None
-    reference_prefill_samples_s: list[float] = field(default_factory=list)  # warm-up excluded
-    # Output tokens/s and length of the closed-loop window; None when the capacity was given.
-    capacity_output_tokens_per_s: float | None = None
-    capacity_window_s: float | None = None
-    num_capacity_completions: int = 0  # completions the window spans (0: given)
-    capacity_concurrency: int = 0  # requests the closed-loop run kept in flight
-    # CPU time the hypervisor took from this machine during the capacity run (None: unknown)
-    capacity_steal_share: float | None = None
+    # Each attempt's probe TTFTs (warm-up excluded); empty when the scale was given.
+    prefill_attempts_s: list[list[float]] = field(default_factory=list)
+    # Each attempt's closed-loop run; empty when the capacity was given.
+    capacity_attempts: list[CapacityAttempt] = field(default_factory=list)
+    capacity_concurrency: int = 0  # requests the closed-loop runs kept in flight
+
+    @property
+    def reference_prefill_s(self) -> float | None:
+        """The fastest attempt's median unloaded 1024-token TTFT (None: scale given)."""
+        medians = [statistics.median(s) for s in self.prefill_attempts_s if s]
+        return min(medians) if medians else None
+
+    @property
+    def capacity(self) -> CapacityAttempt | None:
+        """The attempt the capacity comes from: the highest output tokens/s (None: given)."""
+        if not self.capacity_attempts:
+            return None
+        return max(self.capacity_attempts, key=lambda a: a.output_tokens_per_s)
 
     @property
     def is_slo_scale_measured(self) -> bool:
@@ -67,7 +104,7 @@ class Calibration:
 
     @property
     def is_capacity_measured(self) -> bool:
-        return self.capacity_window_s is not None
+        return self.capacity is not None
 
 
 def slo_scale(reference_prefill_s: float, tiers: TierTable) -> float:
@@ -79,9 +116,16 @@ def slo_scale(reference_prefill_s: float, tiers: TierTable) -> float:
 
 
 def measure_reference_prefill_s(
-    target: BenchTarget, tenant: str, tier: str, tiers: TierTable, num_probes: int = 5
+    target: BenchTarget,
+    tenant: str,
+    tier: str,
+    tiers: TierTable,
+    num_probes: int = 5,
+    *,
+    attempt: int = 0,
 ) -> list[float]:
-    """Unloaded TTFT of each probe (a 1024-token prompt), one request at a time."""
+    """Unloaded TTFT of each probe (a 1024-token prompt), one request at a time; each
+    attempt on a server sends prompts of its own."""
     samples = []
     for index in range(num_probes + 1):  # the first is a warm-up
         probe = WorkloadRequest(
@@ -93,7 +137,8 @@ def measure_reference_prefill_s(
             output_len=1,
             shared_prefix_len=0,
         )
-        record = target.run(Workload(seed=index, rate_rps=0.0, requests=[probe]), "", tiers, 0.0)
+        seed = _PROBE_SEED_BASE + attempt * (num_probes + 1) + index
+        record = target.run(Workload(seed=seed, rate_rps=0.0, requests=[probe]), "", tiers, 0.0)
         result = record.results[0]
         if result.ttft_s is None:
             raise BenchServeError(f"the reference prefill failed: {result.error}")
@@ -108,13 +153,17 @@ def measure_capacity(
     tiers: TierTable,
     concurrency: int,
     num_completions: int,
+    *,
+    attempt: int = 0,
 ) -> RunRecord:
     """The closed-loop run behind the capacity figures: the workload's first
     concurrency + num_completions requests, stopped at the num_completions-th completion
-    (the end of the window, see capacity_window), the requests in flight then cancelled."""
+    (the end of the window, see capacity_window), the requests in flight then cancelled.
+    Each attempt on a server has prompts of its own (prompt seed: the workload's + attempt)."""
     if num_completions < 2:
         raise BenchConfigError("the capacity run needs at least 2 completions")
-    requests = replace(workload, requests=workload.requests[: concurrency + num_completions])
+    requests = replace(workload, requests=workload.requests[: concurrency + num_completions],
+                       seed=workload.seed + attempt)
     record = target.run_closed_loop(requests, concurrency, "capacity (closed loop)", tiers,
                                     num_to_complete=num_completions)
     refused = [r for r in record.results if not r.is_completed and r.error != CANCELLED]
@@ -147,27 +196,23 @@ def calibration_of(
     tiers: TierTable,
     *,
     slo_scale_given: float | None = None,
-    prefill_samples_s: list[float] | None = None,
+    prefill_attempts_s: list[list[float]] | None = None,
     capacity_rps_given: float | None = None,
-    capacity: RunRecord | None = None,
+    capacity_runs: list[RunRecord] | None = None,
     concurrency: int = 0,
 ) -> Calibration:
-    """The calibration from a given value or the measurement of each figure."""
-    if slo_scale_given is None:
-        if not prefill_samples_s:
-            raise BenchConfigError("neither an SLO scale nor prefill samples")
-        reference_s: float | None = statistics.median(prefill_samples_s)
-        assert reference_s is not None
-        scale = slo_scale(reference_s, tiers)
-    else:
-        reference_s, scale = None, slo_scale_given
-    if capacity_rps_given is None:
-        if capacity is None:
-            raise BenchConfigError("neither a capacity nor a capacity run")
-        capacity_rps, tokens_per_s, window_s = capacity_window(capacity)
-        return Calibration(
-            scale, capacity_rps, reference_s, list(prefill_samples_s or []), tokens_per_s,
-            window_s, sum(r.is_completed for r in capacity.results), concurrency,
-            capacity.host_steal_share,
-        )
-    return Calibration(scale, capacity_rps_given, reference_s, list(prefill_samples_s or []))
+    """The calibration from a given value or the attempts at measuring each figure (a
+    given value wins over measurements of it)."""
+    prefills = [] if slo_scale_given is not None else [list(s) for s in prefill_attempts_s or []]
+    runs = [] if capacity_rps_given is not None else capacity_runs or []
+    attempts = [CapacityAttempt.of(record) for record in runs]
+    calibration = Calibration(0.0, 0.0, prefills, attempts, concurrency if attempts else 0)
+    reference_s, best = calibration.reference_prefill_s, calibration.capacity
+    if slo_scale_given is None and reference_s is None:
+        raise BenchConfigError("neither an SLO scale nor prefill samples")
+    if capacity_rps_given is None and best is None:
+        raise BenchConfigError("neither a capacity nor a capacity run")
+    scale = slo_scale(reference_s, tiers) if reference_s is not None else slo_scale_given
+    capacity_rps = best.capacity_rps if best is not None else capacity_rps_given
+    assert scale is not None and capacity_rps is not None
+    return replace(calibration, slo_scale=scale, capacity_rps=capacity_rps)

@@ -43,6 +43,7 @@ _QUICK_SWEEP: dict[str, Any] = {
     "capacity_concurrency": 4,
     "num_capacity_completions": 6,
     "num_prefill_probes": 2,
+    "num_calibrations": 1,
     "fairness_variants": (),
     "fairness_duration_s": 6.0,
 }
@@ -104,6 +105,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"({sweep['num_capacity_completions']})")
     sweep_group.add_argument("--prefill-probes", type=int, default=None,
                              help=f"lone 1024-token requests ({sweep['num_prefill_probes']})")
+    sweep_group.add_argument("--calibrations", type=int, default=None,
+                             help="calibration attempts, the fastest prefill and capacity kept "
+                             f"({sweep['num_calibrations']})")
+    sweep_group.add_argument("--repeats", type=int, default=None,
+                             help="run every load, and the fairness test, this many times, "
+                             "interleaved; the headline is over all of them together, then "
+                             f"each ({sweep['repeats']})")
     server = parser.add_argument_group("servers started here")
     server.add_argument("--variant", choices=list(VARIANTS), default="tiered",
                         help="one run without --url: the configuration to start")
@@ -170,6 +178,8 @@ def _sweep(
         "capacity_concurrency": args.capacity_concurrency,
         "num_capacity_completions": args.capacity_completions,
         "num_prefill_probes": args.prefill_probes,
+        "num_calibrations": args.calibrations,
+        "repeats": args.repeats,
         "fairness_variants": (
             None if args.fairness_variants is None else _names(args.fairness_variants)
         ),

@@ -5,16 +5,19 @@
 - slo_attainment.png: share of requests meeting both objectives against offered load, per
   tier, a line per configuration;
 - throughput.png: goodput and output tokens/s against offered load.
+With repeats, every figure is over all repetitions of a load: their requests together (CDF,
+attainment) and the mean of their rates.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from statistics import fmean
 from typing import Any
 
 from gateway.bench_serve.loadgen import RequestResult
-from gateway.bench_serve.sweep import SweepResult
+from gateway.bench_serve.sweep import LoadPoint, SweepResult
 from policies import TierTable
 
 __all__ = ["plot_run", "plot_sweep"]
@@ -45,7 +48,7 @@ def plot_sweep(result: SweepResult, out_dir: Path) -> list[Path]:
         for column, tier in enumerate(tier_names):
             ax = axes[row][column]
             for variant in variants:
-                results = result.point(variant, factor).record.results
+                results = [r for p in result.points_at(variant, factor) for r in p.record.results]
                 _cdf(ax, [r for r in results if r.tier == tier], variant)
             _slo_line(ax, result.tiers, tier)
             ax.set_xlim(left=0)
@@ -61,10 +64,7 @@ def plot_sweep(result: SweepResult, out_dir: Path) -> list[Path]:
     for column, tier in enumerate(tier_names):
         ax = axes[0][column]
         for variant in variants:
-            shares = [
-                100 * result.point(variant, f).record.summary.tier(tier).slo_attainment
-                for f in factors
-            ]
+            shares = [100 * _attainment(result.points_at(variant, f), tier) for f in factors]
             ax.plot(factors, shares, marker="o", label=variant)
         ax.set_title(f"{tier}: requests meeting TTFT and TPOT SLOs")
         ax.set_xlabel("offered load (x measured capacity)")
@@ -75,11 +75,11 @@ def plot_sweep(result: SweepResult, out_dir: Path) -> list[Path]:
 
     figure, axes = plt.subplots(1, 2, figsize=(10, 3.5))
     for variant in variants:
-        summaries = [result.point(variant, f).record.summary for f in factors]
-        axes[0].plot(factors, [s.overall.goodput_rps for s in summaries], marker="o",
+        runs = [[p.record.summary.overall for p in result.points_at(variant, f)] for f in factors]
+        axes[0].plot(factors, [fmean(g.goodput_rps for g in r) for r in runs], marker="o",
                      label=variant)
-        axes[1].plot(factors, [s.overall.output_tokens_per_s for s in summaries], marker="o",
-                     label=variant)
+        axes[1].plot(factors, [fmean(g.output_tokens_per_s for g in r) for r in runs],
+                     marker="o", label=variant)
     for ax, title in zip(axes, ("goodput (req/s meeting both SLOs)", "output tokens/s"),
                          strict=True):
         ax.set_title(title)
@@ -103,6 +103,14 @@ def plot_run(results: Sequence[RequestResult], tiers: TierTable, out_dir: Path) 
     ax.set_ylabel("share of requests")
     ax.legend(fontsize="small")
     return [_save(plt, figure, out_dir / "ttft_cdf.png")]
+
+
+def _attainment(points: Sequence[LoadPoint], tier: str) -> float:
+    """Requests of the tier meeting both objectives over those sent, every run together."""
+    groups = [p.record.summary.tier(tier) for p in points]
+    return sum(g.slo_attainment * g.num_requests for g in groups) / sum(
+        g.num_requests for g in groups
+    )
 
 
 def _cdf(ax: Any, results: Sequence[RequestResult], label: str) -> None:

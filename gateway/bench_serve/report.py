@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from gateway.bench_serve.calibration import CapacityAttempt
 from gateway.bench_serve.loadgen import CLIENT_LATE_S, RequestResult
 from gateway.bench_serve.plan import HEAVY_TENANT, LIGHT_TENANT
 from gateway.bench_serve.session import RunRecord
-from gateway.bench_serve.stats import GroupSummary, RunSummary
-from gateway.bench_serve.sweep import FairnessRun, LoadPoint, SweepResult
+from gateway.bench_serve.stats import GroupSummary, Percentiles, RunSummary
+from gateway.bench_serve.sweep import FairnessRun, LoadPoint, SweepResult, repeat_tag
 
 __all__ = ["format_run", "format_sweep", "headline", "run_json", "sweep_json"]
 
@@ -116,19 +118,21 @@ def format_sweep(result: SweepResult) -> str:
     ]
     if c.reference_prefill_s is not None:
         scale = (
-            f"unloaded 1024-token prefill {c.reference_prefill_s:.3f} s (median of "
-            f"{len(c.reference_prefill_samples_s)}); SLO scale {c.slo_scale:.2f} = 10 x prefill "
-            "/ GPU premium TTFT SLO"
+            f"unloaded 1024-token prefill {c.reference_prefill_s:.3f} s "
+            f"({_prefill_medians(c.prefill_attempts_s)}); SLO scale {c.slo_scale:.2f} = "
+            "10 x prefill / GPU premium TTFT SLO"
         )
     else:
         scale = f"SLO scale {c.slo_scale:.2f} (given)"
-    if c.capacity_window_s is not None and c.capacity_output_tokens_per_s is not None:
+    best = c.capacity
+    if best is not None:
         capacity = (
-            f"capacity {c.capacity_rps:.3f} req/s, {c.capacity_output_tokens_per_s:.1f} output "
+            f"capacity {c.capacity_rps:.3f} req/s, {best.output_tokens_per_s:.1f} output "
             f"tokens/s (FCFS, closed loop with {c.capacity_concurrency} in flight: "
-            f"{c.num_capacity_completions} completions over {c.capacity_window_s:.1f} s"
-            + ("" if c.capacity_steal_share is None
-               else f"; host steal {100 * c.capacity_steal_share:.1f} %") + ")"
+            f"{best.num_completions} completions over {best.window_s:.1f} s"
+            + ("" if best.steal_share is None
+               else f"; host steal {100 * best.steal_share:.1f} %")
+            + _attempts(c.capacity_attempts) + ")"
         )  # fmt: skip
     else:
         capacity = f"capacity {c.capacity_rps:.3f} req/s (given)"
@@ -148,28 +152,70 @@ def format_sweep(result: SweepResult) -> str:
         lines += _rows(point.record.summary, _machine_columns(point))
     lines += ["", *headline(result)]
     if result.fairness:
-        lines += ["", _fairness_header(), *[_fairness_row(run) for run in result.fairness]]
+        lines += ["", _fairness_header(), *_fairness_rows(result)]
     lines += _engine_rows(result)
     return "\n".join(lines)
 
 
+def _prefill_medians(attempts: list[list[float]]) -> str:
+    probes = f"median of {len(attempts[0])}"
+    if len(attempts) == 1:
+        return probes
+    medians = ", ".join(f"{statistics.median(samples):.3f}" for samples in attempts)
+    return f"the shortest of {len(attempts)} attempts' medians ({probes} each): {medians} s"
+
+
+def _attempts(attempts: list[CapacityAttempt]) -> str:
+    if len(attempts) == 1:
+        return ""
+    each = ", ".join(
+        f"{a.output_tokens_per_s:.0f}"
+        + ("" if a.steal_share is None else f" ({100 * a.steal_share:.1f} % steal)")
+        for a in attempts
+    )
+    return f"; the best of {len(attempts)} attempts' output tokens/s: {each}"
+
+
 def headline(result: SweepResult) -> list[str]:
-    """The comparisons the issue asks for, where the sweep has the runs they need."""
+    """The comparisons the issue asks for, where the sweep has the runs they need; with
+    repeats, over every repetition's requests together, then each repetition's."""
     lines = []
     for factor in sorted({p.load_factor for p in result.points}):
         try:
-            tiered = result.point("tiered", factor).record.summary
-            fcfs = result.point("fcfs", factor).record.summary
+            tiered = [p.record.summary for p in result.points_at("tiered", factor)]
+            fcfs = [p.record.summary for p in result.points_at("fcfs", factor)]
         except KeyError:
             continue
+        together = f", {len(tiered)} repetitions together" if len(tiered) > 1 else ""
         lines.append(
-            f"at {factor:g}x: premium TTFT within SLO {_share(tiered, 'premium')} tiered vs "
-            f"{_share(fcfs, 'premium')} FCFS; standard goodput tiered/FCFS "
-            f"{_ratio(tiered, fcfs, 'standard')}; output tokens/s tiered/FCFS "
-            f"{tiered.overall.output_tokens_per_s / fcfs.overall.output_tokens_per_s:.3f} "
-            f"over the run, {_while_arriving_ratio(tiered, fcfs)} while arrivals last"
+            f"at {factor:g}x{together}: premium TTFT within SLO {_share(tiered)} tiered vs "
+            f"{_share(fcfs)} FCFS; standard goodput tiered/FCFS "
+            f"{_ratio(_goodput(tiered), _goodput(fcfs))}; output tokens/s tiered/FCFS "
+            f"{_ratio(_tokens_per_s(tiered), _tokens_per_s(fcfs))} over the run, "
+            f"{_ratio(_tokens_per_s_while_arriving(tiered), _tokens_per_s_while_arriving(fcfs))}"
+            " while arrivals last"
         )
+        if len(tiered) > 1:
+            lines.append(_each_repetition(tiered, fcfs))
     return lines + _shed_answers(result) + _capacity_check(result)
+
+
+def _each_repetition(tiered: list[RunSummary], fcfs: list[RunSummary]) -> str:
+    pairs = list(zip(tiered, fcfs, strict=True))
+    premium = ", ".join(f"{_share([t], '')}/{_share([f], '')}" for t, f in pairs)
+    goodput = ", ".join(_ratio(_goodput([t]), _goodput([f])) for t, f in pairs)
+    ratios = [
+        _tokens_per_s_while_arriving([t]) / _tokens_per_s_while_arriving([f])
+        for t, f in pairs if _tokens_per_s_while_arriving([f]) > 0
+    ]  # fmt: skip
+    spread = (
+        f" (mean {statistics.fmean(ratios):.3f}, sd {statistics.stdev(ratios):.3f})"
+        if len(ratios) > 1 else ""
+    )
+    return (
+        f"  each repetition: premium {premium} %; standard goodput {goodput}; output "
+        f"tokens/s while arrivals last {', '.join(f'{r:.3f}' for r in ratios)}{spread}"
+    )
 
 
 def _shed_answers(result: SweepResult) -> list[str]:
@@ -205,12 +251,14 @@ def _capacity_check(result: SweepResult) -> list[str]:
     """FCFS at 2x and over runs at what the machine sustains, its queue never empty: its
     output tokens/s then against the calibration's say whether the loads' labels held (a
     calibration in a fast minute of the host makes every load heavier than its label)."""
-    measured = result.calibration.capacity_output_tokens_per_s
+    best = result.calibration.capacity
     overloaded = [p for p in result.points if p.variant == "fcfs" and p.load_factor >= 2]
-    if measured is None or not overloaded:
+    if best is None or not overloaded:
         return []
+    measured = best.output_tokens_per_s
     rates = ", ".join(
-        f"{p.record.summary.output_tokens_per_s_while_arriving:.0f} at {p.load_factor:g}x "
+        f"{p.record.summary.output_tokens_per_s_while_arriving:.0f} at {p.load_factor:g}x"
+        f"{repeat_tag(p.repeat, result.repeats)} "
         f"({p.record.summary.output_tokens_per_s_while_arriving / measured:.2f})"
         for p in overloaded
     )
@@ -218,22 +266,37 @@ def _capacity_check(result: SweepResult) -> list[str]:
             f"calibration's {measured:.0f}"]
 
 
-def _share(summary: RunSummary, tier: str) -> str:
-    try:
-        return f"{100 * summary.tier(tier).ttft_slo_attainment:.1f} %"
-    except KeyError:
+def _share(summaries: list[RunSummary], unit: str = " %") -> str:
+    """The premium requests' share within their TTFT objective, over every run's requests."""
+    groups = [g for s in summaries for g in s.tiers if g.name == "premium"]
+    num = sum(g.num_requests for g in groups)
+    if not num:
         return "n/a"
+    return f"{100 * sum(g.ttft_slo_attainment * g.num_requests for g in groups) / num:.1f}{unit}"
 
 
-def _while_arriving_ratio(a: RunSummary, b: RunSummary) -> str:
-    denominator = b.output_tokens_per_s_while_arriving
-    return f"{a.output_tokens_per_s_while_arriving / denominator:.3f}" if denominator else "n/a"
+def _goodput(summaries: list[RunSummary]) -> float:
+    """Standard requests meeting both objectives per second, over every run's time."""
+    runs = [(g.goodput_rps, s.duration_s) for s in summaries for g in s.tiers
+            if g.name == "standard"]  # fmt: skip
+    if not runs:
+        return math.nan
+    return sum(rate * duration_s for rate, duration_s in runs) / sum(d for _, d in runs)
 
 
-def _ratio(a: RunSummary, b: RunSummary, tier: str) -> str:
-    try:
-        numerator, denominator = a.tier(tier).goodput_rps, b.tier(tier).goodput_rps
-    except KeyError:
+def _tokens_per_s(summaries: list[RunSummary]) -> float:
+    tokens = sum(s.overall.output_tokens_per_s * s.duration_s for s in summaries)
+    return tokens / sum(s.duration_s for s in summaries)
+
+
+def _tokens_per_s_while_arriving(summaries: list[RunSummary]) -> float:
+    windows = [(s.output_tokens_per_s_while_arriving, s.arrival_window_s) for s in summaries]
+    total_s = sum(window_s for _, window_s in windows)
+    return sum(rate * window_s for rate, window_s in windows) / total_s if total_s else math.nan
+
+
+def _ratio(numerator: float, denominator: float) -> str:
+    if math.isnan(numerator) or math.isnan(denominator):
         return "n/a"
     return f"{numerator / denominator:.3f}" if denominator else "inf"
 
@@ -247,17 +310,56 @@ def _fairness_header() -> str:
     )
 
 
-def _fairness_row(run: FairnessRun) -> str:
+def _fairness_rows(result: SweepResult) -> list[str]:
+    """A row per run; with repeats, then a row per configuration over every repetition's
+    requests together (their percentiles, not an average of each run's)."""
+    rows = [_fairness_row(run, result.repeats) for run in result.fairness]
+    if result.repeats > 1:
+        for variant in dict.fromkeys(run.variant for run in result.fairness):
+            rows.append(_pooled_fairness_row(
+                variant, [run for run in result.fairness if run.variant == variant]
+            ))
+    return rows
+
+
+def _fairness_row(run: FairnessRun, repeats: int) -> str:
     light = run.shared.summary.tenant(LIGHT_TENANT)
     heavy = run.shared.summary.tenant(HEAVY_TENANT)
     alone = run.alone.summary.tenant(LIGHT_TENANT)
     return (
-        f"{run.variant:22} {run.light_rate_rps:7.2f} {run.heavy_rate_rps:7.2f} "
-        f"{light.num_requests:4d} {alone.ttft_s.p50:9.3f} {alone.ttft_s.p90:6.3f} "
-        f"{alone.ttft_s.p99:6.3f} {light.ttft_s.p50:10.3f} {light.ttft_s.p90:6.3f} "
-        f"{light.ttft_s.p99:6.3f} {run.light_ttft_p99_ratio:9.2f} "
-        f"{100 * light.shed_rate:11.1f} {100 * heavy.shed_rate:11.1f} "
+        f"{run.variant + repeat_tag(run.repeat, repeats):22} {run.light_rate_rps:7.2f} "
+        f"{run.heavy_rate_rps:7.2f} {light.num_requests:4d} "
+        + _light_columns(alone.ttft_s, light.ttft_s)
+        + f" {100 * light.shed_rate:11.1f} {100 * heavy.shed_rate:11.1f} "
         f"{_percent(run.alone.host_steal_share):>12} {_percent(run.shared.host_steal_share):>6}"
+    )
+
+
+def _pooled_fairness_row(variant: str, runs: list[FairnessRun]) -> str:
+    def requests(records: list[RunRecord], tenant: str) -> list[RequestResult]:
+        return [r for record in records for r in record.results if r.tenant == tenant]
+
+    def ttfts(results: list[RequestResult]) -> Percentiles:
+        return Percentiles.of([r.ttft_s for r in results if r.ttft_s is not None])
+
+    def shed_percent(results: list[RequestResult]) -> float:
+        return 100 * sum(r.is_shed for r in results) / len(results) if results else math.nan
+
+    shared = [run.shared for run in runs]
+    alone = requests([run.alone for run in runs], LIGHT_TENANT)
+    light = requests(shared, LIGHT_TENANT)
+    return (
+        f"{f'{variant}, all {len(runs)}':22} {runs[0].light_rate_rps:7.2f} "
+        f"{runs[0].heavy_rate_rps:7.2f} {len(light):4d} "
+        + _light_columns(ttfts(alone), ttfts(light))
+        + f" {shed_percent(light):11.1f} {shed_percent(requests(shared, HEAVY_TENANT)):11.1f}"
+    )
+
+
+def _light_columns(alone: Percentiles, shared: Percentiles) -> str:
+    return (
+        f"{alone.p50:9.3f} {alone.p90:6.3f} {alone.p99:6.3f} {shared.p50:10.3f} "
+        f"{shared.p90:6.3f} {shared.p99:6.3f} {shared.p99 / alone.p99:9.2f}"
     )
 
 
@@ -290,15 +392,22 @@ def sweep_json(result: SweepResult) -> dict[str, Any]:
             "machine": dataclasses.asdict(result.machine),
             "calibration": {
                 **dataclasses.asdict(result.calibration),
+                "reference_prefill_s": result.calibration.reference_prefill_s,
+                "capacity": (
+                    None if result.calibration.capacity is None
+                    else dataclasses.asdict(result.calibration.capacity)
+                ),
                 "is_slo_scale_measured": result.calibration.is_slo_scale_measured,
                 "is_capacity_measured": result.calibration.is_capacity_measured,
             },
+            "repeats": result.repeats,
             "tiers": [dataclasses.asdict(t) for t in result.tiers],
             "duration_s": result.duration_s,
             "runs": [
                 {
                     "variant": p.variant,
                     "load_factor": p.load_factor,
+                    "repeat": p.repeat,
                     "load_average_1m": p.load_average_1m,
                     "server_cpu_share": p.server_cpu_share,
                     **run_json(p.record),
@@ -308,6 +417,7 @@ def sweep_json(result: SweepResult) -> dict[str, Any]:
             "fairness": [
                 {
                     "variant": f.variant,
+                    "repeat": f.repeat,
                     "light_rate_rps": f.light_rate_rps,
                     "heavy_rate_rps": f.heavy_rate_rps,
                     "light_ttft_p99_ratio": f.light_ttft_p99_ratio,

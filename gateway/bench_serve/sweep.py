@@ -2,25 +2,30 @@
 and offer the same workload at several multiples of the measured capacity.
 
 1. Calibration server (FCFS, nothing shed): unloaded 1024-token prefill -> SLO scale, and a
-   closed-loop run of the workload's first requests -> capacity (see calibration.py).
+   closed-loop run of the workload's first requests -> capacity, in a few attempts, the
+   fastest of each kept (see calibration.py).
 2. One server per configuration (tiered, fcfs, tiered-noshed; server.py) with the scaled
    tier table, all started up front. Loads in ascending order; at each load every
    configuration in turn (the order rotating from one load to the next), each run starting
    once every request of the one before has ended. Interleaving keeps the comparison at one
    load fair on a machine whose other work comes and goes: the configurations run minutes
-   apart, not a quarter of an hour. Load i uses prompt seed workload.seed + i everywhere, so
-   each load sees the same prompts on every server and no run hits prefixes cached by the
-   one before. An idle server only waits on its event loop.
+   apart, not a quarter of an hour. With repeats, every configuration runs once, then again,
+   the order rotating each time (two configurations: A B, B A, A B, ...), before the next
+   load: a pair's two runs stay minutes apart, and drift of the host over the repetitions
+   falls on both alike. Repetition r of load i uses prompt seed workload.seed + i x repeats
+   + r everywhere, so each repetition sees the same prompts on every server and no run hits
+   prefixes cached by the one before. An idle server only waits on its event loop.
 3. Fairness (on the chosen configurations): two standard tenants, `heavy` at heavy_ratio x
    the rate of `light`, together offering fairness_load_factor x capacity; first the light
-   tenant's requests alone, then the same requests with the heavy tenant's.
+   tenant's requests alone, then the same requests with the heavy tenant's; with repeats,
+   each repetition with arrivals and prompts of its own.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 from engine.workload import Workload
@@ -37,7 +42,7 @@ from gateway.bench_serve.session import BenchTarget, RunRecord
 from gateway.bench_serve.sweep_config import SweepConfig, run_duration_s
 from policies import TierTable
 
-__all__ = ["FairnessRun", "LoadPoint", "SweepResult", "run_sweep"]
+__all__ = ["FairnessRun", "LoadPoint", "SweepResult", "repeat_tag", "run_order", "run_sweep"]
 
 _FAIRNESS_TIER = "standard"
 
@@ -48,6 +53,7 @@ class LoadPoint:
 
     variant: str  # server configuration name
     load_factor: float  # offered load over measured capacity
+    repeat: int  # which repetition of this load (0-based)
     load_average_1m: float  # the machine's load average just before the run
     # The server's CPU use during the run over the run's duration x CPUs of the machine
     # (None without /proc): low when other work on the machine took the cores.
@@ -60,6 +66,7 @@ class FairnessRun:
     """The light tenant alone, then with the heavy one, on one configuration."""
 
     variant: str
+    repeat: int  # which repetition of the test (0-based)
     light_rate_rps: float
     heavy_rate_rps: float
     alone: RunRecord
@@ -82,11 +89,17 @@ class SweepResult:
     fairness: list[FairnessRun] = field(default_factory=list)
     server_exit_codes: dict[str, int | None] = field(default_factory=dict)  # by server
 
-    def point(self, variant: str, load_factor: float) -> LoadPoint:
-        for p in self.points:
-            if p.variant == variant and p.load_factor == load_factor:
-                return p
-        raise KeyError(f"no run of {variant} at {load_factor}x")
+    @property
+    def repeats(self) -> int:
+        """How many times each load ran on each configuration."""
+        return 1 + max((p.repeat for p in self.points), default=0)
+
+    def points_at(self, variant: str, load_factor: float) -> list[LoadPoint]:
+        """Every repetition of one configuration at one load, in order."""
+        points = [p for p in self.points if p.variant == variant and p.load_factor == load_factor]
+        if not points:
+            raise KeyError(f"no run of {variant} at {load_factor}x")
+        return sorted(points, key=lambda p: p.repeat)
 
 
 Log = Callable[[str], None]
@@ -106,15 +119,17 @@ def run_sweep(config: SweepConfig, log: Log = print) -> SweepResult:
     result = SweepResult(machine, calibration, tiers, duration_s, server_exit_codes=exit_codes)
     # Every run's requests are planned before any server starts: a plan that cannot be made
     # fails here, not after the load points have run.
-    timed_loads = [
-        replace(
+    loads = sorted(config.load_factors)
+    planned = {
+        (factor, repeat): replace(
             retime(workload, factor * calibration.capacity_rps, arrivals=config.arrivals,
-                   duration_s=duration_s, seed=config.seed + index),
-            seed=workload.seed + index,
+                   duration_s=duration_s, seed=config.seed + index * config.repeats + repeat),
+            seed=workload.seed + index * config.repeats + repeat,
         )
-        for index, factor in enumerate(sorted(config.load_factors))
-    ]
-    fairness_plan = _FairnessPlan.of(config, calibration)
+        for index, factor in enumerate(loads)
+        for repeat in range(config.repeats)
+    }
+    fairness_plans = [_FairnessPlan.of(config, calibration, r) for r in range(config.repeats)]
     fairness_tenants = [(LIGHT_TENANT, _FAIRNESS_TIER), (HEAVY_TENANT, _FAIRNESS_TIER)]
     with contextlib.ExitStack() as stack:
         servers, targets = {}, {}
@@ -122,20 +137,41 @@ def run_sweep(config: SweepConfig, log: Log = print) -> SweepResult:
             server = stack.enter_context(_started(variant, variant, tiers, config, exit_codes))
             servers[variant] = server
             targets[variant] = _target(server, [*tenants, *fairness_tenants], config)
-        for index, (factor, timed) in enumerate(
-            zip(sorted(config.load_factors), timed_loads, strict=True)
-        ):
+        for factor, repeat, variant in run_order(config.variants, loads, config.repeats):
             rate = factor * calibration.capacity_rps
-            for variant in _rotated(config.variants, index):
-                load_average = os.getloadavg()[0]
-                cpu_before_s = servers[variant].cpu_time_s()
-                record = targets[variant].run(timed, f"{variant} @ {factor:g}x", tiers, rate)
-                cpu_share = _cpu_share(cpu_before_s, servers[variant].cpu_time_s(),
-                                       record.summary.duration_s, machine.num_cpus)
-                result.points.append(LoadPoint(variant, factor, load_average, cpu_share, record))
-        for variant in config.fairness_variants:
-            result.fairness.append(fairness_plan.run(targets[variant], variant, tiers))
+            label = f"{variant} @ {factor:g}x{repeat_tag(repeat, config.repeats)}"
+            load_average = os.getloadavg()[0]
+            cpu_before_s = servers[variant].cpu_time_s()
+            record = targets[variant].run(planned[factor, repeat], label, tiers, rate)
+            cpu_share = _cpu_share(cpu_before_s, servers[variant].cpu_time_s(),
+                                   record.summary.duration_s, machine.num_cpus)
+            result.points.append(
+                LoadPoint(variant, factor, repeat, load_average, cpu_share, record)
+            )
+        for plan in fairness_plans:
+            for variant in _rotated(config.fairness_variants, plan.repeat):
+                result.fairness.append(plan.run(targets[variant], variant, tiers, config.repeats))
     return result
+
+
+def run_order(
+    variants: Sequence[str], loads: Sequence[float], repeats: int
+) -> list[tuple[float, int, str]]:
+    """(load, repetition, configuration) in the order the sweep runs them: loads ascending;
+    at each, every configuration once per repetition, the order rotating from one turn to
+    the next (two configurations: A B, B A, A B, ...), so none always runs first and a
+    drift of the host over the repetitions falls on every configuration alike."""
+    turns = [(factor, repeat) for factor in loads for repeat in range(repeats)]
+    return [
+        (factor, repeat, variant)
+        for turn, (factor, repeat) in enumerate(turns)
+        for variant in _rotated(variants, turn)
+    ]
+
+
+def repeat_tag(repeat: int, repeats: int) -> str:
+    """What a run's label says of its repetition: nothing, or with repeats " #1", " #2"..."""
+    return f" #{repeat + 1}" if repeats > 1 else ""
 
 
 def _cpu_share(
@@ -146,9 +182,8 @@ def _cpu_share(
     return (after_s - before_s) / (duration_s * num_cpus)
 
 
-def _rotated(names: tuple[str, ...], turn: int) -> list[str]:
-    """The configurations in a different order at each load, so none always runs first."""
-    shift = turn % len(names)
+def _rotated(names: Sequence[str], turn: int) -> list[str]:
+    shift = turn % len(names) if names else 0
     return [*names[shift:], *names[:shift]]
 
 
@@ -158,64 +193,78 @@ def _calibrate(
     exit_codes: dict[str, int | None],
     log: Log,
 ) -> Calibration:
-    """Measure what was not given, on an FCFS server with the default tiers."""
+    """Measure what was not given, on an FCFS server with the default tiers, in
+    config.num_calibrations attempts (each the probes, then a capacity run)."""
     defaults = TierTable()
     if config.slo_scale is not None and config.capacity_rps is not None:
         return calibration_of(defaults, slo_scale_given=config.slo_scale,
                               capacity_rps_given=config.capacity_rps)
-    log(f"calibrating, load average {os.getloadavg()[0]:.1f}")
+    prefills, capacities = [], []
     with _started("calibration", "fcfs", defaults, config, exit_codes) as server:
         target = _target(server, tenants, config)
-        samples = None
-        if config.slo_scale is None:
-            premium = next((t for t, tier in tenants if tier == "premium"), tenants[0][0])
-            samples = measure_reference_prefill_s(
-                target, premium, "premium", defaults, config.num_prefill_probes
-            )
-        capacity = None
-        if config.capacity_rps is None:
-            capacity = measure_capacity(target, config.workload, defaults,
-                                        config.capacity_slots, config.num_capacity_completions)
+        premium = next((t for t, tier in tenants if tier == "premium"), tenants[0][0])
+        for attempt in range(config.num_calibrations):
+            log(f"calibrating ({attempt + 1} of {config.num_calibrations}), "
+                f"load average {os.getloadavg()[0]:.1f}")
+            if config.slo_scale is None:
+                prefills.append(measure_reference_prefill_s(
+                    target, premium, "premium", defaults, config.num_prefill_probes,
+                    attempt=attempt,
+                ))
+            if config.capacity_rps is None:
+                capacities.append(measure_capacity(
+                    target, config.workload, defaults, config.capacity_slots,
+                    config.num_capacity_completions, attempt=attempt,
+                ))
     return calibration_of(
         defaults,
         slo_scale_given=config.slo_scale,
-        prefill_samples_s=samples,
+        prefill_attempts_s=prefills,
         capacity_rps_given=config.capacity_rps,
-        capacity=capacity,
+        capacity_runs=capacities,
         concurrency=config.capacity_slots,
     )
 
 
 @dataclass(frozen=True)
 class _FairnessPlan:
-    """The two-tenant runs: the light tenant's requests alone, then with the heavy tenant's."""
+    """One repetition of the two-tenant runs: the light tenant's requests alone, then with
+    the heavy tenant's."""
 
+    repeat: int
     light_rate_rps: float
     heavy_rate_rps: float
     alone: Workload
     shared: Workload
 
     @classmethod
-    def of(cls, config: SweepConfig, calibration: Calibration) -> _FairnessPlan:
+    def of(cls, config: SweepConfig, calibration: Calibration, repeat: int) -> _FairnessPlan:
         light_rate = (
             config.fairness_load_factor * calibration.capacity_rps / (1 + config.heavy_ratio)
         )
         shared = two_tenant_workload(
             config.workload, light_rate, config.heavy_ratio, config.fairness_duration_s,
-            tier=_FAIRNESS_TIER, seed=config.seed,
+            tier=_FAIRNESS_TIER, seed=config.seed + repeat,
         )
         # Prompt seeds past the sweep's, so nothing is a prefix-cache hit from an earlier run.
-        shared = replace(shared, seed=config.workload.seed + len(config.load_factors))
+        first_seed = config.workload.seed + len(config.load_factors) * config.repeats
+        shared = replace(shared, seed=first_seed + 2 * repeat)
         alone = replace(
             shared, requests=[r for r in shared.requests if r.tenant == LIGHT_TENANT],
             seed=shared.seed + 1,
         )
-        return cls(light_rate, config.heavy_ratio * light_rate, alone, shared)
+        return cls(repeat, light_rate, config.heavy_ratio * light_rate, alone, shared)
 
-    def run(self, target: BenchTarget, variant: str, tiers: TierTable) -> FairnessRun:
-        light_alone = target.run(self.alone, f"{variant}: light alone", tiers, self.light_rate_rps)
-        both = target.run(self.shared, f"{variant}: light + heavy", tiers, self.shared.rate_rps)
-        return FairnessRun(variant, self.light_rate_rps, self.heavy_rate_rps, light_alone, both)
+    def run(
+        self, target: BenchTarget, variant: str, tiers: TierTable, repeats: int
+    ) -> FairnessRun:
+        tag = repeat_tag(self.repeat, repeats)
+        light_alone = target.run(self.alone, f"{variant}: light alone{tag}", tiers,
+                                 self.light_rate_rps)
+        both = target.run(self.shared, f"{variant}: light + heavy{tag}", tiers,
+                          self.shared.rate_rps)
+        return FairnessRun(variant, self.repeat, self.light_rate_rps, self.heavy_rate_rps,
+                           light_alone, both)
 
 
 def _target(

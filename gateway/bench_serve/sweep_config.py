@@ -48,6 +48,11 @@ class SweepConfig:
     capacity_concurrency: int | None = None
     num_capacity_completions: int = 64
     num_prefill_probes: int = 5  # lone 1024-token requests for the SLO scale
+    # Calibration attempts (prefill probes, then a capacity run); the fastest of each kept.
+    num_calibrations: int = 3
+    # Every load's runs, and the fairness test, this many times: one repetition of every
+    # configuration, then the next, the order alternating (sweep.py).
+    repeats: int = 1
     slo_scale: float | None = None  # None: measured
     capacity_rps: float | None = None  # None: measured
     fairness_variants: tuple[str, ...] = ("tiered", "fcfs")  # empty: no fairness runs
@@ -71,6 +76,8 @@ class SweepConfig:
             raise BenchConfigError("durations must be positive")
         if self.num_prefill_probes < 1 or self.capacity_slots < 1:
             raise BenchConfigError("probes and capacity concurrency must be positive")
+        if self.num_calibrations < 1 or self.repeats < 1:
+            raise BenchConfigError("calibration attempts and repeats must be at least 1")
         if self.num_capacity_completions < 2:
             raise BenchConfigError("the capacity run needs at least 2 completions")
         for name in ("slo_scale", "capacity_rps"):

@@ -20,17 +20,25 @@ from prometheus_client import generate_latest
 from engine.workload import Workload, WorkloadRequest
 from gateway import cli
 from gateway.bench_serve.calibration import (
+    REFERENCE_PROMPT_LEN,
     Calibration,
+    CapacityAttempt,
     calibration_of,
     capacity_window,
     measure_capacity,
     measure_reference_prefill_s,
 )
-from gateway.bench_serve.engine_activity import EngineActivity, engine_activity_of
+from gateway.bench_serve.engine_activity import (
+    EngineActivity,
+    engine_activity_of,
+    read_engine_activity,
+)
 from gateway.bench_serve.errors import BenchConfigError
 from gateway.bench_serve.loadgen import CANCELLED, ClientLoopLag, LoadGenerator, RequestResult
 from gateway.bench_serve.machine import CpuTicks, MachineInfo, read_cpu_ticks
 from gateway.bench_serve.plan import (
+    HEAVY_TENANT,
+    LIGHT_TENANT,
     ArrivalProcess,
     PlannedRequest,
     PromptVocabulary,
@@ -38,11 +46,11 @@ from gateway.bench_serve.plan import (
     retime,
     two_tenant_workload,
 )
-from gateway.bench_serve.report import format_run, headline, run_json
+from gateway.bench_serve.report import format_run, format_sweep, headline, run_json
 from gateway.bench_serve.server import VARIANTS, BenchServer, EngineLimits
 from gateway.bench_serve.session import BenchTarget, RunRecord
 from gateway.bench_serve.stats import RunSummary, meets_slo, summarize
-from gateway.bench_serve.sweep import LoadPoint, SweepResult
+from gateway.bench_serve.sweep import FairnessRun, LoadPoint, SweepResult, run_order
 from gateway.bench_serve.sweep_config import (
     MIN_RUN_DURATION_S,
     OBJECTIVES_PER_RUN,
@@ -302,16 +310,102 @@ def test_tokens_while_arrivals_last_leave_out_the_drain_after_them() -> None:
     calibration = Calibration(slo_scale=1.0, capacity_rps=1.0)
     machine = MachineInfo("cpu", 2, 24.0, "Linux", "3.11", "2.13.0", "now", 0.0)
     points = [
-        LoadPoint(variant, 2.0, 0.0, None, RunRecord(summary, []))
+        LoadPoint(variant, 2.0, 0, 0.0, None, RunRecord(summary, []))
         for variant, summary in [("tiered", shedding), ("fcfs", draining)]
     ]
     (line,) = headline(SweepResult(machine, calibration, TierTable(), 20.0, points))
     assert "output tokens/s tiered/FCFS 1.493 over the run, 1.000 while arrivals last" in line
     # With a measured capacity, FCFS's rate at 2x checks it: here FCFS ran at half of it.
-    measured = replace(calibration, capacity_output_tokens_per_s=8.0, capacity_window_s=1.0)
+    measured = replace(calibration, capacity_attempts=[CapacityAttempt(1.0, 8.0, 1.0, 2, None)])
     lines = headline(SweepResult(machine, measured, TierTable(), 20.0, points))
     assert lines[1] == ("capacity check: FCFS output tokens/s while arrivals last 4 at 2x "
                         "(0.50), against the calibration's 8")
+
+
+def test_runs_alternate_between_configurations_from_one_repetition_to_the_next() -> None:
+    assert run_order(["tiered", "fcfs"], [1.0, 2.0], 3) == [
+        (1.0, 0, "tiered"), (1.0, 0, "fcfs"),
+        (1.0, 1, "fcfs"), (1.0, 1, "tiered"),
+        (1.0, 2, "tiered"), (1.0, 2, "fcfs"),
+        (2.0, 0, "fcfs"), (2.0, 0, "tiered"),
+        (2.0, 1, "tiered"), (2.0, 1, "fcfs"),
+        (2.0, 2, "fcfs"), (2.0, 2, "tiered"),
+    ]  # fmt: skip
+    # One repetition: the order rotates from one load to the next, as it always did.
+    assert run_order(["a", "b", "c"], [0.5, 1.0], 1) == [
+        (0.5, 0, "a"), (0.5, 0, "b"), (0.5, 0, "c"), (1.0, 0, "b"), (1.0, 0, "c"), (1.0, 0, "a")
+    ]  # fmt: skip
+
+
+def test_repetitions_are_reported_together_then_each() -> None:
+    def premium(sent_s: float, ttft_s: float, num_tokens: int) -> RequestResult:
+        return _result("a", "p", "premium", sent_s, 200, ttft_s=ttft_s, num_tokens=num_tokens,
+                       num_requested=num_tokens, itl_s=[0.04] * (num_tokens - 1),
+                       e2e_s=ttft_s + 0.04 * (num_tokens - 1))  # fmt: skip
+
+    def standard(sent_s: float) -> RequestResult:  # within both objectives, 3 tokens
+        return _result("b", "s", "standard", sent_s, 200, ttft_s=0.5, num_tokens=3,
+                       num_requested=3, itl_s=[0.1, 0.1], e2e_s=0.7)  # fmt: skip
+
+    shed = _result("c", "s", "standard", 3.0, 429, ttft_s=None, num_tokens=0, num_requested=3,
+                   itl_s=[], e2e_s=0.01, error="overloaded")  # fmt: skip
+
+    def point(variant: str, repeat: int, results: list[RequestResult]) -> LoadPoint:
+        record = RunRecord(summarize(variant, 2.0, results, TierTable()), results)
+        return LoadPoint(variant, 2.0, repeat, 0.0, None, record)
+
+    # Repetition 1, arrivals over [0, 1] s: tiered's 3 tokens in them, FCFS's 4 (its
+    # premium request over its 0.5-s objective); both 1.7 s long, one good standard request.
+    # Repetition 2, arrivals over [0, 3] s: tiered's 2 tokens, FCFS's 3; tiered shed its
+    # standard request (3.01 s long), FCFS served it (3.7 s).
+    points = [
+        point("tiered", 0, [premium(0.0, 0.2, 3), standard(1.0)]),
+        point("fcfs", 0, [premium(0.0, 0.6, 4), standard(1.0)]),
+        point("fcfs", 1, [premium(0.0, 0.2, 3), standard(3.0)]),
+        point("tiered", 1, [premium(0.0, 0.2, 2), shed]),
+    ]
+    machine = MachineInfo("cpu", 2, 24.0, "Linux", "3.11", "2.13.0", "now", 0.0)
+    calibration = Calibration(slo_scale=1.0, capacity_rps=1.0,
+                              capacity_attempts=[CapacityAttempt(1.0, 8.0, 1.0, 2, None)])
+    result = SweepResult(machine, calibration, TierTable(), 20.0, points)
+    assert result.repeats == 2
+    # Together: premium 2 of 2 against 1 of 2; standard goodput (1 + 0) / (1.7 + 3.01) s
+    # against 2 / (1.7 + 3.7) s; tokens over the runs 8 / 4.71 s against 13 / 5.4 s, while
+    # arrivals last 5 / 4 s against 7 / 4 s. Each: 3/4 and 2/3 of FCFS's tokens.
+    assert headline(result)[:3] == [
+        "at 2x, 2 repetitions together: premium TTFT within SLO 100.0 % tiered vs 50.0 % "
+        "FCFS; standard goodput tiered/FCFS 0.573; output tokens/s tiered/FCFS 0.706 over the "
+        "run, 0.714 while arrivals last",
+        "  each repetition: premium 100.0/0.0, 100.0/100.0 %; standard goodput 1.000, 0.000; "
+        "output tokens/s while arrivals last 0.750, 0.667 (mean 0.708, sd 0.059)",
+        "shed requests answered: 1 at 2x, slowest 10.0 ms",
+    ]
+    assert headline(result)[3] == (
+        "capacity check: FCFS output tokens/s while arrivals last 4 at 2x #1 (0.50), "
+        "1 at 2x #2 (0.12), against the calibration's 8"
+    )
+
+    def light(ttft_s: float) -> RequestResult:
+        return _result("l", LIGHT_TENANT, "standard", 0.0, 200, ttft_s=ttft_s, num_tokens=1,
+                       num_requested=1, itl_s=[], e2e_s=ttft_s)  # fmt: skip
+
+    def fairness(repeat: int, alone: list[float], shared: list[float]) -> FairnessRun:
+        def record(results: list[RequestResult]) -> RunRecord:
+            return RunRecord(summarize("f", 1.0, results, TierTable()), results)
+
+        heavy = replace(light(0.1), tenant=HEAVY_TENANT)
+        return FairnessRun("tiered", repeat, 0.5, 5.0, record([light(t) for t in alone]),
+                           record([heavy, *(light(t) for t in shared)]))
+
+    runs = [fairness(0, [0.1, 0.2], [0.2, 0.4]), fairness(1, [0.3], [0.5])]
+    assert [run.light_ttft_p99_ratio for run in runs] == [2.0, pytest.approx(5 / 3)]
+    table = format_sweep(replace(result, fairness=runs)).splitlines()
+    rows = {line.split("  ")[0]: line.split() for line in table if line.startswith("tiered")}
+    assert rows["tiered #1"][4:12] == ["2", "0.100", "0.200", "0.200", "0.200", "0.400",
+                                       "0.400", "2.00"]  # fmt: skip
+    # Every repetition's light requests together: p99 0.5 s shared against 0.3 s alone.
+    assert rows["tiered, all 2"][5:13] == ["3", "0.200", "0.300", "0.300", "0.400", "0.500",
+                                           "0.500", "1.67"]  # fmt: skip
 
 
 def test_shed_answers_are_reported_per_load_with_the_gateways_own_part() -> None:
@@ -326,7 +420,7 @@ def test_shed_answers_are_reported_per_load_with_the_gateways_own_part() -> None
     ) -> LoadPoint:  # fmt: skip
         summary = summarize(variant, factor, results, TierTable())
         record = RunRecord(summary, results, client_loop_lag=loop_lag)
-        return LoadPoint(variant, factor, 0.0, None, record)
+        return LoadPoint(variant, factor, 0, 0.0, None, record)
 
     served = _result("e", "t", "standard", 0.0, 200, ttft_s=0.1, num_tokens=1, num_requested=1,
                      itl_s=[], e2e_s=0.1)  # fmt: skip
@@ -581,19 +675,51 @@ def test_calibration_measures_prefill_and_closed_loop_capacity(
         assert r.scheduled_s <= r.sent_s
         # closed loop: never more than two in flight
         assert sum(o.sent_s <= r.sent_s < o.finish_s for o in capacity.results) <= 2
-    calibration = calibration_of(TierTable(), prefill_samples_s=samples, capacity=capacity,
-                                 concurrency=2)
-    reference_s = calibration.reference_prefill_s
-    assert reference_s == pytest.approx(sum(samples) / 2)  # median of 2
-    assert calibration.slo_scale == pytest.approx(10 * sum(samples) / 2 / 0.5)
+    # A second attempt on the same server sends prompts of its own: the engine computes
+    # every prompt token again (a prefix-cache hit would leave all but the last block's).
+    computed_before = _computed_prompt_tokens(server)
+    more_samples = measure_reference_prefill_s(target, "cal-0", "premium", _TIGHT_TIERS, 2,
+                                               attempt=1)
+    assert _computed_prompt_tokens(server) - computed_before == 3 * REFERENCE_PROMPT_LEN
+    computed_before = _computed_prompt_tokens(server)
+    again = measure_capacity(target, workload, _TIGHT_TIERS, 2, 3, attempt=1)
+    assert _computed_prompt_tokens(server) - computed_before >= sum(
+        r.num_prompt_tokens for r in again.results if r.is_completed
+    )
+    # The same attempt again would have hit the cache: what the checks above rule out.
+    computed_before = _computed_prompt_tokens(server)
+    measure_reference_prefill_s(target, "cal-0", "premium", _TIGHT_TIERS, 2, attempt=1)
+    assert _computed_prompt_tokens(server) - computed_before < REFERENCE_PROMPT_LEN
+    calibration = calibration_of(TierTable(), prefill_attempts_s=[samples, more_samples],
+                                 capacity_runs=[capacity, again], concurrency=2)
+    reference_s = min(sum(samples) / 2, sum(more_samples) / 2)  # the shorter median of 2
+    assert calibration.reference_prefill_s == pytest.approx(reference_s)
+    assert calibration.slo_scale == pytest.approx(10 * reference_s / 0.5)
     assert calibration.is_slo_scale_measured and calibration.is_capacity_measured
-    assert (calibration.capacity_rps, calibration.capacity_output_tokens_per_s,
-            calibration.capacity_window_s) == capacity_window(capacity)
-    assert calibration.num_capacity_completions == num_completed
+    attempts = [CapacityAttempt.of(capacity), CapacityAttempt.of(again)]
+    assert calibration.capacity_attempts == attempts
+    best = max(attempts, key=lambda a: a.output_tokens_per_s)
+    assert calibration.capacity == best
+    assert (best.capacity_rps, best.output_tokens_per_s, best.window_s) in (
+        capacity_window(capacity), capacity_window(again)
+    )
+    assert calibration.capacity_rps == best.capacity_rps
+    assert attempts[0].num_completions == num_completed
+    assert attempts[0].steal_share == capacity.host_steal_share is not None
     assert calibration.capacity_concurrency == 2
-    assert calibration.capacity_steal_share == capacity.host_steal_share is not None
+    # A given value wins over a measurement of it.
+    given = calibration_of(TierTable(), slo_scale_given=4.0, prefill_attempts_s=[samples],
+                           capacity_rps_given=3.0, capacity_runs=[capacity])
+    assert (given.slo_scale, given.capacity_rps) == (4.0, 3.0)
+    assert not given.is_slo_scale_measured and not given.is_capacity_measured
     with pytest.raises(BenchConfigError):
         measure_capacity(target, workload, _TIGHT_TIERS, 2, 1)  # no window
+
+
+def _computed_prompt_tokens(server: BenchServer) -> int:
+    activity = read_engine_activity(server.base_url)
+    assert activity is not None
+    return activity.num_prompt_tokens
 
 
 def _workload_file(path: Path, requests: list[WorkloadRequest], rate_rps: float) -> Path:
@@ -658,7 +784,7 @@ def test_a_small_sweep_from_the_command_line(
         "--slo-scale", "3", "--capacity", "4", "--variants", "fcfs", "--loads", "0.5",
         "--duration", "2", "--fairness-variants", "fcfs", "--fairness-load", "1",
         "--fairness-duration", "2",
-        "--heavy-ratio", "2", "--kv-cache-bytes", str(16 << 20),
+        "--heavy-ratio", "2", "--kv-cache-bytes", str(16 << 20), "--repeats", "2",
         "--output", str(output), "--plot", str(tmp_path / "plots"),
     ], capsys)
     assert code == 0, err
@@ -673,23 +799,34 @@ def test_a_small_sweep_from_the_command_line(
     assert calibration["is_capacity_measured"] is False
     premium = next(t for t in document["tiers"] if t["name"] == "premium")
     assert premium["ttft_slo_s"] == pytest.approx(0.5 * 3)
-    (run,) = document["runs"]
-    assert (run["variant"], run["load_factor"]) == ("fcfs", 0.5)
-    assert run["summary"]["offered_rps"] == pytest.approx(2.0)
-    assert len(run["requests"]) == 4  # 2 req/s over 2 s
-    overall = run["summary"]["overall"]
-    assert overall["num_completed"] == overall["num_requests"] == len(run["requests"])
-    assert run["engine"]["num_steps"] >= 4 and "engine during the run" in out
-    assert 0 <= run["host_steal_share"] <= 1 and "steal%" in out
-    (fairness,) = document["fairness"]
-    assert fairness["heavy_rate_rps"] == pytest.approx(2 * fairness["light_rate_rps"])
-    alone = fairness["alone"]["summary"]["tenants"]
-    shared = {t["name"]: t for t in fairness["shared"]["summary"]["tenants"]}
-    assert [t["name"] for t in alone] == ["light"] and set(shared) == {"heavy", "light"}
-    assert alone[0]["num_requests"] == shared["light"]["num_requests"]
-    assert fairness["light_ttft_p99_ratio"] == pytest.approx(
-        shared["light"]["ttft_s"]["p99"] / alone[0]["ttft_s"]["p99"]
-    )
+    assert document["repeats"] == 2
+    runs = document["runs"]
+    assert [(r["variant"], r["load_factor"], r["repeat"]) for r in runs] == [
+        ("fcfs", 0.5, 0), ("fcfs", 0.5, 1)
+    ]
+    assert "fcfs @ 0.5x #1" in out and "fcfs @ 0.5x #2" in out
+    assert "at 0.5x" not in out  # no tiered run to compare with
+    for run in runs:
+        assert run["summary"]["offered_rps"] == pytest.approx(2.0)
+        assert len(run["requests"]) == 4  # 2 req/s over 2 s
+        overall = run["summary"]["overall"]
+        assert overall["num_completed"] == overall["num_requests"] == len(run["requests"])
+        assert run["engine"]["num_steps"] >= 4 and "engine during the run" in out
+        assert 0 <= run["host_steal_share"] <= 1 and "steal%" in out
+    # The second repetition's prompts are its own: every prompt token computed again.
+    computed = [r["engine"]["num_prompt_tokens"] for r in runs]
+    assert computed[0] == computed[1] == sum(r["num_prompt_tokens"] for r in runs[0]["requests"])
+    assert [(f["variant"], f["repeat"]) for f in document["fairness"]] == [("fcfs", 0), ("fcfs", 1)]
+    assert "fcfs, all 2" in out
+    for fairness in document["fairness"]:
+        assert fairness["heavy_rate_rps"] == pytest.approx(2 * fairness["light_rate_rps"])
+        alone = fairness["alone"]["summary"]["tenants"]
+        shared = {t["name"]: t for t in fairness["shared"]["summary"]["tenants"]}
+        assert [t["name"] for t in alone] == ["light"] and set(shared) == {"heavy", "light"}
+        assert alone[0]["num_requests"] == shared["light"]["num_requests"]
+        assert fairness["light_ttft_p99_ratio"] == pytest.approx(
+            shared["light"]["ttft_s"]["p99"] / alone[0]["ttft_s"]["p99"]
+        )
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [
         "slo_attainment.png", "throughput.png", "ttft_cdf.png"
     ]
