@@ -158,11 +158,11 @@ def format_sweep(result: SweepResult) -> str:
 
 
 def _prefill_medians(attempts: list[list[float]]) -> str:
-    probes = f"median of {len(attempts[0])}"
     if len(attempts) == 1:
-        return probes
+        return f"median of {len(attempts[0])}"
     medians = ", ".join(f"{statistics.median(samples):.3f}" for samples in attempts)
-    return f"the shortest of {len(attempts)} attempts' medians ({probes} each): {medians} s"
+    return (f"the shortest of {len(attempts)} attempts' medians of {len(attempts[0])} probes: "
+            f"{medians} s")
 
 
 def _attempts(attempts: list[CapacityAttempt]) -> str:
