@@ -19,7 +19,7 @@ import contextlib
 import gc
 import json
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import aiohttp
@@ -139,9 +139,17 @@ class LoadGenerator:
         self.progress = progress
         self.loop_lag: ClientLoopLag | None = None  # of the latest open-loop run
 
-    async def run(self, plan: Sequence[PlannedRequest], label: str = "") -> list[RequestResult]:
+    async def run(
+        self,
+        plan: Sequence[PlannedRequest],
+        label: str = "",
+        *,
+        before_last_send: Callable[[], object] | None = None,
+    ) -> list[RequestResult]:
         """Send every request at its time; returns once all have ended, in plan order. Its
-        own event loop's lag meanwhile is left in loop_lag."""
+        own event loop's lag meanwhile is left in loop_lag. before_last_send, when given, is
+        called in a worker thread when the last request is due, and that request sent once
+        it returns (the streams in flight go on meanwhile)."""
         self._check_keys(plan)
         bar = ProgressBar(len(plan), label, enabled=self.progress)
         lag = ClientLoopLag()
@@ -154,10 +162,12 @@ class LoadGenerator:
             await watch.start()
             try:
                 tasks = []
-                for planned in plan:
+                for index, planned in enumerate(plan):
                     delay = started + planned.send_at_s - time.perf_counter()
                     if delay > 0:
                         await asyncio.sleep(delay)
+                    if before_last_send is not None and index == len(plan) - 1:
+                        await asyncio.to_thread(before_last_send)
                     tasks.append(asyncio.create_task(self._send(client, planned, started, bar)))
                 results = list(await asyncio.gather(*tasks))
             finally:

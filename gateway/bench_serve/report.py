@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from gateway.bench_serve.calibration import CapacityAttempt
+from gateway.bench_serve.engine_activity import EngineActivity
 from gateway.bench_serve.loadgen import CLIENT_LATE_S, RequestResult
 from gateway.bench_serve.plan import HEAVY_TENANT, LIGHT_TENANT
 from gateway.bench_serve.session import RunRecord
@@ -69,7 +70,8 @@ def format_run(record: RunRecord) -> str:
             f"p99 {1000 * shed.p99:.1f} ms"
         )
     if record.engine is not None:
-        lines += ["", _ENGINE_HEADER, _engine_row("engine", record)]
+        engine = _engine_row("engine", record.engine, record.summary.duration_s)
+        lines += ["", _engine_header(), engine]
     return "\n".join(lines)
 
 
@@ -78,15 +80,15 @@ def format_run(record: RunRecord) -> str:
 # batch the steps decoded), preemptions, tokens recomputed after them, steps the
 # under-share lane took, the server's full garbage collections with their mean pause, and
 # its event loop's heartbeats more than 50 ms late.
-_ENGINE_HEADER = (
-    f"{'engine during the run':24} {'steps':>6} {'step ms':>8} {'busy%':>6} {'prompt/step':>11} "
-    f"{'new/step':>8} {'preempted':>9} {'recomputed':>10} {'lane steps':>10} {'full gc':>7} "
-    f"{'gc ms':>6} {'loop>50ms':>9}"
-)
+def _engine_header(title: str = "engine during the run") -> str:
+    return (
+        f"{title:24} {'steps':>6} {'step ms':>8} {'busy%':>6} {'prompt/step':>11} "
+        f"{'new/step':>8} {'preempted':>9} {'recomputed':>10} {'lane steps':>10} {'full gc':>7} "
+        f"{'gc ms':>6} {'loop>50ms':>9}"
+    )
 
 
-def _engine_row(label: str, record: RunRecord) -> str:
-    activity, duration_s = record.engine, record.summary.duration_s
+def _engine_row(label: str, activity: EngineActivity | None, duration_s: float) -> str:
     if activity is None:
         return f"{label:24} {'(no engine counters)':>6}"
     busy = 100 * activity.busy_s / duration_s if duration_s > 0 else math.nan
@@ -103,11 +105,27 @@ def _engine_row(label: str, record: RunRecord) -> str:
 
 
 def _engine_rows(result: SweepResult) -> list[str]:
+    """What the engine did over each run, then over each load run's arrivals alone: the
+    window of its tokens/s "while arrivals last", without the drain after it (a shedding
+    server's batch empties within seconds of the last arrival, FCFS's backlog keeps a full
+    batch for as long again), so the two configurations' steps compare at a full batch."""
     records = [p.record for p in result.points]
     records += [r for f in result.fairness for r in (f.alone, f.shared)]
     if all(r.engine is None for r in records):
         return []
-    return ["", _ENGINE_HEADER, *[_engine_row(r.summary.label, r) for r in records]]
+    lines = ["", _engine_header(), *[_whole_run_row(r) for r in records]]
+    arriving = [p.record for p in result.points if p.record.engine_while_arriving is not None]
+    if arriving:
+        lines += ["", _engine_header("engine while arriving")]
+        lines += [
+            _engine_row(r.summary.label, r.engine_while_arriving, r.summary.arrival_window_s)
+            for r in arriving
+        ]
+    return lines
+
+
+def _whole_run_row(record: RunRecord) -> str:
+    return _engine_row(record.summary.label, record.engine, record.summary.duration_s)
 
 
 def format_sweep(result: SweepResult) -> str:
@@ -376,6 +394,10 @@ def run_json(record: RunRecord) -> dict[str, Any]:
         {
             "summary": dataclasses.asdict(record.summary),
             "engine": None if record.engine is None else dataclasses.asdict(record.engine),
+            "engine_while_arriving": (
+                None if record.engine_while_arriving is None
+                else dataclasses.asdict(record.engine_while_arriving)
+            ),
             "host_steal_share": record.host_steal_share,
             "client_loop_lag": (
                 None if record.client_loop_lag is None

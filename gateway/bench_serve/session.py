@@ -32,6 +32,9 @@ class RunRecord:
     engine: EngineActivity | None = None
     host_steal_share: float | None = None
     client_loop_lag: ClientLoopLag | None = None
+    # What the engine did from the first send to the last (the window of the tokens/s
+    # "while arrivals last"); None for closed-loop runs or without the counters.
+    engine_while_arriving: EngineActivity | None = None
 
 
 @dataclass(frozen=True)
@@ -66,11 +69,21 @@ class BenchTarget:
         rate."""
         generator = self._generator()
         plan = plan_requests(workload, self.vocabulary)
+        at_last_send: list[EngineActivity | None] = []
         before = self._readings()
-        results = asyncio.run(generator.run(plan, label))
+        results = asyncio.run(generator.run(
+            plan, label,
+            before_last_send=lambda: at_last_send.append(read_engine_activity(self.base_url)),
+        ))
         rate = workload.rate_rps if offered_rps is None else offered_rps
         record = self._record(summarize(label, rate, results, tiers), results, before)
-        return replace(record, client_loop_lag=generator.loop_lag)
+        engine_before, window_end = before[0], (at_last_send or [None])[0]
+        while_arriving = (
+            None if engine_before is None or window_end is None
+            else window_end.minus(engine_before)
+        )
+        return replace(record, client_loop_lag=generator.loop_lag,
+                       engine_while_arriving=while_arriving)
 
     def run_closed_loop(
         self,

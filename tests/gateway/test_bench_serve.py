@@ -609,6 +609,13 @@ def test_a_run_against_a_real_server_records_consistent_timings(
     assert 0 < engine.num_prompt_tokens <= sum(40 + 16 * i for i in range(6))  # less hits
     assert 0 < engine.mean_step_s < summary.duration_s
     assert "engine during the run" in format_run(record)
+    # Read again as the last request was sent: the arrivals' part of the same counters (the
+    # first prompts computed by then, the last ones' and the drain's steps after it).
+    arriving = record.engine_while_arriving
+    assert arriving is not None and 0 < arriving.num_steps < engine.num_steps
+    assert 0 < arriving.num_prompt_tokens < engine.num_prompt_tokens
+    assert arriving.num_generated_tokens < engine.num_generated_tokens
+    assert 0 < arriving.busy_s < engine.busy_s
     assert record.host_steal_share is not None and 0 <= record.host_steal_share <= 1
     # The generator's own loop was timed throughout the run (a beat due every 10 ms).
     assert record.client_loop_lag is not None
@@ -616,6 +623,7 @@ def test_a_run_against_a_real_server_records_consistent_timings(
     document = run_json(record)
     assert document["client_loop_lag"]["num_beats"] == record.client_loop_lag.num_beats
     assert document["engine"]["num_steps"] == engine.num_steps
+    assert document["engine_while_arriving"]["num_steps"] == arriving.num_steps
     json.dumps(document, allow_nan=False)
     # Provisioning again (tenants exist): they are reset and get fresh keys that work.
     again = BenchTarget.provision(server.base_url, server.admin_token, tenants, vocabulary,
@@ -818,6 +826,10 @@ def test_a_small_sweep_from_the_command_line(
     assert computed[0] == computed[1] == sum(r["num_prompt_tokens"] for r in runs[0]["requests"])
     assert [(f["variant"], f["repeat"]) for f in document["fairness"]] == [("fcfs", 0), ("fcfs", 1)]
     assert "fcfs, all 2" in out
+    assert "engine while arriving" in out
+    for run in runs:
+        arriving, engine = run["engine_while_arriving"], run["engine"]
+        assert 0 < arriving["num_steps"] < engine["num_steps"]
     for fairness in document["fairness"]:
         assert fairness["heavy_rate_rps"] == pytest.approx(2 * fairness["light_rate_rps"])
         alone = fairness["alone"]["summary"]["tenants"]
