@@ -215,12 +215,12 @@ def headline(result: SweepResult) -> list[str]:
         )
         if len(tiered) > 1:
             lines.append(_each_repetition(tiered, fcfs))
-    return lines + _shed_answers(result) + _capacity_check(result)
+    return lines + _shed_answers(result) + _capacity_check(result) + _light_tenant(result)
 
 
 def _each_repetition(tiered: list[RunSummary], fcfs: list[RunSummary]) -> str:
     pairs = list(zip(tiered, fcfs, strict=True))
-    premium = ", ".join(f"{_share([t], '')}/{_share([f], '')}" for t, f in pairs)
+    premium = ", ".join(f"{_share([t], unit='')}/{_share([f], unit='')}" for t, f in pairs)
     goodput = ", ".join(_ratio(_goodput([t]), _goodput([f])) for t, f in pairs)
     ratios = [
         _tokens_per_s_while_arriving([t]) / _tokens_per_s_while_arriving([f])
@@ -284,7 +284,39 @@ def _capacity_check(result: SweepResult) -> list[str]:
             f"calibration's {measured:.0f}"]
 
 
-def _share(summaries: list[RunSummary], unit: str = " %") -> str:
+def _light_tenant(result: SweepResult) -> list[str]:
+    """The light tenant's TTFT p99 beside the heavy tenant over its p99 alone, per
+    configuration; with repeats, over every repetition's light requests together."""
+    lines = []
+    for variant in dict.fromkeys(run.variant for run in result.fairness):
+        runs = [run for run in result.fairness if run.variant == variant]
+        alone, shared = _light_ttfts(runs)
+        together = f", {len(runs)} repetitions together" if len(runs) > 1 else ""
+        each = (
+            "; each " + ", ".join(f"{run.light_ttft_p99_ratio:.2f}x" for run in runs)
+            if len(runs) > 1 else ""
+        )
+        lines.append(
+            f"light tenant's TTFT p99 with the heavy tenant over alone, {variant}"
+            f"{together}: {shared.p99 / alone.p99:.2f}x ({shared.p99:.3f} against "
+            f"{alone.p99:.3f} s){each}"
+        )
+    return lines
+
+
+def _light_ttfts(runs: list[FairnessRun]) -> tuple[Percentiles, Percentiles]:
+    """The light tenant's TTFTs alone and shared, every run's requests together."""
+
+    def ttfts(records: list[RunRecord]) -> Percentiles:
+        return Percentiles.of([
+            r.ttft_s for record in records for r in record.results
+            if r.tenant == LIGHT_TENANT and r.ttft_s is not None
+        ])  # fmt: skip
+
+    return ttfts([run.alone for run in runs]), ttfts([run.shared for run in runs])
+
+
+def _share(summaries: list[RunSummary], *, unit: str = " %") -> str:
     """The premium requests' share within their TTFT objective, over every run's requests."""
     groups = [g for s in summaries for g in s.tiers if g.name == "premium"]
     num = sum(g.num_requests for g in groups)
@@ -354,23 +386,19 @@ def _fairness_row(run: FairnessRun, repeats: int) -> str:
 
 
 def _pooled_fairness_row(variant: str, runs: list[FairnessRun]) -> str:
-    def requests(records: list[RunRecord], tenant: str) -> list[RequestResult]:
-        return [r for record in records for r in record.results if r.tenant == tenant]
-
-    def ttfts(results: list[RequestResult]) -> Percentiles:
-        return Percentiles.of([r.ttft_s for r in results if r.ttft_s is not None])
-
-    def shed_percent(results: list[RequestResult]) -> float:
+    def shed_percent(records: list[RunRecord], tenant: str) -> float:
+        results = [r for record in records for r in record.results if r.tenant == tenant]
         return 100 * sum(r.is_shed for r in results) / len(results) if results else math.nan
 
     shared = [run.shared for run in runs]
-    alone = requests([run.alone for run in runs], LIGHT_TENANT)
-    light = requests(shared, LIGHT_TENANT)
+    alone_ttft, shared_ttft = _light_ttfts(runs)
+    num_light = sum(run.shared.summary.tenant(LIGHT_TENANT).num_requests for run in runs)
     return (
         f"{f'{variant}, all {len(runs)}':22} {runs[0].light_rate_rps:7.2f} "
-        f"{runs[0].heavy_rate_rps:7.2f} {len(light):4d} "
-        + _light_columns(ttfts(alone), ttfts(light))
-        + f" {shed_percent(light):11.1f} {shed_percent(requests(shared, HEAVY_TENANT)):11.1f}"
+        f"{runs[0].heavy_rate_rps:7.2f} {num_light:4d} "
+        + _light_columns(alone_ttft, shared_ttft)
+        + f" {shed_percent(shared, LIGHT_TENANT):11.1f}"
+        f" {shed_percent(shared, HEAVY_TENANT):11.1f}"
     )
 
 

@@ -406,6 +406,14 @@ def test_repetitions_are_reported_together_then_each() -> None:
     # Every repetition's light requests together: p99 0.5 s shared against 0.3 s alone.
     assert rows["tiered, all 2"][5:13] == ["3", "0.200", "0.300", "0.300", "0.400", "0.500",
                                            "0.500", "1.67"]  # fmt: skip
+    assert headline(replace(result, fairness=runs))[-1] == (
+        "light tenant's TTFT p99 with the heavy tenant over alone, tiered, 2 repetitions "
+        "together: 1.67x (0.500 against 0.300 s); each 2.00x, 1.67x"
+    )
+    assert headline(replace(result, fairness=runs[:1]))[-1] == (
+        "light tenant's TTFT p99 with the heavy tenant over alone, tiered: 2.00x (0.400 "
+        "against 0.200 s)"
+    )
 
 
 def test_shed_answers_are_reported_per_load_with_the_gateways_own_part() -> None:
