@@ -201,6 +201,9 @@ def test_a_load_run_spans_five_of_the_slowest_objectives_and_at_least_20_s() -> 
     for duration_s in (0.0, -1.0):
         with pytest.raises(BenchConfigError, match="durations must be positive"):
             SweepConfig(workload, vocabulary, limits, Path("."), duration_s=duration_s)
+    for field_name in ("repeats", "num_calibrations"):
+        with pytest.raises(BenchConfigError, match="at least 1"):
+            SweepConfig(workload, vocabulary, limits, Path("."), **{field_name: 0})
 
 
 def test_the_collector_stays_out_of_a_run() -> None:
