@@ -5,18 +5,18 @@
 - slo_attainment.png: share of requests meeting both objectives against offered load, per
   tier, a line per configuration;
 - throughput.png: goodput and output tokens/s against offered load.
-With repeats, every figure is over all repetitions of a load: their requests together (CDF,
-attainment) and the mean of their rates.
+With repeats, every figure is over all repetitions of a load together: their requests (CDF,
+attainment) and their rates over all their time (report.py's headline pools them alike).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from statistics import fmean
 from typing import Any
 
 from gateway.bench_serve.loadgen import RequestResult
+from gateway.bench_serve.stats import RunSummary, share_of_requests, time_weighted
 from gateway.bench_serve.sweep import LoadPoint, SweepResult
 from policies import TierTable
 
@@ -75,10 +75,11 @@ def plot_sweep(result: SweepResult, out_dir: Path) -> list[Path]:
 
     figure, axes = plt.subplots(1, 2, figsize=(10, 3.5))
     for variant in variants:
-        runs = [[p.record.summary.overall for p in result.points_at(variant, f)] for f in factors]
-        axes[0].plot(factors, [fmean(g.goodput_rps for g in r) for r in runs], marker="o",
-                     label=variant)
-        axes[1].plot(factors, [fmean(g.output_tokens_per_s for g in r) for r in runs],
+        runs = [[p.record.summary for p in result.points_at(variant, f)] for f in factors]
+        axes[0].plot(factors, [_over_time(r, lambda s: s.overall.goodput_rps) for r in runs],
+                     marker="o", label=variant)
+        axes[1].plot(factors,
+                     [_over_time(r, lambda s: s.overall.output_tokens_per_s) for r in runs],
                      marker="o", label=variant)
     for ax, title in zip(axes, ("goodput (req/s meeting both SLOs)", "output tokens/s"),
                          strict=True):
@@ -108,9 +109,11 @@ def plot_run(results: Sequence[RequestResult], tiers: TierTable, out_dir: Path) 
 def _attainment(points: Sequence[LoadPoint], tier: str) -> float:
     """Requests of the tier meeting both objectives over those sent, every run together."""
     groups = [p.record.summary.tier(tier) for p in points]
-    return sum(g.slo_attainment * g.num_requests for g in groups) / sum(
-        g.num_requests for g in groups
-    )
+    return share_of_requests(groups, lambda g: g.slo_attainment)
+
+
+def _over_time(summaries: Sequence[RunSummary], rate: Callable[[RunSummary], float]) -> float:
+    return time_weighted([(rate(s), s.duration_s) for s in summaries])
 
 
 def _cdf(ax: Any, results: Sequence[RequestResult], label: str) -> None:

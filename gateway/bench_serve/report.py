@@ -13,7 +13,13 @@ from gateway.bench_serve.engine_activity import EngineActivity
 from gateway.bench_serve.loadgen import CLIENT_LATE_S, RequestResult
 from gateway.bench_serve.plan import HEAVY_TENANT, LIGHT_TENANT
 from gateway.bench_serve.session import RunRecord
-from gateway.bench_serve.stats import GroupSummary, Percentiles, RunSummary
+from gateway.bench_serve.stats import (
+    GroupSummary,
+    Percentiles,
+    RunSummary,
+    share_of_requests,
+    time_weighted,
+)
 from gateway.bench_serve.sweep import FairnessRun, LoadPoint, SweepResult, repeat_tag
 
 __all__ = ["format_run", "format_sweep", "headline", "run_json", "sweep_json"]
@@ -223,8 +229,8 @@ def _each_repetition(tiered: list[RunSummary], fcfs: list[RunSummary]) -> str:
     premium = ", ".join(f"{_share([t], unit='')}/{_share([f], unit='')}" for t, f in pairs)
     goodput = ", ".join(_ratio(_goodput([t]), _goodput([f])) for t, f in pairs)
     ratios = [
-        _tokens_per_s_while_arriving([t]) / _tokens_per_s_while_arriving([f])
-        for t, f in pairs if _tokens_per_s_while_arriving([f]) > 0
+        t.output_tokens_per_s_while_arriving / f.output_tokens_per_s_while_arriving
+        for t, f in pairs if f.output_tokens_per_s_while_arriving > 0
     ]  # fmt: skip
     spread = (
         f" (mean {statistics.fmean(ratios):.3f}, sd {statistics.stdev(ratios):.3f})"
@@ -319,30 +325,24 @@ def _light_ttfts(runs: list[FairnessRun]) -> tuple[Percentiles, Percentiles]:
 def _share(summaries: list[RunSummary], *, unit: str = " %") -> str:
     """The premium requests' share within their TTFT objective, over every run's requests."""
     groups = [g for s in summaries for g in s.tiers if g.name == "premium"]
-    num = sum(g.num_requests for g in groups)
-    if not num:
-        return "n/a"
-    return f"{100 * sum(g.ttft_slo_attainment * g.num_requests for g in groups) / num:.1f}{unit}"
+    share = share_of_requests(groups, lambda g: g.ttft_slo_attainment)
+    return "n/a" if math.isnan(share) else f"{100 * share:.1f}{unit}"
 
 
 def _goodput(summaries: list[RunSummary]) -> float:
     """Standard requests meeting both objectives per second, over every run's time."""
-    runs = [(g.goodput_rps, s.duration_s) for s in summaries for g in s.tiers
-            if g.name == "standard"]  # fmt: skip
-    if not runs:
-        return math.nan
-    return sum(rate * duration_s for rate, duration_s in runs) / sum(d for _, d in runs)
+    return time_weighted([(g.goodput_rps, s.duration_s) for s in summaries for g in s.tiers
+                          if g.name == "standard"])  # fmt: skip
 
 
 def _tokens_per_s(summaries: list[RunSummary]) -> float:
-    tokens = sum(s.overall.output_tokens_per_s * s.duration_s for s in summaries)
-    return tokens / sum(s.duration_s for s in summaries)
+    return time_weighted([(s.overall.output_tokens_per_s, s.duration_s) for s in summaries])
 
 
 def _tokens_per_s_while_arriving(summaries: list[RunSummary]) -> float:
-    windows = [(s.output_tokens_per_s_while_arriving, s.arrival_window_s) for s in summaries]
-    total_s = sum(window_s for _, window_s in windows)
-    return sum(rate * window_s for rate, window_s in windows) / total_s if total_s else math.nan
+    return time_weighted(
+        [(s.output_tokens_per_s_while_arriving, s.arrival_window_s) for s in summaries]
+    )
 
 
 def _ratio(numerator: float, denominator: float) -> str:

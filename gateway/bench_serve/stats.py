@@ -27,7 +27,15 @@ from engine.simulation import percentile
 from gateway.bench_serve.loadgen import RequestResult
 from policies import TierTable
 
-__all__ = ["GroupSummary", "Percentiles", "RunSummary", "meets_slo", "summarize"]
+__all__ = [
+    "GroupSummary",
+    "Percentiles",
+    "RunSummary",
+    "meets_slo",
+    "share_of_requests",
+    "summarize",
+    "time_weighted",
+]
 
 
 @dataclass(frozen=True)
@@ -176,3 +184,19 @@ def _group(
         shed_rate=len(shed) / num,
         output_tokens_per_s=sum(r.num_output_tokens for r in results) * per_s,
     )
+
+
+def share_of_requests(
+    groups: Sequence[GroupSummary], share: Callable[[GroupSummary], float]
+) -> float:
+    """A share (of requests sent) over several runs' groups together: each group weighted by
+    its requests; NaN without any."""
+    num = sum(g.num_requests for g in groups)
+    return sum(share(g) * g.num_requests for g in groups) / num if num else math.nan
+
+
+def time_weighted(rates: Sequence[tuple[float, float]]) -> float:
+    """A rate over several runs together from (rate, seconds) pairs: everything counted
+    over all the time; NaN without any time."""
+    total_s = sum(seconds for _, seconds in rates)
+    return sum(rate * seconds for rate, seconds in rates) / total_s if total_s else math.nan
