@@ -89,9 +89,8 @@ def serve(settings: GatewaySettings, *, log_level: str = "info") -> int:
         lifespan="on",
         # Named rather than "auto" (which falls back to h11 and asyncio when these are
         # missing): on a 2-core CPU benchmark host, h11 and the asyncio loop cost a refused
-        # request 0.53-0.61 ms of server CPU against 0.45-0.49 ms, every streamed token its
-        # share too, CPU the engine's steps share (ops/bench/README.md, "The server's HTTP
-        # parser and event loop").
+        # request 0.53-0.61 ms of server CPU against 0.45-0.49 ms, CPU the engine's steps
+        # share (ops/bench/README.md, "The server's HTTP parser and event loop").
         loop="uvloop",
         http="httptools",
         timeout_graceful_shutdown=int(_GRACEFUL_SHUTDOWN_S),
