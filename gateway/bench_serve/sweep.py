@@ -1,24 +1,30 @@
-"""The sweep: measure the machine, then for each server configuration start a fresh server
-and offer the same workload at several multiples of the measured capacity.
+"""The sweep: measure the machine, then offer the same workload at several multiples of the
+measured capacity to each server configuration, every run on a server started for it.
 
 1. Calibration server (FCFS, nothing shed): unloaded 1024-token prefill -> SLO scale, and a
    closed-loop run of the workload's first requests -> capacity, in a few attempts, the
    fastest of each kept (see calibration.py).
-2. One server per configuration (tiered, fcfs, tiered-noshed; server.py) with the scaled
-   tier table, all started up front. Loads in ascending order; at each load every
-   configuration in turn (the order rotating from one load to the next), each run starting
-   once every request of the one before has ended. Interleaving keeps the comparison at one
-   load fair on a machine whose other work comes and goes: the configurations run minutes
-   apart, not a quarter of an hour. With repeats, every configuration runs once, then again,
-   the order rotating each time (two configurations: A B, B A, A B, ...), before the next
-   load: a pair's two runs stay minutes apart, and drift of the host over the repetitions
-   falls on both alike. Repetition r of load i uses prompt seed workload.seed + i x repeats
-   + r everywhere, so each repetition sees the same prompts on every server and no run hits
-   prefixes cached by the one before. An idle server only waits on its event loop.
+2. Every load run on a fresh server of its configuration (tiered, fcfs, tiered-noshed;
+   server.py) with the scaled tier table, warmed up by a short closed-loop burst of its own
+   tenant's requests before the run, stopped after it. A fresh process per run makes the
+   repetitions independent samples of everything a server process carries (its allocator,
+   where its threads land, what its engine and admission layer learned in earlier runs):
+   with one process per configuration kept for every repetition, two commands of ten 2x
+   pairs on one host 40 minutes apart differed by three times their standard errors.
+   Loads in ascending order; at each load every configuration in turn (the order rotating
+   from one load to the next), each run starting once every request of the one before has
+   ended. Interleaving keeps the comparison at one load fair on a machine whose other work
+   comes and goes: the configurations run minutes apart, not a quarter of an hour. With
+   repeats, every configuration runs once, then again, the order rotating each time (two
+   configurations: A B, B A, A B, ...), before the next load: a pair's two runs stay minutes
+   apart, and drift of the host over the repetitions falls on both alike. Repetition r of
+   load i uses prompt seed workload.seed + i x repeats + r everywhere, so each repetition
+   sees the same prompts on every server.
 3. Fairness (on the chosen configurations): two standard tenants, `heavy` at heavy_ratio x
    the rate of `light`, together offering fairness_load_factor x capacity; first the light
-   tenant's requests alone, then the same requests with the heavy tenant's; with repeats,
-   each repetition with arrivals and prompts of its own.
+   tenant's requests alone, then the same requests with the heavy tenant's, both on one
+   fresh server; with repeats, each repetition with arrivals and prompts of its own and a
+   server of its own.
 """
 
 from __future__ import annotations
@@ -42,9 +48,24 @@ from gateway.bench_serve.session import BenchTarget, RunRecord
 from gateway.bench_serve.sweep_config import SweepConfig, run_duration_s
 from policies import TierTable
 
-__all__ = ["FairnessRun", "LoadPoint", "SweepResult", "repeat_tag", "run_order", "run_sweep"]
+__all__ = [
+    "WARMUP_TENANT",
+    "FairnessRun",
+    "LoadPoint",
+    "SweepResult",
+    "repeat_tag",
+    "run_order",
+    "run_sweep",
+    "warmup_workload",
+]
 
 _FAIRNESS_TIER = "standard"
+# The warm-up of each fresh server (warmup_workload): this many requests, this many in flight.
+WARMUP_TENANT = "bench-warmup"
+_WARMUP_TIER = "batch"
+_WARMUP_REQUESTS = 16
+_WARMUP_CONCURRENCY = 8
+_WARMUP_OUTPUT_LEN = 8
 
 
 @dataclass(frozen=True)
@@ -130,28 +151,46 @@ def run_sweep(config: SweepConfig, log: Log = print) -> SweepResult:
         for repeat in range(config.repeats)
     }
     fairness_plans = [_FairnessPlan.of(config, calibration, r) for r in range(config.repeats)]
-    fairness_tenants = [(LIGHT_TENANT, _FAIRNESS_TIER), (HEAVY_TENANT, _FAIRNESS_TIER)]
-    with contextlib.ExitStack() as stack:
-        servers, targets = {}, {}
-        for variant in config.variants:
-            server = stack.enter_context(_started(variant, variant, tiers, config, exit_codes))
-            servers[variant] = server
-            targets[variant] = _target(server, [*tenants, *fairness_tenants], config)
-        for factor, repeat, variant in run_order(config.variants, loads, config.repeats):
-            rate = factor * calibration.capacity_rps
-            label = f"{variant} @ {factor:g}x{repeat_tag(repeat, config.repeats)}"
+    run_tenants = [*tenants, (LIGHT_TENANT, _FAIRNESS_TIER), (HEAVY_TENANT, _FAIRNESS_TIER),
+                   (WARMUP_TENANT, _WARMUP_TIER)]
+    warmup = warmup_workload(workload)
+
+    @contextlib.contextmanager
+    def fresh(name: str, variant: str) -> Iterator[tuple[BenchServer, BenchTarget]]:
+        with _started(name, variant, tiers, config, exit_codes) as server:
+            target = _target(server, run_tenants, config)
+            target.run_closed_loop(warmup, _WARMUP_CONCURRENCY, "", tiers)
+            yield server, target
+
+    for factor, repeat, variant in run_order(config.variants, loads, config.repeats):
+        rate = factor * calibration.capacity_rps
+        label = f"{variant} @ {factor:g}x{repeat_tag(repeat, config.repeats)}"
+        with fresh(f"{variant}-{factor:g}x-{repeat + 1}", variant) as (server, target):
             load_average = os.getloadavg()[0]
-            cpu_before_s = servers[variant].cpu_time_s()
-            record = targets[variant].run(planned[factor, repeat], label, tiers, rate)
-            cpu_share = _cpu_share(cpu_before_s, servers[variant].cpu_time_s(),
+            cpu_before_s = server.cpu_time_s()
+            record = target.run(planned[factor, repeat], label, tiers, rate)
+            cpu_share = _cpu_share(cpu_before_s, server.cpu_time_s(),
                                    record.summary.duration_s, machine.num_cpus)
-            result.points.append(
-                LoadPoint(variant, factor, repeat, load_average, cpu_share, record)
-            )
-        for plan in fairness_plans:
-            for variant in _rotated(config.fairness_variants, plan.repeat):
-                result.fairness.append(plan.run(targets[variant], variant, tiers, config.repeats))
+        result.points.append(LoadPoint(variant, factor, repeat, load_average, cpu_share, record))
+    for plan in fairness_plans:
+        for variant in _rotated(config.fairness_variants, plan.repeat):
+            with fresh(f"{variant}-fairness-{plan.repeat + 1}", variant) as (_, target):
+                result.fairness.append(plan.run(target, variant, tiers, config.repeats))
     return result
+
+
+def warmup_workload(workload: Workload) -> Workload:
+    """What a fresh server serves before its measured run: the workload's first requests with
+    short outputs, sent by a tenant of their own in the batch tier. So when the run starts
+    none of its tenants has sent anything, no prompt of theirs is in the prefix cache, and
+    the tiers they use (the file's premium and standard; the fairness test's standard) have
+    no other sender in the engine's demand window (engine/demand.py)."""
+    requests = [
+        replace(r, request_id=f"warmup-{i}", arrival_s=0.0, tenant=WARMUP_TENANT,
+                tier=_WARMUP_TIER, output_len=min(r.output_len, _WARMUP_OUTPUT_LEN))
+        for i, r in enumerate(workload.requests[:_WARMUP_REQUESTS])
+    ]
+    return Workload(seed=workload.seed, rate_rps=0.0, requests=requests)
 
 
 def run_order(
