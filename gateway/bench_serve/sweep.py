@@ -8,9 +8,8 @@ measured capacity to each server configuration, every run on a server started fo
    server.py) with the scaled tier table, warmed up by a short closed-loop burst of its own
    tenant's requests before the run, stopped after it. A fresh process per run makes the
    repetitions independent samples of everything a server process carries (its allocator,
-   where its threads land, what its engine and admission layer learned in earlier runs):
-   with one process per configuration kept for every repetition, two commands of ten 2x
-   pairs on one host 40 minutes apart differed by three times their standard errors.
+   where its threads land, what its engine and admission layer learned in earlier runs),
+   so a command's spread over its repetitions includes that too.
    Loads in ascending order; at each load every configuration in turn (the order rotating
    from one load to the next), each run starting once every request of the one before has
    ended. Interleaving keeps the comparison at one load fair on a machine whose other work
