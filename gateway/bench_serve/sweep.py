@@ -5,8 +5,7 @@ measured capacity to each server configuration, every run on a server started fo
    closed-loop run of the workload's first requests -> capacity, in a few attempts, the
    fastest of each kept (see calibration.py).
 2. Every load run on a fresh server of its configuration (tiered, fcfs, tiered-noshed;
-   server.py) with the scaled tier table, warmed up by a short closed-loop burst of its own
-   tenant's requests before the run, stopped after it. A fresh process per run makes the
+   server.py) with the scaled tier table, stopped after it. A fresh process per run makes the
    repetitions independent samples of everything a server process carries (its allocator,
    where its threads land, what its engine and admission layer learned in earlier runs),
    so a command's spread over its repetitions includes that too.
@@ -47,24 +46,9 @@ from gateway.bench_serve.session import BenchTarget, RunRecord
 from gateway.bench_serve.sweep_config import SweepConfig, run_duration_s
 from policies import TierTable
 
-__all__ = [
-    "WARMUP_TENANT",
-    "FairnessRun",
-    "LoadPoint",
-    "SweepResult",
-    "repeat_tag",
-    "run_order",
-    "run_sweep",
-    "warmup_workload",
-]
+__all__ = ["FairnessRun", "LoadPoint", "SweepResult", "repeat_tag", "run_order", "run_sweep"]
 
 _FAIRNESS_TIER = "standard"
-# The warm-up of each fresh server (warmup_workload): this many requests, this many in flight.
-WARMUP_TENANT = "bench-warmup"
-_WARMUP_TIER = "batch"
-_WARMUP_REQUESTS = 16
-_WARMUP_CONCURRENCY = 8
-_WARMUP_OUTPUT_LEN = 8
 
 
 @dataclass(frozen=True)
@@ -150,16 +134,12 @@ def run_sweep(config: SweepConfig, log: Log = print) -> SweepResult:
         for repeat in range(config.repeats)
     }
     fairness_plans = [_FairnessPlan.of(config, calibration, r) for r in range(config.repeats)]
-    run_tenants = [*tenants, (LIGHT_TENANT, _FAIRNESS_TIER), (HEAVY_TENANT, _FAIRNESS_TIER),
-                   (WARMUP_TENANT, _WARMUP_TIER)]
-    warmup = warmup_workload(workload)
+    run_tenants = [*tenants, (LIGHT_TENANT, _FAIRNESS_TIER), (HEAVY_TENANT, _FAIRNESS_TIER)]
 
     @contextlib.contextmanager
     def fresh(name: str, variant: str) -> Iterator[tuple[BenchServer, BenchTarget]]:
         with _started(name, variant, tiers, config, exit_codes) as server:
-            target = _target(server, run_tenants, config)
-            target.run_closed_loop(warmup, _WARMUP_CONCURRENCY, "", tiers)
-            yield server, target
+            yield server, _target(server, run_tenants, config)
 
     for factor, repeat, variant in run_order(config.variants, loads, config.repeats):
         rate = factor * calibration.capacity_rps
@@ -176,20 +156,6 @@ def run_sweep(config: SweepConfig, log: Log = print) -> SweepResult:
             with fresh(f"{variant}-fairness-{plan.repeat + 1}", variant) as (_, target):
                 result.fairness.append(plan.run(target, variant, tiers, config.repeats))
     return result
-
-
-def warmup_workload(workload: Workload) -> Workload:
-    """What a fresh server serves before its measured run: the workload's first requests with
-    short outputs, sent by a tenant of their own in the batch tier. So when the run starts
-    none of its tenants has sent anything, no prompt of theirs is in the prefix cache, and
-    the tiers they use (the file's premium and standard; the fairness test's standard) have
-    no other sender in the engine's demand window (engine/demand.py)."""
-    requests = [
-        replace(r, request_id=f"warmup-{i}", arrival_s=0.0, tenant=WARMUP_TENANT,
-                tier=_WARMUP_TIER, output_len=min(r.output_len, _WARMUP_OUTPUT_LEN))
-        for i, r in enumerate(workload.requests[:_WARMUP_REQUESTS])
-    ]
-    return Workload(seed=workload.seed, rate_rps=0.0, requests=requests)
 
 
 def run_order(

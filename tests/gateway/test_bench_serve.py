@@ -50,14 +50,7 @@ from gateway.bench_serve.report import format_run, format_sweep, headline, run_j
 from gateway.bench_serve.server import VARIANTS, BenchServer, EngineLimits
 from gateway.bench_serve.session import BenchTarget, RunRecord
 from gateway.bench_serve.stats import RunSummary, meets_slo, summarize
-from gateway.bench_serve.sweep import (
-    WARMUP_TENANT,
-    FairnessRun,
-    LoadPoint,
-    SweepResult,
-    run_order,
-    warmup_workload,
-)
+from gateway.bench_serve.sweep import FairnessRun, LoadPoint, SweepResult, run_order
 from gateway.bench_serve.sweep_config import (
     MIN_RUN_DURATION_S,
     OBJECTIVES_PER_RUN,
@@ -345,21 +338,6 @@ def test_runs_alternate_between_configurations_from_one_repetition_to_the_next()
     assert run_order(["a", "b", "c"], [0.5, 1.0], 1) == [
         (0.5, 0, "a"), (0.5, 0, "b"), (0.5, 0, "c"), (1.0, 0, "b"), (1.0, 0, "c"), (1.0, 0, "a")
     ]  # fmt: skip
-
-
-def test_a_fresh_server_warms_up_on_a_tenant_and_tier_of_its_own() -> None:
-    workload = Workload(seed=7, rate_rps=2.0, requests=[
-        _request(i, f"t{i % 3}", 0.5 * i, prompt_len=30 + i, output_len=5 + 3 * i,
-                 tier="premium" if i % 2 else "standard")
-        for i in range(40)
-    ])
-    warmup = warmup_workload(workload)
-    assert [r.prompt_len for r in warmup.requests] == [30 + i for i in range(16)]
-    assert [r.output_len for r in warmup.requests] == [min(5 + 3 * i, 8) for i in range(16)]
-    assert {(r.tenant, r.tier) for r in warmup.requests} == {(WARMUP_TENANT, "batch")}
-    assert all(r.arrival_s == 0.0 for r in warmup.requests)
-    run_ids = {r.request_id for r in workload.requests}
-    assert not run_ids & {r.request_id for r in warmup.requests}
 
 
 def test_repetitions_are_reported_together_then_each() -> None:
