@@ -106,7 +106,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sweep_group.add_argument("--prefill-probes", type=int, default=None,
                              help=f"lone 1024-token requests ({sweep['num_prefill_probes']})")
     sweep_group.add_argument("--calibrations", type=int, default=None,
-                             help="calibration attempts, the fastest prefill and capacity kept "
+                             help="calibration attempts, the middle prefill and capacity kept "
                              f"({sweep['num_calibrations']})")
     sweep_group.add_argument("--repeats", type=int, default=None,
                              help="run every load, and the fairness test, this many times, "

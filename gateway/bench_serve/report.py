@@ -148,14 +148,14 @@ def format_sweep(result: SweepResult) -> str:
         )
     else:
         scale = f"SLO scale {c.slo_scale:.2f} (given)"
-    best = c.capacity
-    if best is not None:
+    kept = c.capacity
+    if kept is not None:
         capacity = (
-            f"capacity {c.capacity_rps:.3f} req/s, {best.output_tokens_per_s:.1f} output "
+            f"capacity {c.capacity_rps:.3f} req/s, {kept.output_tokens_per_s:.1f} output "
             f"tokens/s (FCFS, closed loop with {c.capacity_concurrency} in flight: "
-            f"{best.num_completions} completions over {best.window_s:.1f} s"
-            + ("" if best.steal_share is None
-               else f"; host steal {100 * best.steal_share:.1f} %")
+            f"{kept.num_completions} completions over {kept.window_s:.1f} s"
+            + ("" if kept.steal_share is None
+               else f"; host steal {100 * kept.steal_share:.1f} %")
             + _attempts(c.capacity_attempts) + ")"
         )  # fmt: skip
     else:
@@ -185,7 +185,7 @@ def _prefill_medians(attempts: list[list[float]]) -> str:
     if len(attempts) == 1:
         return f"median of {len(attempts[0])}"
     medians = ", ".join(f"{statistics.median(samples):.3f}" for samples in attempts)
-    return (f"the shortest of {len(attempts)} attempts' medians of {len(attempts[0])} probes: "
+    return (f"the middle of {len(attempts)} attempts' medians of {len(attempts[0])} probes: "
             f"{medians} s")
 
 
@@ -197,7 +197,7 @@ def _attempts(attempts: list[CapacityAttempt]) -> str:
         + ("" if a.steal_share is None else f" ({100 * a.steal_share:.1f} % steal)")
         for a in attempts
     )
-    return f"; the best of {len(attempts)} attempts' output tokens/s: {each}"
+    return f"; the middle of {len(attempts)} attempts' output tokens/s: {each}"
 
 
 def headline(result: SweepResult) -> list[str]:
@@ -275,11 +275,11 @@ def _capacity_check(result: SweepResult) -> list[str]:
     """FCFS at 2x and over runs at what the machine sustains, its queue never empty: its
     output tokens/s then against the calibration's say whether the loads' labels held (a
     calibration in a fast minute of the host makes every load heavier than its label)."""
-    best = result.calibration.capacity
+    kept = result.calibration.capacity
     overloaded = [p for p in result.points if p.variant == "fcfs" and p.load_factor >= 2]
-    if best is None or not overloaded:
+    if kept is None or not overloaded:
         return []
-    measured = best.output_tokens_per_s
+    measured = kept.output_tokens_per_s
     rates = ", ".join(
         f"{p.record.summary.output_tokens_per_s_while_arriving:.0f} at {p.load_factor:g}x"
         f"{repeat_tag(p.repeat, result.repeats)} "

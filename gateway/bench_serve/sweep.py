@@ -3,7 +3,7 @@ measured capacity to each server configuration, every run on a server started fo
 
 1. Calibration server (FCFS, nothing shed): unloaded 1024-token prefill -> SLO scale, and a
    closed-loop run of the workload's first requests -> capacity, in a few attempts, the
-   fastest of each kept (see calibration.py).
+   middle one of each kept (see calibration.py).
 2. Every load run on a fresh server of its configuration (tiered, fcfs, tiered-noshed;
    server.py) with the scaled tier table, stopped after it. A fresh process per run makes the
    repetitions independent samples of everything a server process carries (its allocator,

@@ -48,7 +48,7 @@ class SweepConfig:
     capacity_concurrency: int | None = None
     num_capacity_completions: int = 64
     num_prefill_probes: int = 5  # lone 1024-token requests for the SLO scale
-    # Calibration attempts (prefill probes, then a capacity run); the fastest of each kept.
+    # Calibration attempts (prefill probes, then a capacity run); the middle one of each kept.
     num_calibrations: int = 3
     # Every load's runs, and the fairness test, this many times: one repetition of every
     # configuration, then the next, the order alternating (sweep.py).

@@ -325,6 +325,24 @@ def test_tokens_while_arrivals_last_leave_out_the_drain_after_them() -> None:
                         "(0.50), against the calibration's 8")
 
 
+def test_calibration_keeps_the_middle_attempt_of_each_figure() -> None:
+    """A fast outlier among three attempts (run 54: 2,806 output tokens/s against 2,483 and
+    2,432) moves neither figure; of two attempts the faster is kept."""
+    def attempt(tokens_per_s: float) -> CapacityAttempt:
+        return CapacityAttempt(tokens_per_s / 100, tokens_per_s, 10.0, 64, None)
+
+    prefills = [[0.083, 0.084, 0.090], [0.065, 0.060, 0.070], [0.087, 0.080, 0.088]]
+    capacities = [attempt(2483.0), attempt(2806.0), attempt(2432.0)]
+    three = Calibration(1.0, 1.0, prefills, capacities)
+    assert three.reference_prefill_s == pytest.approx(0.084)  # medians 0.084, 0.065, 0.087
+    assert three.capacity == capacities[0]
+    two = Calibration(1.0, 1.0, prefills[:2], capacities[:2])
+    assert two.reference_prefill_s == pytest.approx(0.065)
+    assert two.capacity == capacities[1]
+    one = Calibration(1.0, 1.0, prefills[2:], capacities[2:])
+    assert (one.reference_prefill_s, one.capacity) == (pytest.approx(0.087), capacities[2])
+
+
 def test_runs_alternate_between_configurations_from_one_repetition_to_the_next() -> None:
     assert run_order(["tiered", "fcfs"], [1.0, 2.0], 3) == [
         (1.0, 0, "tiered"), (1.0, 0, "fcfs"),
@@ -711,13 +729,13 @@ def test_calibration_measures_prefill_and_closed_loop_capacity(
     assert _computed_prompt_tokens(server) - computed_before < REFERENCE_PROMPT_LEN
     calibration = calibration_of(TierTable(), prefill_attempts_s=[samples, more_samples],
                                  capacity_runs=[capacity, again], concurrency=2)
-    reference_s = min(sum(samples) / 2, sum(more_samples) / 2)  # the shorter median of 2
+    reference_s = min(sum(samples) / 2, sum(more_samples) / 2)  # of two medians the shorter
     assert calibration.reference_prefill_s == pytest.approx(reference_s)
     assert calibration.slo_scale == pytest.approx(10 * reference_s / 0.5)
     assert calibration.is_slo_scale_measured and calibration.is_capacity_measured
     attempts = [CapacityAttempt.of(capacity), CapacityAttempt.of(again)]
     assert calibration.capacity_attempts == attempts
-    best = max(attempts, key=lambda a: a.output_tokens_per_s)
+    best = max(attempts, key=lambda a: a.output_tokens_per_s)  # of two attempts the faster
     assert calibration.capacity == best
     assert (best.capacity_rps, best.output_tokens_per_s, best.window_s) in (
         capacity_window(capacity), capacity_window(again)
