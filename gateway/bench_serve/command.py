@@ -82,6 +82,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sweep_group.add_argument("--capacity", type=float, default=None, metavar="RPS",
                              help="requests/s the loads are multiples of, instead of measuring "
                              "it (with --slo-scale: repeat an earlier sweep exactly)")
+    sweep_group.add_argument("--capacity-each-turn", action="store_true",
+                             help="measure the capacity again (one closed-loop attempt on a "
+                             "fresh FCFS server) before every load repetition, and offer its "
+                             "loads as multiples of that: loads that follow a host whose "
+                             "speed drifts")
     sweep_group.add_argument("--loads", default=None, help="offered loads, x measured "
                              f"capacity (default {_joined(sweep['load_factors'])})")
     sweep_group.add_argument("--variants", default=None, help="server configurations, of "
@@ -196,6 +201,7 @@ def _sweep(
         arrivals=ArrivalProcess(args.arrivals),
         slo_scale=args.slo_scale,
         capacity_rps=args.capacity,
+        capacity_each_turn=args.capacity_each_turn,
         seed=args.seed,
         progress=not args.no_progress,
         **{**(_QUICK_SWEEP if args.quick else {}), **given},

@@ -166,6 +166,7 @@ def format_sweep(result: SweepResult) -> str:
         f"load average {m.load_average_1m:.1f}",
         scale,
         capacity,
+        *_turn_capacities(result),
         "scaled objectives:",
         *tier_lines,
         f"arrivals per load run: {result.duration_s:.1f} s",
@@ -187,6 +188,21 @@ def _prefill_medians(attempts: list[list[float]]) -> str:
     medians = ", ".join(f"{statistics.median(samples):.3f}" for samples in attempts)
     return (f"the middle of {len(attempts)} attempts' medians of {len(attempts[0])} probes: "
             f"{medians} s")
+
+
+def _turn_capacities(result: SweepResult) -> list[str]:
+    """The capacity each turn measured before its runs (capacity_each_turn), if any."""
+    turns = {(p.load_factor, p.repeat): p.turn_capacity for p in result.points}
+    measured = [(key, c) for key, c in turns.items() if c is not None]
+    if not measured:
+        return []
+    each = ", ".join(
+        f"{factor:g}x{repeat_tag(repeat, result.repeats)} {c.capacity_rps:.3f} "
+        f"({c.output_tokens_per_s:.0f})"
+        for (factor, repeat), c in measured
+    )
+    return [f"capacity measured again before each turn, its loads multiples of it (FCFS, "
+            f"closed loop, one attempt on a fresh server), req/s (output tokens/s): {each}"]
 
 
 def _attempts(attempts: list[CapacityAttempt]) -> str:
@@ -273,21 +289,28 @@ def _shed_answers(result: SweepResult) -> list[str]:
 
 def _capacity_check(result: SweepResult) -> list[str]:
     """FCFS at 2x and over runs at what the machine sustains, its queue never empty: its
-    output tokens/s then against the calibration's say whether the loads' labels held (a
-    calibration in a fast minute of the host makes every load heavier than its label)."""
+    output tokens/s then against the capacity its load multiplied (the calibration's, or its
+    turn's) say whether the loads' labels held (a capacity measured in a fast minute of the
+    host makes the loads heavier than their labels)."""
     kept = result.calibration.capacity
     overloaded = [p for p in result.points if p.variant == "fcfs" and p.load_factor >= 2]
-    if kept is None or not overloaded:
+    if not overloaded:
         return []
-    measured = kept.output_tokens_per_s
-    rates = ", ".join(
-        f"{p.record.summary.output_tokens_per_s_while_arriving:.0f} at {p.load_factor:g}x"
-        f"{repeat_tag(p.repeat, result.repeats)} "
-        f"({p.record.summary.output_tokens_per_s_while_arriving / measured:.2f})"
-        for p in overloaded
-    )
-    return [f"capacity check: FCFS output tokens/s while arrivals last {rates}, against the "
-            f"calibration's {measured:.0f}"]
+    if all(p.turn_capacity is not None for p in overloaded):
+        against = "its turn's capacity run"
+    elif kept is not None and all(p.turn_capacity is None for p in overloaded):
+        against = f"the calibration's {kept.output_tokens_per_s:.0f}"
+    else:
+        return []
+    parts = []
+    for p in overloaded:
+        measured = p.turn_capacity or kept
+        assert measured is not None
+        sustained = p.record.summary.output_tokens_per_s_while_arriving
+        parts.append(f"{sustained:.0f} at {p.load_factor:g}x{repeat_tag(p.repeat, result.repeats)}"
+                     f" ({sustained / measured.output_tokens_per_s:.2f})")
+    return [f"capacity check: FCFS output tokens/s while arrivals last {', '.join(parts)}, "
+            f"against {against}"]
 
 
 def _light_tenant(result: SweepResult) -> list[str]:
@@ -460,6 +483,10 @@ def sweep_json(result: SweepResult) -> dict[str, Any]:
                     "repeat": p.repeat,
                     "load_average_1m": p.load_average_1m,
                     "server_cpu_share": p.server_cpu_share,
+                    "capacity_rps": result.capacity_rps_of(p),
+                    "turn_capacity": (
+                        None if p.turn_capacity is None else dataclasses.asdict(p.turn_capacity)
+                    ),
                     **run_json(p.record),
                 }
                 for p in result.points

@@ -3,7 +3,14 @@ measured capacity to each server configuration, every run on a server started fo
 
 1. Calibration server (FCFS, nothing shed): unloaded 1024-token prefill -> SLO scale, and a
    closed-loop run of the workload's first requests -> capacity, in a few attempts, the
-   middle one of each kept (see calibration.py).
+   middle one of each kept (see calibration.py). With capacity_each_turn, the capacity is
+   measured again before every turn (one load's repetition on every configuration), one
+   attempt on a fresh FCFS server of its own (`capacity-<load>x-<repetition>`), and that
+   turn's loads are multiples of it: on a host whose speed drifts by a quarter within a
+   command, a load labelled 2x stays 2x of what the host does minutes before the runs,
+   not of what it did at the start (FCFS sustained 0.72-0.92 of the calibration's tokens/s
+   over run 57's ten repetitions, its steps slowing from 23 to 30 ms). The SLO scale and
+   the fairness test keep the calibration's figures.
 2. Every load run on a fresh server of its configuration (tiered, fcfs, tiered-noshed;
    server.py) with the scaled tier table, stopped after it. A fresh process per run makes the
    repetitions independent samples of everything a server process carries (its allocator,
@@ -35,6 +42,7 @@ from dataclasses import dataclass, field, replace
 from engine.workload import Workload
 from gateway.bench_serve.calibration import (
     Calibration,
+    CapacityAttempt,
     calibration_of,
     measure_capacity,
     measure_reference_prefill_s,
@@ -63,6 +71,9 @@ class LoadPoint:
     # (None without /proc): low when other work on the machine took the cores.
     server_cpu_share: float | None
     record: RunRecord
+    # The capacity run of this point's turn (capacity_each_turn); None: the load is a
+    # multiple of the calibration's capacity.
+    turn_capacity: CapacityAttempt | None = None
 
 
 @dataclass(frozen=True)
@@ -98,6 +109,13 @@ class SweepResult:
         """How many times each load ran on each configuration."""
         return 1 + max((p.repeat for p in self.points), default=0)
 
+    def capacity_rps_of(self, point: LoadPoint) -> float:
+        """Requests/s the point's load factor multiplies: its turn's capacity, or the
+        calibration's."""
+        if point.turn_capacity is not None:
+            return point.turn_capacity.capacity_rps
+        return self.calibration.capacity_rps
+
     def points_at(self, variant: str, load_factor: float) -> list[LoadPoint]:
         """Every repetition of one configuration at one load, in order."""
         points = [p for p in self.points if p.variant == variant and p.load_factor == load_factor]
@@ -124,13 +142,18 @@ def run_sweep(config: SweepConfig, log: Log = print) -> SweepResult:
     # Every run's requests are planned before any server starts: a plan that cannot be made
     # fails here, not after the load points have run.
     loads = sorted(config.load_factors)
-    planned = {
-        (factor, repeat): replace(
-            retime(workload, factor * calibration.capacity_rps, arrivals=config.arrivals,
+
+    def planned_run(factor: float, repeat: int, capacity_rps: float) -> Workload:
+        index = loads.index(factor)
+        return replace(
+            retime(workload, factor * capacity_rps, arrivals=config.arrivals,
                    duration_s=duration_s, seed=config.seed + index * config.repeats + repeat),
             seed=workload.seed + index * config.repeats + repeat,
         )
-        for index, factor in enumerate(loads)
+
+    planned = {
+        (factor, repeat): planned_run(factor, repeat, calibration.capacity_rps)
+        for factor in loads
         for repeat in range(config.repeats)
     }
     fairness_plans = [_FairnessPlan.of(config, calibration, r) for r in range(config.repeats)]
@@ -141,16 +164,28 @@ def run_sweep(config: SweepConfig, log: Log = print) -> SweepResult:
         with _started(name, variant, tiers, config, exit_codes) as server:
             yield server, _target(server, run_tenants, config)
 
+    turn_capacities: dict[tuple[float, int], CapacityAttempt] = {}
     for factor, repeat, variant in run_order(config.variants, loads, config.repeats):
-        rate = factor * calibration.capacity_rps
+        turn_capacity = turn_capacities.get((factor, repeat))
+        if config.capacity_each_turn and turn_capacity is None:
+            name = f"capacity-{factor:g}x-{repeat + 1}"
+            turn_capacity = turn_capacities[factor, repeat] = _measure_turn_capacity(
+                name, config, tenants, exit_codes, attempt=len(turn_capacities), log=log
+            )
+            planned[factor, repeat] = planned_run(factor, repeat, turn_capacity.capacity_rps)
+        capacity_rps = (
+            calibration.capacity_rps if turn_capacity is None else turn_capacity.capacity_rps
+        )
         label = f"{variant} @ {factor:g}x{repeat_tag(repeat, config.repeats)}"
         with fresh(f"{variant}-{factor:g}x-{repeat + 1}", variant) as (server, target):
             load_average = os.getloadavg()[0]
             cpu_before_s = server.cpu_time_s()
-            record = target.run(planned[factor, repeat], label, tiers, rate)
+            record = target.run(planned[factor, repeat], label, tiers, factor * capacity_rps)
             cpu_share = _cpu_share(cpu_before_s, server.cpu_time_s(),
                                    record.summary.duration_s, machine.num_cpus)
-        result.points.append(LoadPoint(variant, factor, repeat, load_average, cpu_share, record))
+        result.points.append(
+            LoadPoint(variant, factor, repeat, load_average, cpu_share, record, turn_capacity)
+        )
     for plan in fairness_plans:
         for variant in _rotated(config.fairness_variants, plan.repeat):
             with fresh(f"{variant}-fairness-{plan.repeat + 1}", variant) as (_, target):
@@ -228,6 +263,28 @@ def _calibrate(
         capacity_runs=capacities,
         concurrency=config.capacity_slots,
     )
+
+
+def _measure_turn_capacity(
+    name: str,
+    config: SweepConfig,
+    tenants: list[tuple[str, str]],
+    exit_codes: dict[str, int | None],
+    *,
+    attempt: int,
+    log: Log,
+) -> CapacityAttempt:
+    """One capacity attempt on a fresh FCFS server with the default tiers, as a calibration
+    attempt (prompts of its own: attempt past the calibration's)."""
+    with _started(name, "fcfs", TierTable(), config, exit_codes) as server:
+        target = _target(server, tenants, config)
+        record = measure_capacity(target, config.workload, TierTable(), config.capacity_slots,
+                                  config.num_capacity_completions,
+                                  attempt=config.num_calibrations + attempt)
+    capacity = CapacityAttempt.of(record)
+    log(f"{name}: {capacity.capacity_rps:.3f} req/s, {capacity.output_tokens_per_s:.0f} "
+        f"output tokens/s, load average {os.getloadavg()[0]:.1f}")
+    return capacity
 
 
 @dataclass(frozen=True)

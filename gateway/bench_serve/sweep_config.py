@@ -55,6 +55,9 @@ class SweepConfig:
     repeats: int = 1
     slo_scale: float | None = None  # None: measured
     capacity_rps: float | None = None  # None: measured
+    # Measure the capacity again before every turn and offer that turn's loads as multiples
+    # of it (sweep.py); the fairness test keeps the calibration's.
+    capacity_each_turn: bool = False
     fairness_variants: tuple[str, ...] = ("tiered", "fcfs")  # empty: no fairness runs
     fairness_load_factor: float = 1.5  # light + heavy, x measured capacity
     fairness_duration_s: float = 40.0  # arrivals of each fairness run span this long
@@ -80,6 +83,8 @@ class SweepConfig:
             raise BenchConfigError("calibration attempts and repeats must be at least 1")
         if self.num_capacity_completions < 2:
             raise BenchConfigError("the capacity run needs at least 2 completions")
+        if self.capacity_each_turn and self.capacity_rps is not None:
+            raise BenchConfigError("a capacity measured every turn cannot also be given")
         for name in ("slo_scale", "capacity_rps"):
             value = getattr(self, name)
             if value is not None and not value > 0:

@@ -204,6 +204,9 @@ def test_a_load_run_spans_five_of_the_slowest_objectives_and_at_least_20_s() -> 
     for field_name in ("repeats", "num_calibrations"):
         with pytest.raises(BenchConfigError, match="at least 1"):
             SweepConfig(workload, vocabulary, limits, Path("."), **{field_name: 0})
+    with pytest.raises(BenchConfigError, match="measured every turn cannot also be given"):
+        SweepConfig(workload, vocabulary, limits, Path("."), capacity_rps=3.0,
+                    capacity_each_turn=True)
 
 
 def test_the_collector_stays_out_of_a_run() -> None:
@@ -323,6 +326,14 @@ def test_tokens_while_arrivals_last_leave_out_the_drain_after_them() -> None:
     lines = headline(SweepResult(machine, measured, TierTable(), 20.0, points))
     assert lines[1] == ("capacity check: FCFS output tokens/s while arrivals last 4 at 2x "
                         "(0.50), against the calibration's 8")
+    # Measured again before the turn: FCFS's rate against that turn's capacity run.
+    turn = CapacityAttempt(0.5, 5.0, 1.0, 2, None)
+    remeasured = [replace(p, turn_capacity=turn) for p in points]
+    result = SweepResult(machine, measured, TierTable(), 20.0, remeasured)
+    assert headline(result)[1] == ("capacity check: FCFS output tokens/s while arrivals last "
+                                   "4 at 2x (0.80), against its turn's capacity run")
+    assert result.capacity_rps_of(remeasured[0]) == 0.5
+    assert result.capacity_rps_of(points[0]) == measured.capacity_rps == 1.0
 
 
 def test_calibration_keeps_the_middle_attempt_of_each_figure() -> None:
@@ -803,6 +814,49 @@ def test_command_line_one_run_against_url(
     monkeypatch.delenv("TIERGATE_ADMIN_TOKEN")
     code, out, err = _bench(["--url", server.base_url, "--workload", str(workload)], capsys)
     assert code == 1 and "TIERGATE_ADMIN_TOKEN" in err
+
+
+def test_a_sweep_that_measures_the_capacity_before_every_turn(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--capacity-each-turn: a fresh FCFS server measures the capacity before each load
+    repetition, and that repetition's runs offer their load factor times it."""
+    workload = _workload_file(tmp_path / "workload.json", [
+        _request(i, f"{tier}-0", 0.5 * i, prompt_len=24 + i % 40, output_len=4, tier=tier)
+        for i in range(300)
+        for tier in ["premium" if i % 3 == 0 else "standard"]
+    ], rate_rps=2.0)
+    output = tmp_path / "sweep.json"
+    code, out, err = _bench([
+        "--sweep", "--workload", str(workload), "--work-dir", str(tmp_path / "servers"),
+        "--slo-scale", "3", "--capacity-each-turn", "--calibrations", "1",
+        "--capacity-concurrency", "2", "--capacity-completions", "3", "--variants",
+        "tiered,fcfs", "--loads", "2", "--duration", "2", "--fairness-variants", "",
+        "--kv-cache-bytes", str(16 << 20), "--repeats", "2", "--output", str(output),
+    ], capsys)
+    assert code == 0, err
+    document = json.loads(output.read_text())
+    servers = ["calibration", "capacity-2x-1", "tiered-2x-1", "fcfs-2x-1", "capacity-2x-2",
+               "fcfs-2x-2", "tiered-2x-2"]
+    assert list(document["server_exit_codes"]) == servers
+    assert set(document["server_exit_codes"].values()) == {0}
+    runs = document["runs"]
+    turns = {r["repeat"]: r["turn_capacity"] for r in runs}
+    assert len(turns) == 2 and all(t["num_completions"] >= 3 for t in turns.values())
+    for run in runs:
+        turn = turns[run["repeat"]]
+        assert run["turn_capacity"] == turn and run["capacity_rps"] == turn["capacity_rps"]
+        assert run["summary"]["offered_rps"] == pytest.approx(2 * turn["capacity_rps"])
+    calibrated = document["calibration"]["capacity_rps"]
+    assert "capacity measured again before each turn" in out
+    for repeat, turn in turns.items():
+        assert f"2x #{repeat + 1} {turn['capacity_rps']:.3f}" in out
+        assert f"capacity-2x-{repeat + 1}: {turn['capacity_rps']:.3f} req/s" in err
+    assert calibrated > 0 and "against its turn's capacity run" in out
+    # A capacity measured every turn and a given one contradict each other.
+    code, _, err = _bench(["--sweep", "--workload", str(workload), "--capacity", "4",
+                           "--capacity-each-turn"], capsys)
+    assert code != 0 and "cannot also be given" in err
 
 
 def test_a_small_sweep_from_the_command_line(
