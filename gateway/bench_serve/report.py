@@ -294,21 +294,19 @@ def _capacity_check(result: SweepResult) -> list[str]:
     host makes the loads heavier than their labels)."""
     kept = result.calibration.capacity
     overloaded = [p for p in result.points if p.variant == "fcfs" and p.load_factor >= 2]
-    if not overloaded:
-        return []
-    if all(p.turn_capacity is not None for p in overloaded):
-        against = "its turn's capacity run"
-    elif kept is not None and all(p.turn_capacity is None for p in overloaded):
-        against = f"the calibration's {kept.output_tokens_per_s:.0f}"
-    else:
-        return []
-    parts = []
+    parts, against = [], ""
     for p in overloaded:
         measured = p.turn_capacity or kept
-        assert measured is not None
+        if measured is None:
+            return []  # the capacity was given: nothing measured to check
+        # Every point has a turn's capacity, or none has (SweepConfig.capacity_each_turn).
+        against = ("its turn's capacity run" if p.turn_capacity is not None
+                   else f"the calibration's {measured.output_tokens_per_s:.0f}")
         sustained = p.record.summary.output_tokens_per_s_while_arriving
         parts.append(f"{sustained:.0f} at {p.load_factor:g}x{repeat_tag(p.repeat, result.repeats)}"
                      f" ({sustained / measured.output_tokens_per_s:.2f})")
+    if not parts:
+        return []
     return [f"capacity check: FCFS output tokens/s while arrivals last {', '.join(parts)}, "
             f"against {against}"]
 
@@ -483,7 +481,7 @@ def sweep_json(result: SweepResult) -> dict[str, Any]:
                     "repeat": p.repeat,
                     "load_average_1m": p.load_average_1m,
                     "server_cpu_share": p.server_cpu_share,
-                    "capacity_rps": result.capacity_rps_of(p),
+                    "capacity_rps": result.capacity_rps_for(p.turn_capacity),
                     "turn_capacity": (
                         None if p.turn_capacity is None else dataclasses.asdict(p.turn_capacity)
                     ),

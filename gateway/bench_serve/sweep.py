@@ -109,11 +109,11 @@ class SweepResult:
         """How many times each load ran on each configuration."""
         return 1 + max((p.repeat for p in self.points), default=0)
 
-    def capacity_rps_of(self, point: LoadPoint) -> float:
-        """Requests/s the point's load factor multiplies: its turn's capacity, or the
-        calibration's."""
-        if point.turn_capacity is not None:
-            return point.turn_capacity.capacity_rps
+    def capacity_rps_for(self, turn_capacity: CapacityAttempt | None) -> float:
+        """Requests/s a run's load factor multiplies: its turn's capacity (None: not measured
+        every turn), or the calibration's."""
+        if turn_capacity is not None:
+            return turn_capacity.capacity_rps
         return self.calibration.capacity_rps
 
     def points_at(self, variant: str, load_factor: float) -> list[LoadPoint]:
@@ -173,9 +173,7 @@ def run_sweep(config: SweepConfig, log: Log = print) -> SweepResult:
                 name, config, tenants, exit_codes, attempt=len(turn_capacities), log=log
             )
             planned[factor, repeat] = planned_run(factor, repeat, turn_capacity.capacity_rps)
-        capacity_rps = (
-            calibration.capacity_rps if turn_capacity is None else turn_capacity.capacity_rps
-        )
+        capacity_rps = result.capacity_rps_for(turn_capacity)
         label = f"{variant} @ {factor:g}x{repeat_tag(repeat, config.repeats)}"
         with fresh(f"{variant}-{factor:g}x-{repeat + 1}", variant) as (server, target):
             load_average = os.getloadavg()[0]
@@ -251,10 +249,7 @@ def _calibrate(
                     attempt=attempt,
                 ))
             if config.capacity_rps is None:
-                capacities.append(measure_capacity(
-                    target, config.workload, defaults, config.capacity_slots,
-                    config.num_capacity_completions, attempt=attempt,
-                ))
+                capacities.append(_capacity_run(target, config, attempt))
     return calibration_of(
         defaults,
         slo_scale_given=config.slo_scale,
@@ -278,13 +273,18 @@ def _measure_turn_capacity(
     attempt (prompts of its own: attempt past the calibration's)."""
     with _started(name, "fcfs", TierTable(), config, exit_codes) as server:
         target = _target(server, tenants, config)
-        record = measure_capacity(target, config.workload, TierTable(), config.capacity_slots,
-                                  config.num_capacity_completions,
-                                  attempt=config.num_calibrations + attempt)
+        record = _capacity_run(target, config, config.num_calibrations + attempt)
     capacity = CapacityAttempt.of(record)
     log(f"{name}: {capacity.capacity_rps:.3f} req/s, {capacity.output_tokens_per_s:.0f} "
         f"output tokens/s, load average {os.getloadavg()[0]:.1f}")
     return capacity
+
+
+def _capacity_run(target: BenchTarget, config: SweepConfig, attempt: int) -> RunRecord:
+    """One closed-loop capacity attempt (calibration.measure_capacity) on an FCFS server with
+    the default tiers, sized by the config."""
+    return measure_capacity(target, config.workload, TierTable(), config.capacity_slots,
+                            config.num_capacity_completions, attempt=attempt)
 
 
 @dataclass(frozen=True)
