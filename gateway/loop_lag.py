@@ -7,12 +7,15 @@ the engine thread's Python holding the GIL, or by the process not being schedule
 
 A heartbeat task sleeps ``tick_s`` at a time and measures how late it wakes: that lateness
 is what any callback due then waited, observed into ``tiergate_event_loop_lag_seconds``. A
-wake-up ``stall_s`` or more late is a stall, reported (logged at WARNING, at most one record
-per ``log_every_s``) with what tells its causes apart: the loop thread's own CPU time over
-it (a slow callback runs on the loop thread), the whole process's (other threads holding
-the GIL; none at all when the process was not scheduled) and the collector's pauses in it;
-and, taken by a watcher thread while the stall lasted, where each busy thread was. Frames
-are file, line and function names only: no arguments or locals, so nothing secret.
+wake-up ``stall_s`` or more late (by default the 50 ms a refusal is allowed) is a stall,
+reported (logged at WARNING, at most one record per ``log_every_s``) with what tells its
+causes apart: the loop thread's own CPU time over it (a slow callback runs on the loop
+thread), the time the loop thread was ready to run but had no CPU (the kernel's run-queue
+wait, where Linux reports it: the process was not scheduled beside its other threads or
+other processes), the whole process's CPU time (other threads holding the GIL) and the
+collector's pauses in it; and, taken by a watcher thread once the beat was overdue, where
+each busy thread was. Frames are file, line and function names only: no arguments or
+locals, so nothing secret.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gateway.gc_pauses import GcPauses, process_gc_pauses
+from gateway.run_queue_wait import RunQueueWait
 
 __all__ = [
     "LAG_BUCKETS_S",
@@ -45,7 +49,8 @@ LAG_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5,
 # 2.3-2.7 % of a core (117-134 ms of CPU in 5 s), the same as a bare asyncio.sleep(0.01)
 # loop there: the price of any 100 Hz timer; a busy loop is awake anyway.
 DEFAULT_TICK_S = 0.01
-DEFAULT_STALL_S = 0.2
+# The bound on a refusal's answer: a stall this long is one that a refusal can miss it by.
+DEFAULT_STALL_S = 0.05
 DEFAULT_LOG_EVERY_S = 10.0
 NUM_STACK_FRAMES = 8  # innermost frames kept per thread
 
@@ -59,15 +64,23 @@ class LoopStall:
     loop_cpu_s: float  # the event loop thread's own CPU time
     process_cpu_s: float  # every thread's of this process
     gc_s: float  # the cyclic collector's pauses
+    # the loop thread's time ready to run but not running (run-queue wait); None where the
+    # kernel does not report it
+    loop_waiting_s: float | None = None
     # Thread name -> its innermost frames, outermost first, taken while the stall lasted;
     # the loop thread's always, other threads' unless they were idle.
     stacks: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     def describe(self) -> str:
+        waiting = (
+            ""
+            if self.loop_waiting_s is None
+            else f", waiting for a CPU {self.loop_waiting_s * 1e3:.0f} ms"
+        )
         text = (
             f"event loop stalled {self.late_s * 1e3:.0f} ms (its thread on CPU "
-            f"{self.loop_cpu_s * 1e3:.0f} ms, the process {self.process_cpu_s * 1e3:.0f} ms, "
-            f"garbage collection {self.gc_s * 1e3:.0f} ms)"
+            f"{self.loop_cpu_s * 1e3:.0f} ms{waiting}, the process "
+            f"{self.process_cpu_s * 1e3:.0f} ms, garbage collection {self.gc_s * 1e3:.0f} ms)"
         )
         if not self.stacks:
             return text + "; no thread caught during it"
@@ -126,6 +139,7 @@ class LoopLagWatch:
         # (beat number, stacks) taken by the watcher during that beat's stall
         self._caught: tuple[int, dict[str, tuple[str, ...]]] | None = None
         self._loop_thread_id: int | None = None
+        self._loop_waiting: RunQueueWait | None = None
         self._task: asyncio.Task[None] | None = None
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -134,6 +148,7 @@ class LoopLagWatch:
         if self._task is not None:
             return
         self._loop_thread_id = threading.get_ident()
+        self._loop_waiting = RunQueueWait()
         self._beat = (0, time.perf_counter())  # the watcher measures from now, not from __init__
         self._stopping.clear()
         self._task = asyncio.create_task(self._heartbeat(), name="tiergate-loop-heartbeat")
@@ -152,6 +167,9 @@ class LoopLagWatch:
                 await task
         if thread is not None:
             thread.join()
+        if self._loop_waiting is not None:
+            self._loop_waiting.close()
+            self._loop_waiting = None
 
     # -- the loop thread -------------------------------------------------------------------------
 
@@ -162,6 +180,7 @@ class LoopLagWatch:
             began_s = time.perf_counter()
             self._beat = (number, began_s)
             loop_cpu_s, process_cpu_s = time.thread_time(), time.process_time()
+            loop_waiting_s = self._loop_waiting_s()
             gc_s = self._gc_total_s()
             await asyncio.sleep(self.tick_s)
             late_s = max(0.0, time.perf_counter() - began_s - self.tick_s)
@@ -169,12 +188,18 @@ class LoopLagWatch:
             if late_s < self.stall_s:
                 continue
             caught = self._caught
+            waited_s = self._loop_waiting_s()
             self._on_stall(
                 LoopStall(
                     late_s=late_s,
                     loop_cpu_s=time.thread_time() - loop_cpu_s,
                     process_cpu_s=time.process_time() - process_cpu_s,
                     gc_s=self._gc_total_s() - gc_s,
+                    loop_waiting_s=(
+                        None
+                        if waited_s is None or loop_waiting_s is None
+                        else waited_s - loop_waiting_s
+                    ),
                     stacks=caught[1] if caught is not None and caught[0] == number else {},
                 )
             )
@@ -182,19 +207,29 @@ class LoopLagWatch:
     def _gc_total_s(self) -> float:
         return sum(self._gc_pauses.sums_s)
 
+    def _loop_waiting_s(self) -> float | None:
+        return None if self._loop_waiting is None else self._loop_waiting.total_s()
+
     # -- the watcher thread ----------------------------------------------------------------------
 
     def _watch(self) -> None:
-        # Four looks per stall length: a stall is caught within a quarter of it, and the
-        # watcher takes the GIL (from the engine thread, as like as not) 20 times a second at
-        # the default 200 ms, not once per heartbeat.
-        poll_s = self.stall_s / 4
-        while not self._stopping.wait(poll_s):
-            number, began_s = self._beat
-            overdue = time.perf_counter() - began_s - self.tick_s >= self.stall_s
+        # Sleeps until the beat in progress would be a stall, then looks once: a beat that
+        # ended meanwhile gives the next deadline, one still running is caught as it turns
+        # into a stall. So the watcher takes the GIL (from the engine thread, as like as not)
+        # about once per tick_s + stall_s (17 times a second at the defaults), not once per
+        # heartbeat, and never misses the moment by a polling period.
+        number, began_s = self._beat
+        while not self._stopping.wait(
+            max(0.0, began_s + self.tick_s + self.stall_s - time.perf_counter())
+        ):
+            now_number, now_began_s = self._beat
+            if now_number != number:  # that beat ended; wait for the one in progress
+                number, began_s = now_number, now_began_s
+                continue
             caught = self._caught
-            if overdue and (caught is None or caught[0] != number):
+            if caught is None or caught[0] != number:
                 self._caught = (number, self._stacks())
+            began_s = time.perf_counter()  # the same beat still: look again a stall later
 
     def _stacks(self) -> dict[str, tuple[str, ...]]:
         names = {thread.ident: thread.name for thread in threading.enumerate()}

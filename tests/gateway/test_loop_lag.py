@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -32,6 +35,28 @@ def _spin_on_the_loop(seconds: float) -> None:
         pass
 
 
+def _spin_beside_another_process(seconds: float) -> None:
+    """A callback that wants the CPU for ``seconds`` while a process spinning on the same
+    (only) CPU has it half the time: the loop thread is ready to run, without a CPU."""
+    home = os.sched_getaffinity(0)
+    cpu = min(home)
+    spin = (
+        f"import os, time\nos.sched_setaffinity(0, {{{cpu}}})\n"
+        "end = time.perf_counter() + 5\nwhile time.perf_counter() < end: pass"
+    )
+    rival = subprocess.Popen([sys.executable, "-c", spin])
+    try:
+        time.sleep(0.3)  # the rival is up and spinning
+        os.sched_setaffinity(0, {cpu})  # this thread only
+        try:
+            _spin_on_the_loop(seconds)
+        finally:
+            os.sched_setaffinity(0, home)
+    finally:
+        rival.kill()
+        rival.wait()
+
+
 def _watch_a_blocked_loop(block: str) -> tuple[list[float], list[LoopStall]]:
     lags: list[float] = []
     stalls: list[LoopStall] = []
@@ -46,8 +71,10 @@ def _watch_a_blocked_loop(block: str) -> tuple[list[float], list[LoopStall]]:
         await asyncio.sleep(0.05)
         if block == "sleep":
             _sleep_on_the_loop(BLOCK_S, pauses)
-        else:
+        elif block == "spin":
             _spin_on_the_loop(BLOCK_S)
+        else:
+            _spin_beside_another_process(BLOCK_S)
         await asyncio.sleep(0.05)
         await watch.stop()
 
@@ -78,6 +105,34 @@ def test_a_loop_held_by_its_own_callback_shows_its_cpu_time() -> None:
     assert stall.process_cpu_s >= stall.loop_cpu_s
     assert stall.gc_s == 0.0
     assert any("_spin_on_the_loop" in frame for frame in stall.stacks["event loop"])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="run-queue wait is Linux's")
+def test_a_loop_thread_without_a_cpu_shows_its_run_queue_wait() -> None:
+    _, stalls = _watch_a_blocked_loop("rival")
+    stall = max(stalls, key=lambda s: s.late_s)
+    assert stall.late_s >= BLOCK_S - 0.05
+    assert stall.loop_waiting_s is not None
+    # about half the spin went to the rival: ready to run all along, on the CPU half of it
+    assert stall.loop_waiting_s >= BLOCK_S / 5
+    assert stall.loop_cpu_s + stall.loop_waiting_s >= BLOCK_S * 0.8
+    assert "waiting for a CPU" in stall.describe()
+
+
+def test_a_loop_never_held_is_never_caught() -> None:
+    stalls: list[LoopStall] = []
+
+    async def main() -> LoopLagWatch:
+        watch = LoopLagWatch(lambda _: None, tick_s=0.005, stall_s=STALL_S,
+                             on_stall=stalls.append)  # fmt: skip
+        await watch.start()
+        await asyncio.sleep(0.5)
+        await watch.stop()
+        return watch
+
+    watch = asyncio.run(main())
+    assert not stalls
+    assert watch._caught is None  # the watcher looked only at beats that had ended
 
 
 def test_stop_ends_the_heartbeat_and_the_watcher() -> None:
@@ -133,6 +188,11 @@ def test_stalls_are_logged_at_most_once_per_interval(caplog: pytest.LogCaptureFi
     assert "event loop: base_events.py:1922 _run_once > selectors.py:468 select" in records[0]
     assert records[1].endswith("(2 more since the last record)")
     assert "no thread caught" in LoopStall(0.3, 0.0, 0.0, 0.0).describe()
+    assert "waiting for a CPU" not in records[0]  # not reported: not claimed
+    assert LoopStall(0.3, 0.01, 0.02, 0.0, loop_waiting_s=0.25).describe().startswith(
+        "event loop stalled 300 ms (its thread on CPU 10 ms, waiting for a CPU 250 ms, "
+        "the process 20 ms, garbage collection 0 ms)"
+    )
 
 
 def test_the_lag_is_a_histogram_in_the_metrics() -> None:
