@@ -107,11 +107,30 @@ class ClientLoopLag:
     # (when the beat woke, seconds after the run's start; how late) of every beat late by
     # more than CLIENT_LATE_S
     late_beats: list[tuple[float, float]] = field(default_factory=list)
+    # (when the beat woke, what held the loop) of every beat late by the stall bound
+    # (gateway.loop_lag.DEFAULT_STALL_S) or more: the loop thread's CPU time, its wait for a
+    # CPU, the process's CPU time and the collector's pauses over it, where the threads were
+    stalls: list[tuple[float, LoopStall]] = field(default_factory=list)
 
     def observe(self, at_s: float, late_s: float) -> None:
         self.num_beats += 1
         if late_s > CLIENT_LATE_S:
             self.late_beats.append((at_s, late_s))
+
+    def observe_stall(self, at_s: float, stall: LoopStall) -> None:
+        self.stalls.append((at_s, stall))
+
+    def stall_within(self, start_s: float, end_s: float) -> LoopStall | None:
+        """The longest stall whose wait overlapped start_s..end_s, if any."""
+        return max(
+            (
+                stall
+                for at_s, stall in self.stalls
+                if at_s >= start_s and at_s - stall.late_s <= end_s
+            ),
+            key=lambda stall: stall.late_s,
+            default=None,
+        )
 
     def most_late_within(self, start_s: float, end_s: float) -> float:
         """The most a beat was late whose wait overlapped start_s..end_s (0: none over
@@ -157,7 +176,7 @@ class LoadGenerator:
             started = time.perf_counter()
             watch = LoopLagWatch(
                 lambda late_s: lag.observe(time.perf_counter() - started, late_s),
-                on_stall=_no_log,
+                on_stall=lambda stall: lag.observe_stall(time.perf_counter() - started, stall),
             )
             await watch.start()
             try:
@@ -315,10 +334,6 @@ async def _read_stream(
             result.num_output_tokens = int(usage["completion_tokens"])
     if not result.num_output_tokens:
         result.num_output_tokens = num_chunks
-
-
-def _no_log(_: LoopStall) -> None:
-    """The generator's stalls are counted in ClientLoopLag, not logged."""
 
 
 @contextlib.contextmanager

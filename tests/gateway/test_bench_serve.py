@@ -57,6 +57,7 @@ from gateway.bench_serve.sweep_config import (
     SweepConfig,
     run_duration_s,
 )
+from gateway.loop_lag import LoopStall
 from gateway.metrics import GatewayMetrics
 from policies import DEFAULT_TIERS, TierTable
 from tests.engine.helpers import preempting_engine
@@ -472,6 +473,19 @@ def test_shed_answers_are_reported_per_load_with_the_gateways_own_part() -> None
     assert loop_lag.num_beats == 3 and len(loop_lag.late_beats) == 2
     assert loop_lag.most_late_within(0.9, 0.999) == 0.022  # held since 0.998 s
     assert loop_lag.most_late_within(1.03, 4.6) == 0.0
+    # A stall of the generator's own loop during f's wait (1.0 to 1.0712 s), waiting for a
+    # CPU most of it; and one after it, not f's.
+    stalled = ClientLoopLag()
+    for at_s, stall in (
+        (1.06, LoopStall(0.061, loop_cpu_s=0.004, process_cpu_s=0.009, gc_s=0.0,
+                         loop_waiting_s=0.052)),
+        (7.0, LoopStall(0.2, loop_cpu_s=0.2, process_cpu_s=0.2, gc_s=0.2)),
+    ):  # fmt: skip
+        stalled.observe(at_s, stall.late_s)
+        stalled.observe_stall(at_s, stall)
+    assert stalled.stall_within(1.0, 1.0712) is not None
+    assert stalled.stall_within(1.0, 1.0712).late_s == 0.061
+    assert stalled.stall_within(2.0, 6.0) is None
     points = [
         point("tiered", 2.0, [shed("a", 0.0125, 0.002), shed("b", 0.0344, 0.004)], loop_lag),
         point("fcfs", 2.0, [served]),
@@ -479,13 +493,16 @@ def test_shed_answers_are_reported_per_load_with_the_gateways_own_part() -> None
         point("tiered", 3.0, [shed("c", 0.0591, None)], ClientLoopLag(num_beats=6)),
         point("tiered-noshed", 3.0, [shed("d", 0.020, 0.001)]),
         point("tiered", 0.5, [served]),  # nothing shed: no entry
+        point("tiered", 4.0, [shed("f", 0.0712, None)], stalled),
     ]
     calibration = Calibration(slo_scale=1.0, capacity_rps=1.0)
     machine = MachineInfo("cpu", 2, 24.0, "Linux", "3.11", "2.13.0", "now", 0.0)
     lines = headline(SweepResult(machine, calibration, TierTable(), 20.0, points))
     assert lines[-1] == ("shed requests answered: 2 at 2x, slowest 34.4 ms (4 in the gateway, "
                          "the generator's loop 22 late); 2 at 3x, slowest 59.1 ms "
-                         "(the generator's loop under 10 late)")  # fmt: skip
+                         "(the generator's loop under 10 late); 1 at 4x, slowest 71.2 ms "
+                         "(the generator's loop 61 late, its loop thread on CPU 4, waiting for "
+                         "a CPU 52, the process 9, collections 0)")  # fmt: skip
 
 
 def test_the_engine_row_gives_the_collections_and_the_late_heartbeats() -> None:
