@@ -123,11 +123,7 @@ class ClientLoopLag:
     def stall_within(self, start_s: float, end_s: float) -> LoopStall | None:
         """The longest stall whose wait overlapped start_s..end_s, if any."""
         return max(
-            (
-                stall
-                for at_s, stall in self.stalls
-                if at_s >= start_s and at_s - stall.late_s <= end_s
-            ),
+            (s for at_s, s in self.stalls if _overlaps(at_s, s.late_s, start_s, end_s)),
             key=lambda stall: stall.late_s,
             default=None,
         )
@@ -136,9 +132,14 @@ class ClientLoopLag:
         """The most a beat was late whose wait overlapped start_s..end_s (0: none over
         CLIENT_LATE_S)."""
         return max(
-            (late for at_s, late in self.late_beats if at_s >= start_s and at_s - late <= end_s),
+            (late for at_s, late in self.late_beats if _overlaps(at_s, late, start_s, end_s)),
             default=0.0,
         )
+
+
+def _overlaps(at_s: float, late_s: float, start_s: float, end_s: float) -> bool:
+    """Whether a beat that woke at at_s, late_s late, was held during start_s..end_s."""
+    return at_s >= start_s and at_s - late_s <= end_s
 
 
 class LoadGenerator:

@@ -21,7 +21,6 @@ from gateway.bench_serve.stats import (
     time_weighted,
 )
 from gateway.bench_serve.sweep import FairnessRun, LoadPoint, SweepResult, repeat_tag
-from gateway.loop_lag import LoopStall
 
 __all__ = ["format_run", "format_sweep", "headline", "run_json", "sweep_json"]
 
@@ -286,22 +285,10 @@ def _shed_answers(result: SweepResult) -> list[str]:
             )
             stall = lag.stall_within(slowest.sent_s, slowest.finish_s)
             if stall is not None:
-                notes.append(f"its {_stall_causes(stall)}")
+                notes.append(f"the stall: {stall.times()}")
         own = f" ({', '.join(notes)})" if notes else ""
         parts.append(f"{len(shed)} at {factor:g}x, slowest {1000 * slowest.e2e_s:.1f} ms{own}")
     return [f"shed requests answered: {'; '.join(parts)}"] if parts else []
-
-
-def _stall_causes(stall: LoopStall) -> str:
-    """A client stall's times, short: what held the generator's loop."""
-    waiting = (
-        "" if stall.loop_waiting_s is None
-        else f", waiting for a CPU {1000 * stall.loop_waiting_s:.0f}"
-    )
-    return (
-        f"loop thread on CPU {1000 * stall.loop_cpu_s:.0f}{waiting}, the process "
-        f"{1000 * stall.process_cpu_s:.0f}, collections {1000 * stall.gc_s:.0f}"
-    )
 
 
 def _capacity_check(result: SweepResult) -> list[str]:

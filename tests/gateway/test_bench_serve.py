@@ -483,8 +483,8 @@ def test_shed_answers_are_reported_per_load_with_the_gateways_own_part() -> None
     ):  # fmt: skip
         stalled.observe(at_s, stall.late_s)
         stalled.observe_stall(at_s, stall)
-    assert stalled.stall_within(1.0, 1.0712) is not None
-    assert stalled.stall_within(1.0, 1.0712).late_s == 0.061
+    caught = stalled.stall_within(1.0, 1.0712)
+    assert caught is not None and caught.late_s == 0.061
     assert stalled.stall_within(2.0, 6.0) is None
     points = [
         point("tiered", 2.0, [shed("a", 0.0125, 0.002), shed("b", 0.0344, 0.004)], loop_lag),
@@ -501,8 +501,9 @@ def test_shed_answers_are_reported_per_load_with_the_gateways_own_part() -> None
     assert lines[-1] == ("shed requests answered: 2 at 2x, slowest 34.4 ms (4 in the gateway, "
                          "the generator's loop 22 late); 2 at 3x, slowest 59.1 ms "
                          "(the generator's loop under 10 late); 1 at 4x, slowest 71.2 ms "
-                         "(the generator's loop 61 late, its loop thread on CPU 4, waiting for "
-                         "a CPU 52, the process 9, collections 0)")  # fmt: skip
+                         "(the generator's loop 61 late, the stall: its thread on CPU 4 ms, "
+                         "waiting for a CPU 52 ms, the process 9 ms, "
+                         "garbage collection 0 ms)")  # fmt: skip
 
 
 def test_the_engine_row_gives_the_collections_and_the_late_heartbeats() -> None:
