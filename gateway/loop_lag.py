@@ -12,10 +12,11 @@ reported (logged at WARNING, at most one record per ``log_every_s``) with what t
 causes apart: the loop thread's own CPU time over it (a slow callback runs on the loop
 thread), the time the loop thread was ready to run but had no CPU (the kernel's run-queue
 wait, where Linux reports it: the process was not scheduled beside its other threads or
-other processes), the whole process's CPU time (other threads holding the GIL) and the
-collector's pauses in it; and, taken by a watcher thread once the beat was overdue, where
-each busy thread was. Frames are file, line and function names only: no arguments or
-locals, so nothing secret.
+other processes), the whole process's CPU time and each other Python thread's (a loop
+thread neither running nor waiting for a CPU waited for the GIL: the thread that held it is
+one of those that ran) and the collector's pauses in it; and, taken by a watcher thread once
+the beat was overdue, where each busy thread was. Frames are file, line and function names
+only: no arguments or locals, so nothing secret.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from pathlib import Path
 
 from gateway.gc_pauses import GcPauses, process_gc_pauses
 from gateway.run_queue_wait import RunQueueWait
+from gateway.thread_cpu import ThreadCpuClocks, cpu_by_thread
 
 __all__ = [
     "LAG_BUCKETS_S",
@@ -67,21 +69,31 @@ class LoopStall:
     # the loop thread's time ready to run but not running (run-queue wait); None where the
     # kernel does not report it
     loop_waiting_s: float | None = None
+    # Every other Python thread that ran: its name -> its CPU time, busiest first
+    threads_cpu_s: Mapping[str, float] = field(default_factory=dict)
     # Thread name -> its innermost frames, outermost first, taken while the stall lasted;
     # the loop thread's always, other threads' unless they were idle.
     stacks: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     def times(self) -> str:
         """What tells the causes apart, in a line: the loop thread's CPU time, its wait for
-        a CPU (where reported), the process's CPU time, the collector's pauses."""
+        a CPU (where reported), the process's CPU time and the other Python threads' that
+        reached a millisecond, the collector's pauses."""
         waiting = (
             ""
             if self.loop_waiting_s is None
             else f", waiting for a CPU {self.loop_waiting_s * 1e3:.0f} ms"
         )
+        threads = ", ".join(
+            f"{name} {cpu_s * 1e3:.0f} ms"
+            for name, cpu_s in self.threads_cpu_s.items()
+            if round(cpu_s * 1e3) >= 1
+        )
+        of_it = f" (Python threads: {threads})" if threads else ""
         return (
             f"its thread on CPU {self.loop_cpu_s * 1e3:.0f} ms{waiting}, the process "
-            f"{self.process_cpu_s * 1e3:.0f} ms, garbage collection {self.gc_s * 1e3:.0f} ms"
+            f"{self.process_cpu_s * 1e3:.0f} ms{of_it}, garbage collection "
+            f"{self.gc_s * 1e3:.0f} ms"
         )
 
     def describe(self) -> str:
@@ -144,6 +156,7 @@ class LoopLagWatch:
         self._caught: tuple[int, dict[str, tuple[str, ...]]] | None = None
         self._loop_thread_id: int | None = None
         self._loop_waiting: RunQueueWait | None = None
+        self._thread_clocks = ThreadCpuClocks()
         self._task: asyncio.Task[None] | None = None
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -184,8 +197,12 @@ class LoopLagWatch:
             began_s = time.perf_counter()
             self._beat = (number, began_s)
             loop_cpu_s, process_cpu_s = time.thread_time(), time.process_time()
-            loop_waiting_s = self._loop_waiting_s()
             gc_s = self._gc_total_s()
+            threads_cpu = self._thread_clocks.sample()
+            # Last: its read lets the GIL go, and a thread that takes it then stalls this
+            # beat here, after the figures above were read and before its own (the read
+            # comes first, then the wait for the GIL).
+            loop_waiting_s = self._loop_waiting_s()
             await asyncio.sleep(self.tick_s)
             late_s = max(0.0, time.perf_counter() - began_s - self.tick_s)
             self._observe_lag(late_s)
@@ -203,6 +220,9 @@ class LoopLagWatch:
                         None
                         if waited_s is None or loop_waiting_s is None
                         else waited_s - loop_waiting_s
+                    ),
+                    threads_cpu_s=cpu_by_thread(
+                        threads_cpu, self._thread_clocks.sample(), leave_out=self._loop_thread_id
                     ),
                     stacks=caught[1] if caught is not None and caught[0] == number else {},
                 )

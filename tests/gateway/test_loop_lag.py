@@ -57,6 +57,22 @@ def _spin_beside_another_process(seconds: float) -> None:
         rival.wait()
 
 
+def _hold_the_gil_from_another_thread(
+    seconds: float, go: threading.Event, release: threading.Event
+) -> None:
+    """Once told to go, spins in Python for ``seconds`` with the switch interval longer than
+    that, so it keeps the GIL and the loop thread, asleep on it, neither runs nor waits for
+    a CPU; then parks until released (alive when the stall is measured)."""
+    go.wait()
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(seconds * 3)
+    try:
+        _spin_on_the_loop(seconds)
+    finally:
+        sys.setswitchinterval(interval)
+    release.wait()
+
+
 def _watch_a_blocked_loop(block: str) -> tuple[list[float], list[LoopStall]]:
     lags: list[float] = []
     stalls: list[LoopStall] = []
@@ -73,6 +89,20 @@ def _watch_a_blocked_loop(block: str) -> tuple[list[float], list[LoopStall]]:
             _sleep_on_the_loop(BLOCK_S, pauses)
         elif block == "spin":
             _spin_on_the_loop(BLOCK_S)
+        elif block == "gil":
+            go, release = threading.Event(), threading.Event()
+            holder = threading.Thread(
+                target=_hold_the_gil_from_another_thread, args=(BLOCK_S, go, release),
+                name="gil-holder",
+            )  # fmt: skip
+            holder.start()  # a thread of the process already, as the engine's is
+            await asyncio.sleep(0.05)
+            go.set()
+            await asyncio.sleep(BLOCK_S + 0.05)  # the heartbeat's beats wait on the GIL
+            await watch.stop()
+            release.set()
+            holder.join()
+            return
         else:
             _spin_beside_another_process(BLOCK_S)
         await asyncio.sleep(0.05)
@@ -117,6 +147,20 @@ def test_a_loop_thread_without_a_cpu_shows_its_run_queue_wait() -> None:
     assert stall.loop_waiting_s >= BLOCK_S / 5
     assert stall.loop_cpu_s + stall.loop_waiting_s >= BLOCK_S * 0.8
     assert "waiting for a CPU" in stall.describe()
+
+
+def test_a_loop_held_by_another_threads_gil_names_the_threads_that_ran() -> None:
+    _, stalls = _watch_a_blocked_loop("gil")
+    stall = max(stalls, key=lambda s: s.late_s)
+    assert stall.late_s >= BLOCK_S / 2
+    # the loop thread neither ran nor waited for a CPU: it waited for the GIL, and the one
+    # Python thread that ran meanwhile is the holder
+    assert stall.loop_cpu_s < stall.late_s / 4
+    if stall.loop_waiting_s is not None:
+        assert stall.loop_waiting_s < stall.late_s / 4
+    assert next(iter(stall.threads_cpu_s)) == "gil-holder"  # busiest first
+    assert stall.threads_cpu_s["gil-holder"] >= stall.late_s / 2
+    assert "(Python threads: gil-holder " in stall.describe()
 
 
 def test_a_loop_never_held_is_never_caught() -> None:
@@ -192,6 +236,13 @@ def test_stalls_are_logged_at_most_once_per_interval(caplog: pytest.LogCaptureFi
     assert LoopStall(0.3, 0.01, 0.02, 0.0, loop_waiting_s=0.25).describe().startswith(
         "event loop stalled 300 ms (its thread on CPU 10 ms, waiting for a CPU 250 ms, "
         "the process 20 ms, garbage collection 0 ms)"
+    )
+    # other Python threads that reached a millisecond are named, busiest first
+    held = LoopStall(0.06, 0.001, 0.075, 0.0, loop_waiting_s=0.0,
+                     threads_cpu_s={"tiergate-engine": 0.058, "usage-ledger": 0.0002})
+    assert held.times() == (
+        "its thread on CPU 1 ms, waiting for a CPU 0 ms, the process 75 ms "
+        "(Python threads: tiergate-engine 58 ms), garbage collection 0 ms"
     )
 
 
