@@ -82,8 +82,10 @@ def cpu_by_thread(
             continue
         earlier = before.get(ident)
         # an ident reused by a thread started in between is a new thread: count it whole
-        is_same = earlier is not None and earlier[0] == name and earlier[1] <= cpu_s
-        start_s = earlier[1] if is_same and earlier is not None else 0.0
+        if earlier is not None and earlier[0] == name and earlier[1] <= cpu_s:
+            start_s = earlier[1]
+        else:
+            start_s = 0.0
         if cpu_s > start_s:
             used[name] = used.get(name, 0.0) + cpu_s - start_s
     return dict(sorted(used.items(), key=lambda item: -item[1]))

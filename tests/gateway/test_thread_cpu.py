@@ -86,14 +86,28 @@ def test_cpu_used_between_samples_is_counted_per_thread_and_summed_by_name() -> 
     assert threading.current_thread().name not in cpu_by_thread(before, after, leave_out=this)
 
 
+def _wait_until_gone(clock: int) -> None:
+    deadline_s = time.perf_counter() + 5.0
+    while time.perf_counter() < deadline_s:
+        try:
+            time.clock_gettime(clock)
+        except OSError:
+            return
+        time.sleep(0.001)
+    raise AssertionError("the thread's CPU clock is still there 5 s after it ended")
+
+
 def test_a_thread_started_as_another_ended_is_not_missed() -> None:
     clocks = ThreadCpuClocks()
     release = threading.Event()
     first = threading.Thread(target=release.wait, name="first", daemon=True)
     first.start()
     assert "first" in {name for name, _ in clocks.sample().values()}
+    assert first.ident is not None
+    first_clock = time.pthread_getcpuclockid(first.ident)
     release.set()
     first.join()
+    _wait_until_gone(first_clock)  # join returns a moment before the OS thread has ended
     second_release = threading.Event()
     second = threading.Thread(target=second_release.wait, name="second", daemon=True)
     second.start()  # as many threads as at the last listing
