@@ -1,5 +1,6 @@
 """LLMEngine: add requests, step (schedule, run, post-process), read outputs. Not thread-safe;
-engine.async_engine runs it in its own thread."""
+engine.async_engine runs it in a thread of the caller's process, engine.engine_process in a
+process of its own."""
 
 from __future__ import annotations
 
@@ -9,12 +10,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from engine.config import EngineConfig
-from engine.errors import ContextLengthExceededError, InvalidRequestError
+from engine.errors import InvalidRequestError
 from engine.kv_manager import KVCacheManager
 from engine.metering import split_step_time
 from engine.outputs import RequestMetrics, RequestOutput
 from engine.queues import FCFSQueue, WaitingQueue
 from engine.request import Request, RequestStatus
+from engine.request_limits import RequestLimits
 from engine.runner import ModelRunner, ModelRunnerOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -76,6 +78,12 @@ class LLMEngine:
         self.counters = EngineCounters()
         self._last_step_end: float | None = None  # when the latest model step finished
         self._busy_since_last_step = False  # it left unfinished requests behind
+        self.limits = RequestLimits(
+            max_model_len=config.scheduler.max_model_len,
+            block_size=config.cache.block_size,
+            num_kv_blocks=num_blocks,
+            reserved_blocks=dict(self.kv.reserved_blocks),
+        )
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -133,41 +141,8 @@ class LLMEngine:
     def validate_request(
         self, prompt_token_ids: list[int], params: SamplingParams, tenant: TenantContext
     ) -> int:
-        """Check the request can ever run; returns the resolved max_tokens. Reads only
-        configuration, so callers on other threads may use it before submitting."""
-        max_model_len = self.config.scheduler.max_model_len
-        num_prompt = len(prompt_token_ids)
-        if num_prompt == 0:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
-        if num_prompt >= max_model_len:
-            raise ContextLengthExceededError(
-                f"the prompt has {num_prompt} tokens; this model's context is {max_model_len}",
-                param="messages",
-            )
-        bs = self.config.cache.block_size
-        num_reachable = self.kv.num_blocks - sum(
-            n for p, n in self.kv.reserved_blocks.items() if p < tenant.priority
-        )
-        if tenant.kv_cap_blocks is not None:
-            num_reachable = min(num_reachable, tenant.kv_cap_blocks)
-        # No max_tokens: as many as the context and the KV blocks this tenant can reach allow.
-        max_tokens = params.max_tokens or max(
-            1, min(max_model_len, num_reachable * bs) - num_prompt
-        )
-        if num_prompt + max_tokens > max_model_len:
-            raise ContextLengthExceededError(
-                f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) exceeds this "
-                f"model's context of {max_model_len} tokens",
-                param="max_tokens",
-            )
-        num_blocks_needed = -(-(num_prompt + max_tokens) // bs)
-        if num_blocks_needed > num_reachable:
-            raise ContextLengthExceededError(
-                f"prompt + max_tokens needs {num_blocks_needed * bs} tokens of KV cache; "
-                f"this tenant can hold at most {num_reachable * bs}",
-                param="max_tokens",
-            )
-        return max_tokens
+        """Check the request can ever run; returns the resolved max_tokens."""
+        return self.limits.validate(prompt_token_ids, params, tenant)
 
     def record_refused(self, num_prompt_tokens: int, tenant: TenantContext) -> None:
         """A request turned away for overload before it reached the engine: its tenant sent it

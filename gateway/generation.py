@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from engine import ContextLengthExceededError, EngineError, RequestOutput, SamplingParams
 from engine import InvalidRequestError as EngineInvalidRequestError
-from engine.async_engine import AsyncLLMEngine
+from engine.engine_client import EngineClient
 from engine.llm_engine import TenantContext
 from gateway.errors import InvalidRequestError
 from gateway.openai_requests import Endpoint, GenerationRequest
@@ -102,7 +102,7 @@ def sampling_params(request: GenerationRequest, model: ServedModel) -> SamplingP
 
 
 def check_fits(
-    engine: AsyncLLMEngine,
+    engine: EngineClient,
     prompts: list[PreparedPrompt],
     params: SamplingParams,
     tenant: TenantContext,
@@ -113,7 +113,7 @@ def check_fits(
     resolved = []
     for prompt in prompts:
         try:
-            resolved.append(engine.engine.validate_request(prompt.token_ids, params, tenant))
+            resolved.append(engine.validate_request(prompt.token_ids, params, tenant))
         except EngineError as exc:
             error = _translate(exc)
             if error.param == "messages" and endpoint is Endpoint.COMPLETIONS:
@@ -148,7 +148,7 @@ class GenerationJob:
 
     def __init__(
         self,
-        engine: AsyncLLMEngine,
+        engine: EngineClient,
         request_id: str,
         prompts: list[PreparedPrompt],
         params: SamplingParams,

@@ -52,7 +52,7 @@ def live_route(
 ) -> Route:
     """GET /admin/v1/live: the KV pool, every tier's queues and TTFT, and the alerts.
 
-    engine_stats returns the latest scheduler snapshot (AsyncLLMEngine.stats); a tier's
+    engine_stats returns the latest scheduler snapshot (EngineClient.stats); a tier's
     estimated_wait_s is the engine's estimate for a new request with an empty prompt.
     """
     tier_list = sorted(tiers, key=lambda tier: tier.priority)

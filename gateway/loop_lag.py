@@ -3,7 +3,9 @@
 Every 429, every token written to a stream and every admission check is a callback on the
 one asyncio event loop; while that loop is held they all wait, and the client sees it as a
 slow refusal or a token gap. It can be held by a slow callback, by a garbage collection, by
-the engine thread's Python holding the GIL, or by the process not being scheduled at all.
+another thread's Python holding the GIL (a tokenizer worker, the thread reading the engine
+process's outputs; the engine's own steps run in a process of their own), or by the process
+not being scheduled at all.
 
 A heartbeat task sleeps ``tick_s`` at a time and measures how late it wakes: that lateness
 is what any callback due then waited, observed into ``tiergate_event_loop_lag_seconds``. A
@@ -239,7 +241,7 @@ class LoopLagWatch:
     def _watch(self) -> None:
         # Sleeps until the beat in progress would be a stall, then looks once: a beat that
         # ended meanwhile gives the next deadline, one still running is caught as it turns
-        # into a stall. So the watcher takes the GIL (from the engine thread, as like as not)
+        # into a stall. So the watcher takes the GIL (from another thread, as like as not)
         # at most about once per tick_s + stall_s (19.4 times a second measured on an idle
         # loop at the defaults; fewer while the process is busy), not once per heartbeat,
         # and never misses the moment by a polling period.

@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 import tenants
 from engine import SchedulerStats
-from engine.async_engine import AsyncLLMEngine
+from engine.engine_client import EngineClient
 from gateway.auth import TenantKeyResolver
 from gateway.errors import ServiceUnavailableError
 from gateway.request_record import RequestRecord
@@ -39,7 +39,7 @@ class RecordSink(Protocol):
     async def record(self, record: RequestRecord) -> None: ...
 
 
-ModelLoader = Callable[[GatewaySettings, TierTable, int], tuple[ServedModel, AsyncLLMEngine]]
+ModelLoader = Callable[[GatewaySettings, TierTable, int], tuple[ServedModel, EngineClient]]
 
 
 class GatewayRuntime:
@@ -57,7 +57,7 @@ class GatewayRuntime:
         self.session_factory: sessionmaker[Session] = tenants.create_session_factory(db_engine)
         self.key_resolver = TenantKeyResolver(self.session_factory)
         self.served: ServedModel | None = None
-        self.engine: AsyncLLMEngine | None = None
+        self.engine: EngineClient | None = None
         # Called with each finished request, in order; the first is the ledger when present.
         self.sinks: list[RecordSink] = []
         self.is_draining = False
@@ -142,7 +142,7 @@ class GatewayRuntime:
         except Exception:
             return False
 
-    def ready_model(self) -> tuple[ServedModel, AsyncLLMEngine]:
+    def ready_model(self) -> tuple[ServedModel, EngineClient]:
         """The model and engine for a new request, or 503 (loading, failed or draining)."""
         if self.is_draining:
             raise ServiceUnavailableError(

@@ -1,4 +1,5 @@
-"""The model this replica serves: checkpoint, tokenizer and the engine running it.
+"""The model this replica serves: checkpoint, tokenizer and the engine running it (in a
+process of its own).
 
 With no --model the demo checkpoint is written once to a cache directory (no download) and
 served; its text is gibberish by design (random weights), which the README says plainly.
@@ -6,6 +7,7 @@ served; its text is gibberish by design (random weights), which the README says 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import tempfile
@@ -24,9 +26,12 @@ from engine import (
 )
 from engine.async_engine import AsyncLLMEngine
 from engine.demo_model import write_demo_model
+from engine.engine_client import EngineClient
+from engine.engine_process import EngineProcess
 from engine.model_runner import RunnerConfig, TorchModelRunner
 from engine.models.config import ModelConfig
 from engine.queues import FCFSQueue, WaitingQueue
+from engine.request_limits import RequestLimits
 from engine.tokenizer import Tokenizer
 from gateway.settings import GatewaySettings
 from policies import TieredFairQueue, TierTable
@@ -83,9 +88,27 @@ def context_length(settings: GatewaySettings, model_config: ModelConfig) -> int:
 
 def load_served_model(
     settings: GatewaySettings, tiers: TierTable, created: int
-) -> tuple[ServedModel, AsyncLLMEngine]:
-    """Load the checkpoint and start the engine loop thread."""
+) -> tuple[ServedModel, EngineClient]:
+    """Start the engine in a process of its own (`EngineProcess`), which loads the
+    checkpoint; returns once it is loaded."""
     model_dir = settings.model if settings.model is not None else demo_model_dir(settings)
+    model_config = ModelConfig.from_file(model_dir)
+    tokenizer = Tokenizer.from_dir(model_dir)
+    engine = EngineProcess(functools.partial(build_engine, settings, tiers, model_dir))
+    name = settings.served_model_name or (
+        DEMO_MODEL_NAME if settings.model is None else Path(model_dir).resolve().name
+    )
+    served = describe_model(model_config, tokenizer, name, created, engine.limits)
+    logger.info(
+        "serving %s from %s on %s: %d KV blocks of %d tokens, context %d (engine process %s)",
+        name, model_dir, settings.device, served.num_kv_blocks, served.kv_block_size,
+        served.max_model_len, engine.pid,
+    )
+    return served, engine
+
+
+def build_engine(settings: GatewaySettings, tiers: TierTable, model_dir: Path) -> LLMEngine:
+    """The engine over the checkpoint in model_dir (what the engine's process runs)."""
     model_config = ModelConfig.from_file(model_dir)
     runner = TorchModelRunner.from_model_dir(
         model_dir,
@@ -98,18 +121,7 @@ def load_served_model(
         dtype=_DTYPES[settings.dtype],
         device=settings.device,
     )
-    name = settings.served_model_name or (
-        DEMO_MODEL_NAME if settings.model is None else Path(model_dir).resolve().name
-    )
-    served, engine = start_engine(
-        settings, tiers, runner, model_config, Tokenizer.from_dir(model_dir), name, created
-    )
-    logger.info(
-        "serving %s from %s on %s: %d KV blocks of %d tokens, context %d",
-        name, model_dir, settings.device, runner.num_kv_blocks, runner.block_size,
-        served.max_model_len,
-    )
-    return served, engine
+    return new_engine(settings, tiers, runner, model_config, Tokenizer.from_dir(model_dir))
 
 
 def start_engine(
@@ -122,18 +134,29 @@ def start_engine(
     created: int,
     vocab_size: int | None = None,
 ) -> tuple[ServedModel, AsyncLLMEngine]:
-    """The engine over runner with the replica's scheduling policy, its loop started.
-    vocab_size: the ids clients may send (default: the model's vocabulary)."""
-    eos_ids = list(model_config.eos_token_ids)
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos_ids:
-        eos_ids.append(tokenizer.eos_token_id)
+    """The engine over a runner built in this process, its loop in a thread of this process
+    (`AsyncLLMEngine`). vocab_size: the ids clients may send (default: the model's
+    vocabulary)."""
+    engine = AsyncLLMEngine(new_engine(settings, tiers, runner, model_config, tokenizer))
+    served = describe_model(model_config, tokenizer, name, created, engine.limits, vocab_size)
+    return served, engine
+
+
+def new_engine(
+    settings: GatewaySettings,
+    tiers: TierTable,
+    runner: ModelRunner,
+    model_config: ModelConfig,
+    tokenizer: Tokenizer,
+) -> LLMEngine:
+    """The engine over runner with the replica's scheduling policy."""
+    eos_ids = eos_token_ids(model_config, tokenizer)
     tiered = settings.scheduling == "tiered"
-    max_model_len = context_length(settings, model_config)
     engine_config = EngineConfig(
         scheduler=SchedulerConfig(
             max_num_batched_tokens=settings.max_num_batched_tokens,
             max_num_seqs=settings.max_num_seqs,
-            max_model_len=max_model_len,
+            max_model_len=context_length(settings, model_config),
             enable_priority_preemption=tiered,
         ),
         cache=CacheConfig(
@@ -143,18 +166,35 @@ def start_engine(
         eos_token_id=eos_ids[0] if eos_ids else None,
     )
     queue: WaitingQueue = TieredFairQueue() if tiered else FCFSQueue()
-    engine = LLMEngine(engine_config, runner, queue, tokenizer)
-    served = ServedModel(
+    return LLMEngine(engine_config, runner, queue, tokenizer)
+
+
+def describe_model(
+    model_config: ModelConfig,
+    tokenizer: Tokenizer,
+    name: str,
+    created: int,
+    limits: RequestLimits,
+    vocab_size: int | None = None,
+) -> ServedModel:
+    return ServedModel(
         name=name,
         tokenizer=tokenizer,
-        eos_token_ids=tuple(eos_ids),
+        eos_token_ids=eos_token_ids(model_config, tokenizer),
         vocab_size=vocab_size or model_config.vocab_size,
-        max_model_len=max_model_len,
+        max_model_len=limits.max_model_len,
         created=created,
-        num_kv_blocks=runner.num_kv_blocks,
-        kv_block_size=runner.block_size,
+        num_kv_blocks=limits.num_kv_blocks,
+        kv_block_size=limits.block_size,
     )
-    return served, AsyncLLMEngine(engine)
+
+
+def eos_token_ids(model_config: ModelConfig, tokenizer: Tokenizer) -> tuple[int, ...]:
+    """The config's eos ids, and the tokenizer's after them if it is not among them."""
+    eos_ids = list(model_config.eos_token_ids)
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos_ids:
+        eos_ids.append(tokenizer.eos_token_id)
+    return tuple(eos_ids)
 
 
 def tenant_context(

@@ -1,6 +1,7 @@
 """What the server's engine did during a run: its step, preemption and lane counters from
-/metrics, read before and after the run, the server process's full garbage collections and
-its event loop's late heartbeats. They explain a run's figures (a configuration's lower
+/metrics, read before and after the run, the gateway process's full garbage collections
+(the engine's process has its own, which show in its step time) and its event loop's late
+heartbeats. They explain a run's figures (a configuration's lower
 tokens/s as slower steps, or as work done twice after preemptions; a slow refusal or token
 gap as a collection's pause or a held event loop) without a probe in the server."""
 
@@ -26,8 +27,8 @@ class EngineActivity:
     num_preemptions: int
     num_recomputed_tokens: int  # computed again after preemptions
     num_lane_steps: int  # steps that carried only under-share tenants' prompts
-    num_full_gcs: int  # the server process's full collections (generation 2)
-    full_gc_s: float  # the time they held the process
+    num_full_gcs: int  # the gateway process's full collections (generation 2)
+    full_gc_s: float  # the time they held that process
     # event-loop heartbeats (one due every 10 ms) that woke more than LATE_BEAT_S late
     num_late_beats: int
 

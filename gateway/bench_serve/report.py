@@ -84,8 +84,8 @@ def format_run(record: RunRecord) -> str:
 # What the server's engine did during each run (EngineActivity): steps, mean step time, the
 # share of the run its steps took, prompt tokens and new tokens per step (the latter the
 # batch the steps decoded), preemptions, tokens recomputed after them, steps the
-# under-share lane took, the server's full garbage collections with their mean pause, and
-# its event loop's heartbeats more than 50 ms late.
+# under-share lane took, the gateway process's full garbage collections with their mean
+# pause (not the engine process's), and its event loop's heartbeats more than 50 ms late.
 def _engine_header(title: str = "engine during the run") -> str:
     return (
         f"{title:24} {'steps':>6} {'step ms':>8} {'busy%':>6} {'prompt/step':>11} "

@@ -147,16 +147,12 @@ class BenchServer:
         return self
 
     def cpu_time_s(self) -> float | None:
-        """CPU seconds the server process has used so far (all its threads); None where
-        /proc is not available or the process is gone."""
+        """CPU seconds the server has used so far: its process (all threads) and the
+        processes it started (the engine's); None where /proc is not available or the
+        server is gone."""
         if self.process is None:
             return None
-        try:
-            fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            return None
-        # utime and stime, fields 14 and 15 of proc(5), counted after the command name
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return _process_tree_cpu_s(self.process.pid)
 
     def config_file(self) -> dict[str, object]:
         """The `--config` contents: the tier table and the admission section."""
@@ -216,6 +212,28 @@ class BenchServer:
     def _log_tail(self, num_lines: int = 30) -> str:
         lines = self.log_path.read_text(errors="replace").splitlines()
         return "\n".join(lines[-num_lines:])
+
+
+def _process_tree_cpu_s(pid: int) -> float | None:
+    """utime + stime of pid and of its descendants alive now (proc(5): each thread's
+    `children` file lists the processes it started); None if pid is gone."""
+    total_ticks: int | None = None
+    pending = [pid]
+    while pending:
+        current = pending.pop()
+        try:
+            stat = Path(f"/proc/{current}/stat").read_text().rsplit(")", 1)[1].split()
+            children = [
+                int(child)
+                for path in Path(f"/proc/{current}/task").glob("*/children")
+                for child in path.read_text().split()
+            ]
+        except (OSError, ValueError):  # gone meanwhile
+            continue
+        # utime and stime, fields 14 and 15 of proc(5), counted after the command name
+        total_ticks = (total_ticks or 0) + int(stat[11]) + int(stat[12])
+        pending.extend(children)
+    return None if total_ticks is None else total_ticks / os.sysconf("SC_CLK_TCK")
 
 
 def _free_port() -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Callable
 
@@ -158,3 +159,20 @@ def _check_stats(engine: LLMEngine) -> None:
         assert {t: n for t, n in stats.pending_prefill_tokens_by_tenant.items() if n} == {
             t: n for t, n in pending.items() if n
         }, priority
+
+
+def sleeping_engine(step_delay_s: float = 0.0) -> LLMEngine:
+    """An engine over the fake runner in real time (its steps sleep the modelled step time
+    plus step_delay_s): what tests build in an engine process (a module-level function, so
+    the spawned process can unpickle it)."""
+    engine = make_engine(num_blocks=64, block_size=4, clock=time.monotonic)
+    runner = engine.runner
+    assert isinstance(runner, FakeModelRunner)
+    runner.sleep = True
+    runner.extra_delay_s = step_delay_s
+    return engine
+
+
+def engine_without_weights() -> LLMEngine:
+    """A build that fails, as loading a missing checkpoint does."""
+    raise FileNotFoundError("no checkpoint at /nonexistent/model.safetensors")

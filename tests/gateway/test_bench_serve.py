@@ -10,6 +10,10 @@ import dataclasses
 import gc
 import json
 import math
+import os
+import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -47,7 +51,7 @@ from gateway.bench_serve.plan import (
     two_tenant_workload,
 )
 from gateway.bench_serve.report import format_run, format_sweep, headline, run_json
-from gateway.bench_serve.server import VARIANTS, BenchServer, EngineLimits
+from gateway.bench_serve.server import VARIANTS, BenchServer, EngineLimits, _process_tree_cpu_s
 from gateway.bench_serve.session import BenchTarget, RunRecord
 from gateway.bench_serve.stats import RunSummary, meets_slo, summarize
 from gateway.bench_serve.sweep import FairnessRun, LoadPoint, SweepResult, run_order
@@ -947,3 +951,30 @@ def test_a_small_sweep_from_the_command_line(
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [
         "slo_attainment.png", "throughput.png", "ttft_cdf.png"
     ]
+
+
+def test_a_servers_cpu_time_counts_the_processes_it_started() -> None:
+    """The server's engine runs in a child process: its CPU time is the server's too."""
+    spin = (
+        "import time\n"
+        "while time.process_time() < 0.3: pass\n"
+        "print('spent', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    parent = subprocess.Popen(
+        ["bash", "-c", f'{sys.executable} -c "{spin}"; sleep 60'],
+        stdout=subprocess.PIPE,
+        start_new_session=True,  # its own group: the kill below takes the child too
+    )
+    try:
+        assert parent.stdout is not None and parent.stdout.readline() == b"spent\n"
+        tree_cpu_s = _process_tree_cpu_s(parent.pid)
+        own = Path(f"/proc/{parent.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        own_cpu_s = (int(own[11]) + int(own[12])) / os.sysconf("SC_CLK_TCK")
+    finally:
+        os.killpg(parent.pid, signal.SIGKILL)
+        parent.wait()
+        if parent.stdout is not None:
+            parent.stdout.close()
+    assert tree_cpu_s is not None and tree_cpu_s >= own_cpu_s + 0.29  # clock ticks round down
+    assert _process_tree_cpu_s(parent.pid) is None  # gone
