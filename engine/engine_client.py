@@ -62,6 +62,10 @@ class EngineClient(ABC):
             if request_id in self._streams:  # its outputs would go to this stream
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
+        if not self.is_running:  # it stopped since the check above, failing only the streams
+            with self._streams_lock:  # it had then: this one would wait for ever
+                self._streams.pop(request_id, None)
+            raise EngineDeadError("the engine loop is not running")
         self._submit_add(request_id, prompt_token_ids, sampling_params, tenant)
         finished = 0
         try:
