@@ -4,7 +4,8 @@ Callers on an event loop submit requests and read each request's outputs from it
 asyncio.Queue; the engine's loop (a thread beside them, `engine.async_engine`, or a process
 of its own, `engine.engine_process`) hands each step's outputs over with
 loop.call_soon_threadsafe. This class owns that hand-over and the generate() iteration; its
-subclasses say how a command reaches the engine and where the outputs come from.
+subclasses say how a command (`engine.engine_loop`) reaches the engine's loop and where the
+outputs come from.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from engine.engine_loop import AbortRequest, AddRequest, EngineCommand, RecordRefused
 from engine.errors import EngineDeadError, InvalidRequestError
 from engine.llm_engine import TenantContext
 from engine.outputs import RequestOutput
@@ -52,8 +54,6 @@ class EngineClient(ABC):
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of every sample of the request as they come; ends when all have finished.
         Leaving the iteration early (client gone) aborts the request."""
-        if not self.is_running:
-            raise EngineDeadError("the engine loop is not running")
         tenant = tenant or TenantContext()
         # Validate here so bad input fails the caller, not the engine's loop.
         self.validate_request(prompt_token_ids, sampling_params, tenant)
@@ -62,11 +62,12 @@ class EngineClient(ABC):
             if request_id in self._streams:  # its outputs would go to this stream
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
-        if not self.is_running:  # it stopped since the check above, failing only the streams
-            with self._streams_lock:  # it had then: this one would wait for ever
+        # Checked once registered: a loop that stops from here on fails this stream too.
+        if not self.is_running:
+            with self._streams_lock:
                 self._streams.pop(request_id, None)
             raise EngineDeadError("the engine loop is not running")
-        self._submit_add(request_id, prompt_token_ids, sampling_params, tenant)
+        self._send(AddRequest(request_id, prompt_token_ids, sampling_params, tenant))
         finished = 0
         try:
             while finished < stream.num_samples:
@@ -91,13 +92,13 @@ class EngineClient(ABC):
         """The snapshot taken after the latest step (safe to read from any thread)."""
         return self._stats
 
-    @abstractmethod
     def abort(self, request_id: str) -> None:
         """End the request's samples before the engine's next step."""
+        self._send(AbortRequest(request_id))
 
-    @abstractmethod
     def record_refused(self, num_prompt_tokens: int, tenant: TenantContext) -> None:
         """A request refused for overload (`LLMEngine.record_refused`), applied between steps."""
+        self._send(RecordRefused(num_prompt_tokens, tenant))
 
     @abstractmethod
     def shutdown(self, timeout_s: float = 5.0) -> None:
@@ -109,15 +110,9 @@ class EngineClient(ABC):
         """The engine's loop takes requests."""
 
     @abstractmethod
-    def _submit_add(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling_params: SamplingParams,
-        tenant: TenantContext,
-    ) -> None:
-        """Have the engine's loop add the request; an EngineError it raises goes to the
-        request's stream (`_fail`)."""
+    def _send(self, command: EngineCommand) -> None:
+        """Hand the command to the engine's loop (`EngineLoop.submit`, here or in the
+        engine's process)."""
 
     # -- called from the thread that receives the engine's outputs -----------------------------
 

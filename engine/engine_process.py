@@ -26,50 +26,20 @@ import os
 import signal
 import sys
 import threading
-import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from engine.engine_client import EngineClient
+from engine.engine_loop import EngineCommand, EngineLoop, Stop
 from engine.errors import EngineDeadError, EngineError
-from engine.llm_engine import LLMEngine, TenantContext
+from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.request_limits import RequestLimits
-from engine.sampling_params import SamplingParams
 from engine.scheduler_stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
-
-# -- what the caller sends ---------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Add:
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    tenant: TenantContext
-
-
-@dataclass(frozen=True)
-class _Abort:
-    request_id: str
-
-
-@dataclass(frozen=True)
-class _Refused:
-    num_prompt_tokens: int
-    tenant: TenantContext
-
-
-@dataclass(frozen=True)
-class _Stop:
-    pass
-
-
-_Command = _Add | _Abort | _Refused | _Stop
 
 # -- what the engine's process sends -----------------------------------------------------------
 
@@ -155,15 +125,9 @@ class EngineProcess(EngineClient):
     def pid(self) -> int | None:
         return self._process.pid
 
-    def abort(self, request_id: str) -> None:
-        self._send(_Abort(request_id))
-
-    def record_refused(self, num_prompt_tokens: int, tenant: TenantContext) -> None:
-        self._send(_Refused(num_prompt_tokens, tenant))
-
     def shutdown(self, timeout_s: float = 5.0) -> None:
         self._stopped = True
-        self._send(_Stop())
+        self._send(Stop())
         self._process.join(timeout_s)
         if self._process.is_alive():
             logger.warning("the engine process did not stop in %.1f s: killing it", timeout_s)
@@ -176,23 +140,14 @@ class EngineProcess(EngineClient):
     def is_running(self) -> bool:
         return not self._stopped and not self._ended and self._process.is_alive()
 
-    def _submit_add(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling_params: SamplingParams,
-        tenant: TenantContext,
-    ) -> None:
-        self._send(_Add(request_id, prompt_token_ids, sampling_params, tenant))
-
-    def _send(self, command: _Command) -> None:
+    def _send(self, command: EngineCommand) -> None:
         try:
             with self._send_lock:
                 self._commands.send(command)
         except OSError:  # the process has gone; the reader fails the open streams
             if not self._stopped:
                 logger.warning("the engine process is gone: %s not delivered",
-                               type(command).__name__.lstrip("_"))
+                               type(command).__name__)
 
     def _read(self) -> None:
         """The reader thread: each message of the engine's process, until it ends."""
@@ -259,7 +214,16 @@ def _serve(
         gc.collect()
         gc.freeze()
         messages.send(_Ready(engine.limits, engine.stats()))
-        _EngineLoop(engine, commands, messages).run()
+        loop = EngineLoop(
+            engine,
+            deliver=lambda outputs: messages.send(_Outputs(outputs)),
+            publish_stats=lambda stats: messages.send(_Stats(stats)),
+            add_failed=lambda request_id, exc: messages.send(_AddFailed(request_id, exc)),
+        )
+        threading.Thread(
+            target=_receive, args=(commands, loop), name="tiergate-engine-commands", daemon=True
+        ).start()
+        loop.run()
         code = 0
     except BaseException as exc:
         with contextlib.suppress(OSError):
@@ -271,61 +235,14 @@ def _serve(
         os._exit(code)
 
 
-class _EngineLoop:
-    def __init__(self, engine: LLMEngine, commands: Connection, messages: Connection) -> None:
-        self.engine = engine
-        self._commands = commands
-        self._messages = messages
-        self._pending: list[_Command] = []
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
-        threading.Thread(target=self._receive, name="tiergate-engine-commands", daemon=True).start()
-
-    def run(self) -> None:
-        while True:
-            with self._lock:
-                commands, self._pending = self._pending, []
-                taken_in_at_s = time.monotonic()  # what arrives later is not in
-            for command in commands:
-                if isinstance(command, _Stop):
-                    return
-                self._apply(command)
-            if not self.engine.has_unfinished_requests():
-                self._wake.wait(timeout=0.5)
-                self._wake.clear()
-                continue
-            self._messages.send(_Outputs(self.engine.step()))
-            stats = self.engine.stats()
-            stats.taken_in_at_s = taken_in_at_s
-            self._messages.send(_Stats(stats))
-
-    def _apply(self, command: _Add | _Abort | _Refused) -> None:
-        if isinstance(command, _Add):
-            try:
-                self.engine.add_request(
-                    command.request_id,
-                    command.prompt_token_ids,
-                    command.sampling_params,
-                    command.tenant,
-                )
-            except EngineError as exc:  # e.g. a duplicate id: fail this caller only
-                self._messages.send(_AddFailed(command.request_id, exc))
-        elif isinstance(command, _Abort):
-            self.engine.abort(command.request_id)
-        else:
-            self.engine.record_refused(command.num_prompt_tokens, command.tenant)
-
-    def _receive(self) -> None:
-        """The command thread: moves each command from the pipe to the loop's list. At the
-        pipe's end (the caller has gone) the loop is told to stop."""
-        command: _Command
-        while True:
-            try:
-                command = self._commands.recv()
-            except (EOFError, OSError):
-                command = _Stop()
-            with self._lock:
-                self._pending.append(command)
-            self._wake.set()
-            if isinstance(command, _Stop):
-                return
+def _receive(commands: Connection, loop: EngineLoop) -> None:
+    """The command thread: moves each command from the pipe to the loop. At the pipe's end
+    (the caller has gone) the loop is told to stop."""
+    while True:
+        try:
+            command: EngineCommand = commands.recv()
+        except (EOFError, OSError):
+            command = Stop()
+        loop.submit(command)
+        if isinstance(command, Stop):
+            return

@@ -24,7 +24,6 @@ from engine import (
     SchedulerConfig,
     TenantContext,
 )
-from engine.async_engine import AsyncLLMEngine
 from engine.demo_model import write_demo_model
 from engine.engine_client import EngineClient
 from engine.engine_process import EngineProcess
@@ -124,24 +123,6 @@ def build_engine(settings: GatewaySettings, tiers: TierTable, model_dir: Path) -
     return new_engine(settings, tiers, runner, model_config, Tokenizer.from_dir(model_dir))
 
 
-def start_engine(
-    settings: GatewaySettings,
-    tiers: TierTable,
-    runner: ModelRunner,
-    model_config: ModelConfig,
-    tokenizer: Tokenizer,
-    name: str,
-    created: int,
-    vocab_size: int | None = None,
-) -> tuple[ServedModel, AsyncLLMEngine]:
-    """The engine over a runner built in this process, its loop in a thread of this process
-    (`AsyncLLMEngine`). vocab_size: the ids clients may send (default: the model's
-    vocabulary)."""
-    engine = AsyncLLMEngine(new_engine(settings, tiers, runner, model_config, tokenizer))
-    served = describe_model(model_config, tokenizer, name, created, engine.limits, vocab_size)
-    return served, engine
-
-
 def new_engine(
     settings: GatewaySettings,
     tiers: TierTable,
@@ -177,6 +158,8 @@ def describe_model(
     limits: RequestLimits,
     vocab_size: int | None = None,
 ) -> ServedModel:
+    """What the HTTP layer is told of the model. vocab_size: the ids clients may send
+    (default: the model's vocabulary)."""
     return ServedModel(
         name=name,
         tokenizer=tokenizer,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 
 from engine import (
     CacheConfig,
@@ -176,3 +177,18 @@ def sleeping_engine(step_delay_s: float = 0.0) -> LLMEngine:
 def engine_without_weights() -> LLMEngine:
     """A build that fails, as loading a missing checkpoint does."""
     raise FileNotFoundError("no checkpoint at /nonexistent/model.safetensors")
+
+
+def engine_noting_refusals(path: Path) -> LLMEngine:
+    """sleeping_engine whose record_refused also writes "tenant tokens" lines to path: how a
+    test in another process sees the refusals the engine's process applied."""
+    engine = sleeping_engine()
+    record_refused = engine.record_refused
+
+    def noted(num_prompt_tokens: int, tenant: TenantContext) -> None:
+        record_refused(num_prompt_tokens, tenant)
+        with path.open("a") as file:
+            file.write(f"{tenant.tenant_id} {num_prompt_tokens}\n")
+
+    engine.record_refused = noted  # type: ignore[method-assign]
+    return engine

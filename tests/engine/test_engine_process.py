@@ -8,13 +8,19 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from engine import EngineDeadError, InvalidRequestError, SamplingParams, TenantContext
 from engine.engine_process import EngineProcess
 from engine.scheduler_stats import SchedulerStats
-from tests.engine.helpers import engine_without_weights, reference_output, sleeping_engine
+from tests.engine.helpers import (
+    engine_noting_refusals,
+    engine_without_weights,
+    reference_output,
+    sleeping_engine,
+)
 
 
 @pytest.fixture
@@ -149,12 +155,16 @@ async def _first_output(engine: EngineProcess) -> None:
         return
 
 
-def test_shutdown_stops_the_process() -> None:
-    engine = EngineProcess(sleeping_engine)
+def test_refused_requests_reach_the_engine_process_and_shutdown_stops_it(
+    tmp_path: Path,
+) -> None:
+    noted = tmp_path / "refused"
+    engine = EngineProcess(functools.partial(engine_noting_refusals, noted))
     tenant = TenantContext(tenant_id="heavy", tier="standard", priority=1)
-    engine.record_refused(40, tenant)  # a command like the others, applied between steps
+    engine.record_refused(40, tenant)
 
     async def main() -> None:
+        # Commands are applied in the order sent, before the step that serves this request.
         async for _ in engine.generate("a", [5, 6, 7], SamplingParams(max_tokens=2), tenant):
             pass
 
@@ -162,3 +172,4 @@ def test_shutdown_stops_the_process() -> None:
     engine.shutdown()
     assert not engine.is_running
     assert engine._process.exitcode == 0  # it left its loop when told, not killed
+    assert noted.read_text() == "heavy 40\n"

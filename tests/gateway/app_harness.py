@@ -29,7 +29,7 @@ from engine.tokenizer import Tokenizer
 from gateway.observability import Observability
 from gateway.replica import compose_replica
 from gateway.runtime import GatewayRuntime
-from gateway.served_model import DEMO_MODEL_NAME, ServedModel, start_engine
+from gateway.served_model import DEMO_MODEL_NAME, ServedModel, describe_model, new_engine
 from gateway.settings import GatewaySettings
 from gateway.telemetry import Telemetry
 from policies import TierTable
@@ -59,9 +59,10 @@ class FakeModelLoader:
         runner = FakeModelRunner(
             self.num_kv_blocks, _KV_BLOCK_SIZE, vocab_size=vocab_size, sleep=True
         )
-        served, engine = start_engine(
-            settings, tiers, runner, model_config, tokenizer, DEMO_MODEL_NAME, created,
-            vocab_size=vocab_size,
+        # The engine in a thread of this process, so tests can reach the fake runner.
+        engine = AsyncLLMEngine(new_engine(settings, tiers, runner, model_config, tokenizer))
+        served = describe_model(
+            model_config, tokenizer, DEMO_MODEL_NAME, created, engine.limits, vocab_size
         )
         self.runner = runner
         return served, engine

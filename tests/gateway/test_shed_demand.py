@@ -10,12 +10,14 @@ ahead and are shed. Clients use the openai SDK.
 
 from __future__ import annotations
 
-import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
 
+from engine.async_engine import AsyncLLMEngine
+from engine.llm_engine import TenantContext
 from gateway.served_model import DEMO_MODEL_NAME
 from policies import TierTable
 from tests.gateway.app_harness import start_gateway
@@ -35,6 +37,19 @@ def test_shed_requests_count_as_their_tenants_demand(tmp_path: Path) -> None:
         # One request first, so the engine has measured how fast it drains prompts.
         client.completions.create(model=DEMO_MODEL_NAME, prompt=WARM_UP_PROMPT, max_tokens=2)
 
+        engine = gateway.runtime.engine
+        assert isinstance(engine, AsyncLLMEngine)
+        # The refusals the engine's thread has applied (each is submitted before its 429 is
+        # sent, and applied between steps).
+        applied: list[int] = []
+        record_refused = engine.engine.record_refused
+
+        def noted(num_prompt_tokens: int, tenant: TenantContext) -> None:
+            record_refused(num_prompt_tokens, tenant)
+            applied.append(num_prompt_tokens)
+
+        engine.engine.record_refused = noted  # type: ignore[method-assign]
+
         def send(_: int) -> bool:
             """True: admitted; False: shed."""
             try:
@@ -47,23 +62,17 @@ def test_shed_requests_count_as_their_tenants_demand(tmp_path: Path) -> None:
         with ThreadPoolExecutor(NUM_BURST) as pool:
             admitted = list(pool.map(send, range(NUM_BURST)))
         assert True in admitted and False in admitted, admitted
-        engine = gateway.runtime.engine
-        assert engine is not None
-        # Read in the engine's thread, after the refusals: its commands run in order, and each
-        # refusal was submitted before its 429 was sent.
-        read = threading.Event()
-        sent: list[dict[int, dict[str, int]]] = []
-
-        def read_demand() -> None:
-            sent.append(engine.engine.scheduler.demand.sent(engine.engine.clock()))
-            read.set()
-
-        engine._submit(read_demand)
-        assert read.wait(10)
+        deadline_s = time.monotonic() + 10
+        while len(applied) < admitted.count(False) and time.monotonic() < deadline_s:
+            time.sleep(0.01)
+        assert len(applied) == admitted.count(False), (applied, admitted)
+        # The admitted requests have finished and the refusals are applied: the engine's
+        # thread takes no step and applies no command now, so its demand can be read here.
+        sent = engine.engine.scheduler.demand.sent(engine.engine.clock())
         # Every burst request is in the tenant's demand, shed or not (the warm-up too, unless
         # this host took over 5 s since it).
         burst = NUM_BURST * len(BURST_PROMPT)
-        tokens = sent[0][tiers["standard"].priority][str(tenant_id)]
+        tokens = sent[tiers["standard"].priority][str(tenant_id)]
         assert tokens in (burst, burst + len(WARM_UP_PROMPT)), (sent, admitted)
     finally:
         gateway.stop()
