@@ -42,7 +42,7 @@ from engine.loader import random_hf_state_dict
 from engine.model_runner import RunnerConfig, TorchModelRunner
 from engine.models.config import ModelConfig
 from engine.sampling_params import SamplingParams
-from engine.workload import Workload, WorkloadRequest
+from engine.workload import BENCH_INPUTS, Workload, WorkloadRequest
 
 if TYPE_CHECKING:  # transformers is a test/benchmark dependency, imported only when comparing
     from transformers.generation.continuous_batching import ContinuousBatchingManager
@@ -58,8 +58,8 @@ __all__ = [
     "run",
 ]
 
-DEFAULT_WORKLOAD = Path("../shared/bench/workload-offline-200.json")
-DEFAULT_MODEL = Path("../shared/bench/bench-model.json")
+DEFAULT_WORKLOAD = BENCH_INPUTS / "workload-offline-200.json"
+DEFAULT_MODEL = BENCH_INPUTS / "bench-model.json"
 _PRIORITIES = {"premium": 0, "standard": 1, "batch": 2}
 _HF_RESULT_TIMEOUT_S = 600.0  # longest wait for one HF result before calling the run stalled
 
@@ -68,7 +68,7 @@ _HF_RESULT_TIMEOUT_S = 600.0  # longest wait for one HF result before calling th
 class BenchConfig:
     """What to run and how."""
 
-    workload: Path = DEFAULT_WORKLOAD  # workload file (shared/bench format)
+    workload: Path = DEFAULT_WORKLOAD  # workload file (ops/bench/inputs format)
     model_config: Path = DEFAULT_MODEL  # HF config.json of the model, weights are random
     num_requests: int = 64  # first N requests of the workload
     max_num_seqs: int = 32  # batch cap (the engine's running requests, HF's static batch)

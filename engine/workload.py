@@ -1,5 +1,5 @@
-"""Benchmark workload files (shared/bench/*.json): requests with arrival times, tenants, tiers
-and lengths, and the seeded prompt token ids they stand for."""
+"""Benchmark workload files (ops/bench/inputs/*.json): requests with arrival times, tenants,
+tiers and lengths, and the seeded prompt token ids they stand for."""
 
 from __future__ import annotations
 
@@ -7,6 +7,11 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
+
+# The benchmark inputs the repository carries (copies of ../shared/bench/): workloads and the
+# benchmark model's config. Found from this file, not the current directory, so every default
+# works from any directory of a checkout (the project is installed editable).
+BENCH_INPUTS = Path(__file__).resolve().parents[1] / "ops" / "bench" / "inputs"
 
 # Token ids 0-2 are special (pad, bos, eos) and never drawn for prompts.
 FIRST_ORDINARY_TOKEN_ID = 3

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from engine import Request, SamplingParams
@@ -17,10 +15,8 @@ from engine.simulation import (
     premium_slo_scale,
     simulate,
 )
-from engine.workload import Workload, WorkloadRequest
+from engine.workload import BENCH_INPUTS, Workload, WorkloadRequest
 from policies import TieredFairQueue, TierTable
-
-SHARED_BENCH = Path(__file__).resolve().parents[2].parent / "shared" / "bench"
 
 
 def _request(rid: str, tenant: str, priority: int = 1, arrival: float = 0.0) -> Request:
@@ -102,7 +98,7 @@ def test_vtc_keeps_two_backlogged_tenants_within_the_bound() -> None:
 @pytest.mark.slow
 def test_premium_meets_its_slo_at_twice_capacity() -> None:
     """workload-serve-600 at 2x the simulated machine's capacity, 30 % premium."""
-    workload = Workload.load(SHARED_BENCH / "workload-serve-600.json")
+    workload = Workload.load(BENCH_INPUTS / "workload-serve-600.json")
     machine = SimulatedMachine()
     capacity = measure_capacity_rps(workload, machine)
     time_scale = workload.rate_rps / (2.0 * capacity)
