@@ -135,6 +135,7 @@ class Tokenizer:
     ) -> None:
         config = config or {}
         self._backend = backend
+        self._config = config  # tokenizer_config.json's fields, as given
         self.chat_template = chat_template  # Jinja source, None if the model has none
         # Named special tokens as strings, as templates see them (bos_token, eos_token, ...).
         self.special_tokens_map: dict[str, str] = {}
@@ -159,6 +160,15 @@ class Tokenizer:
         backend = BackendTokenizer.from_file(str(path / "tokenizer.json"))
         config = _read_json(path / "tokenizer_config.json")
         return cls(backend, config, _read_chat_template(path, config))
+
+    def save(self, path: str | Path) -> None:
+        """Write tokenizer.json, tokenizer_config.json and chat_template.jinja to `path`, so
+        that from_dir(path) reads back the same tokenizer."""
+        path = Path(path)
+        self._backend.save(str(path / "tokenizer.json"))
+        (path / "tokenizer_config.json").write_text(json.dumps(self._config, indent=2))
+        if self.chat_template is not None:
+            (path / "chat_template.jinja").write_text(self.chat_template, encoding="utf-8")
 
     def _add_missing_tokens(self, config: dict[str, Any]) -> None:
         vocab = self._backend.get_vocab(with_added_tokens=True)

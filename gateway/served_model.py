@@ -1,16 +1,12 @@
 """The model this replica serves: checkpoint, tokenizer and the engine running it (in a
-process of its own).
-
-With no --model the demo checkpoint is written once to a cache directory (no download) and
-served; its text is gibberish by design (random weights), which the README says plainly.
+process of its own). What --model names is resolved by `gateway.model_source` (with none, the
+default model, SmolLM2-135M-Instruct, converted once from its GGUF file).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +20,6 @@ from engine import (
     SchedulerConfig,
     TenantContext,
 )
-from engine.demo_model import write_demo_model
 from engine.engine_client import EngineClient
 from engine.engine_process import EngineProcess
 from engine.model_runner import RunnerConfig, TorchModelRunner
@@ -32,12 +27,12 @@ from engine.models.config import ModelConfig
 from engine.queues import FCFSQueue, WaitingQueue
 from engine.request_limits import RequestLimits
 from engine.tokenizer import Tokenizer
+from gateway.model_source import resolve_model
 from gateway.settings import GatewaySettings
 from policies import TieredFairQueue, TierTable
 
 logger = logging.getLogger(__name__)
 
-DEMO_MODEL_NAME = "tiergate-demo"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -59,24 +54,6 @@ class ServedModel:
     kv_block_size: int
 
 
-def demo_model_dir(settings: GatewaySettings) -> Path:
-    """The demo checkpoint, written on first use (atomically: several replicas may race)."""
-    target = settings.demo_model_dir
-    if (target / "model.safetensors").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".demo-model-", dir=target.parent))
-    write_demo_model(staging)
-    try:
-        os.rename(staging, target)
-    except OSError:  # another process won the race; its copy is identical (fixed seed)
-        for path in staging.iterdir():
-            path.unlink()
-        staging.rmdir()
-    logger.info("wrote the demo model to %s", target)
-    return target
-
-
 def context_length(settings: GatewaySettings, model_config: ModelConfig) -> int:
     """Longest prompt + output: --max-model-len, at most what the model was trained for."""
     return min(
@@ -90,13 +67,14 @@ def load_served_model(
 ) -> tuple[ServedModel, EngineClient]:
     """Start the engine in a process of its own (`EngineProcess`), which loads the
     checkpoint; returns once it is loaded."""
-    model_dir = settings.model if settings.model is not None else demo_model_dir(settings)
+    source = resolve_model(
+        settings.model, settings.model_cache_dir, settings.demo_model_dir, _DTYPES[settings.dtype]
+    )
+    model_dir = source.model_dir
     model_config = ModelConfig.from_file(model_dir)
     tokenizer = Tokenizer.from_dir(model_dir)
     engine = EngineProcess(functools.partial(build_engine, settings, tiers, model_dir))
-    name = settings.served_model_name or (
-        DEMO_MODEL_NAME if settings.model is None else Path(model_dir).resolve().name
-    )
+    name = settings.served_model_name or source.default_name
     served = describe_model(model_config, tokenizer, name, created, engine.limits)
     logger.info(
         "serving %s from %s on %s: %d KV blocks of %d tokens, context %d (engine process %s)",

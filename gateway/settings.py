@@ -38,7 +38,9 @@ _OPTIONS: dict[str, _Option] = {
     "host": _Option("--host", "TIERGATE_HOST", "address to listen on"),
     "port": _Option("--port", "TIERGATE_PORT", "port to listen on"),
     "model": _Option(
-        "--model", "TIERGATE_MODEL", "HF checkpoint directory (default: the demo model)"
+        "--model",
+        "TIERGATE_MODEL",
+        "HF checkpoint directory, .gguf file, or 'demo' (default: SmolLM2-135M-Instruct)",
     ),
     "served_model_name": _Option(
         "--served-model-name", "TIERGATE_SERVED_MODEL_NAME", "model id clients send"
@@ -73,6 +75,11 @@ _OPTIONS: dict[str, _Option] = {
     "demo_model_dir": _Option(
         "--demo-model-dir", "TIERGATE_DEMO_MODEL_DIR", "where the demo model is written"
     ),
+    "model_cache_dir": _Option(
+        "--model-cache-dir",
+        "TIERGATE_MODEL_CACHE_DIR",
+        "where converted GGUF models (and the fetched default model) are kept",
+    ),
     "data_dir": _Option("--data-dir", "TIERGATE_DATA_DIR", "local state: usage spool"),
 }
 
@@ -85,8 +92,9 @@ class GatewaySettings:
 
     host: str = "127.0.0.1"
     port: int = 8000
-    # Checkpoint directory; None serves the demo model (written on first use).
-    model: Path | None = None
+    # A checkpoint directory, a .gguf file or "demo" (gateway.model_source); None serves
+    # the default model.
+    model: str | None = None
     # The id in /v1/models and the `model` field clients send; None: derived from the model.
     served_model_name: str | None = None
     database_url: str = DEFAULT_DATABASE_URL
@@ -105,6 +113,7 @@ class GatewaySettings:
     max_body_bytes: int = 4 << 20
     drain_timeout_s: float = 30.0
     demo_model_dir: Path = Path.home() / ".cache" / "tiergate" / "demo-model"
+    model_cache_dir: Path = Path.home() / ".cache" / "tiergate" / "models"
     data_dir: Path = Path("./tiergate-data")
     # Never from a flag (it would show in `ps`): only TIERGATE_ADMIN_TOKEN.
     admin_token: str | None = field(default=None, repr=False)
@@ -125,10 +134,6 @@ class GatewaySettings:
                 raise SettingsError(f"{_OPTIONS[name].flag} must be >= 1")
         if self.drain_timeout_s < 0:
             raise SettingsError("--drain-timeout must be >= 0")
-
-    @property
-    def is_demo_model(self) -> bool:
-        return self.model is None
 
     @classmethod
     def from_sources(

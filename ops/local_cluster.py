@@ -12,7 +12,8 @@ migrations itself at start instead, like a plain `tiergate serve`, and they seri
 PostgreSQL's advisory lock (tests start replicas together on an empty database with it).
 Each replica gets its own directory under the work directory for its log (serve.log), its
 usage spool (data/) and its copy of the demo model (demo-model/, used when TIERGATE_MODEL is
-not set), so two replicas never write one file.
+`demo`), so two replicas never write one file; without TIERGATE_MODEL they serve the default
+model, converted once into the shared model cache (the first replica's rename wins).
 Database and Redis URLs reach the replicas through the environment, not argv (`ps` shows argv).
 """
 

@@ -63,6 +63,7 @@ class ServeProcess:
     def start(self, timeout_s: float = 120.0) -> ServeProcess:
         env = {
             **os.environ,
+            "TIERGATE_MODEL": "demo",
             "TIERGATE_DEMO_MODEL_DIR": str(shared_demo_model_dir()),
             "TIERGATE_ADMIN_TOKEN": ADMIN_TOKEN,
             "TIERGATE_DATA_DIR": tempfile.mkdtemp(prefix="tiergate-data-"),

@@ -19,7 +19,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from engine.workload import Workload
+from engine.workload import BENCH_INPUTS, Workload
 from gateway.bench_serve.errors import BenchConfigError
 from gateway.bench_serve.plan import ArrivalProcess, PromptVocabulary, retime
 from gateway.bench_serve.server import VARIANTS, BenchServer, EngineLimits
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 __all__ = ["add_arguments", "run_command"]
 
-DEFAULT_WORKLOAD = Path("../shared/bench/workload-serve-600.json")
+DEFAULT_WORKLOAD = BENCH_INPUTS / "workload-serve-600.json"
 _ADMIN_TOKEN_ENV = "TIERGATE_ADMIN_TOKEN"
 _ONE_RUN_DURATION_S = 60.0
 # --quick: a smoke run of every step in a few minutes (SweepConfig fields; flags still win).
@@ -260,10 +260,9 @@ def _with_tiers(document: dict[str, Any], tiers: TierTable) -> dict[str, Any]:
 def _model_dir(args: argparse.Namespace) -> Path:
     if args.model is not None:
         return Path(args.model)
-    from gateway.served_model import demo_model_dir
-    from gateway.settings import GatewaySettings
+    from gateway.model_source import demo_model_dir
 
-    return demo_model_dir(GatewaySettings(demo_model_dir=args.demo_model_dir))
+    return demo_model_dir(args.demo_model_dir)
 
 
 def _one_run_duration_s(args: argparse.Namespace) -> float:

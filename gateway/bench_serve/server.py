@@ -116,8 +116,7 @@ class BenchServer:
             "--max-num-batched-tokens", str(limits.max_num_batched_tokens),
             "--log-level", "warning",
         ]  # fmt: skip
-        if limits.model_dir is not None:
-            command += ["--model", str(limits.model_dir)]
+        command += ["--model", str(limits.model_dir) if limits.model_dir is not None else "demo"]
         # The admin token only through the environment (argv shows in `ps`); no Redis: the
         # rate limiter stays in the process, as quotas are unlimited anyway.
         env = {

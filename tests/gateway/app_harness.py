@@ -26,10 +26,11 @@ from engine.async_engine import AsyncLLMEngine
 from engine.fake_runner import FakeModelRunner
 from engine.models.config import ModelConfig
 from engine.tokenizer import Tokenizer
+from gateway.model_source import DEMO_MODEL_NAME
 from gateway.observability import Observability
 from gateway.replica import compose_replica
 from gateway.runtime import GatewayRuntime
-from gateway.served_model import DEMO_MODEL_NAME, ServedModel, describe_model, new_engine
+from gateway.served_model import ServedModel, describe_model, new_engine
 from gateway.settings import GatewaySettings
 from gateway.telemetry import Telemetry
 from policies import TierTable

@@ -31,8 +31,8 @@ from opentelemetry.trace import SpanKind, StatusCode
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.metrics import TTFT_BUCKETS_S
+from gateway.model_source import DEMO_MODEL_NAME
 from gateway.observability import UNKNOWN_TIER
-from gateway.served_model import DEMO_MODEL_NAME
 from gateway.telemetry import TelemetrySettings, setup_telemetry
 from policies.alerts import ALERT_NAME
 from tests.gateway.app_harness import InProcessGateway, start_gateway

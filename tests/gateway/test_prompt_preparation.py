@@ -15,7 +15,7 @@ import openai
 import pytest
 
 import gateway.openai_routes as openai_routes
-from gateway.served_model import DEMO_MODEL_NAME
+from gateway.model_source import DEMO_MODEL_NAME
 from tests.gateway.app_harness import start_gateway
 
 
