@@ -22,6 +22,7 @@ from sqlalchemy.orm import Session, sessionmaker
 import tenants
 from engine import SchedulerStats
 from engine.engine_client import EngineClient
+from engine.models.config import ModelConfigError
 from gateway.auth import TenantKeyResolver
 from gateway.errors import ServiceUnavailableError
 from gateway.request_record import RequestRecord
@@ -87,6 +88,10 @@ class GatewayRuntime:
             self.served, self.engine = await anyio.to_thread.run_sync(
                 self._model_loader, self.settings, self.tiers, created
             )
+        except ModelConfigError as exc:  # what --model names is at fault, not the code
+            self._load_error = exc
+            logger.error("loading the model failed: %s", exc)
+            raise
         except Exception as exc:
             self._load_error = exc
             logger.exception("loading the model failed")

@@ -93,3 +93,17 @@ def test_convert_gguf_command(tmp_path: Path) -> None:
     )
     assert result.returncode == 1
     assert "convert-gguf: cannot read GGUF file" in result.stderr
+
+
+def test_serve_names_a_bad_model_without_a_traceback(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "serve", "--port", "0",
+         "--model", str(tmp_path / "missing"), "--database-url", f"sqlite:///{tmp_path / 'db'}",
+         "--data-dir", str(tmp_path / "data")],
+        capture_output=True, text=True, check=False, timeout=120,
+    )
+    assert result.returncode == 1
+    output = result.stdout + result.stderr
+    assert "the model could not be loaded: --model " in output
+    assert "not a checkpoint directory, a .gguf file or 'demo'" in output
+    assert "Traceback" not in output
