@@ -1,4 +1,5 @@
-"""`tiergate bench offline` and `tiergate bench serve`: seeded benchmarks with a printed table.
+"""`tiergate bench offline`, `tiergate bench serve` and `tiergate bench peer`: seeded
+benchmarks with a printed table.
 
 Each benchmark is a sub-subcommand registered by its own small function. Heavy modules (torch,
 the serving benchmark) are imported when the command runs, not when `tiergate` starts.
@@ -18,6 +19,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     commands = group.add_subparsers(dest="bench_command", required=True)
     _register_offline(commands)
     _register_serve(commands)
+    _register_peer(commands)
 
 
 def _register_offline(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -56,4 +58,29 @@ def _serve(args: argparse.Namespace) -> int:
         return command.run_command(args)
     except BenchServeError as exc:
         print(f"tiergate bench serve: {exc}", file=sys.stderr)
+        return 1
+
+
+def _register_peer(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from gateway.bench_serve import peer
+
+    parser = commands.add_parser(
+        "peer",
+        help="tiergate vs llama.cpp's llama-server (--compare-llamacpp) on the same model, "
+        "prompts and client",
+        description=peer.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    peer.add_arguments(parser)
+    parser.set_defaults(func=_peer)
+
+
+def _peer(args: argparse.Namespace) -> int:
+    from gateway.bench_serve import peer
+    from gateway.bench_serve.errors import BenchServeError
+
+    try:
+        return peer.run_command(args)
+    except BenchServeError as exc:
+        print(f"tiergate bench peer: {exc}", file=sys.stderr)
         return 1
