@@ -99,6 +99,7 @@ class GGUFCheckpoint:
         self.path = path
         self._reader = reader
         self._fields = reader.fields
+        self._tensor_names = frozenset(t.name for t in reader.tensors)
         name = self._field("general.architecture")
         if name not in _ARCHITECTURES:
             raise ModelConfigError(
@@ -145,10 +146,6 @@ class GGUFCheckpoint:
                 f"{self.path.name}: GGUF metadata lacks {self.architecture_name}.{key}"
             )
         return value
-
-    @property
-    def _tensor_names(self) -> set[str]:
-        return {t.name for t in self._reader.tensors}
 
     def hf_config(self, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
         """config.json for the model (HF field names), its dtype the one tensors() yields."""
