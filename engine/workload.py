@@ -8,7 +8,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-# The benchmark inputs the repository carries (copies of ../shared/bench/): workloads and the
+# The benchmark inputs the repository carries (copies of the shared ones): workloads and the
 # benchmark model's config. Found from this file, not the current directory, so every default
 # works from any directory of a checkout (the project is installed editable).
 BENCH_INPUTS = Path(__file__).resolve().parents[1] / "ops" / "bench" / "inputs"

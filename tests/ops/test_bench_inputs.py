@@ -1,6 +1,6 @@
 """ops/bench/inputs: the benchmark inputs the repository carries. Every benchmark default
 names a file there, found from the code's own place, so a clone runs them from any
-directory without ../shared beside it."""
+directory without the shared folder beside it."""
 
 from __future__ import annotations
 

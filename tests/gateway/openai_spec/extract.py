@@ -1,7 +1,7 @@
 """Write the part of OpenAI's OpenAPI spec that tiergate serves (createChatCompletion,
 createCompletion, listModels and every schema they reference) next to this file.
 
-    python tests/gateway/openai_spec/extract.py ../shared/reference/openai-openapi.yaml
+    python tests/gateway/openai_spec/extract.py PATH/TO/openai-openapi.yaml
 
 The subset keeps the schemathesis test fast (the full spec is 3 MB) and lets it run from
 any checkout. Source: openai/openai-openapi (MIT, see LICENSE here).
