@@ -83,6 +83,8 @@ class BenchConfig:
     # slices the other thread needs (the engine ran 3x slower at load average 5); "default"
     # leaves the variable as the environment has it.
     omp_wait_policy: str = "passive"
+    device: str = "cpu"  # where the engine and HF run ("cuda" on a GPU machine)
+    dtype: str = "float32"  # weights, activations and KV cache of both
 
 
 @dataclass
@@ -110,18 +112,35 @@ class BenchResult:
         return self.model_gflop / self.elapsed_s
 
 
-def matmul_gflops(size: int = 2048, repeats: int = 5) -> float:
-    """Best-of-repeats float32 size^3 matrix product rate on this machine, GFLOP/s."""
+def matmul_gflops(size: int = 2048, repeats: int = 5, device: str = "cpu",
+                  dtype: torch.dtype = torch.float32) -> float:
+    """Best-of-repeats size^3 matrix product rate on the device, GFLOP/s."""
     generator = torch.Generator().manual_seed(0)
-    a = torch.randn(size, size, generator=generator)
-    b = torch.randn(size, size, generator=generator)
+    a = torch.randn(size, size, generator=generator).to(device=device, dtype=dtype)
+    b = torch.randn(size, size, generator=generator).to(device=device, dtype=dtype)
     torch.mm(a, b)
     best = float("inf")
     for _ in range(repeats):
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
         started = time.perf_counter()
         torch.mm(a, b)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
         best = min(best, time.perf_counter() - started)
     return 2 * size**3 / best / 1e9
+
+
+def _dtype(bench: BenchConfig) -> torch.dtype:
+    dtype = getattr(torch, bench.dtype)
+    assert isinstance(dtype, torch.dtype), bench.dtype
+    return dtype
+
+
+def _synchronize(bench: BenchConfig) -> None:
+    """Wait for the device's queued work, so that the clock read next ends the run."""
+    if bench.device.startswith("cuda"):
+        torch.cuda.synchronize()
 
 
 def _useful_gflop(config: ModelConfig, requests: list[WorkloadRequest]) -> float:
@@ -146,6 +165,7 @@ def run_engine(
             max_num_seqs=bench.max_num_seqs,
             max_model_len=max_model_len,
         ),
+        dtype=_dtype(bench), device=bench.device,
     )
     engine_config = EngineConfig(
         scheduler=SchedulerConfig(
@@ -165,6 +185,7 @@ def run_engine(
     }
     started = time.perf_counter()
     num_output, num_steps = _drain(engine, prompts, lengths, tenants)
+    _synchronize(bench)
     elapsed = time.perf_counter() - started
     return BenchResult(
         "tiergate engine", len(requests), sum(r.prompt_len for r in requests), num_output,
@@ -201,6 +222,7 @@ def _hf_model(bench: BenchConfig, config: ModelConfig) -> Any:
     hf_config = AutoConfig.for_model(raw.pop("model_type"), **raw)
     model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
     model.load_state_dict(random_hf_state_dict(config, bench.seed))
+    model = model.to(device=bench.device, dtype=_dtype(bench))
     model.generation_config.eos_token_id = None  # ignore_eos
     return model
 
@@ -214,8 +236,9 @@ def run_hf_static(
     model = _hf_model(bench, config)
     pad_id = 0
     with torch.inference_mode():
-        model.generate(torch.tensor([[3] * 64]), max_new_tokens=4, do_sample=False,
-                       pad_token_id=pad_id)  # warm-up
+        model.generate(torch.tensor([[3] * 64], device=bench.device), max_new_tokens=4,
+                       do_sample=False, pad_token_id=pad_id)  # warm-up
+        _synchronize(bench)
         started = time.perf_counter()
         num_batches = 0
         for first in range(0, len(requests), bench.max_num_seqs):
@@ -227,8 +250,10 @@ def run_hf_static(
             for row, r in enumerate(batch):
                 ids[row, longest - r.prompt_len :] = torch.tensor(prompts[r.request_id])
                 mask[row, longest - r.prompt_len :] = 1
-            model.generate(ids, attention_mask=mask, do_sample=False, pad_token_id=pad_id,
+            model.generate(ids.to(bench.device), attention_mask=mask.to(bench.device),
+                           do_sample=False, pad_token_id=pad_id,
                            max_new_tokens=max(r.output_len for r in batch))
+        _synchronize(bench)
         elapsed = time.perf_counter() - started
     return BenchResult(
         "HF generate, static batches", len(requests), sum(r.prompt_len for r in requests),
@@ -247,7 +272,8 @@ def run_hf_continuous(
 
     model = _hf_model(bench, config)
     page_size = 256  # HF's default page
-    bytes_per_page = 2 * config.num_layers * page_size * config.kv_size * 4  # float32 K and V
+    element_size = torch.empty(0, dtype=_dtype(bench)).element_size()
+    bytes_per_page = 2 * config.num_layers * page_size * config.kv_size * element_size  # K, V
     cb_config = ContinuousBatchingConfig(
         page_size=page_size,
         num_blocks=max(1, bench.kv_cache_bytes // bytes_per_page),
@@ -301,7 +327,7 @@ def _measure(system: str, bench: BenchConfig) -> BenchResult | float:
     """One measurement, run in a fresh process by `run`."""
     torch.set_num_threads(bench.num_threads or len(os.sched_getaffinity(0)))
     if system == "matmul":
-        return matmul_gflops()
+        return matmul_gflops(device=bench.device, dtype=_dtype(bench))
     config = ModelConfig.from_file(bench.model_config)
     workload = Workload.load(bench.workload, limit=bench.num_requests)
     prompts = workload.prompts(config.vocab_size, use_shared_prefix=bench.shared_prefix)
@@ -344,7 +370,8 @@ def _child_environment(omp_wait_policy: str) -> Iterator[None]:
             os.environ["OMP_WAIT_POLICY"] = previous
 
 
-def format_table(results: list[BenchResult], matmul: float) -> str:
+def format_table(results: list[BenchResult], matmul: float, device: str = "cpu",
+                 dtype: str = "float32") -> str:
     lines = [
         f"{'system':30} {'output tok/s':>12} {'total tok/s':>12} {'GFLOP/s':>8} "
         f"{'% matmul':>8} {'time s':>8} {'steps':>6}"
@@ -354,7 +381,7 @@ def format_table(results: list[BenchResult], matmul: float) -> str:
             f"{r.system:30} {r.output_tokens_per_s:12.1f} {r.total_tokens_per_s:12.1f} "
             f"{r.gflops:8.1f} {100 * r.gflops / matmul:8.1f} {r.elapsed_s:8.1f} {r.num_steps:6d}"
         )
-    lines.append(f"float32 2048^3 matmul on this machine: {matmul:.1f} GFLOP/s")
+    lines.append(f"{dtype} 2048^3 matmul on this machine's {device}: {matmul:.1f} GFLOP/s")
     for other in results[1:]:
         ratio = results[0].output_tokens_per_s / other.output_tokens_per_s
         lines.append(f"engine / {other.system}: {ratio:.2f}x output tokens/s")
@@ -378,6 +405,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--omp-wait-policy", choices=["passive", "active", "default"],
                         default=d.omp_wait_policy,
                         help="OMP_WAIT_POLICY of the measured processes (default: passive)")
+    parser.add_argument("--device", default=d.device,
+                        help="device of the engine and HF (default: cpu; cuda on a GPU)")
+    parser.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "float16"],
+                        help="weights and KV cache dtype of both (default: float32)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -393,6 +424,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         compare_hf=args.compare_hf,
         num_threads=args.threads,
         omp_wait_policy=args.omp_wait_policy,
+        device=args.device,
+        dtype=args.dtype,
     )
 
 
@@ -412,7 +445,7 @@ def report(args: argparse.Namespace) -> int:
                           "load_average_1m": [load_before, load_after],
                           "omp_wait_policy": bench.omp_wait_policy}, indent=2))
     else:
-        print(format_table(results, matmul))
+        print(format_table(results, matmul, bench.device, bench.dtype))
         print(f"load average (1 min) before / after: {load_before:.2f} / {load_after:.2f}; "
               f"OMP_WAIT_POLICY {bench.omp_wait_policy}")
     return 0

@@ -12,9 +12,12 @@ from __future__ import annotations
 import hashlib
 import time
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
+from engine.input_batch import InputBatch
 from engine.runner import ModelRunnerOutput
 from engine.scheduler_output import SchedulerOutput
 
@@ -65,6 +68,9 @@ class FakeModelRunner:
         self.extra_delay_s = 0.0  # test-only slow-down added to every step
         self.fail_next_step = False  # test-only: raise in the next execute
         self.num_steps = 0
+        # The requests it runs, kept as the real runner keeps them (engine.input_batch): a
+        # wrong incremental update reads the wrong context and changes the tokens.
+        self.input_batch = InputBatch(block_size)
         # kv[block][offset] = token id written there, or -1
         self._kv: list[list[int]] = [[-1] * block_size for _ in range(num_kv_blocks)]
 
@@ -102,20 +108,25 @@ class FakeModelRunner:
             self.fail_next_step = False
             raise RuntimeError("FakeModelRunner: injected step failure")
         self.num_steps += 1
+        batch = self.input_batch
+        batch.update(scheduler_output)
         for src, dst in scheduler_output.blocks_to_copy:
             self._kv[dst] = list(self._kv[src])
         sampled: dict[str, int] = {}
         bs = self._block_size
         for chunk in chunks:
-            for i, token_id in enumerate(chunk.token_ids):
-                pos = chunk.start_pos + i
-                self._kv[chunk.block_table[pos // bs]][pos % bs] = token_id
+            tokens = batch.token_ids(chunk.request_id)
+            table = batch.block_table(chunk.request_id)
+            for pos in range(chunk.start_pos, chunk.num_context_tokens):
+                self._kv[table[pos // bs]][pos % bs] = int(tokens[pos])
             if chunk.needs_sample:
-                context = self._read_context(chunk.block_table, chunk.num_context_tokens)
+                context = self._read_context(table, chunk.num_context_tokens)
                 sampled[chunk.request_id] = fake_next_token(context, self.vocab_size)
+        states = batch.sample_states(chunks)
+        batch.append_sampled(states, [sampled[s.request_id] for s in states])
         return ModelRunnerOutput(sampled_token_ids=sampled)
 
-    def _read_context(self, block_table: list[int], num_tokens: int) -> list[int]:
+    def _read_context(self, block_table: Sequence[int] | np.ndarray, num_tokens: int) -> list[int]:
         bs = self._block_size
         context: list[int] = []
         for index in range(-(-num_tokens // bs)):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from engine.models.config import ModelConfig
 
-__all__ = ["forward_flops", "linear_params_per_token"]
+__all__ = ["FlopsCounter", "forward_flops", "linear_params_per_token"]
 
 
 def linear_params_per_token(config: ModelConfig) -> int:
@@ -49,3 +49,30 @@ def forward_flops(
         for window in config.sliding_windows
     )
     return float(linear + lm_head + attention)
+
+
+class FlopsCounter:
+    """forward_flops of one model with its constants worked out once (metering asks it for
+    every chunk of every step)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        self._linear = 2 * linear_params_per_token(config)
+        self._lm_head = 2 * config.hidden_size * config.vocab_size
+        self._per_key = 4 * config.head_dim * config.num_heads
+        self._windows = list(config.sliding_windows)
+        self._dense = all(w is None for w in self._windows)
+
+    def __call__(
+        self, num_new_tokens: int, num_context_tokens: int, num_sampled_tokens: int = 1
+    ) -> float:
+        if num_new_tokens <= 0:
+            return 0.0
+        linear = self._linear * num_new_tokens + self._lm_head * num_sampled_tokens
+        if self._dense:  # every layer sees the whole context
+            first = num_context_tokens - num_new_tokens + 1
+            keys = (first + num_context_tokens) * num_new_tokens // 2 * len(self._windows)
+        else:
+            keys = sum(
+                _visible_keys(num_new_tokens, num_context_tokens, w) for w in self._windows
+            )
+        return float(linear + self._per_key * keys)

@@ -106,6 +106,9 @@ class KVCacheManager:
         self._tenants: _DistinctHolders[str] = _DistinctHolders()
         # Copy-on-write pairs produced by allocate(), drained by the scheduler each step.
         self._pending_copies: list[tuple[int, int]] = []
+        # request id -> first block table index changed since take_table_changes (the
+        # scheduler tells the runner only what changed)
+        self._changed_from: dict[str, int] = {}
 
     # -- read-only views -------------------------------------------------------------------
 
@@ -196,6 +199,17 @@ class KVCacheManager:
             cow_index=cow_index,
         )
 
+    def fits_in_place(self, request: Request, num_new_tokens: int) -> bool:
+        """Whether the request's blocks already have room for num_new_tokens more tokens and
+        the first block written is its own: nothing to allocate or copy (most decode steps)."""
+        table = self._tables.get(request.request_id)
+        if not table:
+            return False
+        start = request.num_computed_tokens
+        if start + num_new_tokens > len(table) * self.block_size:
+            return False
+        return table[start // self.block_size].ref_cnt == 1
+
     def exceeds_tenant_cap(
         self, request: Request, num_new_tokens: int, computed: ComputedBlocks | None = None
     ) -> bool:
@@ -240,9 +254,13 @@ class KVCacheManager:
             self.pool.touch(computed.blocks)
             self._take(owner, computed.blocks)
             table.extend(computed.blocks)
+            self._changed_from[request_id] = 0
             request.num_computed_tokens = computed.num_tokens
         fresh = self.pool.allocate(plan.num_new_blocks)
         self._take(owner, fresh)
+        if fresh:
+            first = len(table) if plan.cow_index is None else plan.cow_index
+            self._changed_from[request_id] = min(self._changed_from.get(request_id, first), first)
         if plan.cow_index is not None:
             shared, copy = table[plan.cow_index], fresh.pop()
             self._pending_copies.append((shared.block_id, copy.block_id))
@@ -276,6 +294,7 @@ class KVCacheManager:
         self.pool.touch(shared)
         self._take(owner, shared)
         self._tables[child.request_id] = list(shared)
+        self._changed_from[child.request_id] = 0
         self._owners[child.request_id] = owner
 
     def free(self, request: Request) -> None:
@@ -283,6 +302,7 @@ class KVCacheManager:
         table = self._tables.pop(request.request_id, None)
         owner = self._owners.pop(request.request_id, None)
         self._num_cached.pop(request.request_id, None)
+        self._changed_from.pop(request.request_id, None)
         if table is None or owner is None:
             return
         self._release(owner, reversed(table))
@@ -294,6 +314,17 @@ class KVCacheManager:
     def take_pending_copies(self) -> list[tuple[int, int]]:
         copies, self._pending_copies = self._pending_copies, []
         return copies
+
+    def take_table_changes(self) -> dict[str, tuple[int, list[int]]]:
+        """The block tables changed since the previous call: request id -> (first changed
+        index, the table's block ids from there on). Tables grow at the end, and
+        copy-on-write replaces one entry; a prefix hit or a fork makes a new table."""
+        changes = {
+            request_id: (first, [b.block_id for b in self._tables[request_id][first:]])
+            for request_id, first in self._changed_from.items()
+        }
+        self._changed_from = {}
+        return changes
 
     def _take(self, owner: tuple[int, str], blocks: Sequence[KVBlock]) -> None:
         priority, tenant = owner

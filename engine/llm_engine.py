@@ -26,6 +26,10 @@ from engine.text_output import TextOutputState, Tokenizer
 
 logger = logging.getLogger(__name__)
 
+# Outputs carry RequestMetrics only with the first token, the end, and every this many tokens
+# between (a caller that stops waiting for an aborted request's end bills what it saw last).
+METRICS_EVERY_TOKENS = 64
+
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
@@ -192,6 +196,7 @@ class LLMEngine:
             self.runner.synchronize()  # the step's busy time ends when the device is done
         except Exception as exc:  # a failed step fails its requests, not the engine
             logger.exception("engine step %d failed", scheduler_output.step_id)
+            self.scheduler.step_failed(scheduler_output)
             self._meter(scheduler_output, started, self.clock(), failed=True)
             return outputs + self._fail_step(scheduler_output, exc)
         now = self.clock()
@@ -220,18 +225,25 @@ class LLMEngine:
         if not chunks:
             return  # block copies only: nobody to charge, next to no time
         step_time_s = max(ended - started, 0.0)
-        requests = [self.scheduler.requests[c.request_id] for c in chunks]
-        high_water = {r.request_id: r.num_computed_high_water for r in requests}
+        by_id = self.scheduler.requests
+        requests = [by_id[c.request_id] for c in chunks]
+        high_water = {
+            r.request_id: mark for r in requests if (mark := r.num_computed_high_water)
+        }
         charges = split_step_time(chunks, high_water, step_time_s, self.runner.estimate_flops)
         counters = self.counters
         for chunk, request, charge in zip(chunks, requests, charges, strict=True):
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = started
             request.add_charge(charge)
-            counters.recompute_time_s += charge.recompute_gpu_seconds
-            counters.num_recomputed_tokens += charge.num_recomputed_tokens
+            num_prompt = len(request.prompt_token_ids)
+            if charge.num_recomputed_tokens:
+                counters.recompute_time_s += charge.recompute_gpu_seconds
+                counters.num_recomputed_tokens += charge.num_recomputed_tokens
+            elif chunk.start_pos >= num_prompt:
+                continue  # a decode: no prompt tokens
             first_new = chunk.start_pos + charge.num_recomputed_tokens
-            prompt_end = min(chunk.num_context_tokens, request.num_prompt_tokens)
+            prompt_end = min(chunk.num_context_tokens, num_prompt)
             counters.num_prompt_tokens += max(0, prompt_end - first_new)
         counters.num_steps += 1
         counters.num_failed_steps += int(failed)
@@ -244,10 +256,12 @@ class LLMEngine:
         updated = self.scheduler.update_from_output(scheduler_output, runner_output, now)
         self.counters.num_generated_tokens += len(updated)
         outputs = []
+        all_logprobs = runner_output.logprobs
+        texts = self._text
         for request in updated:
             new_tokens = request.output_token_ids[-1:]
-            logprobs = runner_output.logprobs.get(request.request_id)
-            text_state = self._text.get(request.request_id)
+            logprobs = all_logprobs.get(request.request_id) if all_logprobs else None
+            text_state = texts.get(request.request_id) if texts else None
             if text_state is not None and not request.is_finished:
                 # Stop strings end the request from here, across token boundaries.
                 if text_state.append(new_tokens, finished=False):
@@ -280,31 +294,40 @@ class LLMEngine:
         self, request: Request, new_tokens: list[int], logprobs: list
     ) -> RequestOutput:
         text_state = self._text.get(request.request_id)
+        num_outputs = request.num_output_tokens
+        finished = request.is_finished
+        metrics = None
+        if finished or num_outputs == 1 or num_outputs % METRICS_EVERY_TOKENS == 0:
+            metrics = self._metrics(request)
         return RequestOutput(
             request_id=request.group_id,
             sample_index=request.sample_index,
             new_token_ids=new_tokens,
             new_text=text_state.take_delta() if text_state else "",
-            finished=request.is_finished,
-            finish_reason=_FINISH_REASONS.get(request.status),
+            finished=finished,
+            finish_reason=_FINISH_REASONS.get(request.status) if finished else None,
             stop_reason=request.stop_reason,
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=max(request.num_cached_tokens, 0),
-            num_output_tokens=request.num_output_tokens,
+            num_output_tokens=num_outputs,
             logprobs=logprobs,
-            metrics=RequestMetrics(
-                arrival_time=request.arrival_time,
-                first_scheduled_time=request.first_scheduled_time,
-                first_token_time=request.first_token_time,
-                finish_time=request.finish_time,
-                num_preemptions=request.num_preemptions,
-                preempted_by_tenant_id=request.preempted_by_tenant_id,
-                gpu_seconds=request.gpu_seconds,
-                recompute_gpu_seconds=request.recompute_gpu_seconds,
-                num_recomputed_tokens=request.num_recomputed_tokens,
-                recompute_charged_tenant_id=request.recompute_charged_tenant_id,
-                recompute_gpu_seconds_by_tenant=dict(request.recompute_gpu_seconds_by_tenant),
-            ),
+            metrics=metrics,
+        )
+
+    @staticmethod
+    def _metrics(request: Request) -> RequestMetrics:
+        return RequestMetrics(
+            arrival_time=request.arrival_time,
+            first_scheduled_time=request.first_scheduled_time,
+            first_token_time=request.first_token_time,
+            finish_time=request.finish_time,
+            num_preemptions=request.num_preemptions,
+            preempted_by_tenant_id=request.preempted_by_tenant_id,
+            gpu_seconds=request.gpu_seconds,
+            recompute_gpu_seconds=request.recompute_gpu_seconds,
+            num_recomputed_tokens=request.num_recomputed_tokens,
+            recompute_charged_tenant_id=request.recompute_charged_tenant_id,
+            recompute_gpu_seconds_by_tenant=dict(request.recompute_gpu_seconds_by_tenant),
         )
 
     def _forget(self, request: Request) -> None:

@@ -55,20 +55,24 @@ def split_step_time(
     """
     if not chunks:
         return []
-    num_recompute = [num_recompute_tokens(c, high_water.get(c.request_id, 0)) for c in chunks]
+    num_recompute = (
+        [num_recompute_tokens(c, high_water.get(c.request_id, 0)) for c in chunks]
+        if high_water
+        else [0] * len(chunks)
+    )
     # Two weights per chunk, own then recompute. The recompute tokens come first in the chunk;
     # the own tokens attend over them too, and only the own part samples.
     weights: list[float] = []
-    num_tokens: list[float] = []
     for chunk, num_old in zip(chunks, num_recompute, strict=True):
         num_new = chunk.num_tokens - num_old
-        num_sampled = 1 if chunk.needs_sample else 0
-        weights.append(estimate_flops(num_new, chunk.num_context_tokens, num_sampled))
-        weights.append(estimate_flops(num_old, chunk.start_pos + num_old, 0))
-        num_tokens += [float(num_new), float(num_old)]
+        weights.append(estimate_flops(num_new, chunk.num_context_tokens, int(chunk.needs_sample)))
+        weights.append(estimate_flops(num_old, chunk.start_pos + num_old, 0) if num_old else 0.0)
     total = math.fsum(weights)
     if not (total > 0 and math.isfinite(total)):  # a cost model that prices nothing
-        weights, total = num_tokens, math.fsum(num_tokens)
+        weights = []
+        for chunk, num_old in zip(chunks, num_recompute, strict=True):
+            weights += [float(chunk.num_tokens - num_old), float(num_old)]
+        total = math.fsum(weights)
     parts = _proportional_parts(weights, total, step_time_s)
     return [
         ChunkCharge(chunk.request_id, parts[2 * i], parts[2 * i + 1], num_recompute[i])

@@ -16,20 +16,20 @@ import torch
 
 from engine.attention import PagedAttention
 from engine.cuda_graphs import DecodeCudaGraphs
-from engine.flops import forward_flops
+from engine.flops import FlopsCounter
+from engine.input_batch import InputBatch, RequestState
 from engine.loader import load_model, random_model
-from engine.models.batch import ForwardBatch
 from engine.models.config import ModelConfig, ModelConfigError
 from engine.models.decoder import CausalLM, KVCache
 from engine.models.packed_linear import pack_linear_layers
 from engine.runner import ModelRunnerOutput
 from engine.sampler import Sampler
-from engine.scheduler_output import ScheduledChunk, SchedulerOutput
+from engine.scheduler_output import SchedulerOutput
 
 __all__ = ["RunnerConfig", "TorchModelRunner", "keep_freed_memory_in_heap", "kv_bytes_per_block"]
 
-# logits float32[S, V] and the chunks that sample (same order) -> sampled tokens.
-SampleFn = Callable[[torch.Tensor, list[ScheduledChunk]], ModelRunnerOutput]
+# logits float32[S, V] and the requests that sample (same order) -> sampled tokens.
+SampleFn = Callable[[torch.Tensor, list[RequestState]], ModelRunnerOutput]
 
 
 @dataclass
@@ -45,6 +45,7 @@ class RunnerConfig:
     use_cuda_graphs: bool = True  # capture decode-only steps on CUDA
     pack_cpu_weights: bool = True  # CPU: linear layers on oneDNN-prepacked weights
     fuse_cpu_ops: bool = True  # CPU float32: norms, RoPE + KV write, SiLU-and-mul as C++ ops
+    fuse_cuda_ops: bool = True  # CUDA: residual add + RMSNorm as one Triton kernel
     tune_cpu_allocator: bool = True  # CPU: keep freed memory in the heap (process-wide mallopt)
     sampler_seed: int | None = None  # seed of the sampler's generator for unseeded requests
 
@@ -77,8 +78,8 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype)
 class TorchModelRunner:
     """The ModelRunner of real models (engine.runner.ModelRunner).
 
-    Keeps no per-request state: everything a step needs comes in its SchedulerOutput, so
-    finished and preempted request ids need no handling here.
+    Keeps the requests it runs in an InputBatch (engine.input_batch): a request's tokens and
+    block table come once, then only what changed, and the tokens it samples stay here.
     """
 
     def __init__(
@@ -98,6 +99,8 @@ class TorchModelRunner:
                 pack_linear_layers(model, batch_size_hint=min(config.max_num_batched_tokens, 64))
             if config.fuse_cpu_ops:
                 model.use_fused_cpu_ops()
+        elif self.device.type == "cuda" and config.fuse_cuda_ops:
+            model.use_fused_cuda_ops()
         num_blocks = config.num_kv_blocks
         if num_blocks is None:
             per_block = kv_bytes_per_block(self.model_config, config.block_size, self.dtype)
@@ -116,6 +119,9 @@ class TorchModelRunner:
         self.sampler: SampleFn = sampler or Sampler(
             self.model_config.vocab_size, seed=config.sampler_seed
         )
+        self._flops = FlopsCounter(self.model_config)
+        self.input_batch = InputBatch(config.block_size, config.max_num_seqs,
+                                      config.max_model_len)
         self.graphs: DecodeCudaGraphs | None = None
         if config.use_cuda_graphs and self.device.type == "cuda":
             max_blocks_per_seq = -(-config.max_model_len // config.block_size)
@@ -163,9 +169,7 @@ class TorchModelRunner:
     def estimate_flops(
         self, num_new_tokens: int, num_context_tokens: int, num_sampled_tokens: int = 1
     ) -> float:
-        return forward_flops(
-            self.model_config, num_new_tokens, num_context_tokens, num_sampled_tokens
-        )
+        return self._flops(num_new_tokens, num_context_tokens, num_sampled_tokens)
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":
@@ -174,18 +178,23 @@ class TorchModelRunner:
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Copy blocks, then one forward over every chunk, then sample the chunks that ask."""
+        self.input_batch.update(scheduler_output)
         if scheduler_output.blocks_to_copy:
             self._copy_blocks(scheduler_output.blocks_to_copy)
         chunks = scheduler_output.chunks
         if not chunks:
             return ModelRunnerOutput(sampled_token_ids={})
-        batch = self._build_batch(chunks)
+        batch = self.input_batch.prepare(chunks).to_device(self.device)
         if self.graphs is not None and self.graphs.can_run(chunks, batch):
             logits = self.graphs.run(batch)
         else:
             self.attention.prepare(batch.block_tables, batch.query_start_loc, batch.context_lens)
             logits = self.model(batch, self.kv_caches, self.attention)  # [S, V]
-        return self.sampler(logits, [c for c in chunks if c.needs_sample])
+        states = self.input_batch.sample_states(chunks)
+        output = self.sampler(logits, states)
+        sampled = output.sampled_token_ids
+        self.input_batch.append_sampled(states, [sampled[s.request_id] for s in states])
+        return output
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -195,40 +204,3 @@ class TorchModelRunner:
         for k_cache, v_cache in self.kv_caches:
             k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
             v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
-
-    def _build_batch(self, chunks: list[ScheduledChunk]) -> ForwardBatch:
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_start_loc = [0]
-        context_lens: list[int] = []
-        logits_indices: list[int] = []
-        tables: list[list[int]] = []
-        for chunk in chunks:
-            start, end = chunk.start_pos, chunk.start_pos + len(chunk.token_ids)
-            table = chunk.block_table
-            assert len(table) * bs >= end, f"{chunk.request_id}: block table too short"
-            input_ids += chunk.token_ids
-            positions += range(start, end)
-            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
-            query_start_loc.append(len(input_ids))
-            context_lens.append(end)
-            if chunk.needs_sample:
-                logits_indices.append(len(input_ids) - 1)
-            tables.append(table[: -(-end // bs)])
-        width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
-
-        def tensor(values: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
-
-        return ForwardBatch(
-            input_ids=tensor(input_ids, torch.int64),
-            positions=tensor(positions, torch.int64),
-            slot_mapping=tensor(slots, torch.int64),
-            block_tables=tensor(padded, torch.int32),
-            query_start_loc=tensor(query_start_loc, torch.int32),
-            context_lens=tensor(context_lens, torch.int32),
-            logits_indices=tensor(logits_indices, torch.int64),
-        )

@@ -52,7 +52,7 @@ class RequestMetrics:
         return self.finish_time - self.arrival_time
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """New tokens (and text) of one sample since the previous output, or its end."""
 
@@ -68,4 +68,5 @@ class RequestOutput:
     num_output_tokens: int  # output tokens so far, including these
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per new token, if asked
     error: str | None = None  # set when finish_reason == "error"
+    # With the first token, the end, and every llm_engine.METRICS_EVERY_TOKENS tokens between.
     metrics: RequestMetrics | None = None

@@ -20,15 +20,12 @@ class RequestStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self in _FINISHED
-
-
-_FINISHED = {
-    RequestStatus.FINISHED_STOPPED,
-    RequestStatus.FINISHED_LENGTH,
-    RequestStatus.FINISHED_ABORTED,
-    RequestStatus.FINISHED_ERROR,
-}
+        # identity tests: an Enum member's hash runs Python code, and this is asked per step
+        return not (
+            self is RequestStatus.RUNNING
+            or self is RequestStatus.WAITING
+            or self is RequestStatus.PREEMPTED
+        )
 
 
 @dataclass(eq=False)
@@ -115,7 +112,12 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.is_finished
+        status = self.status
+        return not (
+            status is RequestStatus.RUNNING
+            or status is RequestStatus.WAITING
+            or status is RequestStatus.PREEMPTED
+        )
 
     @property
     def recompute_charged_tenant_id(self) -> str | None:

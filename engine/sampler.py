@@ -27,15 +27,23 @@ the final `.tolist()` calls.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 
 from engine.runner import ModelRunnerOutput, TokenLogprobs
-from engine.scheduler_output import ScheduledChunk
+from engine.sampling_params import SamplingParams
 
-__all__ = ["Sampler", "derive_seed", "filtered_probs", "seeded_exponential"]
+__all__ = [
+    "PenaltyCounts",
+    "SampleRow",
+    "Sampler",
+    "derive_seed",
+    "filtered_probs",
+    "seeded_exponential",
+]
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15  # splitmix64 increment
@@ -120,14 +128,37 @@ def filtered_probs(
     return torch.softmax(logits, dim=-1)
 
 
+class SampleRow(Protocol):
+    """What the sampler reads of a request that samples this step
+    (engine.input_batch.RequestState)."""
+
+    request_id: str
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int]  # repetition penalty
+    output_token_ids: list[int]  # penalties, min_tokens, seeded noise
+    eos_token_id: int | None  # suppressed until min_tokens outputs exist
+    sample_index: int  # seeded samples of one prompt differ by it
+    penalty_counts: PenaltyCounts | None  # the sampler's, kept with the request; None at first
+
+
+@dataclass
+class PenaltyCounts:
+    """A penalised request's token counts on the sampling device, kept between steps."""
+
+    output_counts: torch.Tensor  # float32[V + 1]; the last column: ids past the logits
+    prompt_seen: torch.Tensor  # bool[V]
+    num_counted: int  # outputs counted so far
+
+
 @dataclass
 class _BatchParams:
     """Per-row sampling parameters of one call, as device tensors and Python flags."""
 
-    temperature: torch.Tensor  # float32[N]; only meaningful for random rows
-    top_k: torch.Tensor  # int64[N]; vocab_size where disabled
-    top_p: torch.Tensor  # float32[N]
-    min_p: torch.Tensor  # float32[N]
+    # None when every row is greedy
+    temperature: torch.Tensor | None  # float32[N]; only meaningful for random rows
+    top_k: torch.Tensor | None  # int64[N]; vocab_size where disabled
+    top_p: torch.Tensor | None  # float32[N]
+    min_p: torch.Tensor | None  # float32[N]
     greedy_rows: list[int]  # rows with temperature 0
     random_rows: list[int]  # the other rows
     seeded_keys: dict[int, int]  # row -> derive_seed(...) for seeded random rows
@@ -137,7 +168,7 @@ class _BatchParams:
 
 
 class Sampler:
-    """Samples one token per row of logits; rows follow the order of the chunks that sample."""
+    """Samples one token per row of logits; one SampleRow per logits row, same order."""
 
     def __init__(
         self,
@@ -160,39 +191,39 @@ class Sampler:
             self._generators[device] = generator
         return self._generators[device]
 
-    def __call__(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> ModelRunnerOutput:
-        """logits: float32[num_sampled, >= vocab_size], one row per chunk with needs_sample."""
-        assert logits.shape[0] == len(chunks), "one logits row per sampled chunk"
-        if not chunks:
+    def __call__(self, logits: torch.Tensor, seqs: Sequence[SampleRow]) -> ModelRunnerOutput:
+        """logits: float32[num_sampled, >= vocab_size], one row per request that samples."""
+        assert logits.shape[0] == len(seqs), "one logits row per request that samples"
+        if not seqs:
             return ModelRunnerOutput(sampled_token_ids={})
         logits = logits[:, : self.vocab_size].to(torch.float32)
         raw_logits = logits
-        logits = self._apply_penalties(logits, chunks)
+        logits = self._apply_penalties(logits, seqs)
 
-        logprob_rows = [i for i, c in enumerate(chunks) if c.sampling_params.logprobs is not None]
+        logprob_rows = [i for i, c in enumerate(seqs) if c.sampling_params.logprobs is not None]
         logprobs = None
         if logprob_rows:
             source = raw_logits if self.logprobs_mode == "raw" else logits
             logprobs = torch.log_softmax(source[logprob_rows], dim=-1)  # [L, V]
 
-        logits = self._apply_min_tokens(logits, chunks)
-        params = self._batch_params(chunks, logits.device)
+        logits = self._apply_min_tokens(logits, seqs)
+        params = self._batch_params(seqs, logits.device)
         sampled = self._sample(logits, params)  # int64[N]
 
         token_ids: list[int] = sampled.tolist()
         output = ModelRunnerOutput(
-            sampled_token_ids={c.request_id: t for c, t in zip(chunks, token_ids, strict=True)}
+            sampled_token_ids={c.request_id: t for c, t in zip(seqs, token_ids, strict=True)}
         )
         if logprobs is not None:
-            output.logprobs = self._gather_logprobs(logprobs, sampled, chunks, logprob_rows)
+            output.logprobs = self._gather_logprobs(logprobs, sampled, seqs, logprob_rows)
         return output
 
     # -- penalties ---------------------------------------------------------------------------
 
-    def _apply_penalties(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> torch.Tensor:
+    def _apply_penalties(self, logits: torch.Tensor, seqs: Sequence[SampleRow]) -> torch.Tensor:
         rows = [
             i
-            for i, c in enumerate(chunks)
+            for i, c in enumerate(seqs)
             if c.sampling_params.repetition_penalty != 1.0
             or c.sampling_params.presence_penalty != 0.0
             or c.sampling_params.frequency_penalty != 0.0
@@ -200,9 +231,8 @@ class Sampler:
         if not rows:
             return logits
         device = logits.device
-        penalised = [chunks[i] for i in rows]
-        output_counts = self._token_counts([c.output_token_ids for c in penalised], device)
-        prompt_seen = self._token_counts([c.prompt_token_ids for c in penalised], device) > 0
+        penalised = [seqs[i] for i in rows]
+        output_counts, prompt_seen = self._penalty_counts(penalised, device)
         repetition = self._row_tensor([c.sampling_params.repetition_penalty for c in penalised],
                                       device)
         frequency = self._row_tensor([c.sampling_params.frequency_penalty for c in penalised],
@@ -221,8 +251,42 @@ class Sampler:
         logits[row_index] = selected
         return logits
 
+    def _penalty_counts(
+        self, seqs: list[SampleRow], device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32[P, V] output token counts and bool[P, V] prompt tokens of the penalised
+        rows, kept with each request (SampleRow.penalty_counts): counted once in full, then
+        only the tokens added since the previous step."""
+        fresh = [
+            s for s in seqs
+            if s.penalty_counts is None or s.penalty_counts.output_counts.device != device
+        ]
+        if fresh:
+            outputs = self._token_counts([s.output_token_ids for s in fresh], device)
+            prompts = self._token_counts([s.prompt_token_ids for s in fresh], device)
+            for index, seq in enumerate(fresh):
+                seq.penalty_counts = PenaltyCounts(
+                    outputs[index].clone(), prompts[index, : self.vocab_size] > 0,
+                    len(seq.output_token_ids),
+                )
+        states: list[PenaltyCounts] = []
+        for seq in seqs:
+            state = seq.penalty_counts
+            assert state is not None
+            num_outputs = len(seq.output_token_ids)
+            if state.num_counted < num_outputs:
+                new = torch.tensor(seq.output_token_ids[state.num_counted :], dtype=torch.int64,
+                                   device=device).clamp_(max=self.vocab_size)
+                state.output_counts.index_put_(
+                    (new,), torch.ones_like(new, dtype=torch.float32), accumulate=True
+                )
+                state.num_counted = num_outputs
+            states.append(state)
+        output_counts = torch.stack([s.output_counts[: self.vocab_size] for s in states])
+        return output_counts, torch.stack([s.prompt_seen for s in states])
+
     def _token_counts(self, token_lists: list[list[int]], device: torch.device) -> torch.Tensor:
-        """float32[len(token_lists), V]: how often each token id occurs in each list."""
+        """float32[len(token_lists), V + 1]: how often each token id occurs in each list."""
         # One spare column collects ids the logits do not cover (tokenizer-only added tokens).
         counts = torch.zeros(len(token_lists), self.vocab_size + 1, device=device)
         lengths = torch.tensor([len(tokens) for tokens in token_lists], device=device)
@@ -235,7 +299,7 @@ class Sampler:
             )
             counts.index_put_((rows, flat), torch.ones_like(flat, dtype=torch.float32),
                               accumulate=True)
-        return counts[:, : self.vocab_size]
+        return counts
 
     @staticmethod
     def _row_tensor(values: list[float], device: torch.device) -> torch.Tensor:
@@ -245,16 +309,16 @@ class Sampler:
     # -- min_tokens ----------------------------------------------------------------------------
 
     @staticmethod
-    def _apply_min_tokens(logits: torch.Tensor, chunks: list[ScheduledChunk]) -> torch.Tensor:
+    def _apply_min_tokens(logits: torch.Tensor, seqs: Sequence[SampleRow]) -> torch.Tensor:
         rows: list[int] = []
         token_ids: list[int] = []
-        for i, chunk in enumerate(chunks):
-            params = chunk.sampling_params
-            if len(chunk.output_token_ids) >= params.min_tokens:
+        for i, seq in enumerate(seqs):
+            params = seq.sampling_params
+            if len(seq.output_token_ids) >= params.min_tokens:
                 continue
             suppressed = set(params.stop_token_ids)
-            if chunk.eos_token_id is not None and not params.ignore_eos:
-                suppressed.add(chunk.eos_token_id)
+            if seq.eos_token_id is not None and not params.ignore_eos:
+                suppressed.add(seq.eos_token_id)
             suppressed = {t for t in suppressed if t < logits.shape[1]}
             rows.extend([i] * len(suppressed))
             token_ids.extend(sorted(suppressed))
@@ -268,29 +332,37 @@ class Sampler:
 
     # -- sampling ------------------------------------------------------------------------------
 
-    def _batch_params(self, chunks: list[ScheduledChunk], device: torch.device) -> _BatchParams:
-        params = [c.sampling_params for c in chunks]
+    def _batch_params(self, seqs: Sequence[SampleRow], device: torch.device) -> _BatchParams:
+        params = [c.sampling_params for c in seqs]
         greedy_rows = [i for i, p in enumerate(params) if p.is_greedy]
+        if len(greedy_rows) == len(params):  # argmax only: no parameter reaches the device
+            return _BatchParams(None, None, None, None, greedy_rows, [], {}, False, False, False)
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         seeded_keys = {
-            i: derive_seed(seed, chunks[i].sample_index, len(chunks[i].output_token_ids))
+            i: derive_seed(seed, seqs[i].sample_index, len(seqs[i].output_token_ids))
             for i in random_rows
             if (seed := params[i].seed) is not None
         }
         randoms = [params[i] for i in random_rows]
+        vocab_size = self.vocab_size
+        # One host tensor, one copy: temperature, top-k (vocab_size: off), top-p, min-p.
+        table = torch.tensor(
+            [
+                (p.temperature, min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size,
+                 p.top_p, p.min_p)
+                for p in params
+            ],
+            dtype=torch.float64,
+        ).to(device)
         return _BatchParams(
-            temperature=torch.tensor([p.temperature for p in params], device=device),
-            top_k=torch.tensor(
-                [min(p.top_k, self.vocab_size) if p.top_k > 0 else self.vocab_size for p in params],
-                dtype=torch.int64,
-                device=device,
-            ),
-            top_p=torch.tensor([p.top_p for p in params], device=device),
-            min_p=torch.tensor([p.min_p for p in params], device=device),
+            temperature=table[:, 0].to(torch.float32),
+            top_k=table[:, 1].to(torch.int64),
+            top_p=table[:, 2].to(torch.float32),
+            min_p=table[:, 3].to(torch.float32),
             greedy_rows=greedy_rows,
             random_rows=random_rows,
             seeded_keys=seeded_keys,
-            has_top_k=any(0 < p.top_k < self.vocab_size for p in randoms),
+            has_top_k=any(0 < p.top_k < vocab_size for p in randoms),
             has_top_p=any(p.top_p < 1.0 for p in randoms),
             has_min_p=any(p.min_p > 0.0 for p in randoms),
         )
@@ -302,7 +374,8 @@ class Sampler:
         all_random = len(params.random_rows) == logits.shape[0]
         index = None if all_random else torch.tensor(params.random_rows, device=logits.device)
 
-        def pick(t: torch.Tensor) -> torch.Tensor:
+        def pick(t: torch.Tensor | None) -> torch.Tensor:
+            assert t is not None, "random rows have parameters"
             return t if index is None else t[index]
 
         probs = filtered_probs(
@@ -351,14 +424,14 @@ class Sampler:
     def _gather_logprobs(
         logprobs: torch.Tensor,  # [L, V]
         sampled: torch.Tensor,  # int64[N]
-        chunks: list[ScheduledChunk],
+        seqs: Sequence[SampleRow],
         rows: list[int],  # the L rows that asked for logprobs
     ) -> dict[str, TokenLogprobs]:
         sampled_ids = sampled[torch.tensor(rows, device=sampled.device)][:, None]  # [L, 1]
         sampled_logprob = logprobs.gather(1, sampled_ids)  # [L, 1]
         # 1-based rank: tokens strictly more likely, plus one.
         ranks = (logprobs > sampled_logprob).sum(dim=-1) + 1
-        num_top = max(chunks[i].sampling_params.logprobs or 0 for i in rows)
+        num_top = max(seqs[i].sampling_params.logprobs or 0 for i in rows)
         top_values, top_ids = logprobs.topk(num_top, dim=-1) if num_top else (None, None)
 
         ids_list: list[int] = sampled_ids[:, 0].tolist()
@@ -368,14 +441,14 @@ class Sampler:
         top_id_list: list[list[int]] = top_ids.tolist() if top_ids is not None else []
         result: dict[str, TokenLogprobs] = {}
         for pos, row in enumerate(rows):
-            chunk = chunks[row]
-            num = chunk.sampling_params.logprobs or 0
+            seq = seqs[row]
+            num = seq.sampling_params.logprobs or 0
             top = (
                 list(zip(top_id_list[pos][:num], top_value_list[pos][:num], strict=True))
                 if num
                 else []
             )
-            result[chunk.request_id] = TokenLogprobs(
+            result[seq.request_id] = TokenLogprobs(
                 token_id=ids_list[pos], logprob=logprob_list[pos], rank=rank_list[pos], top=top
             )
         return result

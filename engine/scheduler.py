@@ -19,6 +19,7 @@ over, the step carries them alone (the under-share lane, at most one step in
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from engine.config import SchedulerConfig
 from engine.demand import TenantDemand
@@ -27,9 +28,11 @@ from engine.queues import WaitingQueue
 from engine.rates import ArrivalRates, StepRates
 from engine.request import Request, RequestStatus
 from engine.runner import ModelRunnerOutput
-from engine.scheduler_output import ScheduledChunk, SchedulerOutput
+from engine.scheduler_output import NewRequestData, ScheduledChunk, SchedulerOutput
 from engine.scheduler_stats import SchedulerStats, WaitingTotals, build_stats
 from engine.stop_check import check_token_stop
+
+_priority = attrgetter("priority")
 
 # Tenants the under-share admission pass looks at per step, at most: it runs every step the
 # queue is non-empty, and must not cost time in the number of waiting tenants.
@@ -74,7 +77,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
         self._num_admissions = 0
-        self._finished_ids: set[str] = set()
+        self._in_runner: set[str] = set()  # requests the runner holds (it was sent their data)
+        self._removed_ids: set[str] = set()  # held requests ended or preempted since the last step
         self.num_preemptions_total = 0
         self.num_lane_steps_total = 0  # steps the under-share lane took
         self._num_left_batch = 0  # running requests finished or aborted since record_step
@@ -119,7 +123,7 @@ class Scheduler:
         request.status = status
         self.kv.free(request)
         self.kv.forget(request)
-        self._finished_ids.add(request_id)
+        self._leave_runner(request_id)
         return request
 
     def has_unfinished_requests(self) -> bool:
@@ -139,11 +143,16 @@ class Scheduler:
         # before the prefills in progress of its own and less important tiers, and inside every
         # tier the prefills in progress of the tenants holding the fewest running requests per
         # unit of weight go first.
-        order = sorted(
-            self.running, key=lambda r: (not r.is_prefill_done, self._effective_priority(r))
-        )
-        decodes = [r for r in order if r.is_prefill_done]
-        prefills = [r for r in order if not r.is_prefill_done]
+        decodes: list[Request] = []
+        prefills: list[Request] = []
+        for request in self.running:
+            outputs = request.output_token_ids  # Request.is_prefill_done, inlined
+            num_left = len(request.prompt_token_ids) + len(outputs) - request.num_computed_tokens
+            (decodes if num_left <= 1 and outputs else prefills).append(request)
+        if self.config.enable_priority_preemption:  # else every tier counts the same
+            decodes.sort(key=_priority)
+            prefills.sort(key=_priority)
+        order = decodes + prefills
         if not self._fair_share_applies:
             self._schedule_running_all(decodes, plan)
             self._schedule_running_all(prefills, plan)
@@ -192,10 +201,12 @@ class Scheduler:
         )
 
     def _schedule_running_all(self, requests: list[Request], plan: _StepPlan) -> None:
+        scheduled = plan.num_new_tokens
+        running = RequestStatus.RUNNING
         for request in requests:
             if plan.budget == 0:
                 return
-            if request.status != RequestStatus.RUNNING or request.request_id in plan.num_new_tokens:
+            if request.status is not running or request.request_id in scheduled:
                 continue  # preempted earlier in this step, or already scheduled
             self._schedule_running(request, plan)
 
@@ -205,14 +216,19 @@ class Scheduler:
         return float("inf") if head is None else head.priority
 
     def _schedule_running(self, request: Request, plan: _StepPlan) -> None:
-        num_new = min(request.num_uncomputed_tokens, plan.budget)
-        while not self.kv.can_allocate(request, num_new):
-            plan.short_of_blocks = True
-            victim = self._growth_victim(request, num_new)
-            self._preempt(victim, plan, preempted_by=request)
-            if victim is request:
-                return
-        self.kv.allocate(request, num_new)
+        num_left = (
+            len(request.prompt_token_ids) + len(request.output_token_ids)
+            - request.num_computed_tokens
+        )
+        num_new = num_left if num_left < plan.budget else plan.budget
+        if not self.kv.fits_in_place(request, num_new):
+            while not self.kv.can_allocate(request, num_new):
+                plan.short_of_blocks = True
+                victim = self._growth_victim(request, num_new)
+                self._preempt(victim, plan, preempted_by=request)
+                if victim is request:
+                    return
+            self.kv.allocate(request, num_new)
         self._commit_chunk(request, num_new, plan)
 
     def _schedule_waiting(self, plan: _StepPlan, under_share_only: bool = False) -> None:
@@ -317,6 +333,9 @@ class Scheduler:
         plan.budget -= num_new
         if request.fork_parent is not None:
             request.fork_parent = None
+        if request.num_computed_tokens >= len(request.prompt_token_ids):
+            request.num_computed_tokens += num_new  # past the prompt: no input service
+            return
         # Fair-share service counts prompt tokens once: recompute after preemption is free.
         start = max(request.num_computed_tokens, request.num_computed_high_water)
         num_input = max(
@@ -430,6 +449,7 @@ class Scheduler:
             victim.num_computed_tokens -= refund
         self.running.remove(victim)
         self.kv.free(victim)
+        self._leave_runner(victim.request_id)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_high_water = max(
             victim.num_computed_high_water, victim.num_computed_tokens
@@ -449,39 +469,72 @@ class Scheduler:
     # -- output --------------------------------------------------------------------------------
 
     def _build_output(self, plan: _StepPlan) -> SchedulerOutput:
+        """The step's chunks, decodes first; what the runner does not hold yet goes with them
+        (a request's data when it joins, the block-table entries changed since)."""
         self.blocked_priority = plan.blocked_priority
-        chunks: list[ScheduledChunk] = []
+        decodes: list[ScheduledChunk] = []
+        prefills: list[ScheduledChunk] = []
+        new_requests: list[NewRequestData] = []
+        in_runner = self._in_runner
+        num_new_tokens = plan.num_new_tokens
+        num_batched = 0
         for request in self.running:
-            num_new = plan.num_new_tokens.get(request.request_id)
+            request_id = request.request_id
+            num_new = num_new_tokens.get(request_id)
             if num_new is None:
                 continue
-            start = request.num_computed_tokens - num_new
-            chunks.append(
-                ScheduledChunk(
-                    request_id=request.request_id,
-                    token_ids=request.token_ids(start, start + num_new),
-                    start_pos=start,
-                    block_table=self.kv.block_ids(request.request_id),
-                    needs_sample=start + num_new == request.num_tokens,
-                    is_prefill=not (num_new == 1 and request.is_prefill_done),
-                    sampling_params=request.sampling_params,
-                    prompt_token_ids=request.prompt_token_ids,
-                    output_token_ids=request.output_token_ids,
-                    eos_token_id=request.eos_token_id,
-                    sample_index=request.sample_index,
-                )
-            )
-        chunks.sort(key=lambda c: c.is_prefill)
+            if request_id not in in_runner:
+                in_runner.add(request_id)
+                new_requests.append(self._new_request_data(request))
+            end = request.num_computed_tokens
+            num_left = request.num_tokens - end
+            # a decode: one token once the prompt is done (Request.is_prefill_done)
+            if num_new == 1 and num_left <= 1 and request.output_token_ids:
+                decodes.append(ScheduledChunk(request_id, end - 1, 1, num_left == 0, False))
+            else:
+                prefills.append(ScheduledChunk(request_id, end - num_new, num_new, num_left == 0,
+                                               True))
+            num_batched += num_new
+        joined = {r.request_id for r in new_requests}
+        block_updates = {
+            request_id: change
+            for request_id, change in self.kv.take_table_changes().items()
+            if request_id in in_runner and request_id not in joined
+        }
         output = SchedulerOutput(
             step_id=self.num_steps,
-            chunks=chunks,
-            num_batched_tokens=sum(c.num_tokens for c in chunks),
+            chunks=decodes + prefills,
+            num_batched_tokens=num_batched,
+            new_requests=new_requests,
+            block_updates=block_updates,
             blocks_to_copy=self.kv.take_pending_copies(),
-            finished_request_ids=self._finished_ids,
         )
-        self._finished_ids = set()
+        if not output.is_empty:  # an empty step does not reach the runner: they wait for one
+            output.removed_request_ids, self._removed_ids = self._removed_ids, set()
         self.num_steps += 1
         return output
+
+    def _new_request_data(self, request: Request) -> NewRequestData:
+        return NewRequestData(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids,
+            num_prompt_tokens=request.num_prompt_tokens,
+            block_ids=self.kv.block_ids(request.request_id),
+            sampling_params=request.sampling_params,
+            eos_token_id=request.eos_token_id,
+            sample_index=request.sample_index,
+        )
+
+    def step_failed(self, scheduler_output: SchedulerOutput) -> None:
+        """A step that raised may not have reached the runner: what it should have dropped
+        goes again with the next step (dropping is idempotent)."""
+        self._removed_ids |= scheduler_output.removed_request_ids
+
+    def _leave_runner(self, request_id: str) -> None:
+        """The runner drops what it keeps of the request before the next step."""
+        if request_id in self._in_runner:
+            self._in_runner.remove(request_id)
+            self._removed_ids.add(request_id)
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput, now: float
@@ -489,20 +542,28 @@ class Scheduler:
         """Append sampled tokens and apply token-level stops; returns the requests that got a
         token (finished ones included)."""
         updated: list[Request] = []
+        block_size = self.kv.block_size
+        requests = self.requests
+        sampled = runner_output.sampled_token_ids
+        on_service = self.waiting.on_service
+        max_model_len = self.config.max_model_len
+        running = RequestStatus.RUNNING
         for chunk in scheduler_output.chunks:
-            request = self.requests.get(chunk.request_id)
-            if request is None or request.status != RequestStatus.RUNNING:
+            request = requests.get(chunk.request_id)
+            if request is None or request.status is not running:
                 continue
-            self.kv.cache_full_blocks(request)
-            token_id = runner_output.sampled_token_ids.get(chunk.request_id)
+            start = chunk.start_pos
+            if (start + chunk.num_tokens) // block_size > start // block_size:
+                self.kv.cache_full_blocks(request)  # the chunk filled a block
+            token_id = sampled.get(chunk.request_id)
             if token_id is None:
                 continue
             request.output_token_ids.append(token_id)
             if request.first_token_time is None:
                 request.first_token_time = now
-            self.waiting.on_service(request, 0, 1)
+            on_service(request, 0, 1)
             updated.append(request)
-            status = check_token_stop(request, self.config.max_model_len)
+            status = check_token_stop(request, max_model_len)
             if status is not None:
                 self.finish_request(request.request_id, status)
                 request.finish_time = now

@@ -13,7 +13,13 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from engine import ContextLengthExceededError, EngineError, RequestOutput, SamplingParams
+from engine import (
+    ContextLengthExceededError,
+    EngineError,
+    RequestMetrics,
+    RequestOutput,
+    SamplingParams,
+)
 from engine import InvalidRequestError as EngineInvalidRequestError
 from engine.engine_client import EngineClient
 from engine.llm_engine import TenantContext
@@ -161,6 +167,8 @@ class GenerationJob:
         self.choices = [ChoiceState() for _ in range(self.num_choices)]
         # Latest output of each choice: its counters and metrics describe the sample.
         self.last_outputs: list[RequestOutput | None] = [None] * self.num_choices
+        # The latest metering of each choice (outputs carry it now and then, always at the end).
+        self.last_metrics: list[RequestMetrics | None] = [None] * self.num_choices
         self._engine = engine
         self._tenant = tenant
         self._queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = (
@@ -213,6 +221,8 @@ class GenerationJob:
         state = self.choices[choice]
         state.num_output_tokens = output.num_output_tokens
         self.last_outputs[choice] = output
+        if output.metrics is not None:
+            self.last_metrics[choice] = output.metrics
         if output.finished:
             state.finish_reason = output.finish_reason
             state.error = output.error
@@ -235,9 +245,9 @@ class GenerationJob:
             first = self.last_outputs[index * self.params.n]
             if first is not None:
                 num_cached += first.num_cached_tokens
-        for output in self.last_outputs:
-            if output is not None and output.metrics is not None:
-                num_preemptions += output.metrics.num_preemptions
+        for metrics in self.last_metrics:
+            if metrics is not None:
+                num_preemptions += metrics.num_preemptions
         return JobSummary(
             num_prompt_tokens=num_prompt,
             num_cached_prompt_tokens=num_cached,

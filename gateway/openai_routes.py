@@ -354,7 +354,7 @@ class _Run:
     def _record(self, status: RequestStatus) -> RequestRecord:
         summary = self.job.summary()
         now = time.monotonic()
-        metrics = [o.metrics for o in self.job.last_outputs if o is not None and o.metrics]
+        metrics = [m for m in self.job.last_metrics if m is not None]
         reasons = {r for r in summary.finish_reasons if r is not None}
         finish_reason = (
             None if not reasons else "length" if reasons == {"length"}

@@ -42,6 +42,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
         self.fused = False  # the fused CPU op (set by CausalLM.use_fused_cpu_ops)
+        self.fused_cuda = False  # the Triton add-and-norm (set by CausalLM.use_fused_cuda_ops)
 
     def add_and_norm(
         self, x: torch.Tensor, residual: torch.Tensor
@@ -49,6 +50,10 @@ class RMSNorm(nn.Module):
         """norm(residual + x) and residual + x (the fused op adds into residual in place)."""
         if self.fused:
             return cpu_ops.rms_norm(x, self.weight, self.eps, residual), residual
+        if self.fused_cuda:
+            from engine.models.triton_add_norm import add_rms_norm
+
+            return add_rms_norm(x, residual, self.weight, self.eps), residual
         residual = residual + x
         return self(residual), residual
 
@@ -190,6 +195,13 @@ class CausalLM(nn.Module):
             if isinstance(module, RMSNorm | Attention | MLP):
                 module.fused = self.fused_cpu_ops
         return self.fused_cpu_ops
+
+    def use_fused_cuda_ops(self, enabled: bool = True) -> None:
+        """Residual add and RMSNorm as one Triton kernel (engine.models.triton_add_norm);
+        the runner turns it on for CUDA, tests on the CPU under the Triton interpreter."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.fused_cuda = enabled
 
     def forward(
         self, batch: ForwardBatch, kv_caches: list[KVCache], attention: PagedAttention

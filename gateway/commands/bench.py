@@ -1,5 +1,5 @@
-"""`tiergate bench offline`, `tiergate bench serve` and `tiergate bench peer`: seeded
-benchmarks with a printed table.
+"""`tiergate bench offline`, `tiergate bench engine`, `tiergate bench serve` and
+`tiergate bench peer`: seeded benchmarks with a printed table.
 
 Each benchmark is a sub-subcommand registered by its own small function. Heavy modules (torch,
 the serving benchmark) are imported when the command runs, not when `tiergate` starts.
@@ -11,13 +11,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine import bench_offline
+from engine import bench_engine, bench_offline
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     group = subparsers.add_parser("bench", help="run a benchmark and print a table")
     commands = group.add_subparsers(dest="bench_command", required=True)
     _register_offline(commands)
+    _register_engine(commands)
     _register_serve(commands)
     _register_peer(commands)
 
@@ -35,6 +36,21 @@ def _register_offline(commands: argparse._SubParsersAction[argparse.ArgumentPars
 
 def _offline(args: argparse.Namespace) -> int:
     return bench_offline.report(args)
+
+
+def _register_engine(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = commands.add_parser(
+        "engine",
+        help="the engine's host work per step and per request, without model work",
+        description=bench_engine.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench_engine.add_arguments(parser)
+    parser.set_defaults(func=_engine)
+
+
+def _engine(args: argparse.Namespace) -> int:
+    return bench_engine.report(args)
 
 
 def _register_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

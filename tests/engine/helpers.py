@@ -122,6 +122,13 @@ def check_invariants(engine: LLMEngine) -> None:
         if written:
             context = runner._read_context(kv.block_ids(request.request_id), written)
             assert context == request.all_token_ids[:written], "KV holds foreign tokens"
+    # What the runner keeps, updated step by step, equals the scheduler's view built afresh.
+    batch = runner.input_batch
+    for request in engine.scheduler.running:
+        table = kv.block_ids(request.request_id)
+        row = batch.block_table(request.request_id)
+        assert row[: len(table)].tolist() == table and not row[len(table) :].any(), "stale table"
+        assert batch.token_ids(request.request_id).tolist() == request.all_token_ids
 
 
 def run_to_completion(

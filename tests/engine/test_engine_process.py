@@ -54,7 +54,8 @@ def test_outputs_stream_from_the_engine_process_and_leaving_early_aborts(
             params = SamplingParams(max_tokens=6, ignore_eos=True)
             async for out in engine_process.generate(request_id, prompt, params):
                 tokens.extend(out.new_token_ids)
-                assert out.metrics is not None
+                # metering rides on the first token and on the end only (lean messages)
+                assert (out.metrics is not None) == (out.finished or out.num_output_tokens == 1)
             return tokens
 
         streams = await asyncio.gather(*(collect(f"r{i}", [5, 6, i]) for i in range(4)))

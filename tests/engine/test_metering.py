@@ -61,15 +61,10 @@ def _params(max_tokens: int, n: int = 1) -> SamplingParams:
 def _chunk(request_id: str, start_pos: int, num_tokens: int, needs_sample: bool) -> ScheduledChunk:
     return ScheduledChunk(
         request_id=request_id,
-        token_ids=[7] * num_tokens,
         start_pos=start_pos,
-        block_table=[],
+        num_tokens=num_tokens,
         needs_sample=needs_sample,
         is_prefill=num_tokens > 1,
-        sampling_params=SamplingParams(),
-        prompt_token_ids=[],
-        output_token_ids=[],
-        eos_token_id=None,
     )
 
 

@@ -8,9 +8,10 @@ from collections import Counter
 import pytest
 import torch
 
+from engine.input_batch import RequestState
 from engine.sampler import Sampler, derive_seed, filtered_probs, seeded_exponential
 from engine.sampling_params import SamplingParams
-from engine.scheduler_output import ScheduledChunk
+from engine.scheduler_output import NewRequestData
 
 VOCAB = 8
 # Chi-square critical value for 7 degrees of freedom at p = 0.001.
@@ -24,22 +25,20 @@ def make_chunk(
     output: list[int] | None = None,
     eos_token_id: int | None = None,
     sample_index: int = 0,
-) -> ScheduledChunk:
+) -> RequestState:
+    """A request as the runner keeps it (what the sampler reads)."""
     prompt = prompt if prompt is not None else [1, 2]
     output = output if output is not None else []
-    return ScheduledChunk(
+    data = NewRequestData(
         request_id=request_id,
-        token_ids=[(prompt + output)[-1]],
-        start_pos=len(prompt) + len(output) - 1,
-        block_table=[0],
-        needs_sample=True,
-        is_prefill=False,
+        token_ids=prompt + output,
+        num_prompt_tokens=len(prompt),
+        block_ids=[0],
         sampling_params=params,
-        prompt_token_ids=prompt,
-        output_token_ids=output,
         eos_token_id=eos_token_id,
         sample_index=sample_index,
     )
+    return RequestState(data, row=0)
 
 
 def fixed_logits(num_rows: int = 1) -> torch.Tensor:
@@ -228,7 +227,7 @@ def test_seeded_noise_is_the_splitmix64_stream() -> None:
     assert derive_seed(5, 0, 1) != key and derive_seed(5, 1, 0) != key
 
 
-def logprobs_of(chunk: ScheduledChunk, logits: torch.Tensor, mode: str = "penalized") -> float:
+def logprobs_of(chunk: RequestState, logits: torch.Tensor, mode: str = "penalized") -> float:
     sampler = Sampler(VOCAB, logprobs_mode=mode)  # type: ignore[arg-type]
     out = sampler(logits, [chunk])
     return out.logprobs[chunk.request_id].logprob
@@ -264,6 +263,26 @@ def test_frequency_and_presence_penalties_match_openai() -> None:
     for token, value in enumerate(torch.log_softmax(expected, dim=-1).tolist()):
         assert top[token] == pytest.approx(value, abs=1e-6)
     assert out.sampled_token_ids["r"] == 1
+
+
+def test_penalty_counts_kept_between_steps_equal_a_full_recount() -> None:
+    """A request's counts are made once and then only grow by the tokens added since; the
+    penalised logprobs each step equal those of a request seen for the first time."""
+    params = SamplingParams(temperature=1.0, seed=3, repetition_penalty=1.5,
+                            frequency_penalty=0.5, presence_penalty=0.25, logprobs=VOCAB)
+    kept = make_chunk("r", params, prompt=[1, 2, 2], output=[VOCAB + 1])
+    sampler = Sampler(VOCAB)
+    rng = torch.Generator().manual_seed(0)
+    for _ in range(12):
+        logits = torch.randn(1, VOCAB, generator=rng)
+        fresh = make_chunk("r", params, prompt=[1, 2, 2], output=list(kept.output_token_ids))
+        got = sampler(logits, [kept])
+        expected = Sampler(VOCAB)(logits, [fresh])
+        assert got.sampled_token_ids == expected.sampled_token_ids
+        assert got.logprobs["r"].top == expected.logprobs["r"].top
+        assert kept.penalty_counts is not None
+        assert kept.penalty_counts.num_counted == len(kept.output_token_ids)
+        kept.output_token_ids.append(got.sampled_token_ids["r"])  # as the runner does
 
 
 def test_penalties_ignore_token_ids_outside_the_logits() -> None:

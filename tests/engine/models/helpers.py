@@ -22,11 +22,12 @@ from transformers import (
     Qwen3Config,
 )
 
+from engine.input_batch import RequestState
 from engine.model_runner import RunnerConfig, TorchModelRunner
 from engine.runner import ModelRunnerOutput
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
-from engine.scheduler_output import ScheduledChunk, SchedulerOutput
+from engine.scheduler_output import NewRequestData, ScheduledChunk, SchedulerOutput
 
 VOCAB = 256
 BLOCK_SIZE = 16
@@ -113,10 +114,10 @@ class RecordingSampler:
         self.sampler = Sampler(vocab_size)
         self.logits: dict[str, list[torch.Tensor]] = {}
 
-    def __call__(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> ModelRunnerOutput:
-        for row, chunk in zip(logits, chunks, strict=True):
-            self.logits.setdefault(chunk.request_id, []).append(row.clone())
-        return self.sampler(logits, chunks)
+    def __call__(self, logits: torch.Tensor, states: list[RequestState]) -> ModelRunnerOutput:
+        for row, state in zip(logits, states, strict=True):
+            self.logits.setdefault(state.request_id, []).append(row.clone())
+        return self.sampler(logits, states)
 
 
 def make_runner(
@@ -158,6 +159,11 @@ class PagedDriver:
         self.free_blocks = list(range(runner.num_kv_blocks))
         random.Random(seed).shuffle(self.free_blocks)  # block tables are never contiguous
         self.step_id = 0
+        # What the runner was sent of each sequence: its block table's length.
+        self.sent: dict[str, int] = {}
+        self.new_requests: list[NewRequestData] = []
+        self.block_updates: dict[str, tuple[int, list[int]]] = {}
+        self.removed: set[str] = set()
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
         """Grow seq's block table to cover num_tokens tokens."""
@@ -168,22 +174,33 @@ class PagedDriver:
     def free(self, seq: Sequence) -> None:
         self.free_blocks += seq.block_table
         seq.block_table = []
+        if self.sent.pop(seq.request_id, None) is not None:
+            self.removed.add(seq.request_id)
 
     def chunk(self, seq: Sequence, num_tokens: int) -> ScheduledChunk:
+        """seq's next num_tokens tokens; what the runner lacks of seq goes with the next step."""
         start = seq.num_computed
         end = start + num_tokens
         self.allocate(seq, end)
+        num_sent = self.sent.get(seq.request_id)
+        if num_sent is None:
+            self.new_requests.append(NewRequestData(
+                request_id=seq.request_id,
+                token_ids=seq.tokens,
+                num_prompt_tokens=len(seq.prompt),
+                block_ids=list(seq.block_table),
+                sampling_params=GREEDY,
+                eos_token_id=None,
+            ))
+        elif num_sent < len(seq.block_table):
+            self.block_updates[seq.request_id] = (num_sent, seq.block_table[num_sent:])
+        self.sent[seq.request_id] = len(seq.block_table)
         return ScheduledChunk(
             request_id=seq.request_id,
-            token_ids=seq.tokens[start:end],
             start_pos=start,
-            block_table=list(seq.block_table),
+            num_tokens=num_tokens,
             needs_sample=end == len(seq.tokens),
             is_prefill=num_tokens > 1 or not seq.output,
-            sampling_params=GREEDY,
-            prompt_token_ids=seq.prompt,
-            output_token_ids=list(seq.output),
-            eos_token_id=None,
         )
 
     def step(self, chunks: list[ScheduledChunk], seqs: dict[str, Sequence],
@@ -193,9 +210,13 @@ class PagedDriver:
                 step_id=self.step_id,
                 chunks=chunks,
                 num_batched_tokens=sum(c.num_tokens for c in chunks),
+                new_requests=self.new_requests,
+                block_updates=self.block_updates,
                 blocks_to_copy=blocks_to_copy or [],
+                removed_request_ids=self.removed,
             )
         )
+        self.new_requests, self.block_updates, self.removed = [], {}, set()
         self.step_id += 1
         for c in chunks:
             seqs[c.request_id].num_computed += c.num_tokens

@@ -1,0 +1,237 @@
+"""InputBatch: what the runner keeps of the requests it runs, and the step inputs built from it.
+
+Each request the scheduler sends (`NewRequestData`) takes a row of fixed-width arrays: its
+tokens (prompt, outputs, then the tokens the runner samples for it) and its block table. A
+step then names only the rows' chunks and the changed table entries, and the inputs of the
+forward (token ids, positions, KV slots, block tables, query starts, context lengths, rows to
+sample) are gathered from the rows with vectorized numpy, never a Python loop over tokens.
+They reach the device in one host-to-device copy (`StepInputs.to_device`).
+
+Rows are reused as requests leave; the arrays grow when more requests or longer ones come
+than the capacity given (a runner that knows its limits sizes them once).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.models.batch import ForwardBatch
+from engine.sampler import PenaltyCounts
+from engine.sampling_params import SamplingParams
+from engine.scheduler_output import NewRequestData, ScheduledChunk, SchedulerOutput
+
+__all__ = ["InputBatch", "RequestState", "StepInputs"]
+
+
+class RequestState:
+    """One request as the runner keeps it; the sampler reads its parameters and tokens."""
+
+    __slots__ = (
+        "eos_token_id",
+        "output_token_ids",
+        "penalty_counts",
+        "prompt_token_ids",
+        "request_id",
+        "row",
+        "sample_index",
+        "sampling_params",
+    )
+
+    def __init__(self, data: NewRequestData, row: int) -> None:
+        self.request_id = data.request_id
+        self.row = row
+        self.sampling_params: SamplingParams = data.sampling_params
+        self.prompt_token_ids = data.token_ids[: data.num_prompt_tokens]
+        self.output_token_ids = data.token_ids[data.num_prompt_tokens :]
+        self.eos_token_id = data.eos_token_id
+        self.sample_index = data.sample_index
+        self.penalty_counts: PenaltyCounts | None = None  # the sampler's (engine.sampler)
+
+
+@dataclass
+class StepInputs:
+    """The flat inputs of one step as host arrays (ForwardBatch's fields, same meaning)."""
+
+    input_ids: np.ndarray  # int64[T]
+    positions: np.ndarray  # int64[T]
+    slot_mapping: np.ndarray  # int64[T]
+    block_tables: np.ndarray  # int32[B, W]; zero past each sequence's blocks
+    query_start_loc: np.ndarray  # int32[B + 1]
+    context_lens: np.ndarray  # int32[B]
+    logits_indices: np.ndarray  # int64[S]
+
+    def to_device(self, device: torch.device, packed: bool | None = None) -> ForwardBatch:
+        """The ForwardBatch on device. On the CPU the tensors share the arrays' memory; on an
+        accelerator (or packed=True) every array goes in one buffer and one copy, and the
+        fields are views of it."""
+        if packed is None:
+            packed = device.type != "cpu"
+        if not packed:
+            return ForwardBatch(
+                input_ids=torch.from_numpy(self.input_ids),
+                positions=torch.from_numpy(self.positions),
+                slot_mapping=torch.from_numpy(self.slot_mapping),
+                block_tables=torch.from_numpy(self.block_tables),
+                query_start_loc=torch.from_numpy(self.query_start_loc),
+                context_lens=torch.from_numpy(self.context_lens),
+                logits_indices=torch.from_numpy(self.logits_indices),
+            )
+        parts = [self.input_ids, self.positions, self.slot_mapping, self.logits_indices,
+                 self.block_tables.reshape(-1), self.query_start_loc, self.context_lens]
+        host = torch.from_numpy(np.concatenate(parts, dtype=np.int64))
+        if device.type == "cuda":
+            host = host.pin_memory()
+        flat = host.to(device, non_blocking=True)
+        views = list(torch.split(flat, [p.size for p in parts]))
+        return ForwardBatch(
+            input_ids=views[0],
+            positions=views[1],
+            slot_mapping=views[2],
+            logits_indices=views[3],
+            block_tables=views[4].view(self.block_tables.shape).to(torch.int32),
+            query_start_loc=views[5].to(torch.int32),
+            context_lens=views[6].to(torch.int32),
+        )
+
+
+class InputBatch:
+    """Rows of the requests a runner holds, kept in step with the scheduler's outputs."""
+
+    def __init__(self, block_size: int, num_rows: int = 8, max_tokens: int = 256) -> None:
+        self.block_size = block_size
+        num_rows = max(num_rows, 1)
+        self._token_ids = np.zeros((num_rows, max(max_tokens, 1)), dtype=np.int64)
+        self._num_tokens = np.zeros(num_rows, dtype=np.int64)
+        self._tables = np.zeros((num_rows, -(-max(max_tokens, 1) // block_size)), dtype=np.int32)
+        self._free_rows = list(range(num_rows - 1, -1, -1))
+        self.requests: dict[str, RequestState] = {}
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    # -- keeping in step -------------------------------------------------------------------
+
+    def update(self, scheduler_output: SchedulerOutput) -> None:
+        """Drop the removed requests, take the new ones, apply the changed table entries."""
+        for request_id in scheduler_output.removed_request_ids:
+            state = self.requests.pop(request_id, None)
+            if state is not None:
+                self._free_rows.append(state.row)
+        for data in scheduler_output.new_requests:
+            self._add(data)
+        tables = self._tables
+        for request_id, (first, block_ids) in scheduler_output.block_updates.items():
+            row = self.requests[request_id].row
+            end = first + len(block_ids)
+            if end > tables.shape[1]:
+                tables = self._grow_tables(end)
+            tables[row, first:end] = block_ids
+            tables[row, end:] = 0
+
+    def _add(self, data: NewRequestData) -> None:
+        assert data.request_id not in self.requests, f"{data.request_id} is held already"
+        if not self._free_rows:
+            self._grow_rows()
+        row = self._free_rows.pop()
+        self.requests[data.request_id] = RequestState(data, row)
+        num_tokens = len(data.token_ids)
+        if num_tokens > self._token_ids.shape[1]:
+            self._grow_tokens(num_tokens)
+        self._token_ids[row, :num_tokens] = data.token_ids
+        self._num_tokens[row] = num_tokens
+        if len(data.block_ids) > self._tables.shape[1]:
+            self._grow_tables(len(data.block_ids))
+        self._tables[row] = 0
+        self._tables[row, : len(data.block_ids)] = data.block_ids
+
+    def append_sampled(self, states: list[RequestState], token_ids: list[int]) -> None:
+        """The tokens sampled this step, one per state: the next step computes them."""
+        if not states:
+            return
+        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
+        positions = self._num_tokens[rows]
+        if int(positions.max()) >= self._token_ids.shape[1]:
+            self._grow_tokens(int(positions.max()) + 1)
+        self._token_ids[rows, positions] = token_ids
+        self._num_tokens[rows] = positions + 1
+        for state, token_id in zip(states, token_ids, strict=True):
+            state.output_token_ids.append(token_id)
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def token_ids(self, request_id: str) -> np.ndarray:
+        """The tokens the runner holds of a request (a view)."""
+        row = self.requests[request_id].row
+        return self._token_ids[row, : self._num_tokens[row]]
+
+    def block_table(self, request_id: str) -> np.ndarray:
+        """A request's block table row (a view; zero past its blocks)."""
+        return self._tables[self.requests[request_id].row]
+
+    def sample_states(self, chunks: list[ScheduledChunk]) -> list[RequestState]:
+        """The states of the chunks that sample, in chunk order."""
+        requests = self.requests
+        return [requests[c.request_id] for c in chunks if c.needs_sample]
+
+    def prepare(self, chunks: list[ScheduledChunk]) -> StepInputs:
+        """The step's inputs: every chunk's tokens in one flat batch, chunk order."""
+        requests = self.requests
+        count = len(chunks)
+        rows = np.fromiter((requests[c.request_id].row for c in chunks), np.int64, count)
+        starts = np.fromiter((c.start_pos for c in chunks), np.int64, count)
+        lengths = np.fromiter((c.num_tokens for c in chunks), np.int64, count)
+        ends = starts + lengths
+        query_start_loc = np.zeros(count + 1, dtype=np.int32)
+        np.cumsum(lengths, out=query_start_loc[1:])
+        num_tokens = int(query_start_loc[-1])
+        if num_tokens == count:  # decode-only: one token per sequence
+            token_rows, positions = rows, starts
+        else:
+            seq_of_token = np.repeat(np.arange(count), lengths)
+            offsets = np.arange(num_tokens) - query_start_loc[:-1].astype(np.int64)[seq_of_token]
+            token_rows = rows[seq_of_token]
+            positions = starts[seq_of_token] + offsets
+        assert bool((ends <= self._num_tokens[rows]).all()), "a chunk reaches past its tokens"
+        bs = self.block_size
+        num_blocks = -(-ends // bs)
+        width = int(num_blocks.max())
+        tables = self._tables[rows, :width]
+        tables = np.where(np.arange(width)[None, :] < num_blocks[:, None], tables, 0)
+        block_of_token = self._tables[token_rows, positions // bs].astype(np.int64)
+        sampled = np.fromiter((c.needs_sample for c in chunks), np.bool_, count)
+        return StepInputs(
+            input_ids=self._token_ids[token_rows, positions],
+            positions=positions,
+            slot_mapping=block_of_token * bs + positions % bs,
+            block_tables=tables.astype(np.int32, copy=False),
+            query_start_loc=query_start_loc,
+            context_lens=ends.astype(np.int32),
+            logits_indices=query_start_loc[1:][sampled].astype(np.int64) - 1,
+        )
+
+    # -- capacity ------------------------------------------------------------------------------
+
+    def _grow_rows(self) -> None:
+        old = self._token_ids.shape[0]
+        self._token_ids = _grown(self._token_ids, 2 * old, self._token_ids.shape[1])
+        self._tables = _grown(self._tables, 2 * old, self._tables.shape[1])
+        self._num_tokens = np.concatenate([self._num_tokens, np.zeros(old, dtype=np.int64)])
+        self._free_rows = list(range(2 * old - 1, old - 1, -1))
+
+    def _grow_tokens(self, num_tokens: int) -> None:
+        width = max(num_tokens, 2 * self._token_ids.shape[1])
+        self._token_ids = _grown(self._token_ids, self._token_ids.shape[0], width)
+
+    def _grow_tables(self, num_blocks: int) -> np.ndarray:
+        width = max(num_blocks, 2 * self._tables.shape[1])
+        self._tables = _grown(self._tables, self._tables.shape[0], width)
+        return self._tables
+
+
+def _grown(array: np.ndarray, num_rows: int, num_cols: int) -> np.ndarray:
+    out = np.zeros((num_rows, num_cols), dtype=array.dtype)
+    out[: array.shape[0], : array.shape[1]] = array
+    return out

@@ -1,0 +1,87 @@
+"""NoWorkRunner: the host side of a step without the model, to measure the engine's own work.
+
+It keeps the requests and builds each step's forward inputs exactly as TorchModelRunner does
+(engine.input_batch, on the CPU), then skips the forward and "samples" one constant token for
+every request that samples. What a step costs with it is the engine's host work: scheduling,
+input building, output processing. A benchmark tool (`tiergate bench engine`), never a default.
+"""
+
+from __future__ import annotations
+
+from engine.flops import FlopsCounter
+from engine.input_batch import InputBatch
+from engine.models.config import ModelConfig
+from engine.runner import ModelRunnerOutput
+from engine.scheduler_output import SchedulerOutput
+
+__all__ = ["LLAMA_1B", "NoWorkRunner"]
+
+# The 1B Llama shape of the engine's GPU measurements (HF config fields).
+LLAMA_1B = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 128256,
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": True,
+}
+
+
+class NoWorkRunner:
+    """The ModelRunner protocol with the forward left out (a measuring tool)."""
+
+    def __init__(
+        self,
+        num_kv_blocks: int,
+        block_size: int = 16,
+        max_num_seqs: int = 256,
+        max_model_len: int = 4096,
+        model_config: ModelConfig | None = None,
+        token_id: int = 7,
+    ) -> None:
+        """model_config: the model whose FLOPs metering splits a step by (as the real runner
+        would); None: a 1B Llama shape (hidden 2048, 16 layers)."""
+        self._num_kv_blocks = num_kv_blocks
+        self._block_size = block_size
+        self.token_id = token_id  # what every sampling request gets
+        self.input_batch = InputBatch(block_size, max_num_seqs, max_model_len)
+        self.num_tokens_built = 0  # tokens whose inputs were built (proof the work happened)
+        self._flops = FlopsCounter(model_config or ModelConfig.from_dict(LLAMA_1B))
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self._num_kv_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    def estimate_flops(
+        self, num_new_tokens: int, num_context_tokens: int, num_sampled_tokens: int = 1
+    ) -> float:
+        return self._flops(num_new_tokens, num_context_tokens, num_sampled_tokens)
+
+    def synchronize(self) -> None:
+        """Nothing runs asynchronously."""
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        batch = self.input_batch
+        batch.update(scheduler_output)
+        chunks = scheduler_output.chunks
+        if not chunks:
+            return ModelRunnerOutput(sampled_token_ids={})
+        inputs = batch.prepare(chunks)
+        self.num_tokens_built += int(inputs.input_ids.shape[0])
+        states = batch.sample_states(chunks)
+        tokens = [self.token_id] * len(states)
+        batch.append_sampled(states, tokens)
+        return ModelRunnerOutput(
+            sampled_token_ids={s.request_id: self.token_id for s in states}
+        )

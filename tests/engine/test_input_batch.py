@@ -1,0 +1,171 @@
+"""InputBatch: kept step by step, it builds the same inputs as building each step from scratch."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.input_batch import InputBatch
+from engine.sampling_params import SamplingParams
+from engine.scheduler_output import NewRequestData, ScheduledChunk, SchedulerOutput
+
+BLOCK_SIZE = 4
+
+
+class _Seq:
+    """A request as a from-scratch reference keeps it: all its tokens and its whole table."""
+
+    def __init__(self, request_id: str, prompt: list[int]) -> None:
+        self.request_id = request_id
+        self.tokens = list(prompt)
+        self.num_prompt = len(prompt)
+        self.num_computed = 0
+        self.table: list[int] = []
+
+
+def _from_scratch(chunks: list[ScheduledChunk], seqs: dict[str, _Seq]) -> dict[str, np.ndarray]:
+    """The step's inputs built the simple way, token by token (the runner's former method)."""
+    input_ids, positions, slots, query_start_loc, context_lens, logits_indices = (
+        [], [], [], [0], [], []
+    )
+    tables = []
+    for chunk in chunks:
+        seq = seqs[chunk.request_id]
+        start, end = chunk.start_pos, chunk.num_context_tokens
+        input_ids += seq.tokens[start:end]
+        positions += range(start, end)
+        bs = BLOCK_SIZE
+        slots += [seq.table[p // bs] * bs + p % bs for p in range(start, end)]
+        query_start_loc.append(len(input_ids))
+        context_lens.append(end)
+        if chunk.needs_sample:
+            logits_indices.append(len(input_ids) - 1)
+        tables.append(seq.table[: -(-end // BLOCK_SIZE)])
+    width = max(len(t) for t in tables)
+    return {
+        "input_ids": np.array(input_ids),
+        "positions": np.array(positions),
+        "slot_mapping": np.array(slots),
+        "block_tables": np.array([t + [0] * (width - len(t)) for t in tables]),
+        "query_start_loc": np.array(query_start_loc),
+        "context_lens": np.array(context_lens),
+        "logits_indices": np.array(logits_indices, dtype=np.int64),
+    }
+
+
+class _Driver:
+    """Random requests joining, growing, being preempted and leaving, in every order."""
+
+    def __init__(self, rng: random.Random, batch: InputBatch) -> None:
+        self.rng = rng
+        self.batch = batch
+        self.free_blocks = list(range(1, 400))
+        rng.shuffle(self.free_blocks)
+        self.seqs: dict[str, _Seq] = {}
+        self.held: dict[str, int] = {}  # request id -> table length the batch was sent
+        self.removed: set[str] = set()
+        self.next_id = 0
+
+    def step(self, num_new: int, num_leave: int, budget: int) -> None:
+        rng = self.rng
+        for _ in range(num_leave):
+            if not self.seqs:
+                break
+            request_id = rng.choice(sorted(self.seqs))
+            seq = self.seqs.pop(request_id)
+            self.free_blocks += seq.table
+            if self.held.pop(request_id, None) is not None:
+                self.removed.add(request_id)
+            if rng.random() < 0.5:  # preempted: comes back later with its tokens
+                again = _Seq(request_id, seq.tokens)
+                again.num_prompt = seq.num_prompt
+                self.seqs[request_id] = again
+        for _ in range(num_new):
+            prompt = [rng.randrange(3, 1000) for _ in range(rng.randint(1, 30))]
+            request_id = f"r{self.next_id}"
+            self.next_id += 1
+            self.seqs[request_id] = _Seq(request_id, prompt)
+        chunks, new_requests, updates = [], [], {}
+        for request_id in rng.sample(sorted(self.seqs), len(self.seqs)):
+            seq = self.seqs[request_id]
+            num = min(len(seq.tokens) - seq.num_computed, budget)
+            if num <= 0 or rng.random() < 0.2:
+                continue  # out of budget, or not scheduled this step
+            budget -= num
+            end = seq.num_computed + num
+            while len(seq.table) * BLOCK_SIZE < end:
+                seq.table.append(self.free_blocks.pop())
+            sent = self.held.get(request_id)
+            if sent is None:
+                new_requests.append(NewRequestData(
+                    request_id, list(seq.tokens), seq.num_prompt, list(seq.table),
+                    SamplingParams(temperature=0.0), None,
+                ))
+            elif rng.random() < 0.1 and seq.table:  # copy-on-write replaces an entry
+                index = rng.randrange(len(seq.table))
+                self.free_blocks.append(seq.table[index])
+                seq.table[index] = self.free_blocks.pop(0)
+                first = min(index, sent)
+                updates[request_id] = (first, seq.table[first:])
+            elif sent < len(seq.table):
+                updates[request_id] = (sent, seq.table[sent:])
+            self.held[request_id] = len(seq.table)
+            chunks.append(ScheduledChunk(request_id, seq.num_computed, num,
+                                         end == len(seq.tokens), num > 1))
+        if not chunks:
+            return
+        output = SchedulerOutput(0, chunks, sum(c.num_tokens for c in chunks), new_requests,
+                                 updates, [], self.removed)
+        self.removed = set()
+        self.batch.update(output)
+        got = self.batch.prepare(chunks)
+        expected = _from_scratch(chunks, self.seqs)
+        for name, value in expected.items():
+            np.testing.assert_array_equal(getattr(got, name), value, err_msg=name)
+        packed = got.to_device(torch.device("cpu"), packed=True)
+        plain = got.to_device(torch.device("cpu"))
+        for name in expected:
+            assert getattr(packed, name).tolist() == getattr(plain, name).tolist(), name
+            assert getattr(packed, name).dtype == getattr(plain, name).dtype, name
+        states = self.batch.sample_states(chunks)
+        sampled = [rng.randrange(3, 1000) for _ in states]
+        self.batch.append_sampled(states, sampled)
+        for chunk in chunks:
+            self.seqs[chunk.request_id].num_computed = chunk.num_context_tokens
+        for state, token in zip(states, sampled, strict=True):
+            seq = self.seqs[state.request_id]
+            seq.tokens.append(token)
+            assert state.prompt_token_ids + state.output_token_ids == seq.tokens
+            assert self.batch.token_ids(state.request_id).tolist() == seq.tokens
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    steps=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 3), st.integers(1, 64)),
+                   min_size=1, max_size=25),
+)
+def test_incremental_inputs_equal_inputs_built_from_scratch(
+    seed: int, steps: list[tuple[int, int, int]]
+) -> None:
+    """Requests join, grow, get a copied block, are preempted and come back, and leave, in
+    random orders; a small starting capacity makes the arrays grow on the way."""
+    driver = _Driver(random.Random(seed), InputBatch(BLOCK_SIZE, num_rows=2, max_tokens=8))
+    for num_new, num_leave, budget in steps:
+        driver.step(num_new, num_leave, budget)
+
+
+def test_a_new_request_with_a_held_id_is_a_bug() -> None:
+    batch = InputBatch(BLOCK_SIZE)
+    data = NewRequestData("a", [5, 6, 7], 3, [1], SamplingParams(), None)
+    batch.update(SchedulerOutput(0, [], 0, [data]))
+    with pytest.raises(AssertionError, match="held already"):
+        batch.update(SchedulerOutput(1, [], 0, [data]))
+    # dropped first, the same id may join again (preempted and admitted in one step)
+    batch.update(SchedulerOutput(2, [], 0, [data], removed_request_ids={"a"}))
+    assert batch.token_ids("a").tolist() == [5, 6, 7] and len(batch) == 1
