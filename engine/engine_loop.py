@@ -3,8 +3,8 @@
 Commands (add, abort, a refused request, stop) are values, so the same loop serves a caller
 in its own process (`engine.async_engine`: submitted directly) and one in another process
 (`engine.engine_process`: sent down a pipe, submitted by the thread that reads it). They are
-applied between steps; each step's outputs, then its statistics, go to the callbacks the
-loop was given.
+applied between steps; each step's outputs, then (at a bounded rate) its statistics, go to the
+callbacks the loop was given.
 """
 
 from __future__ import annotations
@@ -19,6 +19,9 @@ from engine.llm_engine import LLMEngine, TenantContext
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler_stats import SchedulerStats
+
+# Least time between two statistics a running engine publishes (0: after every step).
+STATS_INTERVAL_S = 0.01
 
 
 @dataclass(frozen=True)
@@ -57,9 +60,11 @@ class EngineLoop:
         deliver: Callable[[list[RequestOutput]], None],
         publish_stats: Callable[[SchedulerStats], None],
         add_failed: Callable[[str, EngineError], None],
+        stats_interval_s: float = STATS_INTERVAL_S,
     ) -> None:
         """deliver gets each step's outputs, publish_stats its statistics after them (with
-        taken_in_at_s set), add_failed the request whose add the engine refused (e.g. a
+        taken_in_at_s set; at most once per stats_interval_s while the engine has work, and
+        when it runs out), add_failed the request whose add the engine refused (e.g. a
         duplicate id: only its caller fails)."""
         self.engine = engine
         self._deliver = deliver
@@ -68,6 +73,8 @@ class EngineLoop:
         self._pending: list[EngineCommand] = []
         self._lock = threading.Lock()
         self._wake = threading.Event()
+        self._stats_interval_s = stats_interval_s
+        self._stats_published_at = float("-inf")
 
     def submit(self, command: EngineCommand) -> None:
         """From any thread: applied before the next step."""
@@ -90,9 +97,15 @@ class EngineLoop:
                 self._wake.clear()
                 continue
             self._deliver(self.engine.step())
-            stats = self.engine.stats()
-            stats.taken_in_at_s = taken_in_at_s
-            self._publish_stats(stats)
+            now = time.monotonic()
+            # Statistics at a bounded rate (building them walks the running requests), and
+            # always once the engine runs dry, so that its idle state is seen.
+            if (now - self._stats_published_at >= self._stats_interval_s
+                    or not self.engine.has_unfinished_requests()):
+                stats = self.engine.stats()
+                stats.taken_in_at_s = taken_in_at_s
+                self._publish_stats(stats)
+                self._stats_published_at = now
 
     def _apply(self, command: AddRequest | AbortRequest | RecordRefused) -> None:
         engine = self.engine

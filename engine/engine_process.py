@@ -35,7 +35,7 @@ from engine.engine_client import EngineClient
 from engine.engine_loop import EngineCommand, EngineLoop, Stop
 from engine.errors import EngineDeadError, EngineError
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
+from engine.output_batch import OutputBatch
 from engine.request_limits import RequestLimits
 from engine.scheduler_stats import SchedulerStats
 
@@ -52,7 +52,7 @@ class _Ready:
 
 @dataclass(frozen=True)
 class _Outputs:
-    outputs: list[RequestOutput]
+    outputs: OutputBatch  # one step's, in columns (cheaper to pickle)
 
 
 @dataclass(frozen=True)
@@ -155,7 +155,7 @@ class EngineProcess(EngineClient):
             while True:
                 message: _Message = self._messages.recv()
                 if isinstance(message, _Outputs):
-                    self._deliver(message.outputs)
+                    self._deliver(message.outputs.decode())
                 elif isinstance(message, _Stats):
                     self._stats = message.stats
                 elif isinstance(message, _AddFailed):
@@ -216,7 +216,7 @@ def _serve(
         messages.send(_Ready(engine.limits, engine.stats()))
         loop = EngineLoop(
             engine,
-            deliver=lambda outputs: messages.send(_Outputs(outputs)),
+            deliver=lambda outputs: messages.send(_Outputs(OutputBatch.encode(outputs))),
             publish_stats=lambda stats: messages.send(_Stats(stats)),
             add_failed=lambda request_id, exc: messages.send(_AddFailed(request_id, exc)),
         )

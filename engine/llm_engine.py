@@ -235,13 +235,14 @@ class LLMEngine:
         for chunk, request, charge in zip(chunks, requests, charges, strict=True):
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = started
-            request.add_charge(charge)
             num_prompt = len(request.prompt_token_ids)
+            if not charge.num_recomputed_tokens and chunk.start_pos >= num_prompt:
+                request.gpu_seconds += charge.gpu_seconds  # a decode (Request.add_charge)
+                continue
+            request.add_charge(charge)
             if charge.num_recomputed_tokens:
                 counters.recompute_time_s += charge.recompute_gpu_seconds
                 counters.num_recomputed_tokens += charge.num_recomputed_tokens
-            elif chunk.start_pos >= num_prompt:
-                continue  # a decode: no prompt tokens
             first_new = chunk.start_pos + charge.num_recomputed_tokens
             prompt_end = min(chunk.num_context_tokens, num_prompt)
             counters.num_prompt_tokens += max(0, prompt_end - first_new)

@@ -203,11 +203,25 @@ class Scheduler:
     def _schedule_running_all(self, requests: list[Request], plan: _StepPlan) -> None:
         scheduled = plan.num_new_tokens
         running = RequestStatus.RUNNING
+        fits_in_place = self.kv.fits_in_place
         for request in requests:
             if plan.budget == 0:
                 return
-            if request.status is not running or request.request_id in scheduled:
+            request_id = request.request_id
+            if request.status is not running or request_id in scheduled:
                 continue  # preempted earlier in this step, or already scheduled
+            num_prompt = len(request.prompt_token_ids)
+            computed = request.num_computed_tokens
+            num_left = num_prompt + len(request.output_token_ids) - computed
+            if (
+                num_left == 1 and computed >= num_prompt and request.fork_parent is None
+                and fits_in_place(request, 1)
+            ):
+                # The common decode: one token in a block it owns (_commit_chunk, inlined).
+                scheduled[request_id] = 1
+                plan.budget -= 1
+                request.num_computed_tokens = computed + 1
+                continue
             self._schedule_running(request, plan)
 
     def _best_waiting_priority(self) -> float:
