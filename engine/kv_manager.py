@@ -243,8 +243,9 @@ class KVCacheManager:
         self, request: Request, num_new_tokens: int, computed: ComputedBlocks | None = None
     ) -> None:
         """Take the slots can_allocate agreed to, adopting the prefix hit."""
-        assert self.can_allocate(request, num_new_tokens, computed), "allocate without room"
         plan = self._plan(request, num_new_tokens, computed)
+        # can_allocate agreed (the whole check again would cost a third plan per allocation)
+        assert plan.num_from_free <= self.pool.num_free_blocks, "allocate without room"
         request_id = request.request_id
         table = self._tables.setdefault(request_id, [])
         owner = (request.priority, request.tenant_id)
