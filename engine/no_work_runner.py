@@ -48,20 +48,12 @@ class NoWorkRunner:
     ) -> None:
         """model_config: the model whose FLOPs metering splits a step by (as the real runner
         would); None: a 1B Llama shape (hidden 2048, 16 layers)."""
-        self._num_kv_blocks = num_kv_blocks
-        self._block_size = block_size
+        self.num_kv_blocks = num_kv_blocks
+        self.block_size = block_size
         self.token_id = token_id  # what every sampling request gets
         self.input_batch = InputBatch(block_size, max_num_seqs, max_model_len)
         self.num_tokens_built = 0  # tokens whose inputs were built (proof the work happened)
         self._flops = FlopsCounter(model_config or ModelConfig.from_dict(LLAMA_1B))
-
-    @property
-    def num_kv_blocks(self) -> int:
-        return self._num_kv_blocks
-
-    @property
-    def block_size(self) -> int:
-        return self._block_size
 
     def estimate_flops(
         self, num_new_tokens: int, num_context_tokens: int, num_sampled_tokens: int = 1

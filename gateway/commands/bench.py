@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import types
 
 from engine import bench_engine, bench_offline
 
@@ -24,33 +25,30 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def _register_offline(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    offline = commands.add_parser(
-        "offline",
-        help="engine throughput on a workload file (random weights), optionally vs HF generate",
-        description=bench_offline.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    _register_module(
+        commands, "offline", bench_offline,
+        "engine throughput on a workload file (random weights), optionally vs HF generate",
     )
-    bench_offline.add_arguments(offline)
-    offline.set_defaults(func=_offline)
-
-
-def _offline(args: argparse.Namespace) -> int:
-    return bench_offline.report(args)
 
 
 def _register_engine(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    _register_module(
+        commands, "engine", bench_engine,
+        "the engine's host work per step and per request, without model work",
+    )
+
+
+def _register_module(
+    commands: argparse._SubParsersAction[argparse.ArgumentParser], name: str,
+    module: types.ModuleType, summary: str,
+) -> None:
+    """A benchmark module with add_arguments(parser) and report(args) -> exit code."""
     parser = commands.add_parser(
-        "engine",
-        help="the engine's host work per step and per request, without model work",
-        description=bench_engine.__doc__,
+        name, help=summary, description=module.__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    bench_engine.add_arguments(parser)
-    parser.set_defaults(func=_engine)
-
-
-def _engine(args: argparse.Namespace) -> int:
-    return bench_engine.report(args)
+    module.add_arguments(parser)
+    parser.set_defaults(func=module.report)
 
 
 def _register_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
