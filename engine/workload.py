@@ -36,7 +36,16 @@ class Workload:
 
     @classmethod
     def load(cls, path: Path, limit: int | None = None) -> Workload:
+        """The file's requests; limit: the first `limit`, cycling through the file again
+        (ids suffixed "~1", "~2", ...) when it holds fewer."""
         data = json.loads(Path(path).read_text())
+        rows = data["requests"]
+        if limit is not None and rows:
+            rows = [
+                rows[i % len(rows)] if i < len(rows)
+                else dict(rows[i % len(rows)], id=f"{rows[i % len(rows)]['id']}~{i // len(rows)}")
+                for i in range(limit)
+            ]
         requests = [
             WorkloadRequest(
                 request_id=r["id"],
@@ -47,7 +56,7 @@ class Workload:
                 output_len=int(r["output_len"]),
                 shared_prefix_len=int(r.get("shared_prefix_len", 0)),
             )
-            for r in data["requests"][:limit]
+            for r in rows
         ]
         return cls(seed=int(data["seed"]), rate_rps=float(data["rate_rps"]), requests=requests)
 

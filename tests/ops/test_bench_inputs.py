@@ -43,6 +43,12 @@ def test_every_benchmark_default_loads_from_another_directory(
     workload = Workload.load(offline_args.workload)
     assert len(workload.requests) == 200
     assert {r.arrival_s for r in workload.requests} == {0.0}
+    # A limit past the file's end cycles through it again (the GPU benchmark's 256 requests).
+    first = Workload.load(offline_args.workload, limit=64).requests
+    cycled = Workload.load(offline_args.workload, limit=456).requests
+    assert cycled[:64] == first and len({r.request_id for r in cycled}) == 456
+    assert cycled[456 - 1].request_id == workload.requests[55].request_id + "~2"
+    assert [r.prompt_len for r in cycled[200:400]] == [r.prompt_len for r in workload.requests]
 
     assert offline_args.model_config == BENCH_INPUTS / "bench-model.json"
     assert ModelConfig.from_file(offline_args.model_config).num_layers == 8
