@@ -300,19 +300,20 @@ class LLMEngine:
         metrics = None
         if finished or num_outputs == 1 or num_outputs % METRICS_EVERY_TOKENS == 0:
             metrics = self._metrics(request)
-        return RequestOutput(
-            request_id=request.group_id,
-            sample_index=request.sample_index,
-            new_token_ids=new_tokens,
-            new_text=text_state.take_delta() if text_state else "",
-            finished=finished,
-            finish_reason=_FINISH_REASONS.get(request.status) if finished else None,
-            stop_reason=request.stop_reason,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_cached_tokens=max(request.num_cached_tokens, 0),
-            num_output_tokens=num_outputs,
-            logprobs=logprobs,
-            metrics=metrics,
+        return RequestOutput(  # positional: a step makes one per running request
+            request.group_id,
+            request.sample_index,
+            new_tokens,
+            text_state.take_delta() if text_state else "",
+            finished,
+            _FINISH_REASONS.get(request.status) if finished else None,
+            request.stop_reason,
+            len(request.prompt_token_ids),
+            max(request.num_cached_tokens, 0),
+            num_outputs,
+            logprobs,
+            None,
+            metrics,
         )
 
     @staticmethod

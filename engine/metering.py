@@ -28,7 +28,7 @@ class FlopsEstimator(Protocol):
     ) -> float: ...
 
 
-@dataclass
+@dataclass(slots=True)
 class ChunkCharge:
     """One chunk's share of a step's busy time."""
 
@@ -55,11 +55,9 @@ def split_step_time(
     """
     if not chunks:
         return []
-    num_recompute = (
-        [num_recompute_tokens(c, high_water.get(c.request_id, 0)) for c in chunks]
-        if high_water
-        else [0] * len(chunks)
-    )
+    if not high_water:
+        return _split_without_recompute(chunks, step_time_s, estimate_flops)
+    num_recompute = [num_recompute_tokens(c, high_water.get(c.request_id, 0)) for c in chunks]
     # Two weights per chunk, own then recompute. The recompute tokens come first in the chunk;
     # the own tokens attend over them too, and only the own part samples.
     weights: list[float] = []
@@ -80,13 +78,30 @@ def split_step_time(
     ]
 
 
+def _split_without_recompute(
+    chunks: Sequence[ScheduledChunk], step_time_s: float, estimate_flops: FlopsEstimator
+) -> list[ChunkCharge]:
+    """split_step_time when no chunk recomputes (most steps): the same parts, without the
+    recompute weights, which are all zero and take no part of the step."""
+    weights = [
+        estimate_flops(c.num_tokens, c.start_pos + c.num_tokens, int(c.needs_sample))
+        for c in chunks
+    ]
+    total = math.fsum(weights)
+    if not (total > 0 and math.isfinite(total)):  # a cost model that prices nothing
+        weights = [float(c.num_tokens) for c in chunks]
+        total = math.fsum(weights)
+    parts = _proportional_parts(weights, total, step_time_s)
+    return [ChunkCharge(c.request_id, part, 0.0, 0) for c, part in zip(chunks, parts, strict=True)]
+
+
 def _proportional_parts(weights: list[float], total: float, amount: float) -> list[float]:
     """amount * weight / total each, rounded to whole ulps of amount; the largest part takes
     the remainder. Every partial sum is then a multiple of that ulp no larger than amount, so
     it is exact: the parts add up to exactly amount in floating point, in any order."""
     quantum = math.ulp(amount)
     parts = [round(amount * (w / total) / quantum) * quantum for w in weights]
-    largest = max(range(len(weights)), key=weights.__getitem__)
+    largest = weights.index(max(weights))  # the first of the largest
     parts[largest] = 0.0
     parts[largest] = amount - sum(parts)
     return parts

@@ -155,6 +155,31 @@ def test_split_is_exact_proportional_to_flops_and_separates_recompute(
     assert [c.request_id for c in charges] == [c.request_id for c in chunks]
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    shapes=st.lists(
+        st.tuples(st.integers(0, 300), st.integers(1, 64), st.booleans()), min_size=1, max_size=8
+    ),
+    step_time_s=st.floats(1e-7, 10.0, allow_nan=False, allow_infinity=False),
+    prices_nothing=st.booleans(),
+)
+def test_steps_without_recompute_split_exactly_as_the_general_path(
+    shapes: list[tuple[int, int, bool]], step_time_s: float, prices_nothing: bool
+) -> None:
+    """Without any high-water mark the split skips the (zero) recompute weights; the charges
+    are the general path's to the last bit (a mark of a request not in the step forces it)."""
+    chunks = [_chunk(f"r{i}", s, k, sample) for i, (s, k, sample) in enumerate(shapes)]
+
+    def estimate(num_new: int, num_context: int, num_sampled: int) -> float:
+        return 0.0 if prices_nothing else forward_flops(TINY_LLAMA, num_new, num_context,
+                                                        num_sampled)
+
+    fast = split_step_time(chunks, {}, step_time_s, estimate)
+    general = split_step_time(chunks, {"not-in-the-step": 10}, step_time_s, estimate)
+    assert fast == general
+    assert sum(c.gpu_seconds for c in fast) == step_time_s
+
+
 def test_split_without_a_cost_model_falls_back_to_token_counts() -> None:
     chunks = [_chunk("a", 0, 3, True), _chunk("b", 4, 1, True)]
     charges = split_step_time(chunks, {"a": 2}, 0.8, lambda n, c, s: 0.0)
