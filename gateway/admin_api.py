@@ -12,7 +12,6 @@ key cache at once.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable, Collection, Mapping
 from typing import Any, TypeVar
@@ -33,6 +32,7 @@ from gateway.errors import (
     NotFoundError,
     PayloadTooLargeError,
 )
+from gateway.json_body import parse_json_body
 from tenants import DEFAULT_TIERS, TenantStatus
 
 logger = logging.getLogger(__name__)
@@ -286,10 +286,7 @@ async def _json_object(request: Request, *, allow_empty: bool = False) -> dict[s
         raise PayloadTooLargeError(f"request body is larger than {MAX_BODY_BYTES} bytes")
     if allow_empty and not raw.strip():
         return {}
-    try:
-        body = json.loads(raw)
-    except ValueError:
-        raise InvalidRequestError("request body is not valid JSON") from None
+    body = parse_json_body(raw)
     if not isinstance(body, dict):
         raise InvalidRequestError("request body must be a JSON object")
     return body

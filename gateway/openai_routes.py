@@ -29,12 +29,12 @@ from gateway.auth import TenantPrincipal
 from gateway.errors import (
     GatewayError,
     InternalServerError,
-    InvalidRequestError,
     NotFoundError,
     PayloadTooLargeError,
     error_body,
 )
 from gateway.generation import GenerationJob, check_fits, prepare_prompts, sampling_params
+from gateway.json_body import parse_json_body
 from gateway.openai_requests import (
     Endpoint,
     GenerationRequest,
@@ -64,7 +64,8 @@ def openai_routes(runtime: GatewayRuntime, admission: GatewayAdmission) -> list[
 
 
 async def read_json_body(request: Request, max_bytes: int) -> Any:
-    """The body parsed as JSON; 413 above max_bytes (checked while reading), 400 if not JSON."""
+    """The body parsed as JSON; 413 above max_bytes (checked while reading), 400 if not JSON
+    (gateway.json_body)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise PayloadTooLargeError(f"the request body is larger than {max_bytes} bytes")
@@ -74,10 +75,7 @@ async def read_json_body(request: Request, max_bytes: int) -> Any:
         if size > max_bytes:
             raise PayloadTooLargeError(f"the request body is larger than {max_bytes} bytes")
         chunks.append(piece)
-    try:
-        return json.loads(b"".join(chunks))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from None
+    return parse_json_body(b"".join(chunks))
 
 
 class _OpenAIApi:

@@ -207,6 +207,14 @@ def test_bad_bodies_get_400_with_param(server: ServeProcess, api_key: str) -> No
         (b'{"model": "tiergate-demo", "prompt": [1, 999999]}', "prompt"),
         (b'{"model": "tiergate-demo", "prompt": "x", "max_tokens": "7"}', "max_tokens"),
         (b'[1, 2]', None),
+        # 30,000 nested arrays: too deep to parse, a 400 (was a 500 with a traceback)
+        (b'{"model": "tiergate-demo", "prompt": ' + b"[" * 30_000 + b"]" * 30_000 + b"}",
+         None),
+        # lone surrogates: not text (they dropped the connection without a response)
+        (b'{"model": "tiergate-demo", "messages": [{"role": "user", "content": "a\\ud800b"}]}',
+         "messages[0].content"),
+        (b'{"model": "tiergate-demo", "prompt": ["ok", "x\\udfffy"]}', "prompt[1]"),
+        (b'{"model": "tiergate-demo", "prompt": "x", "stop": ["\\ud834"]}', "stop[0]"),
     ]
     for body, param in cases:
         path = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
