@@ -15,7 +15,7 @@ from engine.outputs import RequestMetrics, RequestOutput
 from engine.queues import FCFSQueue, WaitingQueue
 from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner, ModelRunnerOutput, TokenLogprobs
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import MAX_STOP_STRING_CHARS, SamplingParams
 from engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from engine.scheduler_stats import (
     EngineCounters,
@@ -26,6 +26,7 @@ from engine.scheduler_stats import (
 )
 
 __all__ = [
+    "MAX_STOP_STRING_CHARS",
     "CacheConfig",
     "ConfigError",
     "ContextLengthExceededError",

@@ -9,6 +9,10 @@ from engine.errors import InvalidRequestError
 # Temperatures below this are treated as greedy decoding.
 GREEDY_EPSILON = 1e-5
 
+# Longest stop string: every sampled token is matched against each stop string's length of
+# decoded text (four 50,000-character stops cost ~9 ms per sample per step).
+MAX_STOP_STRING_CHARS = 1024
+
 
 @dataclass
 class SamplingParams:
@@ -72,6 +76,11 @@ class SamplingParams:
                 len(self.stop) <= 16 and all(isinstance(s, str) and s for s in self.stop),
                 "stop",
                 "stop must be at most 16 non-empty strings",
+            ),
+            (
+                all(len(s) <= MAX_STOP_STRING_CHARS for s in self.stop),
+                "stop",
+                f"each stop string must be at most {MAX_STOP_STRING_CHARS} characters",
             ),
             (
                 all(t >= 0 for t in self.stop_token_ids),

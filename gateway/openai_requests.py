@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+from engine import MAX_STOP_STRING_CHARS
 from gateway.errors import InvalidRequestError
 
 MAX_N = 128
@@ -236,6 +237,12 @@ def _stop(value: object) -> tuple[str, ...]:
         raise InvalidRequestError(
             f"stop holds at most {MAX_STOP_STRINGS} strings", param="stop"
         )
+    for index, item in enumerate(items):
+        if len(item) > MAX_STOP_STRING_CHARS:
+            raise InvalidRequestError(
+                f"a stop string holds at most {MAX_STOP_STRING_CHARS} characters",
+                param=f"stop[{index}]" if isinstance(value, list) else "stop",
+            )
     # An empty stop string would end every request at once: treated as absent.
     return tuple(s for s in items if s)
 

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from engine import (
+    MAX_STOP_STRING_CHARS,
     ContextLengthExceededError,
     InvalidRequestError,
     ModelRunnerOutput,
@@ -97,6 +98,10 @@ def test_invalid_requests_are_refused_with_the_param() -> None:
     with pytest.raises(InvalidRequestError) as err:
         SamplingParams(temperature=3.0)
     assert err.value.param == "temperature"
+    SamplingParams(stop=["s" * MAX_STOP_STRING_CHARS])
+    with pytest.raises(InvalidRequestError, match="at most 1024 characters") as err:
+        SamplingParams(stop=["ok", "s" * (MAX_STOP_STRING_CHARS + 1)])
+    assert err.value.param == "stop"
     engine.add_request("ok", [5], SamplingParams(max_tokens=2))
     with pytest.raises(InvalidRequestError):
         engine.add_request("ok", [5], SamplingParams(max_tokens=2))

@@ -215,6 +215,10 @@ def test_bad_bodies_get_400_with_param(server: ServeProcess, api_key: str) -> No
          "messages[0].content"),
         (b'{"model": "tiergate-demo", "prompt": ["ok", "x\\udfffy"]}', "prompt[1]"),
         (b'{"model": "tiergate-demo", "prompt": "x", "stop": ["\\ud834"]}', "stop[0]"),
+        # stop strings are capped in length, not only in number
+        (b'{"model": "tiergate-demo", "prompt": "x", "stop": ["a", "' + b"s" * 1025 + b'"]}',
+         "stop[1]"),
+        (b'{"model": "tiergate-demo", "prompt": "x", "stop": "' + b"s" * 50_000 + b'"}', "stop"),
     ]
     for body, param in cases:
         path = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
