@@ -4,16 +4,24 @@ keys, audit log, OpenAI-shaped validation errors."""
 from __future__ import annotations
 
 import logging
+import secrets
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import httpx2
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
+from starlette.requests import Request
 from starlette.testclient import TestClient
 
 from gateway.admin_api import admin_routes
-from gateway.admin_auth import InvalidAdminTokenError, validate_admin_token
+from gateway.admin_auth import (
+    MAX_FAILURE_LOG_LINES_PER_S,
+    AdminGuard,
+    InvalidAdminTokenError,
+    validate_admin_token,
+)
+from gateway.errors import AuthenticationError
 from tenants.keys import PREFIX_LENGTH
 
 if TYPE_CHECKING:
@@ -97,10 +105,46 @@ def test_admin_api_off_without_token_answers_404(
 def test_weak_or_tenant_shaped_admin_tokens_are_refused(
     session_factory: sessionmaker[Session],
 ) -> None:
-    for token in ["short", "tg-" + "a" * 30]:
+    # too short, tenant-shaped, and long enough but too repetitive to be a secret
+    for token in ["short", "tg-" + "a" * 30, "s" * 16, "1234" * 4, "abcdefgh" * 2]:
         with pytest.raises(InvalidAdminTokenError):
             admin_routes(session_factory=session_factory, admin_token=token)
-    assert validate_admin_token("s" * 16) == "s" * 16
+    for token in [secrets.token_hex(16), secrets.token_urlsafe(16), "admin-token-0123456789"]:
+        assert validate_admin_token(token) == token
+
+
+def test_failed_admin_logins_are_logged_without_the_token(
+    client: TestClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    presented = "wrong-admin-token-" + secrets.token_hex(8)
+    with caplog.at_level(logging.WARNING, logger="gateway.admin_auth"):
+        client.get("/admin/v1/tenants", headers={"x-admin-token": presented})
+        client.post("/admin/v1/tenants", json={"name": "x"})
+    lines = [r.getMessage() for r in caplog.records if r.name == "gateway.admin_auth"]
+    assert len(lines) == 2
+    assert "invalid_admin_token" in lines[0] and "GET /admin/v1/tenants" in lines[0]
+    assert "missing_admin_token" in lines[1] and "POST /admin/v1/tenants" in lines[1]
+    assert all(presented not in line for line in lines)
+
+
+def test_a_flood_of_failures_is_counted_not_logged_line_by_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    now = [100.0]
+    guard = AdminGuard(secrets.token_hex(16), clock=lambda: now[0])
+    request = Request({"type": "http", "method": "GET", "path": "/admin/v1/tenants",
+                       "headers": [(b"x-admin-token", b"nope")], "client": ("10.0.0.9", 5),
+                       "query_string": b"", "server": ("test", 80), "scheme": "http"})
+    with caplog.at_level(logging.WARNING, logger="gateway.admin_auth"):
+        for _ in range(MAX_FAILURE_LOG_LINES_PER_S + 7):
+            with pytest.raises(AuthenticationError):
+                guard.check(request)
+        now[0] += 1.0
+        with pytest.raises(AuthenticationError):
+            guard.check(request)
+    lines = [r.getMessage() for r in caplog.records if r.name == "gateway.admin_auth"]
+    assert len(lines) == MAX_FAILURE_LOG_LINES_PER_S + 1
+    assert "from 10.0.0.9" in lines[0] and lines[-1].endswith("(7 more failures not logged)")
 
 
 # --- tenants and quotas --------------------------------------------------------------------------
