@@ -123,7 +123,7 @@ class FakeModelRunner:
                 context = self._read_context(table, chunk.num_context_tokens)
                 sampled[chunk.request_id] = fake_next_token(context, self.vocab_size)
         states = batch.sample_states(chunks)
-        batch.append_sampled(states, [sampled[s.request_id] for s in states])
+        batch.append_sampled(states, sampled)
         return ModelRunnerOutput(sampled_token_ids=sampled)
 
     def _read_context(self, block_table: Sequence[int] | np.ndarray, num_tokens: int) -> list[int]:

@@ -9,6 +9,8 @@ are ignored (they are memory-bound and small).
 
 from __future__ import annotations
 
+from collections import Counter
+
 from engine.models.config import ModelConfig
 
 __all__ = ["FlopsCounter", "forward_flops", "linear_params_per_token"]
@@ -39,40 +41,27 @@ def forward_flops(
 ) -> float:
     """FLOPs to compute num_new_tokens ending at num_context_tokens of context (cached prefix
     plus the new tokens), with lm_head logits for num_sampled_tokens of them."""
-    if num_new_tokens <= 0:
-        return 0.0
-    linear = 2 * linear_params_per_token(config) * num_new_tokens
-    lm_head = 2 * config.hidden_size * config.vocab_size * num_sampled_tokens
-    per_key = 4 * config.head_dim * config.num_heads
-    attention = sum(
-        per_key * _visible_keys(num_new_tokens, num_context_tokens, window)
-        for window in config.sliding_windows
-    )
-    return float(linear + lm_head + attention)
+    return FlopsCounter(config)(num_new_tokens, num_context_tokens, num_sampled_tokens)
 
 
 class FlopsCounter:
     """forward_flops of one model with its constants worked out once (metering asks it for
-    every chunk of every step)."""
+    every chunk of every step): layers with the same window are counted together."""
 
     def __init__(self, config: ModelConfig) -> None:
         self._linear = 2 * linear_params_per_token(config)
         self._lm_head = 2 * config.hidden_size * config.vocab_size
         self._per_key = 4 * config.head_dim * config.num_heads
-        self._windows = list(config.sliding_windows)
-        self._dense = all(w is None for w in self._windows)
+        self._layers_by_window = list(Counter(config.sliding_windows).items())
 
     def __call__(
         self, num_new_tokens: int, num_context_tokens: int, num_sampled_tokens: int = 1
     ) -> float:
         if num_new_tokens <= 0:
             return 0.0
+        keys = sum(
+            num_layers * _visible_keys(num_new_tokens, num_context_tokens, window)
+            for window, num_layers in self._layers_by_window
+        )
         linear = self._linear * num_new_tokens + self._lm_head * num_sampled_tokens
-        if self._dense:  # every layer sees the whole context
-            first = num_context_tokens - num_new_tokens + 1
-            keys = (first + num_context_tokens) * num_new_tokens // 2 * len(self._windows)
-        else:
-            keys = sum(
-                _visible_keys(num_new_tokens, num_context_tokens, w) for w in self._windows
-            )
         return float(linear + self._per_key * keys)

@@ -13,6 +13,7 @@ than the capacity given (a runner that knows its limits sizes them once).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,28 +28,49 @@ __all__ = ["InputBatch", "RequestState", "StepInputs"]
 
 
 class RequestState:
-    """One request as the runner keeps it; the sampler reads its parameters and tokens."""
+    """One request as the runner keeps it; the sampler reads its parameters and tokens. Its
+    tokens are its row of the batch (read on demand, never kept twice)."""
 
     __slots__ = (
+        "_batch",
         "eos_token_id",
-        "output_token_ids",
+        "num_prompt_tokens",
         "penalty_counts",
-        "prompt_token_ids",
         "request_id",
         "row",
         "sample_index",
         "sampling_params",
     )
 
-    def __init__(self, data: NewRequestData, row: int) -> None:
+    def __init__(self, batch: InputBatch, data: NewRequestData, row: int) -> None:
+        self._batch = batch
         self.request_id = data.request_id
         self.row = row
         self.sampling_params: SamplingParams = data.sampling_params
-        self.prompt_token_ids = data.token_ids[: data.num_prompt_tokens]
-        self.output_token_ids = data.token_ids[data.num_prompt_tokens :]
+        self.num_prompt_tokens = data.num_prompt_tokens
         self.eos_token_id = data.eos_token_id
         self.sample_index = data.sample_index
         self.penalty_counts: PenaltyCounts | None = None  # the sampler's (engine.sampler)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return int(self._batch._num_tokens[self.row]) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        tokens: list[int] = self._batch._token_ids[self.row, : self.num_prompt_tokens].tolist()
+        return tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.output_tokens_since(0)
+
+    def output_tokens_since(self, start: int) -> list[int]:
+        """Output tokens start.. (0: the first output)."""
+        first = self.num_prompt_tokens + start
+        end = int(self._batch._num_tokens[self.row])
+        tokens: list[int] = self._batch._token_ids[self.row, first:end].tolist()
+        return tokens
 
 
 @dataclass
@@ -136,7 +158,7 @@ class InputBatch:
         if not self._free_rows:
             self._grow_rows()
         row = self._free_rows.pop()
-        self.requests[data.request_id] = RequestState(data, row)
+        self.requests[data.request_id] = RequestState(self, data, row)
         num_tokens = len(data.token_ids)
         if num_tokens > self._token_ids.shape[1]:
             self._grow_tokens(num_tokens)
@@ -147,18 +169,17 @@ class InputBatch:
         self._tables[row] = 0
         self._tables[row, : len(data.block_ids)] = data.block_ids
 
-    def append_sampled(self, states: list[RequestState], token_ids: list[int]) -> None:
-        """The tokens sampled this step, one per state: the next step computes them."""
+    def append_sampled(self, states: list[RequestState], sampled: Mapping[str, int]) -> None:
+        """The tokens sampled this step (request id -> token) for these states: the next step
+        computes them."""
         if not states:
             return
         rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
         positions = self._num_tokens[rows]
         if int(positions.max()) >= self._token_ids.shape[1]:
             self._grow_tokens(int(positions.max()) + 1)
-        self._token_ids[rows, positions] = token_ids
+        self._token_ids[rows, positions] = [sampled[s.request_id] for s in states]
         self._num_tokens[rows] = positions + 1
-        for state, token_id in zip(states, token_ids, strict=True):
-            state.output_token_ids.append(token_id)
 
     # -- reading -----------------------------------------------------------------------------
 

@@ -227,6 +227,7 @@ class LLMEngine:
         step_time_s = max(ended - started, 0.0)
         by_id = self.scheduler.requests
         requests = [by_id[c.request_id] for c in chunks]
+        # only the requests ever preempted: the others recompute nothing
         high_water = {
             r.request_id: mark for r in requests if (mark := r.num_computed_high_water)
         }
@@ -235,17 +236,15 @@ class LLMEngine:
         for chunk, request, charge in zip(chunks, requests, charges, strict=True):
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = started
-            num_prompt = len(request.prompt_token_ids)
-            if not charge.num_recomputed_tokens and chunk.start_pos >= num_prompt:
-                request.gpu_seconds += charge.gpu_seconds  # a decode (Request.add_charge)
-                continue
             request.add_charge(charge)
+            first_new = chunk.start_pos
             if charge.num_recomputed_tokens:
                 counters.recompute_time_s += charge.recompute_gpu_seconds
                 counters.num_recomputed_tokens += charge.num_recomputed_tokens
-            first_new = chunk.start_pos + charge.num_recomputed_tokens
-            prompt_end = min(chunk.num_context_tokens, num_prompt)
-            counters.num_prompt_tokens += max(0, prompt_end - first_new)
+                first_new += charge.num_recomputed_tokens
+            num_prompt = len(request.prompt_token_ids)
+            if first_new < num_prompt:  # new prompt tokens (a decode has none)
+                counters.num_prompt_tokens += min(chunk.num_context_tokens, num_prompt) - first_new
         counters.num_steps += 1
         counters.num_failed_steps += int(failed)
         counters.busy_time_s += step_time_s

@@ -55,44 +55,37 @@ def split_step_time(
     """
     if not chunks:
         return []
-    if not high_water:
-        return _split_without_recompute(chunks, step_time_s, estimate_flops)
-    num_recompute = [num_recompute_tokens(c, high_water.get(c.request_id, 0)) for c in chunks]
-    # Two weights per chunk, own then recompute. The recompute tokens come first in the chunk;
-    # the own tokens attend over them too, and only the own part samples.
-    weights: list[float] = []
-    for chunk, num_old in zip(chunks, num_recompute, strict=True):
-        num_new = chunk.num_tokens - num_old
-        weights.append(estimate_flops(num_new, chunk.num_context_tokens, int(chunk.needs_sample)))
-        weights.append(estimate_flops(num_old, chunk.start_pos + num_old, 0) if num_old else 0.0)
-    total = math.fsum(weights)
-    if not (total > 0 and math.isfinite(total)):  # a cost model that prices nothing
-        weights = []
-        for chunk, num_old in zip(chunks, num_recompute, strict=True):
-            weights += [float(chunk.num_tokens - num_old), float(num_old)]
-        total = math.fsum(weights)
-    parts = _proportional_parts(weights, total, step_time_s)
-    return [
-        ChunkCharge(chunk.request_id, parts[2 * i], parts[2 * i + 1], num_recompute[i])
-        for i, chunk in enumerate(chunks)
-    ]
-
-
-def _split_without_recompute(
-    chunks: Sequence[ScheduledChunk], step_time_s: float, estimate_flops: FlopsEstimator
-) -> list[ChunkCharge]:
-    """split_step_time when no chunk recomputes (most steps): the same parts, without the
-    recompute weights, which are all zero and take no part of the step."""
+    num_recompute = (
+        [num_recompute_tokens(c, high_water.get(c.request_id, 0)) for c in chunks]
+        if high_water
+        else [0] * len(chunks)
+    )
+    # A weight per chunk for its own tokens, then, when any chunk recomputes, one per chunk
+    # for its recompute tokens. Those come first in the chunk; the own tokens attend over
+    # them too, and only the own part samples.
     weights = [
-        estimate_flops(c.num_tokens, c.start_pos + c.num_tokens, int(c.needs_sample))
-        for c in chunks
+        estimate_flops(c.num_tokens - old, c.start_pos + c.num_tokens, int(c.needs_sample))
+        for c, old in zip(chunks, num_recompute, strict=True)
     ]
+    recomputes = any(num_recompute)
+    if recomputes:
+        weights += [
+            estimate_flops(old, c.start_pos + old, 0) if old else 0.0
+            for c, old in zip(chunks, num_recompute, strict=True)
+        ]
     total = math.fsum(weights)
     if not (total > 0 and math.isfinite(total)):  # a cost model that prices nothing
-        weights = [float(c.num_tokens) for c in chunks]
+        weights = [float(c.num_tokens - old) for c, old in zip(chunks, num_recompute, strict=True)]
+        if recomputes:
+            weights += [float(old) for old in num_recompute]
         total = math.fsum(weights)
     parts = _proportional_parts(weights, total, step_time_s)
-    return [ChunkCharge(c.request_id, part, 0.0, 0) for c, part in zip(chunks, parts, strict=True)]
+    num_chunks = len(chunks)
+    return [
+        ChunkCharge(c.request_id, parts[i], parts[num_chunks + i] if recomputes else 0.0,
+                    num_recompute[i])
+        for i, c in enumerate(chunks)
+    ]
 
 
 def _proportional_parts(weights: list[float], total: float, amount: float) -> list[float]:

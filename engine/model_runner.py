@@ -192,8 +192,7 @@ class TorchModelRunner:
             logits = self.model(batch, self.kv_caches, self.attention)  # [S, V]
         states = self.input_batch.sample_states(chunks)
         output = self.sampler(logits, states)
-        sampled = output.sampled_token_ids
-        self.input_batch.append_sampled(states, [sampled[s.request_id] for s in states])
+        self.input_batch.append_sampled(states, output.sampled_token_ids)
         return output
 
     # -- helpers -------------------------------------------------------------------------------

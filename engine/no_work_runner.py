@@ -72,8 +72,6 @@ class NoWorkRunner:
         inputs = batch.prepare(chunks)
         self.num_tokens_built += int(inputs.input_ids.shape[0])
         states = batch.sample_states(chunks)
-        tokens = [self.token_id] * len(states)
-        batch.append_sampled(states, tokens)
-        return ModelRunnerOutput(
-            sampled_token_ids={s.request_id: self.token_id for s in states}
-        )
+        sampled = {s.request_id: self.token_id for s in states}
+        batch.append_sampled(states, sampled)
+        return ModelRunnerOutput(sampled_token_ids=sampled)

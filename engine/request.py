@@ -112,12 +112,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        status = self.status
-        return not (
-            status is RequestStatus.RUNNING
-            or status is RequestStatus.WAITING
-            or status is RequestStatus.PREEMPTED
-        )
+        return self.status.is_finished
 
     @property
     def recompute_charged_tenant_id(self) -> str | None:

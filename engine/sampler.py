@@ -134,11 +134,20 @@ class SampleRow(Protocol):
 
     request_id: str
     sampling_params: SamplingParams
-    prompt_token_ids: list[int]  # repetition penalty
-    output_token_ids: list[int]  # penalties, min_tokens, seeded noise
     eos_token_id: int | None  # suppressed until min_tokens outputs exist
     sample_index: int  # seeded samples of one prompt differ by it
     penalty_counts: PenaltyCounts | None  # the sampler's, kept with the request; None at first
+
+    @property
+    def prompt_token_ids(self) -> list[int]:  # repetition penalty
+        ...
+
+    @property
+    def num_output_tokens(self) -> int:  # min_tokens, seeded noise
+        ...
+
+    def output_tokens_since(self, start: int) -> list[int]:  # penalties: outputs start..
+        ...
 
 
 @dataclass
@@ -262,20 +271,20 @@ class Sampler:
             if s.penalty_counts is None or s.penalty_counts.output_counts.device != device
         ]
         if fresh:
-            outputs = self._token_counts([s.output_token_ids for s in fresh], device)
+            outputs = self._token_counts([s.output_tokens_since(0) for s in fresh], device)
             prompts = self._token_counts([s.prompt_token_ids for s in fresh], device)
             for index, seq in enumerate(fresh):
                 seq.penalty_counts = PenaltyCounts(
                     outputs[index].clone(), prompts[index, : self.vocab_size] > 0,
-                    len(seq.output_token_ids),
+                    seq.num_output_tokens,
                 )
         states: list[PenaltyCounts] = []
         for seq in seqs:
             state = seq.penalty_counts
             assert state is not None
-            num_outputs = len(seq.output_token_ids)
+            num_outputs = seq.num_output_tokens
             if state.num_counted < num_outputs:
-                new = torch.tensor(seq.output_token_ids[state.num_counted :], dtype=torch.int64,
+                new = torch.tensor(seq.output_tokens_since(state.num_counted), dtype=torch.int64,
                                    device=device).clamp_(max=self.vocab_size)
                 state.output_counts.index_put_(
                     (new,), torch.ones_like(new, dtype=torch.float32), accumulate=True
@@ -314,7 +323,7 @@ class Sampler:
         token_ids: list[int] = []
         for i, seq in enumerate(seqs):
             params = seq.sampling_params
-            if len(seq.output_token_ids) >= params.min_tokens:
+            if seq.num_output_tokens >= params.min_tokens:
                 continue
             suppressed = set(params.stop_token_ids)
             if seq.eos_token_id is not None and not params.ignore_eos:
@@ -339,7 +348,7 @@ class Sampler:
             return _BatchParams(None, None, None, None, greedy_rows, [], {}, False, False, False)
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         seeded_keys = {
-            i: derive_seed(seed, seqs[i].sample_index, len(seqs[i].output_token_ids))
+            i: derive_seed(seed, seqs[i].sample_index, seqs[i].num_output_tokens)
             for i in random_rows
             if (seed := params[i].seed) is not None
         }

@@ -146,9 +146,7 @@ class Scheduler:
         decodes: list[Request] = []
         prefills: list[Request] = []
         for request in self.running:
-            outputs = request.output_token_ids  # Request.is_prefill_done, inlined
-            num_left = len(request.prompt_token_ids) + len(outputs) - request.num_computed_tokens
-            (decodes if num_left <= 1 and outputs else prefills).append(request)
+            (decodes if request.is_prefill_done else prefills).append(request)
         if self.config.enable_priority_preemption:  # else every tier counts the same
             decodes.sort(key=_priority)
             prefills.sort(key=_priority)
@@ -203,25 +201,11 @@ class Scheduler:
     def _schedule_running_all(self, requests: list[Request], plan: _StepPlan) -> None:
         scheduled = plan.num_new_tokens
         running = RequestStatus.RUNNING
-        fits_in_place = self.kv.fits_in_place
         for request in requests:
             if plan.budget == 0:
                 return
-            request_id = request.request_id
-            if request.status is not running or request_id in scheduled:
+            if request.status is not running or request.request_id in scheduled:
                 continue  # preempted earlier in this step, or already scheduled
-            num_prompt = len(request.prompt_token_ids)
-            computed = request.num_computed_tokens
-            num_left = num_prompt + len(request.output_token_ids) - computed
-            if (
-                num_left == 1 and computed >= num_prompt and request.fork_parent is None
-                and fits_in_place(request, 1)
-            ):
-                # The common decode: one token in a block it owns (_commit_chunk, inlined).
-                scheduled[request_id] = 1
-                plan.budget -= 1
-                request.num_computed_tokens = computed + 1
-                continue
             self._schedule_running(request, plan)
 
     def _best_waiting_priority(self) -> float:
@@ -230,11 +214,7 @@ class Scheduler:
         return float("inf") if head is None else head.priority
 
     def _schedule_running(self, request: Request, plan: _StepPlan) -> None:
-        num_left = (
-            len(request.prompt_token_ids) + len(request.output_token_ids)
-            - request.num_computed_tokens
-        )
-        num_new = num_left if num_left < plan.budget else plan.budget
+        num_new = min(request.num_uncomputed_tokens, plan.budget)
         if not self.kv.fits_in_place(request, num_new):
             while not self.kv.can_allocate(request, num_new):
                 plan.short_of_blocks = True
@@ -501,12 +481,11 @@ class Scheduler:
                 in_runner.add(request_id)
                 new_requests.append(self._new_request_data(request))
             end = request.num_computed_tokens
-            num_left = request.num_tokens - end
-            # a decode: one token once the prompt is done (Request.is_prefill_done)
-            if num_new == 1 and num_left <= 1 and request.output_token_ids:
-                decodes.append(ScheduledChunk(request_id, end - 1, 1, num_left == 0, False))
+            needs_sample = end == request.num_tokens
+            if num_new == 1 and request.is_prefill_done:
+                decodes.append(ScheduledChunk(request_id, end - 1, 1, needs_sample, False))
             else:
-                prefills.append(ScheduledChunk(request_id, end - num_new, num_new, num_left == 0,
+                prefills.append(ScheduledChunk(request_id, end - num_new, num_new, needs_sample,
                                                True))
             num_batched += num_new
         joined = {r.request_id for r in new_requests}

@@ -133,13 +133,14 @@ class _Driver:
             assert getattr(packed, name).tolist() == getattr(plain, name).tolist(), name
             assert getattr(packed, name).dtype == getattr(plain, name).dtype, name
         states = self.batch.sample_states(chunks)
-        sampled = [rng.randrange(3, 1000) for _ in states]
+        sampled = {s.request_id: rng.randrange(3, 1000) for s in states}
         self.batch.append_sampled(states, sampled)
         for chunk in chunks:
             self.seqs[chunk.request_id].num_computed = chunk.num_context_tokens
-        for state, token in zip(states, sampled, strict=True):
+        for state in states:
             seq = self.seqs[state.request_id]
-            seq.tokens.append(token)
+            seq.tokens.append(sampled[state.request_id])
+            assert state.num_output_tokens == len(seq.tokens) - seq.num_prompt
             assert state.prompt_token_ids + state.output_token_ids == seq.tokens
             assert self.batch.token_ids(state.request_id).tolist() == seq.tokens
 

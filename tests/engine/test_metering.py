@@ -22,7 +22,7 @@ from engine import (
     TenantContext,
 )
 from engine.fake_runner import FakeModelRunner
-from engine.flops import forward_flops, linear_params_per_token
+from engine.flops import FlopsCounter, forward_flops, linear_params_per_token
 from engine.metering import split_step_time
 from engine.model_runner import RunnerConfig, TorchModelRunner
 from engine.models.config import ModelConfig
@@ -75,6 +75,27 @@ def _token_flops(config: ModelConfig, position: int) -> int:
         for window in config.sliding_windows
     )
     return 2 * linear_params_per_token(config) + attention
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    num_new=st.integers(0, 120),
+    num_cached=st.integers(0, 600),
+    num_sampled=st.integers(0, 2),
+    windows=st.sampled_from([None, (None, None), (64, None), (16, 512, 1)]),
+)
+def test_flops_counter_counts_token_by_token(
+    num_new: int, num_cached: int, num_sampled: int, windows: tuple[int | None, ...] | None
+) -> None:
+    """The counter (layers of one window counted together, closed-form key sums) against the
+    model's shapes summed token by token."""
+    config = TINY_LLAMA if windows is None else dataclasses.replace(
+        TINY_LLAMA, sliding_windows=windows
+    )
+    expected = sum(_token_flops(config, p) for p in range(num_cached, num_cached + num_new))
+    if num_new:
+        expected += 2 * config.hidden_size * config.vocab_size * num_sampled
+    assert FlopsCounter(config)(num_new, num_cached + num_new, num_sampled) == expected
 
 
 def _fake_clock_engine(
@@ -153,31 +174,6 @@ def test_split_is_exact_proportional_to_flops_and_separates_recompute(
     for part, weight in zip(parts, expected, strict=True):
         assert abs(part - step_time_s * weight / total) <= len(parts) * math.ulp(step_time_s)
     assert [c.request_id for c in charges] == [c.request_id for c in chunks]
-
-
-@settings(max_examples=300, deadline=None)
-@given(
-    shapes=st.lists(
-        st.tuples(st.integers(0, 300), st.integers(1, 64), st.booleans()), min_size=1, max_size=8
-    ),
-    step_time_s=st.floats(1e-7, 10.0, allow_nan=False, allow_infinity=False),
-    prices_nothing=st.booleans(),
-)
-def test_steps_without_recompute_split_exactly_as_the_general_path(
-    shapes: list[tuple[int, int, bool]], step_time_s: float, prices_nothing: bool
-) -> None:
-    """Without any high-water mark the split skips the (zero) recompute weights; the charges
-    are the general path's to the last bit (a mark of a request not in the step forces it)."""
-    chunks = [_chunk(f"r{i}", s, k, sample) for i, (s, k, sample) in enumerate(shapes)]
-
-    def estimate(num_new: int, num_context: int, num_sampled: int) -> float:
-        return 0.0 if prices_nothing else forward_flops(TINY_LLAMA, num_new, num_context,
-                                                        num_sampled)
-
-    fast = split_step_time(chunks, {}, step_time_s, estimate)
-    general = split_step_time(chunks, {"not-in-the-step": 10}, step_time_s, estimate)
-    assert fast == general
-    assert sum(c.gpu_seconds for c in fast) == step_time_s
 
 
 def test_split_without_a_cost_model_falls_back_to_token_counts() -> None:

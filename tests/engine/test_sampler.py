@@ -8,10 +8,10 @@ from collections import Counter
 import pytest
 import torch
 
-from engine.input_batch import RequestState
+from engine.input_batch import InputBatch, RequestState
 from engine.sampler import Sampler, derive_seed, filtered_probs, seeded_exponential
 from engine.sampling_params import SamplingParams
-from engine.scheduler_output import NewRequestData
+from engine.scheduler_output import NewRequestData, SchedulerOutput
 
 VOCAB = 8
 # Chi-square critical value for 7 degrees of freedom at p = 0.001.
@@ -38,7 +38,9 @@ def make_chunk(
         eos_token_id=eos_token_id,
         sample_index=sample_index,
     )
-    return RequestState(data, row=0)
+    batch = InputBatch(block_size=16, num_rows=1)
+    batch.update(SchedulerOutput(0, [], 0, [data]))
+    return batch.requests[request_id]
 
 
 def fixed_logits(num_rows: int = 1) -> torch.Tensor:
@@ -271,6 +273,7 @@ def test_penalty_counts_kept_between_steps_equal_a_full_recount() -> None:
     params = SamplingParams(temperature=1.0, seed=3, repetition_penalty=1.5,
                             frequency_penalty=0.5, presence_penalty=0.25, logprobs=VOCAB)
     kept = make_chunk("r", params, prompt=[1, 2, 2], output=[VOCAB + 1])
+    batch = kept._batch  # the runner's batch the state reads its tokens from
     sampler = Sampler(VOCAB)
     rng = torch.Generator().manual_seed(0)
     for _ in range(12):
@@ -281,8 +284,8 @@ def test_penalty_counts_kept_between_steps_equal_a_full_recount() -> None:
         assert got.sampled_token_ids == expected.sampled_token_ids
         assert got.logprobs["r"].top == expected.logprobs["r"].top
         assert kept.penalty_counts is not None
-        assert kept.penalty_counts.num_counted == len(kept.output_token_ids)
-        kept.output_token_ids.append(got.sampled_token_ids["r"])  # as the runner does
+        assert kept.penalty_counts.num_counted == kept.num_output_tokens
+        batch.append_sampled([kept], got.sampled_token_ids)  # as the runner does
 
 
 def test_penalties_ignore_token_ids_outside_the_logits() -> None:
