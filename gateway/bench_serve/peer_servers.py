@@ -10,25 +10,19 @@ engine on a small machine) and OMP_NUM_THREADS=<threads>; llama-server also gets
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import secrets
-import signal
-import socket
-import subprocess
 import sys
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from types import TracebackType
 
-from gateway.bench_serve.errors import ServerStartError
+from gateway.bench_serve.server_process import ServerProcess
 
 __all__ = [
     "PEER_TENANT_TIER",
     "LlamaServer",
-    "ServerProcess",
+    "PeerServer",
     "TiergateServer",
     "kv_bytes_per_token",
     "thread_env",
@@ -69,107 +63,18 @@ def tiergate_kv_cache_bytes(bytes_per_token: int, max_seq_len: int, max_concurre
     return math.ceil(tokens * bytes_per_token / usable_share / (1 << 20)) << 20
 
 
-class ServerProcess:
-    """A server subprocess with its log in work_dir; a context manager."""
+class PeerServer(ServerProcess):
+    """A server of the peer benchmark: the thread environment both get (thread_env)."""
 
-    name = "server"
-    ready_path = "/health"
-
-    def __init__(self, work_dir: Path, threads: int, *, start_timeout_s: float = 900.0) -> None:
-        self.work_dir = work_dir
+    def __init__(self, work_dir: Path, threads: int, *, start_timeout_s: float) -> None:
+        super().__init__(work_dir, start_timeout_s=start_timeout_s)
         self.threads = threads
-        self.start_timeout_s = start_timeout_s
-        self.port = 0
-        self.process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def log_path(self) -> Path:
-        return self.work_dir / f"{self.name}.log"
-
-    def command(self) -> list[str]:
-        raise NotImplementedError
 
     def env(self) -> dict[str, str]:
         return thread_env(self.threads)
 
-    def start(self) -> ServerProcess:
-        self.work_dir.mkdir(parents=True, exist_ok=True)
-        self.port = _free_port()
-        with self.log_path.open("wb") as log:
-            self.process = subprocess.Popen(
-                self.command(), env=self.env(), stdin=subprocess.DEVNULL, stdout=log,
-                stderr=subprocess.STDOUT, start_new_session=True,
-            )
-        try:
-            self._wait_ready()
-            self.after_ready()
-        except BaseException:
-            self.stop(timeout_s=10.0)
-            raise
-        return self
 
-    def after_ready(self) -> None:
-        """What a server needs once it answers (tiergate: a tenant and its key)."""
-
-    def stop(self, timeout_s: float = 60.0) -> int | None:
-        process, self.process = self.process, None
-        if process is None:
-            return None
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-        try:
-            return process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            return process.wait()
-
-    def cpu_time_s(self) -> float | None:
-        """CPU seconds of the server and the processes it started (None: not running)."""
-        return None if self.process is None else _tree_cpu_s(self.process.pid)
-
-    def log_tail(self, num_lines: int = 30) -> str:
-        try:
-            lines = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return ""
-        return "\n".join(lines[-num_lines:])
-
-    def __enter__(self) -> ServerProcess:
-        return self.start()
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 traceback: TracebackType | None) -> None:
-        self.stop()
-
-    def _wait_ready(self) -> None:
-        import httpx
-
-        assert self.process is not None
-        deadline = time.monotonic() + self.start_timeout_s
-        with httpx.Client(timeout=2.0, trust_env=False) as client:
-            while True:
-                code = self.process.poll()
-                if code is not None:
-                    raise ServerStartError(
-                        f"{self.name} exited with {code} before it was ready; end of "
-                        f"{self.log_path}:\n{self.log_tail()}"
-                    )
-                with contextlib.suppress(httpx.TransportError):
-                    if client.get(self.base_url + self.ready_path).status_code == 200:
-                        return
-                if time.monotonic() > deadline:
-                    raise ServerStartError(
-                        f"{self.name} not ready after {self.start_timeout_s:.0f} s; end of "
-                        f"{self.log_path}:\n{self.log_tail()}"
-                    )
-                time.sleep(0.25)
-
-
-class TiergateServer(ServerProcess):
+class TiergateServer(PeerServer):
     """`tiergate serve` with no --model (SmolLM2-135M-Instruct converted to dtype), a fresh
     SQLite database, and a tenant of PEER_TENANT_TIER with an unlimited quota."""
 
@@ -215,7 +120,7 @@ class TiergateServer(ServerProcess):
         self.model = served_model_name(self.base_url, self.api_key)
 
 
-class LlamaServer(ServerProcess):
+class LlamaServer(PeerServer):
     """llama.cpp's llama-server: `--parallel` slots of ctx_size / parallel tokens each,
     continuous batching (its default), no web UI."""
 
@@ -245,29 +150,3 @@ class LlamaServer(ServerProcess):
     def command(self) -> list[str]:
         return [str(self.binary), "-m", str(self.model_file), "--host", "127.0.0.1",
                 "--port", str(self.port), *self.flags()]
-
-
-def _tree_cpu_s(pid: int) -> float | None:
-    """utime + stime of pid and its live descendants, from /proc (None: pid is gone)."""
-    total: int | None = None
-    pending = [pid]
-    while pending:
-        current = pending.pop()
-        try:
-            fields = Path(f"/proc/{current}/stat").read_text().rsplit(")", 1)[1].split()
-            children = [
-                int(child)
-                for path in Path(f"/proc/{current}/task").glob("*/children")
-                for child in path.read_text().split()
-            ]
-        except (OSError, ValueError):
-            continue
-        total = (total or 0) + int(fields[11]) + int(fields[12])
-        pending.extend(children)
-    return None if total is None else total / os.sysconf("SC_CLK_TCK")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])

@@ -51,7 +51,8 @@ from gateway.bench_serve.plan import (
     two_tenant_workload,
 )
 from gateway.bench_serve.report import format_run, format_sweep, headline, run_json
-from gateway.bench_serve.server import VARIANTS, BenchServer, EngineLimits, _process_tree_cpu_s
+from gateway.bench_serve.server import VARIANTS, BenchServer, EngineLimits
+from gateway.bench_serve.server_process import process_tree_cpu_s
 from gateway.bench_serve.session import BenchTarget, RunRecord
 from gateway.bench_serve.stats import RunSummary, meets_slo, summarize
 from gateway.bench_serve.sweep import FairnessRun, LoadPoint, SweepResult, run_order
@@ -968,7 +969,7 @@ def test_a_servers_cpu_time_counts_the_processes_it_started() -> None:
     )
     try:
         assert parent.stdout is not None and parent.stdout.readline() == b"spent\n"
-        tree_cpu_s = _process_tree_cpu_s(parent.pid)
+        tree_cpu_s = process_tree_cpu_s(parent.pid)
         own = Path(f"/proc/{parent.pid}/stat").read_text().rsplit(")", 1)[1].split()
         own_cpu_s = (int(own[11]) + int(own[12])) / os.sysconf("SC_CLK_TCK")
     finally:
@@ -977,4 +978,4 @@ def test_a_servers_cpu_time_counts_the_processes_it_started() -> None:
         if parent.stdout is not None:
             parent.stdout.close()
     assert tree_cpu_s is not None and tree_cpu_s >= own_cpu_s + 0.29  # clock ticks round down
-    assert _process_tree_cpu_s(parent.pid) is None  # gone
+    assert process_tree_cpu_s(parent.pid) is None  # gone
