@@ -9,8 +9,8 @@ from engine.errors import InvalidRequestError
 # Temperatures below this are treated as greedy decoding.
 GREEDY_EPSILON = 1e-5
 
-# Longest stop string: every sampled token is matched against each stop string's length of
-# decoded text (four 50,000-character stops cost ~9 ms per sample per step).
+# Longest stop string: every sampled token is matched against up to a stop string's length of
+# the decoded text, for every stop string of every sample.
 MAX_STOP_STRING_CHARS = 1024
 
 

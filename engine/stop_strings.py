@@ -55,10 +55,18 @@ def num_held_back_chars(text: str, stops: Sequence[str]) -> int:
     when the sequence finishes without a match the held-back tail is sent as well.
     """
     held = 0
+    end = len(text)
     for stop in stops:
-        # Longest k < len(stop) with text ending in stop[:k]; only k > held can improve.
-        for k in range(min(len(stop) - 1, len(text)), held, -1):
-            if text.endswith(stop[:k]):
-                held = k
+        if not stop:
+            continue
+        # Longest k < len(stop) with text ending in stop[:k], only k > held improving: such a
+        # tail starts at a copy of stop's first character, so only those are tried, longest
+        # first (a C-level find; testing every k with a slice was quadratic in the stop).
+        first = stop[0]
+        start = text.find(first, max(0, end - len(stop) + 1), end - held)
+        while start != -1:
+            if stop.startswith(text[start:]):
+                held = end - start
                 break
+            start = text.find(first, start + 1, end - held)
     return held

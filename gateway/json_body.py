@@ -2,10 +2,10 @@
 
 - Nesting deeper than the parser recurses (100,000 nested arrays): Python's parser raises
   RecursionError, which used to surface as a 500 with a traceback.
-- Lone surrogates: a `\\ud800` escape decodes to a str that is not text (no UTF-8 form), which
-  failed later in tokenization or in the response's encoder (the connection dropped without a
-  response). They are looked for only when the body holds a `\\ud8`-`\\udf` escape, so the
-  common body pays one byte search.
+- Lone surrogates: a `\\ud800` escape decodes to a str that is not text (no UTF-8 form); such
+  a chat message was reported to drop the connection without a response. They are looked
+  for only when the body holds a `\\ud8`-`\\udf` escape, so the common body pays one byte
+  search.
 Both are a 400 invalid_request_error naming the field (`messages[0].content`, `prompt[1]`).
 """
 

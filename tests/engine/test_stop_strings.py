@@ -87,3 +87,20 @@ def test_streaming_never_emits_a_stop_and_cuts_at_the_first(
     assert final == expected
     # Nothing streamed ever has to be taken back.
     assert num_streamed <= len(final)
+
+
+def _held_back_by_every_k(text: str, stops: list[str]) -> int:
+    """The definition, tried for every tail length (the former, quadratic implementation)."""
+    return max(
+        (k for stop in stops for k in range(1, len(stop)) if text.endswith(stop[:k])),
+        default=0,
+    )
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    text=st.text(alphabet="ab<", max_size=30),
+    stops=st.lists(st.text(alphabet="ab<", min_size=1, max_size=8), max_size=4),
+)
+def test_held_back_equals_the_definition(text: str, stops: list[str]) -> None:
+    assert num_held_back_chars(text, stops) == _held_back_by_every_k(text, stops)
