@@ -238,6 +238,52 @@ class Tokenizer:
         ids: list[int] = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
         return ids
 
+    def encode_unlocked(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """encode(), releasing the GIL while the backend works (its batch entry point does;
+        its single one does not): for a worker thread, so other threads run meanwhile."""
+        encoding = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)
+        ids: list[int] = encoding[0].ids
+        return ids
+
+    def min_num_tokens(self, text: str) -> int:
+        """A lower bound on len(encode(text)) found without encoding (0 when none is known):
+        the text's UTF-8 bytes over the longest token's, for byte-level BPE models whose every
+        token stands for its own bytes."""
+        if self.max_token_bytes is None:
+            return 0
+        return -(-len(text.encode("utf-8", "surrogatepass")) // self.max_token_bytes)
+
+    @cached_property
+    def max_token_bytes(self) -> int | None:
+        """Most bytes of text one token covers, or None when a token may cover more than its
+        own bytes (a normalizer that can shrink text, a pre-tokenizer that drops characters,
+        an added token that swallows the spaces beside it) or the model is not byte-level BPE."""
+        spec = json.loads(self._backend.to_str())
+        pre = spec.get("pre_tokenizer") or {}
+        parts = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+        keeps_bytes = all(
+            part.get("type") in ("ByteLevel", "Digits")
+            or (part.get("type") == "Split" and part.get("behavior") != "Removed")
+            for part in parts
+        )
+        if (
+            spec.get("normalizer") is not None
+            or spec.get("model", {}).get("type") != "BPE"
+            or not any(part.get("type") == "ByteLevel" for part in parts)
+            or not keeps_bytes
+        ):
+            return None
+        added = self._backend.get_added_tokens_decoder()
+        if any(token.lstrip or token.rstrip for token in added.values()):
+            return None
+        # A byte-level token's string holds one character per byte; an added token is its text.
+        longest = max(
+            (len(token) for token in self._backend.get_vocab(with_added_tokens=False)), default=1
+        )
+        for token in added.values():
+            longest = max(longest, len(token.content.encode("utf-8")))
+        return longest
+
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         text: str = self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
         if self._clean_up_spaces:

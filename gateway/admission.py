@@ -116,19 +116,10 @@ class GatewayAdmission:
     async def admit(
         self, principal: TenantPrincipal, *, num_prompt_tokens: int, num_max_tokens: int
     ) -> AdmissionGrant:
-        quota = principal.quota
         request = AdmissionRequest(
             tenant_id=str(principal.tenant_id),
             tier=principal.tier,
-            limits=TenantLimits(
-                requests_per_minute=quota.requests_per_minute,
-                tokens_per_minute=quota.tokens_per_minute,
-                burst_requests=quota.burst_requests,
-                burst_tokens=quota.burst_tokens,
-                max_concurrent_requests=quota.max_concurrent_requests,
-                monthly_token_budget=quota.monthly_token_budget,
-                monthly_spend_budget_usd_micros=quota.monthly_spend_budget_usd_micros,
-            ),
+            limits=_limits(principal),
             num_prompt_tokens=num_prompt_tokens,
             num_max_tokens=num_max_tokens,
             weight=principal.weight,
@@ -141,6 +132,21 @@ class GatewayAdmission:
                 refused.snapshot = await self.controller.peek(request)
             raise _translate(refused) from None
         return AdmissionGrant(ticket=ticket, headers=rate_limit_headers(ticket.snapshot))
+
+    async def screen(self, principal: TenantPrincipal) -> None:
+        """429 now, before the gateway reads or tokenizes a large body, when the tenant's
+        rate limits have no request or no token left (charges nothing)."""
+        try:
+            await self.controller.screen(str(principal.tenant_id), _limits(principal))
+        except AdmissionRefused as refused:
+            raise _translate(refused) from None
+
+    async def charge_refused(self, principal: TenantPrincipal, num_tokens: int) -> None:
+        """A request refused with a 4xx after authentication still costs its tenant one
+        request and the tokens it was found to hold, so bad requests are rate-limited too."""
+        await self.controller.charge_refused(
+            str(principal.tenant_id), _limits(principal), num_tokens
+        )
 
     async def release(self, grant: AdmissionGrant, num_tokens_used: int) -> None:
         await self.controller.release(grant.ticket, num_tokens_used)
@@ -173,6 +179,19 @@ def build_admission(
     shed = ShedConfig(slo_fraction=settings.shed_slo_fraction if settings.enable_shedding
                       else math.inf)
     return GatewayAdmission(AdmissionController(limiter, tiers, usage, stats, shed))
+
+
+def _limits(principal: TenantPrincipal) -> TenantLimits:
+    quota = principal.quota
+    return TenantLimits(
+        requests_per_minute=quota.requests_per_minute,
+        tokens_per_minute=quota.tokens_per_minute,
+        burst_requests=quota.burst_requests,
+        burst_tokens=quota.burst_tokens,
+        max_concurrent_requests=quota.max_concurrent_requests,
+        monthly_token_budget=quota.monthly_token_budget,
+        monthly_spend_budget_usd_micros=quota.monthly_spend_budget_usd_micros,
+    )
 
 
 def _translate(refused: AdmissionRefused) -> AdmissionRefusal:

@@ -10,8 +10,10 @@ frees their KV blocks before the engine's next step.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+
+import anyio
 
 from engine import (
     ContextLengthExceededError,
@@ -40,8 +42,25 @@ class PreparedPrompt:
     text: str | None
 
 
-def prepare_prompts(request: GenerationRequest, model: ServedModel) -> list[PreparedPrompt]:
-    """Render the chat template or take the prompts as given, and tokenize."""
+async def prepare_prompts(
+    request: GenerationRequest, model: ServedModel, off_loop: anyio.CapacityLimiter | None
+) -> list[PreparedPrompt]:
+    """Render the chat template or take the prompts as given, and tokenize.
+
+    off_loop: in a worker thread under this limiter, with an encoder that releases the GIL,
+    so the event loop serves other tenants meanwhile (a 1 MiB prompt takes about a second to
+    encode). None: on the loop, for small prompts, which a hand-over to a thread only delays.
+    """
+    if off_loop is None:
+        return _prepare(request, model, model.tokenizer.encode)
+    return await anyio.to_thread.run_sync(
+        _prepare, request, model, model.tokenizer.encode_unlocked, limiter=off_loop
+    )
+
+
+def _prepare(
+    request: GenerationRequest, model: ServedModel, encode: Callable[[str, bool], list[int]]
+) -> list[PreparedPrompt]:
     tokenizer = model.tokenizer
     if request.endpoint is Endpoint.CHAT:
         try:
@@ -54,22 +73,37 @@ def prepare_prompts(request: GenerationRequest, model: ServedModel) -> list[Prep
                 f"the messages cannot be rendered with this model's chat template: {exc}",
                 param="messages",
             ) from exc
+        _check_not_too_long(text, model, "messages")
         # The template already holds the special tokens it wants (BOS included).
-        return [PreparedPrompt(tokenizer.encode(text, add_special_tokens=False), text)]
+        return [PreparedPrompt(encode(text, False), text)]
     prompts = []
     for index, prompt in enumerate(request.prompts):
+        param = "prompt" if len(request.prompts) == 1 else f"prompt[{index}]"
         if isinstance(prompt, str):
-            prompts.append(PreparedPrompt(tokenizer.encode(prompt), prompt))
+            _check_not_too_long(prompt, model, param)
+            prompts.append(PreparedPrompt(encode(prompt, True), prompt))
             continue
         for token_id in prompt:
             if not 0 <= token_id < model.vocab_size:
                 raise InvalidRequestError(
                     f"token id {token_id} is outside this model's vocabulary "
                     f"(0..{model.vocab_size - 1})",
-                    param="prompt" if len(request.prompts) == 1 else f"prompt[{index}]",
+                    param=param,
                 )
         prompts.append(PreparedPrompt(list(prompt), None))
     return prompts
+
+
+def _check_not_too_long(text: str, model: ServedModel, param: str) -> None:
+    """400 context_length_exceeded, without encoding, for a text that cannot fit."""
+    num_tokens = model.tokenizer.min_num_tokens(text)
+    if num_tokens >= model.max_model_len:
+        raise InvalidRequestError(
+            f"the prompt has at least {num_tokens} tokens ({len(text)} characters); this "
+            f"model's context is {model.max_model_len}",
+            param=param,
+            code="context_length_exceeded",
+        )
 
 
 def sampling_params(request: GenerationRequest, model: ServedModel) -> SamplingParams:

@@ -27,6 +27,19 @@ MAX_COMPLETION_LOGPROBS = 5
 _INT64 = 2**63
 
 
+@dataclass(frozen=True)
+class RequestBounds:
+    """Operator limits on what one request may ask for, checked before any costly work
+    (serve's --max-messages and --max-choices)."""
+
+    max_messages: int = 2048  # messages in one chat request
+    max_choices: int = 256  # prompts x n: engine sequences one request may start
+
+    def __post_init__(self) -> None:
+        if self.max_messages < 1 or self.max_choices < 1:
+            raise ValueError("max_messages and max_choices must be >= 1")
+
+
 class Endpoint(Enum):
     CHAT = "chat.completions"
     COMPLETIONS = "completions"
@@ -108,11 +121,19 @@ _COMPLETION_FIELDS = _COMMON | _EXTENSIONS | _IGNORED_COMPLETIONS | {
 _CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
 
-def parse_chat_request(body: object) -> GenerationRequest:
+def parse_chat_request(body: object, bounds: RequestBounds | None = None) -> GenerationRequest:
+    bounds = bounds or RequestBounds()
     fields = _Fields(body, _CHAT_FIELDS)
     model = fields.string("model", required=True)
     _refuse_chat_features(fields)
-    messages = tuple(_message(m, i) for i, m in enumerate(fields.array("messages", required=True)))
+    raw_messages = fields.array("messages", required=True)
+    if len(raw_messages) > bounds.max_messages:
+        raise InvalidRequestError(
+            f"messages holds {len(raw_messages)} messages; this server takes at most "
+            f"{bounds.max_messages}",
+            param="messages",
+        )
+    messages = tuple(_message(m, i) for i, m in enumerate(raw_messages))
     if not messages:
         raise InvalidRequestError("messages must hold at least one message", param="messages")
     logprobs = fields.boolean("logprobs") or False
@@ -126,6 +147,7 @@ def parse_chat_request(body: object) -> GenerationRequest:
     if max_completion_tokens is not None:
         max_tokens = max_completion_tokens
     sampling = _sampling(fields, max_tokens, (top_logprobs or 0) if logprobs else None)
+    _check_choices(1, sampling.n, bounds)
     stream, include_usage = _stream(fields)
     return GenerationRequest(
         endpoint=Endpoint.CHAT,
@@ -138,10 +160,13 @@ def parse_chat_request(body: object) -> GenerationRequest:
     )
 
 
-def parse_completion_request(body: object) -> GenerationRequest:
+def parse_completion_request(
+    body: object, bounds: RequestBounds | None = None
+) -> GenerationRequest:
+    bounds = bounds or RequestBounds()
     fields = _Fields(body, _COMPLETION_FIELDS)
     model = fields.string("model", required=True)
-    prompts = _prompts(fields.raw("prompt"))
+    prompts = _prompts(fields.raw("prompt"), bounds.max_choices)
     suffix = fields.optional_string("suffix")
     if suffix:
         _unsupported("suffix", "suffix (insertion) is not supported by this model")
@@ -153,6 +178,7 @@ def parse_completion_request(body: object) -> GenerationRequest:
     if max_tokens == 0:
         raise InvalidRequestError("max_tokens must be at least 1", param="max_tokens")
     sampling = _sampling(fields, max_tokens, num_logprobs)
+    _check_choices(len(prompts), sampling.n, bounds)
     best_of = fields.integer("best_of", 0, 20)
     if best_of is not None and best_of not in (0, sampling.n):
         _unsupported("best_of", "best_of other than n is not supported")
@@ -247,7 +273,16 @@ def _stop(value: object) -> tuple[str, ...]:
     return tuple(s for s in items if s)
 
 
-def _prompts(value: object) -> tuple[str | tuple[int, ...], ...]:
+def _check_choices(num_prompts: int, n: int, bounds: RequestBounds) -> None:
+    if num_prompts * n > bounds.max_choices:
+        raise InvalidRequestError(
+            f"{num_prompts} prompt(s) x n={n} asks for {num_prompts * n} choices; this server "
+            f"takes at most {bounds.max_choices} in one request",
+            param="n" if num_prompts == 1 else "prompt",
+        )
+
+
+def _prompts(value: object, max_prompts: int) -> tuple[str | tuple[int, ...], ...]:
     if value is None:
         raise InvalidRequestError("prompt is required", param="prompt")
     if isinstance(value, str):
@@ -256,6 +291,12 @@ def _prompts(value: object) -> tuple[str | tuple[int, ...], ...]:
         raise InvalidRequestError(
             "prompt must be a string, an array of strings, an array of token ids or an array "
             "of token id arrays",
+            param="prompt",
+        )
+    if isinstance(value[0], str | list) and len(value) > max_prompts:
+        raise InvalidRequestError(
+            f"prompt holds {len(value)} prompts; this server takes at most {max_prompts} "
+            "choices (prompts x n) in one request",
             param="prompt",
         )
     if all(isinstance(p, str) for p in value):

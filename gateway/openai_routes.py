@@ -1,10 +1,16 @@
 """POST /v1/chat/completions, POST /v1/completions and GET /v1/models.
 
 Order of work for a generation request: accepting (not draining, model loaded), the caller's
-key, the body (size, JSON, schema), the model name, tokenization, whether it can ever fit
-the context, admission, then the engine. Nothing is charged or queued before every check
-that can refuse it has passed. A finished request's record reaches the ledger before the
-client sees its final chunk (or its body), so a client that saw the end is always billed.
+key, the body (size, JSON, schema and the operator's bounds: messages, prompts x n), the model
+name, tokenization, whether it can ever fit the context, admission, then the engine. A body
+over LARGE_BODY_BYTES is read only if the tenant's rate limits have room (a 429 otherwise),
+and its prompts are tokenized off the event loop; a text that cannot fit the context is
+refused from its size, before it is encoded. A request refused with a 4xx once its tenant is
+known costs that tenant one request and the prompt tokens it was found to hold, taken from
+its buckets as far as they go: bad requests are rate-limited like good ones. Nothing else is
+charged or queued before every check that can refuse it has passed. A finished request's
+record reaches the ledger before the client sees its final chunk (or its body), so a client
+that saw the end is always billed.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -38,6 +44,7 @@ from gateway.json_body import parse_json_body
 from gateway.openai_requests import (
     Endpoint,
     GenerationRequest,
+    RequestBounds,
     parse_chat_request,
     parse_completion_request,
 )
@@ -63,25 +70,42 @@ def openai_routes(runtime: GatewayRuntime, admission: GatewayAdmission) -> list[
     ]
 
 
-async def read_json_body(request: Request, max_bytes: int) -> Any:
-    """The body parsed as JSON; 413 above max_bytes (checked while reading), 400 if not JSON
-    (gateway.json_body)."""
+# A body this large may hold prompts that take tens of milliseconds or more to tokenize: it
+# is read only when the tenant's rate limits have room (AdmissionController.screen), and its
+# prompts are rendered and tokenized in a worker thread instead of on the event loop.
+LARGE_BODY_BYTES = 64 << 10
+
+
+async def read_json_body(
+    request: Request, max_bytes: int, on_large: Callable[[], Awaitable[None]] | None = None
+) -> tuple[Any, int]:
+    """The body parsed as JSON and its size; 413 above max_bytes (checked while reading), 400
+    if not JSON (gateway.json_body). on_large runs once, before the body is read on, when it
+    is declared or found to be larger than LARGE_BODY_BYTES."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise PayloadTooLargeError(f"the request body is larger than {max_bytes} bytes")
+    if on_large is not None and declared is not None and declared.isdigit():
+        if int(declared) > LARGE_BODY_BYTES:
+            await on_large()
+        on_large = None
     chunks, size = [], 0
     async for piece in request.stream():
         size += len(piece)
         if size > max_bytes:
             raise PayloadTooLargeError(f"the request body is larger than {max_bytes} bytes")
+        if on_large is not None and size > LARGE_BODY_BYTES:
+            await on_large()
+            on_large = None
         chunks.append(piece)
-    return parse_json_body(b"".join(chunks))
+    return parse_json_body(b"".join(chunks)), size
 
 
 class _OpenAIApi:
     def __init__(self, runtime: GatewayRuntime, admission: GatewayAdmission) -> None:
         self.runtime = runtime
         self.admission = admission
+        self._encoder_limiter: anyio.CapacityLimiter | None = None
 
     async def list_models(self, request: Request) -> Response:
         await self.runtime.key_resolver.authenticate(request)
@@ -105,36 +129,50 @@ class _OpenAIApi:
         arrival = time.monotonic()
         served, engine = self.runtime.ready_model()
         principal = await self.runtime.key_resolver.authenticate(http_request)
+        settings = self.runtime.settings
+        num_prompt_tokens = 0  # what a refused request is found to hold, charged to it
         try:
-            body = await read_json_body(http_request, self.runtime.settings.max_body_bytes)
+            body, body_bytes = await read_json_body(
+                http_request,
+                settings.max_body_bytes,
+                on_large=lambda: self._screen(principal, endpoint, served, arrival),
+            )
+            bounds = RequestBounds(settings.max_messages, settings.max_choices)
+            parsed = (
+                parse_chat_request(body, bounds) if endpoint is Endpoint.CHAT
+                else parse_completion_request(body, bounds)
+            )
+            if parsed.model != served.name:
+                raise _unknown_model(parsed.model)
+            # A small body's prompts are tokenized on the event loop: the hand-over to a thread
+            # cost a request up to 16 ms before admission under 2x load on the CPU benchmark.
+            # A large body's go to a thread whose encoder releases the GIL (1 MiB of text: about
+            # a second of encoding, during which the loop serves every other tenant).
+            off_loop = self._encoder_threads() if body_bytes > LARGE_BODY_BYTES else None
+            prompts = await prepare_prompts(parsed, served, off_loop)
+            num_prompt_tokens = sum(len(p.token_ids) for p in prompts)
+            params = sampling_params(parsed, served)
+            tenant = tenant_context(
+                served,
+                self.runtime.tiers,
+                tenant_id=principal.tenant_id,
+                tier=principal.tier,
+                weight=principal.weight,
+                cache_salt=principal.cache_salt,
+                kv_cap_share=principal.quota.kv_cap_share,
+                scheduling=settings.scheduling,
+            )
+            max_tokens = check_fits(engine, prompts, params, tenant, endpoint)
         except ClientDisconnect:
             return Response(status_code=499)
-        parsed = (
-            parse_chat_request(body) if endpoint is Endpoint.CHAT
-            else parse_completion_request(body)
-        )
-        if parsed.model != served.name:
-            raise _unknown_model(parsed.model)
-        # On the event loop, as the body's JSON was parsed: the `tokenizers` library holds the
-        # GIL while it encodes (a 128,000-character prompt, 41 ms, kept another thread out for
-        # all of it; 64 KiB, 20 ms), so a worker thread never freed the loop during an encode.
-        # It only added two hand-overs, which cost a request up to 16 ms before admission under
-        # 2x load on the CPU benchmark. A chat template's own rendering is small beside the
-        # encode (450 messages, 78 KiB: 0.5 ms of 26 ms).
-        prompts = prepare_prompts(parsed, served)
-        params = sampling_params(parsed, served)
-        tenant = tenant_context(
-            served,
-            self.runtime.tiers,
-            tenant_id=principal.tenant_id,
-            tier=principal.tier,
-            weight=principal.weight,
-            cache_salt=principal.cache_salt,
-            kv_cap_share=principal.quota.kv_cap_share,
-            scheduling=self.runtime.settings.scheduling,
-        )
-        max_tokens = check_fits(engine, prompts, params, tenant, endpoint)
-        num_prompt_tokens = sum(len(p.token_ids) for p in prompts)
+        except AdmissionRefusal:
+            raise
+        except GatewayError as error:
+            if 400 <= error.status_code < 500:
+                # A bad request costs its tenant like a good one, so a tenant cannot make the
+                # gateway parse and tokenize without limit by sending what it will refuse.
+                await self.admission.charge_refused(principal, num_prompt_tokens)
+            raise
         prefix = "chatcmpl" if endpoint is Endpoint.CHAT else "cmpl"
         response_id = f"{prefix}-{uuid.uuid4().hex}"
         trace = self.runtime.telemetry.start_request(
@@ -164,7 +202,7 @@ class _OpenAIApi:
                 for prompt in prompts:
                     engine.record_refused(len(prompt.token_ids), tenant)
             record = refused_record(
-                response_id, principal, parsed, served, num_prompt_tokens, arrival, refusal
+                response_id, principal, endpoint, served, num_prompt_tokens, arrival, refusal
             )
             trace.finished(_trace_response(record, served))
             self.runtime.publish_soon(record)
@@ -180,6 +218,34 @@ class _OpenAIApi:
                 headers={**_SSE_HEADERS, **grant.headers},
             )
         return await run.respond(http_request)
+
+
+    async def _screen(
+        self, principal: TenantPrincipal, endpoint: Endpoint, served: ServedModel, arrival: float
+    ) -> None:
+        """Before a large body is read: 429 (recorded like any refusal) when the tenant's rate
+        limits have nothing left."""
+        try:
+            await self.admission.screen(principal)
+        except AdmissionRefusal as refusal:
+            # The body is not read: closing the connection stops its bytes (up to
+            # --max-body-bytes a request) at the socket instead of draining them.
+            refusal.headers["connection"] = "close"
+            prefix = "chatcmpl" if endpoint is Endpoint.CHAT else "cmpl"
+            self.runtime.publish_soon(
+                refused_record(
+                    f"{prefix}-{uuid.uuid4().hex}", principal, endpoint, served, 0, arrival,
+                    refusal,
+                )
+            )
+            raise
+
+    def _encoder_threads(self) -> anyio.CapacityLimiter:
+        """One worker thread tokenizes large prompts at a time, leaving the other cores to
+        the engine and the event loop (created on first use, inside the running loop)."""
+        if self._encoder_limiter is None:
+            self._encoder_limiter = anyio.CapacityLimiter(1)
+        return self._encoder_limiter
 
 
 class _Run:
@@ -402,7 +468,7 @@ class _Run:
 def refused_record(
     request_id: str,
     principal: TenantPrincipal,
-    request: GenerationRequest,
+    endpoint: Endpoint,
     served: ServedModel,
     num_prompt_tokens: int,
     arrival: float,
@@ -415,7 +481,7 @@ def refused_record(
         api_key_id=principal.api_key_id,
         model=served.name,
         tier=principal.tier,
-        endpoint=request.endpoint,
+        endpoint=endpoint,
         status=RequestStatus.REFUSED,
         finish_reason=None,
         num_prompt_tokens=num_prompt_tokens,

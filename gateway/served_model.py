@@ -138,6 +138,7 @@ def describe_model(
 ) -> ServedModel:
     """What the HTTP layer is told of the model. vocab_size: the ids clients may send
     (default: the model's vocabulary)."""
+    _ = tokenizer.max_token_bytes  # read the vocabulary now, not on the first large prompt
     return ServedModel(
         name=name,
         tokenizer=tokenizer,

@@ -69,6 +69,12 @@ _OPTIONS: dict[str, _Option] = {
     "max_body_bytes": _Option(
         "--max-body-bytes", "TIERGATE_MAX_BODY_BYTES", "largest request body (413 above)"
     ),
+    "max_messages": _Option(
+        "--max-messages", "TIERGATE_MAX_MESSAGES", "most messages in one chat request"
+    ),
+    "max_choices": _Option(
+        "--max-choices", "TIERGATE_MAX_CHOICES", "most prompts x n in one request"
+    ),
     "drain_timeout_s": _Option(
         "--drain-timeout", "TIERGATE_DRAIN_TIMEOUT_S", "seconds SIGTERM waits for requests"
     ),
@@ -111,6 +117,8 @@ class GatewaySettings:
     max_num_batched_tokens: int = 2048
     scheduling: str = "tiered"
     max_body_bytes: int = 4 << 20
+    max_messages: int = 2048
+    max_choices: int = 256
     drain_timeout_s: float = 30.0
     demo_model_dir: Path = Path.home() / ".cache" / "tiergate" / "demo-model"
     model_cache_dir: Path = Path.home() / ".cache" / "tiergate" / "models"
@@ -129,7 +137,10 @@ class GatewaySettings:
             raise SettingsError(f"--dtype must be one of {', '.join(_DTYPES)}")
         if self.scheduling not in ("tiered", "fcfs"):
             raise SettingsError("--scheduling must be tiered or fcfs")
-        for name in ("kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens", "max_body_bytes"):
+        for name in (
+            "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens", "max_body_bytes",
+            "max_messages", "max_choices",
+        ):
             if getattr(self, name) < 1:
                 raise SettingsError(f"{_OPTIONS[name].flag} must be >= 1")
         if self.drain_timeout_s < 0:

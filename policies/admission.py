@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import random
 import statistics
 import time
@@ -28,7 +29,13 @@ from engine import SchedulerStats, TenantShare, TierStats
 from policies.budgets import MonthlyUsage, MonthlyUsageSource, check_budgets
 from policies.errors import AdmissionRefused
 from policies.rate_limiter_memory import MemoryRateLimiter
-from policies.rate_limits import RateLimiter, RateLimitLease, RateLimitSnapshot, TenantLimits
+from policies.rate_limits import (
+    RateLimiter,
+    RateLimitLease,
+    RateLimitSnapshot,
+    TenantLimits,
+    check_limits,
+)
 from policies.shedding import ShedConfig, SloShedder
 from policies.tiers import TierTable
 
@@ -113,7 +120,27 @@ class AdmissionController:
     async def peek(self, request: AdmissionRequest) -> RateLimitSnapshot | None:
         """The tenant's rate limits now, charging nothing: for the headers of a refusal that
         came before the limiter was asked (budget, shedding)."""
-        return await self._limiter.peek(request.tenant_id, request.limits)
+        levels = await self._limiter.peek(request.tenant_id, request.limits)
+        return None if levels is None else levels.snapshot(request.limits)
+
+    async def screen(self, tenant_id: str, limits: TenantLimits) -> None:
+        """Raise RateLimited when the tenant's buckets hold no request or no token, charging
+        nothing: asked before costly work (reading and tokenizing a large body), so a tenant
+        out of quota is turned away before it makes the gateway work. Concurrency is left to
+        admission (a slot may free meanwhile); an unreadable limiter lets the request on."""
+        levels = await self._limiter.peek(tenant_id, limits)
+        if levels is None:
+            return
+        unlimited_slots = dataclasses.replace(limits, max_concurrent_requests=None)
+        refusal = check_limits(unlimited_slots, levels, 1, concurrency_retry_after_s=0.0)
+        if refusal is not None:
+            refusal.snapshot = levels.snapshot(limits)
+            raise refusal
+
+    async def charge_refused(self, tenant_id: str, limits: TenantLimits, num_tokens: int) -> None:
+        """Charge a request refused after it made the gateway work (a 4xx once its tenant was
+        known): one request and the tokens it was found to hold, as far as the buckets go."""
+        await self._limiter.charge(tenant_id, limits, num_tokens)
 
     async def aclose(self) -> None:
         await self._limiter.aclose()

@@ -5,16 +5,18 @@
 -- KEYS[3] leases: sorted set of lease id -> expiry (ms); a lease not renewed in time frees its slot.
 -- All three keys share the tenant's hash tag, so they live on one node.
 --
--- ARGV[1] op: "admit" | "release" | "peek" | "renew"
+-- ARGV[1] op: "admit" | "release" | "peek" | "charge" | "renew"
 -- admit/release: ARGV[2] requests capacity, ARGV[3] requests per second, ARGV[4] tokens capacity,
 --   ARGV[5] tokens per second (capacity -1: no such limit), ARGV[6] tokens to charge (admit) or to
 --   refund (release), ARGV[7] max concurrent (-1: none), ARGV[8] lease id, ARGV[9] lease ttl ms.
 -- renew: ARGV[2] lease ttl ms, ARGV[3..] lease ids; replies how many were still held.
 --
 -- peek: the admit arguments; charges nothing.
--- admit, release and peek reply {admitted or released (0/1), leases held, requests level, tokens
+-- charge: the admit arguments; takes 1 request and ARGV[6] tokens as far as the buckets hold them
+--   (never below empty), no lease, never refused.
+-- admit, release, peek and charge reply {admitted or released (0/1), leases held, requests level, tokens
 -- level}, levels as strings ("-1": no such limit), taken before the charge (admit) or after
--- (release):
+-- (release, charge):
 -- Python applies the same rules (rate_limits.check_limits) to explain a refusal.
 -- Time comes from Redis, so replicas with skewed clocks agree.
 
@@ -75,6 +77,18 @@ local req_level = read(KEYS[1], req_cap, req_rate)
 local tok_level = read(KEYS[2], tok_cap, tok_rate)
 
 if op == 'peek' then
+  return {0, redis.call('ZCARD', KEYS[3]), show(req_level), show(tok_level)}
+end
+
+if op == 'charge' then
+  if req_level ~= nil then
+    req_level = req_level - math.min(1, req_level)
+    write(KEYS[1], req_cap, req_rate, req_level)
+  end
+  if tok_level ~= nil then
+    tok_level = tok_level - math.min(num_tokens, tok_level)
+    write(KEYS[2], tok_cap, tok_rate, tok_level)
+  end
   return {0, redis.call('ZCARD', KEYS[3]), show(req_level), show(tok_level)}
 end
 

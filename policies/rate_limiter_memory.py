@@ -55,8 +55,11 @@ class MemoryRateLimiter:
     async def release(self, lease: RateLimitLease, num_tokens_used: int) -> RateLimitSnapshot:
         return self.release_now(lease, num_tokens_used)
 
-    async def peek(self, tenant_id: str, limits: TenantLimits) -> RateLimitSnapshot:
+    async def peek(self, tenant_id: str, limits: TenantLimits) -> LimitLevels:
         return self.peek_now(tenant_id, limits)
+
+    async def charge(self, tenant_id: str, limits: TenantLimits, num_tokens: int) -> LimitLevels:
+        return self.charge_now(tenant_id, limits, num_tokens)
 
     async def aclose(self) -> None:
         self._tenants.clear()
@@ -96,10 +99,20 @@ class MemoryRateLimiter:
                 state.tokens.give_back(refund)
         return self._levels(state, lease.limits).snapshot(lease.limits)
 
-    def peek_now(self, tenant_id: str, limits: TenantLimits) -> RateLimitSnapshot:
+    def peek_now(self, tenant_id: str, limits: TenantLimits) -> LimitLevels:
         """peek() without the coroutine; a tenant not seen yet has full buckets."""
         state = self._tenants.get(tenant_id) or _TenantState()
-        return self._levels(state, limits).snapshot(limits)
+        return self._levels(state, limits)
+
+    def charge_now(self, tenant_id: str, limits: TenantLimits, num_tokens: int) -> LimitLevels:
+        """charge() without the coroutine."""
+        state = self._tenants.setdefault(tenant_id, _TenantState())
+        levels = self._levels(state, limits)
+        if state.requests is not None and levels.requests is not None:
+            state.requests.take(min(1.0, levels.requests))
+        if state.tokens is not None and levels.tokens is not None:
+            state.tokens.take(min(float(num_tokens), levels.tokens))
+        return self._levels(state, limits)
 
     def _levels(self, state: _TenantState, limits: TenantLimits) -> LimitLevels:
         """Refill the tenant's buckets to now under limits and read them."""

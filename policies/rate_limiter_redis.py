@@ -171,19 +171,34 @@ class RedisRateLimiter:
         self._mark_up()
         return _levels(reply).snapshot(lease.limits)
 
-    async def peek(self, tenant_id: str, limits: TenantLimits) -> RateLimitSnapshot | None:
+    async def peek(self, tenant_id: str, limits: TenantLimits) -> LimitLevels | None:
         """The levels in Redis; while it is away, the local share (fail_open) or None. Never
         a probe: a refused request does not bring the limiter back to Redis."""
+        return await self._without_lease("peek", tenant_id, limits, 0)
+
+    async def charge(
+        self, tenant_id: str, limits: TenantLimits, num_tokens: int
+    ) -> LimitLevels | None:
+        """Charged in Redis; while it is away, to the local share (fail_open) or not at all
+        (fail_closed: the local buckets admit nothing there). Never a probe."""
+        return await self._without_lease("charge", tenant_id, limits, num_tokens)
+
+    async def _without_lease(
+        self, op: str, tenant_id: str, limits: TenantLimits, num_tokens: int
+    ) -> LimitLevels | None:
         if self._is_down:
             if self._config.on_failure is FailurePolicy.FAIL_CLOSED:
                 return None
-            return self._fallback.peek_now(tenant_id, limits.divided(self._config.num_replicas))
+            share = limits.divided(self._config.num_replicas)
+            if op == "charge":
+                return self._fallback.charge_now(tenant_id, share, num_tokens)
+            return self._fallback.peek_now(tenant_id, share)
         try:
-            reply = await self._run(tenant_id, self._args("peek", limits, 0, ""))
+            reply = await self._run(tenant_id, self._args(op, limits, num_tokens, ""))
         except _UNAVAILABLE as exc:
             self._mark_down(exc)
             return None
-        return _levels(reply).snapshot(limits)
+        return _levels(reply)
 
     async def renew_leases(self) -> int:
         """Extend every Redis lease this process holds; returns how many were still held."""

@@ -298,9 +298,18 @@ class RateLimiter(Protocol):
         """Free the lease's slot and refund its unused tokens; a second call does nothing."""
         ...
 
-    async def peek(self, tenant_id: str, limits: TenantLimits) -> RateLimitSnapshot | None:
-        """The tenant's limits now, charging nothing (the headers of a request refused before
-        the limiter was asked); None when they cannot be read (Redis away, fail_closed)."""
+    async def peek(self, tenant_id: str, limits: TenantLimits) -> LimitLevels | None:
+        """The tenant's levels now, charging nothing (the headers of a request refused before
+        the limiter was asked, a screen before costly work); None when they cannot be read
+        (Redis away, fail_closed)."""
+        ...
+
+    async def charge(
+        self, tenant_id: str, limits: TenantLimits, num_tokens: int
+    ) -> LimitLevels | None:
+        """Take one request and num_tokens from the buckets, as far as they hold them (never
+        below empty, never refused, no slot): what a request refused after it made the gateway
+        work costs its tenant. None when Redis is away and fail_closed (nothing charged)."""
         ...
 
     async def aclose(self) -> None:
