@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.bench_engine import step_until_decoding
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.flops import linear_params_per_token
 from engine.llm_engine import LLMEngine
@@ -108,9 +109,7 @@ def measure_device(
     for index in range(num_running):
         prompt = torch.randint(3, config.vocab_size, (context - 1,), generator=generator)
         engine.add_request(f"d{index}", prompt.tolist(), params)
-    running = engine.scheduler.running
-    while len(running) < num_running or any(not r.is_prefill_done for r in running):
-        engine.step()
+    running = step_until_decoding(engine, num_running)
     for _ in range(3):  # warm-up: CUDA graph capture, allocator
         engine.step()
     step_times = []

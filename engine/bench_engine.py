@@ -38,9 +38,18 @@ from engine.bench_offline import DEFAULT_MODEL
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from engine.no_work_runner import NoWorkRunner
+from engine.request import Request
 from engine.sampling_params import SamplingParams
 
-__all__ = ["DecodeRow", "ShortRow", "add_arguments", "measure_decode", "measure_short", "report"]
+__all__ = [
+    "DecodeRow",
+    "ShortRow",
+    "add_arguments",
+    "measure_decode",
+    "measure_short",
+    "report",
+    "step_until_decoding",
+]
 
 _BLOCK_SIZE = 16
 _MAX_MODEL_LEN = 4096
@@ -88,15 +97,21 @@ def measure_decode(num_running: int, context: int, num_steps: int, seed: int) ->
     for index in range(num_running):
         prompt = [rng.randrange(3, 32000) for _ in range(context - 1)]
         engine.add_request(f"d{index}", prompt, params)
-    running = engine.scheduler.running
-    while len(running) < num_running or any(not r.is_prefill_done for r in running):
-        engine.step()
+    running = step_until_decoding(engine, num_running)
     started = time.perf_counter()
     for _ in range(num_steps):
         engine.step()
     elapsed = time.perf_counter() - started
     assert len(running) == num_running, "a request left during the measured steps"
     return elapsed / num_steps
+
+
+def step_until_decoding(engine: LLMEngine, num_running: int) -> list[Request]:
+    """Step until num_running requests run, every one past its prompt; the running list."""
+    running = engine.scheduler.running
+    while len(running) < num_running or any(not r.is_prefill_done for r in running):
+        engine.step()
+    return running
 
 
 def measure_short(num_requests: int, seed: int) -> float:

@@ -106,7 +106,7 @@ class KVCacheManager:
         self._tenants: _DistinctHolders[str] = _DistinctHolders()
         # Copy-on-write pairs produced by allocate(), drained by the scheduler each step.
         self._pending_copies: list[tuple[int, int]] = []
-        # request id -> first block table index changed since take_table_changes (the
+        # request id -> first block table index changed since take_changed_tables (the
         # scheduler tells the runner only what changed)
         self._changed_from: dict[str, int] = {}
 
@@ -124,8 +124,9 @@ class KVCacheManager:
     def num_used_blocks(self) -> int:
         return self.pool.num_blocks - self.pool.num_free_blocks
 
-    def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self._tables.get(request_id, [])]
+    def block_ids(self, request_id: str, start: int = 0) -> list[int]:
+        """The request's block table from index start on."""
+        return [b.block_id for b in self._tables.get(request_id, [])[start:]]
 
     def num_blocks_held(self, request_id: str) -> int:
         return len(self._tables.get(request_id, []))
@@ -316,16 +317,12 @@ class KVCacheManager:
         copies, self._pending_copies = self._pending_copies, []
         return copies
 
-    def take_table_changes(self) -> dict[str, tuple[int, list[int]]]:
-        """The block tables changed since the previous call: request id -> (first changed
-        index, the table's block ids from there on). Tables grow at the end, and
+    def take_changed_tables(self) -> dict[str, int]:
+        """The block tables changed since the previous call: request id -> first changed
+        index (block_ids(request_id, index) reads them). Tables grow at the end, and
         copy-on-write replaces one entry; a prefix hit or a fork makes a new table."""
-        changes = {
-            request_id: (first, [b.block_id for b in self._tables[request_id][first:]])
-            for request_id, first in self._changed_from.items()
-        }
-        self._changed_from = {}
-        return changes
+        changed, self._changed_from = self._changed_from, {}
+        return changed
 
     def _take(self, owner: tuple[int, str], blocks: Sequence[KVBlock]) -> None:
         priority, tenant = owner

@@ -164,7 +164,8 @@ class LLMEngine:
             )
             if request is not None:
                 request.finish_time = self.clock()
-                self._pending.append(self._make_output(request, [], []))
+                text_state = self._text.get(request.request_id)
+                self._pending.append(self._make_output(request, [], [], text_state))
                 self._forget(request)
 
     def has_unfinished_requests(self) -> bool:
@@ -242,7 +243,7 @@ class LLMEngine:
                 counters.recompute_time_s += charge.recompute_gpu_seconds
                 counters.num_recomputed_tokens += charge.num_recomputed_tokens
                 first_new += charge.num_recomputed_tokens
-            num_prompt = len(request.prompt_token_ids)
+            num_prompt = request.num_prompt_tokens
             if first_new < num_prompt:  # new prompt tokens (a decode has none)
                 counters.num_prompt_tokens += min(chunk.num_context_tokens, num_prompt) - first_new
         counters.num_steps += 1
@@ -272,7 +273,9 @@ class LLMEngine:
                     request.finish_time = now
             elif text_state is not None:
                 text_state.append(new_tokens, finished=True)
-            outputs.append(self._make_output(request, new_tokens, [logprobs] if logprobs else []))
+            outputs.append(
+                self._make_output(request, new_tokens, [logprobs] if logprobs else [], text_state)
+            )
             if request.is_finished:
                 self._forget(request)
         return outputs
@@ -284,35 +287,37 @@ class LLMEngine:
             if request is None:
                 continue
             request.finish_time = self.clock()
-            output = self._make_output(request, [], [])
+            output = self._make_output(request, [], [], self._text.get(request.request_id))
             output.error = f"engine step failed: {type(exc).__name__}"
             outputs.append(output)
             self._forget(request)
         return outputs
 
     def _make_output(
-        self, request: Request, new_tokens: list[int], logprobs: list
+        self,
+        request: Request,
+        new_tokens: list[int],
+        logprobs: list,
+        text_state: TextOutputState | None,
     ) -> RequestOutput:
-        text_state = self._text.get(request.request_id)
         num_outputs = request.num_output_tokens
         finished = request.is_finished
         metrics = None
         if finished or num_outputs == 1 or num_outputs % METRICS_EVERY_TOKENS == 0:
             metrics = self._metrics(request)
-        return RequestOutput(  # positional: a step makes one per running request
-            request.group_id,
-            request.sample_index,
-            new_tokens,
-            text_state.take_delta() if text_state else "",
-            finished,
-            _FINISH_REASONS.get(request.status) if finished else None,
-            request.stop_reason,
-            len(request.prompt_token_ids),
-            max(request.num_cached_tokens, 0),
-            num_outputs,
-            logprobs,
-            None,
-            metrics,
+        return RequestOutput(
+            request_id=request.group_id,
+            sample_index=request.sample_index,
+            new_token_ids=new_tokens,
+            new_text=text_state.take_delta() if text_state else "",
+            finished=finished,
+            finish_reason=_FINISH_REASONS.get(request.status) if finished else None,
+            stop_reason=request.stop_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            num_output_tokens=num_outputs,
+            logprobs=logprobs,
+            metrics=metrics,
         )
 
     @staticmethod

@@ -18,6 +18,7 @@ over, the step carries them alone (the under-share lane, at most one step in
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from operator import attrgetter
 
@@ -33,6 +34,10 @@ from engine.scheduler_stats import SchedulerStats, WaitingTotals, build_stats
 from engine.stop_check import check_token_stop
 
 _priority = attrgetter("priority")
+
+
+def _no_priority(_request: Request) -> int:
+    return 0
 
 # Tenants the under-share admission pass looks at per step, at most: it runs every step the
 # queue is non-empty, and must not cost time in the number of waiting tenants.
@@ -67,6 +72,11 @@ class Scheduler:
         self.config = config
         self.kv = kv_manager
         self.waiting = waiting
+        # Tiers only matter for preemption (and the order of the running) when priority
+        # preemption is on.
+        self._effective_priority: Callable[[Request], int] = (
+            _priority if config.enable_priority_preemption else _no_priority
+        )
         self.rates = rates if rates is not None else StepRates()
         self.arrivals = ArrivalRates()  # prompts coming in, fed by the engine (it has the clock)
         self.demand = TenantDemand()  # prompts each tenant sent, fed by the engine
@@ -147,9 +157,8 @@ class Scheduler:
         prefills: list[Request] = []
         for request in self.running:
             (decodes if request.is_prefill_done else prefills).append(request)
-        if self.config.enable_priority_preemption:  # else every tier counts the same
-            decodes.sort(key=_priority)
-            prefills.sort(key=_priority)
+        decodes.sort(key=self._effective_priority)
+        prefills.sort(key=self._effective_priority)
         order = decodes + prefills
         if not self._fair_share_applies:
             self._schedule_running_all(decodes, plan)
@@ -327,7 +336,7 @@ class Scheduler:
         plan.budget -= num_new
         if request.fork_parent is not None:
             request.fork_parent = None
-        if request.num_computed_tokens >= len(request.prompt_token_ids):
+        if request.num_computed_tokens >= request.num_prompt_tokens:
             request.num_computed_tokens += num_new  # past the prompt: no input service
             return
         # Fair-share service counts prompt tokens once: recompute after preemption is free.
@@ -456,10 +465,6 @@ class Scheduler:
         self.num_preemptions_total += 1
         self._wait(victim, at_head=True)
 
-    def _effective_priority(self, request: Request) -> int:
-        """Tiers only matter for preemption when priority preemption is on."""
-        return request.priority if self.config.enable_priority_preemption else 0
-
     # -- output --------------------------------------------------------------------------------
 
     def _build_output(self, plan: _StepPlan) -> SchedulerOutput:
@@ -488,10 +493,11 @@ class Scheduler:
                 prefills.append(ScheduledChunk(request_id, end - num_new, num_new, needs_sample,
                                                True))
             num_batched += num_new
+        # a joining request's whole table goes with its data
         joined = {r.request_id for r in new_requests}
         block_updates = {
-            request_id: change
-            for request_id, change in self.kv.take_table_changes().items()
+            request_id: (first, self.kv.block_ids(request_id, first))
+            for request_id, first in self.kv.take_changed_tables().items()
             if request_id in in_runner and request_id not in joined
         }
         output = SchedulerOutput(

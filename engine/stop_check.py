@@ -8,9 +8,8 @@ from engine.request import Request, RequestStatus
 def check_token_stop(request: Request, max_model_len: int) -> RequestStatus | None:
     """The finished status the newest token puts the request in, or None to keep going."""
     params = request.sampling_params
-    outputs = request.output_token_ids
-    num_outputs = len(outputs)
-    token_id = outputs[-1]
+    token_id = request.output_token_ids[-1]
+    num_outputs = request.num_output_tokens
     if num_outputs >= params.min_tokens:
         if token_id == request.eos_token_id and not params.ignore_eos:
             request.stop_reason = None
@@ -18,8 +17,6 @@ def check_token_stop(request: Request, max_model_len: int) -> RequestStatus | No
         if params.stop_token_ids and token_id in params.stop_token_ids:
             request.stop_reason = token_id
             return RequestStatus.FINISHED_STOPPED
-    if num_outputs >= request.max_tokens or (
-        num_outputs + len(request.prompt_token_ids) >= max_model_len
-    ):
+    if num_outputs >= request.max_tokens or request.num_tokens >= max_model_len:
         return RequestStatus.FINISHED_LENGTH
     return None

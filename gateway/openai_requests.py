@@ -35,10 +35,6 @@ class RequestBounds:
     max_messages: int = 2048  # messages in one chat request
     max_choices: int = 256  # prompts x n: engine sequences one request may start
 
-    def __post_init__(self) -> None:
-        if self.max_messages < 1 or self.max_choices < 1:
-            raise ValueError("max_messages and max_choices must be >= 1")
-
 
 class Endpoint(Enum):
     CHAT = "chat.completions"

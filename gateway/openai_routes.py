@@ -106,6 +106,8 @@ class _OpenAIApi:
         self.runtime = runtime
         self.admission = admission
         self._encoder_limiter: anyio.CapacityLimiter | None = None
+        settings = runtime.settings
+        self._bounds = RequestBounds(settings.max_messages, settings.max_choices)
 
     async def list_models(self, request: Request) -> Response:
         await self.runtime.key_resolver.authenticate(request)
@@ -137,10 +139,9 @@ class _OpenAIApi:
                 settings.max_body_bytes,
                 on_large=lambda: self._screen(principal, endpoint, served, arrival),
             )
-            bounds = RequestBounds(settings.max_messages, settings.max_choices)
             parsed = (
-                parse_chat_request(body, bounds) if endpoint is Endpoint.CHAT
-                else parse_completion_request(body, bounds)
+                parse_chat_request(body, self._bounds) if endpoint is Endpoint.CHAT
+                else parse_completion_request(body, self._bounds)
             )
             if parsed.model != served.name:
                 raise _unknown_model(parsed.model)
@@ -165,7 +166,7 @@ class _OpenAIApi:
             max_tokens = check_fits(engine, prompts, params, tenant, endpoint)
         except ClientDisconnect:
             return Response(status_code=499)
-        except AdmissionRefusal:
+        except AdmissionRefusal:  # the screen's 429: refused before any work, not charged
             raise
         except GatewayError as error:
             if 400 <= error.status_code < 500:
@@ -173,8 +174,7 @@ class _OpenAIApi:
                 # gateway parse and tokenize without limit by sending what it will refuse.
                 await self.admission.charge_refused(principal, num_prompt_tokens)
             raise
-        prefix = "chatcmpl" if endpoint is Endpoint.CHAT else "cmpl"
-        response_id = f"{prefix}-{uuid.uuid4().hex}"
+        response_id = _response_id(endpoint)
         trace = self.runtime.telemetry.start_request(
             GenAiRequest(
                 operation="chat" if endpoint is Endpoint.CHAT else "text_completion",
@@ -219,7 +219,6 @@ class _OpenAIApi:
             )
         return await run.respond(http_request)
 
-
     async def _screen(
         self, principal: TenantPrincipal, endpoint: Endpoint, served: ServedModel, arrival: float
     ) -> None:
@@ -231,12 +230,9 @@ class _OpenAIApi:
             # The body is not read: closing the connection stops its bytes (up to
             # --max-body-bytes a request) at the socket instead of draining them.
             refusal.headers["connection"] = "close"
-            prefix = "chatcmpl" if endpoint is Endpoint.CHAT else "cmpl"
             self.runtime.publish_soon(
-                refused_record(
-                    f"{prefix}-{uuid.uuid4().hex}", principal, endpoint, served, 0, arrival,
-                    refusal,
-                )
+                refused_record(_response_id(endpoint), principal, endpoint, served, 0, arrival,
+                               refusal)
             )
             raise
 
@@ -463,6 +459,11 @@ class _Run:
             finished_at=datetime.now(UTC),
             http_status=self._http_status(status),
         )
+
+
+def _response_id(endpoint: Endpoint) -> str:
+    prefix = "chatcmpl" if endpoint is Endpoint.CHAT else "cmpl"
+    return f"{prefix}-{uuid.uuid4().hex}"
 
 
 def refused_record(

@@ -1,6 +1,7 @@
 """One tenant per workload tenant on the server under test, with its tier, weight 1 and no
-quota (every limit unlimited, so only SLO shedding refuses), and a fresh API key each; through
-the admin API, so it works as well for a server the benchmark did not start.
+quota (every limit unlimited, so only SLO shedding refuses) unless the caller gives one, and a
+fresh API key each; through the admin API, so it works as well for a server the benchmark did
+not start.
 
 Server-side names are the workload's prefixed with `bench-`; a tenant left by an earlier run
 is updated back to the tier and unlimited quota and given a new key.
@@ -22,15 +23,20 @@ _UNLIMITED_QUOTA = dict.fromkeys(QUOTA_FIELDS)
 
 
 def provision_tenants(
-    base_url: str, admin_token: str, tiers_by_tenant: Mapping[str, str]
+    base_url: str,
+    admin_token: str,
+    tiers_by_tenant: Mapping[str, str],
+    quotas: Mapping[str, Mapping[str, int]] | None = None,
 ) -> dict[str, str]:
-    """Workload tenant -> plaintext API key, creating or resetting each tenant."""
+    """Workload tenant -> plaintext API key, creating or resetting each tenant; quotas: the
+    limits of some tenants (the others, and every field not given, unlimited)."""
     keys: dict[str, str] = {}
     headers = {"x-admin-token": admin_token}
     with httpx.Client(base_url=base_url, headers=headers, timeout=30.0, trust_env=False) as admin:
         for tenant, tier in sorted(tiers_by_tenant.items()):
             name = TENANT_PREFIX + tenant
-            body = {"tier": tier, "weight": 1.0, "quota": _UNLIMITED_QUOTA}
+            quota = {**_UNLIMITED_QUOTA, **(quotas or {}).get(tenant, {})}
+            body = {"tier": tier, "weight": 1.0, "quota": quota}
             created = admin.post("/admin/v1/tenants", json={"name": name, **body})
             if created.status_code == 409:
                 created = admin.patch(f"/admin/v1/tenants/{name}", json=body)

@@ -1,14 +1,16 @@
 """Large-prompt attack on `tiergate serve` (issue 36's first row), measured from outside.
 
 A tenant limited to 1 request a minute sends ~4 MB chat prompts back to back from several
-connections while another tenant sends short streamed chats one after the other; the same
+processes while another tenant sends short streamed chats one after the other; the same
 victim requests are timed first alone. Printed: the victim's TTFT (p50/p99/max), the slowest
-`/health/live` answer, the server's event-loop lag p99 (from its
-`tiergate_event_loop_lag_seconds` histogram: the upper bound of the bucket), and what the
-attacker got. Self-contained (stdlib + httpx), so it runs against any checkout: run it from
-the checkout to measure (it starts `python -m gateway.cli serve --model demo` there).
+`/health/live` answer, the server's event-loop heartbeats more than 50 ms late (its
+`tiergate_event_loop_lag_seconds`, read as `tiergate bench serve` reads it), and what the
+attacker got.
 
-    python ops/bench/attack_prompts.py [--victim-requests 20] [--attackers 3] [--seed 0]
+The server is `tiergate serve --model demo` started in the current directory (the benchmark's
+BenchServer), so running this file from another checkout's directory measures that checkout:
+
+    cd OTHER_CHECKOUT && python /path/to/tiergate/ops/bench/attack_prompts.py [--seed 0]
 """
 
 from __future__ import annotations
@@ -17,13 +19,7 @@ import argparse
 import collections
 import json
 import multiprocessing
-import os
 import random
-import secrets
-import signal
-import socket
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -32,10 +28,18 @@ from typing import Any
 
 import httpx
 
+from gateway.bench_serve.engine_activity import read_engine_activity
+from gateway.bench_serve.provision import TENANT_PREFIX, provision_tenants
+from gateway.bench_serve.server import VARIANTS, BenchServer, EngineLimits
+from gateway.bench_serve.stats import Percentiles
+from gateway.settings import GatewaySettings
+from policies import TierTable
+
 _WORDS = [
     "the", "of", "and", "to", "in", "a", "is", "that", "for", "it", "as", "was", "with", "be",
     "by", "on", "not", "he", "this", "are", "or", "his", "from", "at", "which", "but", "have",
 ]
+_MODEL = "tiergate-demo"
 
 
 def main() -> None:
@@ -52,23 +56,28 @@ def main() -> None:
         words.append(rng.choice(_WORDS))
         size += len(words[-1]) + 1
     attack_body = json.dumps({
-        "model": "tiergate-demo", "max_tokens": 1,
+        "model": _MODEL, "max_tokens": 1,
         "messages": [{"role": "user", "content": " ".join(words)[: args.prompt_chars]}],
     }).encode()
-    with tempfile.TemporaryDirectory() as work, _Server(Path(work)) as server:
-        attacker_key = server.tenant("attacker", {"requests_per_minute": 1})
-        victim_key = server.tenant("victim", {})
-        rows = []
-        for phase, num_attackers in (("alone", 0), ("under attack", args.attackers)):
-            rows.append(
-                _phase(server, phase, victim_key, attacker_key, attack_body, num_attackers,
-                       args.victim_requests)
-            )
-    print(f"attack: {args.attackers} connections x {len(attack_body):,}-byte chat bodies, "
-          f"1-RPM key; victim: {args.victim_requests} streamed chats one after another, "
-          f"max_tokens 8 (demo model, seed {args.seed})")
+    limits = EngineLimits(model_dir=None, demo_model_dir=GatewaySettings().demo_model_dir)
+    with tempfile.TemporaryDirectory() as work, BenchServer(
+        VARIANTS["tiered"], TierTable(), limits, Path(work)
+    ) as server:
+        keys = provision_tenants(
+            server.base_url, server.admin_token,
+            {"attacker": "standard", "victim": "standard"},
+            quotas={"attacker": {"requests_per_minute": 1}},
+        )
+        rows = [
+            _phase(server.base_url, phase, keys["victim"], keys["attacker"], attack_body,
+                   num_attackers, args.victim_requests)
+            for phase, num_attackers in (("alone", 0), ("under attack", args.attackers))
+        ]
+    print(f"attack: {args.attackers} processes x {len(attack_body):,}-byte chat bodies, "
+          f"1-RPM key ({TENANT_PREFIX}attacker); victim: {args.victim_requests} streamed chats "
+          f"one after another, max_tokens 8 (demo model, seed {args.seed})")
     header = ("phase", "victim TTFT p50 ms", "p99 ms", "max ms", "/health/live max ms",
-              "loop lag p99 ms", "attacker answers")
+              "loop beats > 50 ms late", "attacker answers")
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for row in rows:
@@ -76,21 +85,21 @@ def main() -> None:
 
 
 def _phase(
-    server: _Server, name: str, victim_key: str, attacker_key: str, attack_body: bytes,
+    base_url: str, name: str, victim_key: str, attacker_key: str, attack_body: bytes,
     num_attackers: int, num_requests: int,
 ) -> tuple[str, ...]:
     stop = threading.Event()
     live_s: list[float] = []
 
     def probe_live() -> None:
-        with httpx.Client(base_url=server.base_url, timeout=120) as client:
+        with httpx.Client(base_url=base_url, timeout=120) as client:
             while not stop.is_set():
                 start = time.perf_counter()
                 client.get("/health/live")
                 live_s.append(time.perf_counter() - start)
                 time.sleep(0.1)
 
-    lag_before = server.loop_lag_buckets()
+    activity_before = read_engine_activity(base_url)
     # Attackers in processes of their own: in this one they would take the GIL from the
     # victim's client and inflate its TTFT.
     context = multiprocessing.get_context("spawn")
@@ -98,8 +107,7 @@ def _phase(
     answers_queue: multiprocessing.Queue[dict[str, int]] = context.Queue()
     attackers = [
         context.Process(
-            target=_attack,
-            args=(server.base_url, attacker_key, attack_body, stop_attack, answers_queue),
+            target=_attack, args=(base_url, attacker_key, attack_body, stop_attack, answers_queue)
         )
         for _ in range(num_attackers)
     ]
@@ -108,22 +116,7 @@ def _phase(
     prober = threading.Thread(target=probe_live)
     prober.start()
     time.sleep(2.0 if num_attackers else 0.0)  # the attack under way
-    ttfts = []
-    with httpx.Client(base_url=server.base_url, timeout=120) as client:
-        for index in range(num_requests):
-            body = {"model": "tiergate-demo", "max_tokens": 8, "stream": True,
-                    "messages": [{"role": "user", "content": f"question {index}: hello"}]}
-            start = time.perf_counter()
-            with client.stream("POST", "/v1/chat/completions", json=body,
-                               headers={"authorization": f"Bearer {victim_key}"}) as response:
-                response.raise_for_status()
-                lines = response.iter_lines()
-                for line in lines:
-                    if line.startswith("data: ") and '"content"' in line:
-                        ttfts.append(time.perf_counter() - start)
-                        break
-                for _ in lines:
-                    pass
+    ttfts = [_victim_ttft(base_url, victim_key, index) for index in range(num_requests)]
     stop.set()
     stop_attack.set()
     answers: collections.Counter[str] = collections.Counter()
@@ -132,23 +125,37 @@ def _phase(
     for attacker in attackers:
         attacker.join()
     prober.join()
-    lag_after = server.loop_lag_buckets()
-    lag = [after - before for before, after in zip(lag_before, lag_after, strict=True)]
-    ttfts.sort()
+    activity_after = read_engine_activity(base_url)
+    late = (
+        "-" if activity_before is None or activity_after is None
+        else str(activity_after.minus(activity_before).num_late_beats)
+    )
+    ttft = Percentiles.of(ttfts)
     return (
-        name,
-        f"{_ms(ttfts[len(ttfts) // 2])}",
-        f"{_ms(ttfts[min(len(ttfts) - 1, round(0.99 * len(ttfts)))])}",
-        f"{_ms(ttfts[-1])}",
-        f"{_ms(max(live_s))}",
-        _bucket_p99(server.loop_lag_bounds(), lag),
+        name, _ms(ttft.p50), _ms(ttft.p99), _ms(max(ttfts)), _ms(max(live_s)), late,
         ", ".join(f"{count} x {code}" for code, count in sorted(answers.items())) or "-",
     )
 
 
-def _attack(
-    base_url: str, key: str, body: bytes, stop: Any, answers_queue: Any
-) -> None:
+def _victim_ttft(base_url: str, key: str, index: int) -> float:
+    """Seconds from sending one short streamed chat to its first content chunk."""
+    body = {"model": _MODEL, "max_tokens": 8, "stream": True,
+            "messages": [{"role": "user", "content": f"question {index}: hello"}]}
+    with httpx.Client(base_url=base_url, timeout=120) as client:
+        start = time.perf_counter()
+        with client.stream("POST", "/v1/chat/completions", json=body,
+                           headers={"authorization": f"Bearer {key}"}) as response:
+            response.raise_for_status()
+            lines = response.iter_lines()
+            ttft = None
+            for line in lines:
+                if ttft is None and line.startswith("data: ") and '"content"' in line:
+                    ttft = time.perf_counter() - start
+    assert ttft is not None, "no content chunk"
+    return ttft
+
+
+def _attack(base_url: str, key: str, body: bytes, stop: Any, answers_queue: Any) -> None:
     """One attacker connection sending the body back to back until stop is set."""
     answers: collections.Counter[str] = collections.Counter()
     headers = {"authorization": f"Bearer {key}", "content-type": "application/json"}
@@ -164,82 +171,6 @@ def _attack(
 
 def _ms(seconds: float) -> str:
     return f"{seconds * 1000:,.0f}"
-
-
-def _bucket_p99(bounds: list[float], counts: list[float]) -> str:
-    """counts: cumulative bucket counts of a Prometheus histogram."""
-    total = counts[-1]
-    if not total:
-        return "-"
-    for bound, count in zip(bounds, counts, strict=True):
-        if count >= 0.99 * total:
-            return "> " + _ms(bounds[-2]) if bound == float("inf") else f"<= {_ms(bound)}"
-    return "-"
-
-
-class _Server:
-    def __init__(self, work: Path) -> None:
-        self.work = work
-        self.admin_token = secrets.token_hex(16)
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            self.port = probe.getsockname()[1]
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def __enter__(self) -> _Server:
-        env = {**os.environ, "TIERGATE_ADMIN_TOKEN": self.admin_token, "OMP_WAIT_POLICY": "PASSIVE"}
-        env.pop("TIERGATE_REDIS_URL", None)
-        log = (self.work / "serve.log").open("wb")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", "serve", "--model", "demo",
-             "--port", str(self.port), "--database-url", f"sqlite:///{self.work}/t.db",
-             "--data-dir", str(self.work / "data"), "--log-level", "warning"],
-            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        )
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{self.base_url}/health/ready", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"the server did not start: {(self.work / 'serve.log').read_text()}")
-
-    def __exit__(self, *exc: object) -> None:
-        if self.process is not None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-
-    def tenant(self, name: str, quota: dict[str, int]) -> str:
-        headers = {"x-admin-token": self.admin_token}
-        with httpx.Client(base_url=self.base_url, headers=headers, timeout=30) as admin:
-            created = admin.post("/admin/v1/tenants",
-                                 json={"name": name, "tier": "standard", "quota": quota})
-            created.raise_for_status()
-            key = admin.post(f"/admin/v1/tenants/{created.json()['id']}/keys",
-                             json={"name": "attack"})
-            key.raise_for_status()
-            return str(key.json()["key"])
-
-    def _lag_lines(self) -> list[tuple[float, float]]:
-        text = httpx.get(f"{self.base_url}/metrics", timeout=30).text
-        buckets = []
-        for line in text.splitlines():
-            if line.startswith("tiergate_event_loop_lag_seconds_bucket"):
-                bound = line.split('le="')[1].split('"')[0]
-                buckets.append((float(bound), float(line.rsplit(" ", 1)[1])))
-        return buckets
-
-    def loop_lag_bounds(self) -> list[float]:
-        return [bound for bound, _ in self._lag_lines()]
-
-    def loop_lag_buckets(self) -> list[float]:
-        return [count for _, count in self._lag_lines()]
 
 
 if __name__ == "__main__":

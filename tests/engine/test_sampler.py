@@ -25,8 +25,10 @@ def make_chunk(
     output: list[int] | None = None,
     eos_token_id: int | None = None,
     sample_index: int = 0,
+    batch: InputBatch | None = None,
 ) -> RequestState:
-    """A request as the runner keeps it (what the sampler reads)."""
+    """A request as the runner keeps it (what the sampler reads), in batch (default: a batch
+    of its own)."""
     prompt = prompt if prompt is not None else [1, 2]
     output = output if output is not None else []
     data = NewRequestData(
@@ -38,7 +40,7 @@ def make_chunk(
         eos_token_id=eos_token_id,
         sample_index=sample_index,
     )
-    batch = InputBatch(block_size=16, num_rows=1)
+    batch = batch if batch is not None else InputBatch(block_size=16, num_rows=1)
     batch.update(SchedulerOutput(0, [], 0, [data]))
     return batch.requests[request_id]
 
@@ -272,8 +274,8 @@ def test_penalty_counts_kept_between_steps_equal_a_full_recount() -> None:
     penalised logprobs each step equal those of a request seen for the first time."""
     params = SamplingParams(temperature=1.0, seed=3, repetition_penalty=1.5,
                             frequency_penalty=0.5, presence_penalty=0.25, logprobs=VOCAB)
-    kept = make_chunk("r", params, prompt=[1, 2, 2], output=[VOCAB + 1])
-    batch = kept._batch  # the runner's batch the state reads its tokens from
+    batch = InputBatch(block_size=16)  # the runner's batch the state reads its tokens from
+    kept = make_chunk("r", params, prompt=[1, 2, 2], output=[VOCAB + 1], batch=batch)
     sampler = Sampler(VOCAB)
     rng = torch.Generator().manual_seed(0)
     for _ in range(12):
