@@ -36,6 +36,7 @@ from billing.pricing import (
     format_usd,
 )
 from billing.records import Endpoint, RecordStatus, UsageRecord
+from billing.refusal_tally import RefusalTally
 from billing.rollups import DailyUsage, UsageTotals, daily_usage, interval_totals
 from billing.store import insert_records
 
@@ -60,6 +61,7 @@ __all__ = [
     "Period",
     "Pricing",
     "RecordStatus",
+    "RefusalTally",
     "ReplayReport",
     "TierPrice",
     "UnknownTierPriceError",

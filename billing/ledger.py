@@ -132,6 +132,14 @@ class UsageLedger:
         return self._spool.path
 
     @property
+    def spool_bytes(self) -> int:
+        """The spool's size: records waiting for the database (0 when there is none)."""
+        try:
+            return self._spool.path.stat().st_size
+        except FileNotFoundError:
+            return 0
+
+    @property
     def is_database_healthy(self) -> bool:
         """False from a failed commit until the database answers again."""
         return self._is_database_healthy

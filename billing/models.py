@@ -51,6 +51,7 @@ class UsageRecordRow(Base):
             " AND amount_usd_micros >= 0 AND recompute_amount_usd_micros >= 0",
             name="counts_not_negative",
         ),
+        CheckConstraint("num_requests >= 1", name="num_requests_positive"),
     )
 
     request_id: Mapped[str] = mapped_column(String(MAX_REQUEST_ID_LENGTH), primary_key=True)
@@ -82,6 +83,7 @@ class UsageRecordRow(Base):
     finished_at: Mapped[datetime] = mapped_column(UtcDateTime)
     amount_usd_micros: Mapped[int] = mapped_column(BigInteger)
     recompute_amount_usd_micros: Mapped[int] = mapped_column(BigInteger)
+    num_requests: Mapped[int] = mapped_column(Integer, server_default="1")
 
 
 USAGE_RECORDS = Base.metadata.tables[UsageRecordRow.__tablename__]

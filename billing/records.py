@@ -1,8 +1,10 @@
 """The usage record: what one request used and cost, written once per request id.
 
-The gateway builds one when a request ends, however it ends (including refusals, which
-used nothing but are still worth counting), prices it with ``Pricing.price`` and hands it to
-``UsageLedger.record`` before the final chunk or ``[DONE]`` goes out.
+The gateway builds one when a request ends, however it ends, prices it with
+``Pricing.price`` and hands it to ``UsageLedger.record`` before the final chunk or ``[DONE]``
+goes out. Refusals used nothing but are still worth counting: the gateway folds those of one
+key, model and endpoint over a second into one record whose ``num_requests`` says how many
+(a flood of 429s costs a row a second, not a row a request).
 
 Recompute after a preemption is a separate line item: the preempted tenant pays nothing for
 it; ``recompute_charged_tenant_id`` (the tenant whose request caused the preemption) pays
@@ -36,7 +38,9 @@ _COUNT_FIELDS = (
 _SECONDS_FIELDS = ("gpu_seconds", "recompute_gpu_seconds")
 _OPTIONAL_SECONDS_FIELDS = ("queue_time_s", "ttft_s", "e2e_time_s")
 _TIMESTAMP_FIELDS = ("created_at", "finished_at")
-_INT_FIELDS = ("tenant_id", "api_key_id", "recompute_charged_tenant_id", *_COUNT_FIELDS)
+_INT_FIELDS = (
+    "tenant_id", "api_key_id", "recompute_charged_tenant_id", "num_requests", *_COUNT_FIELDS
+)
 _FLOAT_FIELDS = (*_SECONDS_FIELDS, *_OPTIONAL_SECONDS_FIELDS)
 _NULLABLE_FIELDS = (
     "api_key_id",
@@ -92,6 +96,9 @@ class UsageRecord:
     finished_at: datetime  # when it ended (aware, UTC); decides its day and month
     amount_usd_micros: int  # the tenant's charge for this request (Pricing.price), 1 USD = 10**6
     recompute_amount_usd_micros: int  # the recompute charge, paid by recompute_charged_tenant_id
+    # Requests this record stands for: 1, or the refusals folded into it (created_at the first
+    # one's arrival, finished_at the last one's).
+    num_requests: int = 1
 
     def __post_init__(self) -> None:
         for name, value, limit in (
@@ -115,6 +122,10 @@ class UsageRecord:
             value = getattr(self, name)
             if value is not None and not value >= 0.0:
                 raise InvalidRecordError(f"{name} must not be negative")
+        if self.num_requests < 1:
+            raise InvalidRecordError("num_requests must be at least 1")
+        if self.num_requests > 1 and self.status is not RecordStatus.REFUSED:
+            raise InvalidRecordError("only refusals are folded into one record")
         if self.num_cached_prompt_tokens > self.num_prompt_tokens:
             raise InvalidRecordError("num_cached_prompt_tokens exceeds num_prompt_tokens")
         for name in _TIMESTAMP_FIELDS:

@@ -31,7 +31,7 @@ from tenants.models import Tenant
 class UsageTotals:
     """Sums over some records, attributed as described in the module docstring."""
 
-    num_requests: int = 0  # records of the tenant(s), refusals included
+    num_requests: int = 0  # requests of the tenant(s), refusals included
     num_prompt_tokens: int = 0  # prompt tokens, cached ones included
     num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
     num_completion_tokens: int = 0  # generated tokens
@@ -53,7 +53,7 @@ class UsageTotals:
         for record in records:
             if tenant_id is None or record.tenant_id == tenant_id:
                 totals += cls(
-                    1,
+                    record.num_requests,
                     record.num_prompt_tokens,
                     record.num_cached_prompt_tokens,
                     record.num_completion_tokens,
@@ -141,7 +141,7 @@ def interval_totals(
 
 def _own_sums() -> list[ColumnElement[Any]]:
     return [
-        func.count(),
+        func.coalesce(func.sum(Row.num_requests), 0),
         func.coalesce(func.sum(Row.num_prompt_tokens), 0),
         func.coalesce(func.sum(Row.num_cached_prompt_tokens), 0),
         func.coalesce(func.sum(Row.num_completion_tokens), 0),

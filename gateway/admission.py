@@ -110,8 +110,16 @@ class AdmissionSettings:
 class GatewayAdmission:
     """The controller as the routes use it: refusals become GatewayErrors with headers."""
 
-    def __init__(self, controller: AdmissionController) -> None:
+    def __init__(
+        self, controller: AdmissionController, redis: RedisRateLimiter | None = None
+    ) -> None:
         self.controller = controller
+        self._redis = redis  # the controller's limiter when it is Redis's
+
+    @property
+    def redis_up(self) -> bool | None:
+        """Whether the shared limiter reaches Redis now; None without Redis."""
+        return None if self._redis is None else self._redis.is_available
 
     async def admit(
         self, principal: TenantPrincipal, *, num_prompt_tokens: int, num_max_tokens: int
@@ -148,6 +156,10 @@ class GatewayAdmission:
             str(principal.tenant_id), _limits(principal), num_tokens
         )
 
+    def started(self, grant: AdmissionGrant) -> None:
+        """The engine produced the request's first output: it is no longer queued."""
+        self.controller.started(grant.ticket)
+
     async def release(self, grant: AdmissionGrant, num_tokens_used: int) -> None:
         await self.controller.release(grant.ticket, num_tokens_used)
 
@@ -163,8 +175,9 @@ def build_admission(
     usage: MonthlyUsageSource | None,
 ) -> GatewayAdmission:
     limiter: RateLimiter
+    redis: RedisRateLimiter | None = None
     if redis_url:
-        limiter = RedisRateLimiter.from_url(
+        limiter = redis = RedisRateLimiter.from_url(
             redis_url,
             RedisLimiterConfig(
                 key_prefix=settings.redis_key_prefix,
@@ -178,7 +191,7 @@ def build_admission(
     # A threshold no estimate reaches turns shedding off without a second code path.
     shed = ShedConfig(slo_fraction=settings.shed_slo_fraction if settings.enable_shedding
                       else math.inf)
-    return GatewayAdmission(AdmissionController(limiter, tiers, usage, stats, shed))
+    return GatewayAdmission(AdmissionController(limiter, tiers, usage, stats, shed), redis)
 
 
 def _limits(principal: TenantPrincipal) -> TenantLimits:
@@ -191,6 +204,7 @@ def _limits(principal: TenantPrincipal) -> TenantLimits:
         max_concurrent_requests=quota.max_concurrent_requests,
         monthly_token_budget=quota.monthly_token_budget,
         monthly_spend_budget_usd_micros=quota.monthly_spend_budget_usd_micros,
+        max_queued_requests=quota.max_queued_requests,
     )
 
 

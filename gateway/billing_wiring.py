@@ -1,6 +1,6 @@
 """The billing ledger seen from the gateway: every finished request becomes a priced usage
-record (committed, or spooled, before the client sees its end), and the ledger's monthly
-totals feed the admission budgets."""
+record (committed, or spooled, before the client sees its end; refusals folded a second at a
+time), and the ledger's monthly totals feed the admission budgets."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from billing import (
     LedgerUnavailableError,
     Pricing,
     RecordStatus,
+    RefusalTally,
     UsageLedger,
     UsageRecord,
 )
@@ -53,14 +54,20 @@ def usage_record(record: RequestRecord) -> UsageRecord:
 
 
 class LedgerSink:
-    """RecordSink: price the request and return once its record is durable."""
+    """RecordSink: price the request and return once its record is durable; a refusal is
+    folded into its key's record of the second (the refusal tally) and returns at once."""
 
-    def __init__(self, ledger: UsageLedger, pricing: Pricing) -> None:
+    def __init__(self, ledger: UsageLedger, pricing: Pricing, tally: RefusalTally) -> None:
         self.ledger = ledger
         self.pricing = pricing
+        self.tally = tally
 
     async def record(self, record: RequestRecord) -> None:
-        await self.ledger.record(self.pricing.price(usage_record(record)))
+        usage = self.pricing.price(usage_record(record))
+        if usage.status is RecordStatus.REFUSED:
+            self.tally.add(usage)
+        else:
+            await self.ledger.record(usage)
 
 
 class LedgerBudgets:

@@ -2,15 +2,16 @@
 
 Every name starts with ``tiergate_`` and every per-request series carries the tier. The
 tenant is a label only on the per-tenant counters (tokens, GPU-seconds), and only for the
-tenants TenantLabeler picks; the rest are folded into ``other``. ops/METRICS.md is the table
-of every metric; tests keep the two in step.
+tenants TenantLabeler picks; the rest are folded into ``other``; anonymous scrapes see them
+summed over tenants (gateway/metrics_views.py). ops/METRICS.md is the table of every metric;
+tests keep the two in step.
 """
 
 from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -20,12 +21,15 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from engine import SchedulerStats
+from gateway.dependency_health import DependencyHealth
+from gateway.engine_health import EngineHealth
 from gateway.gc_pauses import GcPauseCollector, GcPauses, process_gc_pauses
 from gateway.loop_lag import LAG_BUCKETS_S
 from policies.alerts import AlertStatus, TtftAlertRule
 from policies.tiers import Tier
 
 OTHER_TENANT = "other"
+_Endpoint = Callable[[Request], Awaitable[Response]]
 DEFAULT_NUM_TENANT_LABELS = 20
 
 # Bucket edges (seconds). TTFT: 25-50 ms steps up to 1 s, so the premium SLO (0.5 s) and its
@@ -213,6 +217,25 @@ class _Series:
             "recomputed (after preemptions), generated (sampled).",
             ("kind",), registry=r,
         )  # fmt: skip
+        self.engine_up = Gauge(
+            "tiergate_engine_up",
+            "1 while the engine's loop takes requests; 0 while it loads or is restarted.",
+            registry=r,
+        )
+        self.ledger_database_up = Gauge(
+            "tiergate_ledger_database_up",
+            "1 while the usage ledger commits to its database; 0 while it spools.", registry=r,
+        )  # fmt: skip
+        self.ledger_spool_bytes = Gauge(
+            "tiergate_ledger_spool_bytes",
+            "Usage records spooled while the database was away, not yet replayed (bytes).",
+            registry=r,
+        )  # fmt: skip
+        self.engine_restarts = Counter(
+            "tiergate_engine_restarts",
+            "Restarts of an engine that had stopped, by outcome (restarted, failed).",
+            ("outcome",), registry=r,
+        )  # fmt: skip
         self.engine_lane_steps = Counter(
             "tiergate_engine_under_share_lane_steps",
             "Steps that carried only the prompts of tenants under half their fair share.",
@@ -261,9 +284,15 @@ class GatewayMetrics:
         # the process's collector pauses (gateway/gc_pauses.py), read at scrape time
         self.registry.register(GcPauseCollector(gc_pauses or process_gc_pauses()))
         self._tier_names: list[str] = []
-        # The engine's totals counted into the engine counters so far, by counter.
+        # The engine's totals counted into the engine counters so far, by counter, and the
+        # engine they came from (a restarted engine counts from 0 again).
         self._engine_totals: dict[Counter, float] = {}
+        self._engine_generation = 0
+        self._restarts_counted: dict[str, int] = {}
+        self._redis_up: Gauge | None = None
         s = self._series
+        for outcome in ("restarted", "failed"):
+            s.engine_restarts.labels(outcome)  # zeros, not gaps
         for tier in tiers:
             self._tier_names.append(tier.name)
             # Touch every per-tier series so dashboards and rules see zeros, not gaps.
@@ -355,6 +384,37 @@ class GatewayMetrics:
         ):
             self._advance(counter, total)
 
+    def update_dependencies(self, health: DependencyHealth) -> None:
+        s = self._series
+        s.ledger_database_up.set(1 if health.database_up else 0)
+        s.ledger_spool_bytes.set(health.spool_bytes)
+        if health.redis_up is None:
+            return
+        if self._redis_up is None:  # absent, rather than 0, where no Redis is configured
+            self._redis_up = Gauge(
+                "tiergate_rate_limiter_redis_up",
+                "1 while the shared rate limiter reaches Redis; 0 while it falls back "
+                "(fail_open) or refuses (fail_closed). Absent without Redis.",
+                registry=self.registry,
+            )  # fmt: skip
+        self._redis_up.set(1 if health.redis_up else 0)
+
+    def update_engine_health(self, health: EngineHealth) -> None:
+        """Up or not, and the restarts so far; call before update_engine (a new engine's
+        statistics count from 0 again)."""
+        s = self._series
+        s.engine_up.set(1 if health.is_up else 0)
+        for outcome, total in (
+            ("restarted", health.num_restarts), ("failed", health.num_failed_restarts)
+        ):
+            counted = self._restarts_counted.get(outcome, 0)
+            if total > counted:
+                s.engine_restarts.labels(outcome).inc(total - counted)
+                self._restarts_counted[outcome] = total
+        if health.generation != self._engine_generation:
+            self._engine_generation = health.generation
+            self._engine_totals.clear()
+
     def _advance(self, counter: Counter, total: float) -> None:
         """The engine's totals only grow; a counter takes the increment since the last call."""
         counted = self._engine_totals.get(counter, 0.0)
@@ -373,17 +433,19 @@ class GatewayMetrics:
 
 
 def metrics_route(
-    metrics: GatewayMetrics,
+    registry: CollectorRegistry,
     path: str = "/metrics",
     refresh: Callable[[], None] | None = None,
+    guard: Callable[[_Endpoint], _Endpoint] | None = None,
 ) -> Route:
     """GET path: the registry in the Prometheus text format (OpenMetrics when asked for).
-    refresh, when given, updates the gauges read from elsewhere (the engine) first."""
+    refresh, when given, updates the gauges read from elsewhere (the engine) first; guard
+    wraps the endpoint (the admin credential)."""
 
     async def endpoint(request: Request) -> Response:
         if refresh is not None:
             refresh()
         encode, content_type = choose_encoder(request.headers.get("accept", ""))
-        return Response(encode(metrics.registry), media_type=content_type)
+        return Response(encode(registry), media_type=content_type)
 
-    return Route(path, endpoint, methods=["GET"])
+    return Route(path, endpoint if guard is None else guard(endpoint), methods=["GET"])

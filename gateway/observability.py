@@ -13,9 +13,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from engine import SchedulerStats
 from gateway.admin_auth import AdminGuard
 from gateway.alerting import AlertingSettings, AlertMonitor
+from gateway.dependency_health import DependencyHealth
+from gateway.engine_health import EngineHealth
 from gateway.live_api import alerts_routes, live_route
 from gateway.loop_lag import LoopLagWatch
 from gateway.metrics import GatewayMetrics, RequestObservation, RequestOutcome, metrics_route
+from gateway.metrics_views import without_tenants
 from gateway.request_record import RequestRecord, RequestStatus
 from gateway.telemetry import Telemetry, TelemetrySettings, setup_telemetry
 from policies import TierTable
@@ -37,10 +40,14 @@ class Observability:
         tiers: TierTable,
         alerting: AlertingSettings,
         engine_stats: Callable[[], SchedulerStats],
+        engine_health: Callable[[], EngineHealth],
+        dependencies: Callable[[], DependencyHealth],
         telemetry: Telemetry | None = None,
     ) -> None:
         self.tiers = tiers
         self.engine_stats = engine_stats
+        self.engine_health = engine_health
+        self.dependencies = dependencies
         self.metrics = GatewayMetrics(tiers, alert_rules=alerting.rules)
         self.monitor = AlertMonitor.from_settings(alerting, metrics=self.metrics)
         self.telemetry = telemetry or setup_telemetry(TelemetrySettings.from_env())
@@ -52,12 +59,14 @@ class Observability:
         file_config: dict[str, Any],
         tiers: TierTable,
         engine_stats: Callable[[], SchedulerStats],
+        engine_health: Callable[[], EngineHealth],
+        dependencies: Callable[[], DependencyHealth],
         telemetry: Telemetry | None = None,
     ) -> Observability:
         """From the config file's sections (``alerts``); telemetry defaults to the
         environment's OTLP settings."""
         return cls(tiers, AlertingSettings.from_config(file_config.get("alerts"), tiers),
-                   engine_stats, telemetry)
+                   engine_stats, engine_health, dependencies, telemetry)
 
     async def start(self) -> None:
         await self.loop_watch.start()
@@ -69,9 +78,15 @@ class Observability:
         self.telemetry.shutdown()
 
     def routes(self, admin_token: str | None) -> list[BaseRoute]:
-        routes: list[BaseRoute] = [metrics_route(self.metrics, refresh=self.refresh_engine)]
+        # Anonymous: tenant labels summed away; the admin credential sees them.
+        routes: list[BaseRoute] = [
+            metrics_route(without_tenants(self.metrics.registry), refresh=self.refresh)
+        ]
         if admin_token:
             guard = AdminGuard(admin_token)
+            routes.append(metrics_route(
+                self.metrics.registry, "/admin/v1/metrics", self.refresh, guard
+            ))
             routes += alerts_routes(guard, self.monitor)
             routes.append(
                 live_route(guard, engine_stats=self.engine_stats, tiers=self.tiers,
@@ -83,7 +98,10 @@ class Observability:
         """For build_app(middleware=...): counts the requests refused before admission."""
         return [Middleware(InvalidRequestCounter, metrics=self.metrics)]
 
-    def refresh_engine(self) -> None:
+    def refresh(self) -> None:
+        """The gauges read from elsewhere (engine, ledger, Redis), before a scrape."""
+        self.metrics.update_dependencies(self.dependencies())
+        self.metrics.update_engine_health(self.engine_health())
         stats = self.engine_stats()
         waits = {tier.name: stats.estimate_queue_wait_s(tier.priority, 0) for tier in self.tiers}
         self.metrics.update_engine(stats, waits)

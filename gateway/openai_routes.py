@@ -20,7 +20,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -28,6 +28,7 @@ import anyio
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
+from starlette.types import Message, Send
 
 from engine import RequestMetrics, RequestOutput
 from gateway.admission import AdmissionGrant, AdmissionRefusal, GatewayAdmission
@@ -37,6 +38,7 @@ from gateway.errors import (
     InternalServerError,
     NotFoundError,
     PayloadTooLargeError,
+    ServiceUnavailableError,
     error_body,
 )
 from gateway.generation import GenerationJob, check_fits, prepare_prompts, sampling_params
@@ -50,7 +52,7 @@ from gateway.openai_requests import (
 )
 from gateway.openai_responses import ChoiceText, ResponseContext, chunk, full_response, usage_chunk
 from gateway.request_record import RequestRecord, RequestStatus
-from gateway.runtime import GatewayRuntime
+from gateway.runtime import GatewayRuntime, RecordLostError
 from gateway.served_model import ServedModel, tenant_context
 from gateway.telemetry import GenAiRequest, GenAiResponse, RequestTrace
 from policies import RefusalReason
@@ -205,16 +207,15 @@ class _OpenAIApi:
                 response_id, principal, endpoint, served, num_prompt_tokens, arrival, refusal
             )
             trace.finished(_trace_response(record, served))
-            self.runtime.publish_soon(record)
+            await self.runtime.publish(record)  # counted, not written: no wait on the ledger
             raise
         trace.queued()
         job = GenerationJob(engine, response_id, prompts, params, tenant)
         run = _Run(self, served, principal, parsed, job, grant, arrival, trace)
         self.runtime.request_started()
         if parsed.stream:
-            return StreamingResponse(
-                run.stream(),
-                media_type="text/event-stream",
+            return _EventStream(
+                run.stream(), settings.stream_write_timeout_s,
                 headers={**_SSE_HEADERS, **grant.headers},
             )
         return await run.respond(http_request)
@@ -230,7 +231,7 @@ class _OpenAIApi:
             # The body is not read: closing the connection stops its bytes (up to
             # --max-body-bytes a request) at the socket instead of draining them.
             refusal.headers["connection"] = "close"
-            self.runtime.publish_soon(
+            await self.runtime.publish(
                 refused_record(_response_id(endpoint), principal, endpoint, served, 0, arrival,
                                refusal)
             )
@@ -242,6 +243,36 @@ class _OpenAIApi:
         if self._encoder_limiter is None:
             self._encoder_limiter = anyio.CapacityLimiter(1)
         return self._encoder_limiter
+
+
+class _EventStream(StreamingResponse):
+    """A request's event stream, whose client must keep reading: a chunk left unread for
+    write_timeout_s (the socket's buffers full) ends the request as the client's leaving
+    would (cancelled in the engine, recorded as aborted) and drops the connection, so a
+    client that never reads holds no slot, memory or drain for longer than that."""
+
+    def __init__(
+        self,
+        events: AsyncGenerator[str, None],
+        write_timeout_s: float,
+        headers: Mapping[str, str],
+    ) -> None:
+        super().__init__(events, media_type="text/event-stream", headers=headers)
+        self._events = events
+        self._write_timeout_s = write_timeout_s
+
+    async def stream_response(self, send: Send) -> None:
+        async def send_in_time(message: Message) -> None:
+            with anyio.fail_after(self._write_timeout_s):
+                await send(message)
+
+        try:
+            await super().stream_response(send_in_time)
+        except TimeoutError:
+            logger.warning("a stream's client left a chunk unread for %.0f s: aborting it",
+                           self._write_timeout_s)
+            await self._events.aclose()  # the request ends (and is recorded) here
+            # Returning without the response's end makes the server drop the connection.
 
 
 class _Run:
@@ -278,6 +309,7 @@ class _Run:
         # Per choice: arrival times of its outputs that carried tokens (TPOT).
         self._token_times: list[list[float]] = [[] for _ in range(job.num_choices)]
         self._finalized = False
+        self._has_started = False
 
     # -- non-streamed ----------------------------------------------------------------------------
 
@@ -306,9 +338,11 @@ class _Run:
                 await self.job.cancel()  # a disconnect: wait for the abort's metering
                 if status is RequestStatus.ABORTED:
                     status, error = self._outcome()
-                await self._finalize(status)
+                is_recorded = await self._finalize(status)
         if status is RequestStatus.ABORTED:
             return Response(status_code=499)  # nobody is listening
+        if not is_recorded:
+            raise _record_lost_error()
         if status is RequestStatus.FAILED:
             logger.error("request %s failed in the engine: %s", self.job.request_id, error)
             raise InternalServerError(
@@ -319,7 +353,7 @@ class _Run:
 
     # -- streamed --------------------------------------------------------------------------------
 
-    async def stream(self) -> AsyncIterator[str]:
+    async def stream(self) -> AsyncGenerator[str, None]:
         status = RequestStatus.ABORTED
         started = [False] * self.job.num_choices
         offsets = [0] * self.job.num_choices
@@ -331,9 +365,11 @@ class _Run:
                     text = self._prompt_text(index) + text
                 if self.job.is_finished:
                     # The request's last output: its record is durable before the client
-                    # sees the end.
+                    # sees the end, or the client sees an error instead of the end.
                     status, _ = self._outcome()
-                    await self._finalize(status)
+                    if not await self._finalize(status):
+                        yield _sse(_record_lost_error().body())
+                        return
                     if status is RequestStatus.FAILED:
                         yield _sse(error_body(
                             "the engine failed while generating this request",
@@ -369,6 +405,9 @@ class _Run:
         return self.served.tokenizer.decode(prompt.token_ids, skip_special_tokens=False)
 
     def _observe(self, index: int, output: RequestOutput) -> None:
+        if not self._has_started:  # the engine runs it: no longer queued (max_queued_requests)
+            self._has_started = True
+            self.api.admission.started(self.grant)
         if output.new_token_ids:
             now = time.monotonic()
             if self.first_token_time is None:
@@ -387,22 +426,33 @@ class _Run:
             return RequestStatus.COMPLETED, None
         return RequestStatus.ABORTED, None
 
-    async def _finalize(self, status: RequestStatus) -> None:
-        """Once per request: release admission, publish the record, end in-flight."""
+    async def _finalize(self, status: RequestStatus) -> bool:
+        """Once per request: release admission, publish the record, end in-flight. Shielded:
+        a client that goes away meanwhile cannot skip the record. False when the record
+        could not be written (the client must then get an error, not the result)."""
         if self._finalized:
-            return
+            return True
         self._finalized = True
         runtime = self.api.runtime
-        try:
-            summary = self.job.summary()
-            await self.api.admission.release(
-                self.grant, summary.num_prompt_tokens + summary.num_completion_tokens
-            )
-            record = self._record(status)
-            self.trace.finished(_trace_response(record, self.served))
-            await runtime.publish(record)
-        finally:
-            runtime.request_ended()
+        is_recorded = False
+        with anyio.CancelScope(shield=True):
+            try:
+                summary = self.job.summary()
+                try:
+                    await self.api.admission.release(
+                        self.grant, summary.num_prompt_tokens + summary.num_completion_tokens
+                    )
+                except Exception:  # the record matters more than the slot
+                    logger.exception("releasing %s's admission failed", self.job.request_id)
+                record = self._record(status)
+                self.trace.finished(_trace_response(record, self.served))
+                await runtime.publish(record)
+                is_recorded = True
+            except RecordLostError:
+                pass  # logged by publish
+            finally:
+                runtime.request_ended()
+        return is_recorded
 
     def _http_status(self, status: RequestStatus) -> int:
         if status is RequestStatus.ABORTED:
@@ -459,6 +509,14 @@ class _Run:
             finished_at=datetime.now(UTC),
             http_status=self._http_status(status),
         )
+
+
+def _record_lost_error() -> ServiceUnavailableError:
+    return ServiceUnavailableError(
+        "the usage of this request could not be recorded, so its result is withheld; "
+        "retry later",
+        code="usage_not_recorded",
+    )
 
 
 def _response_id(endpoint: Endpoint) -> str:

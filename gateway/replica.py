@@ -9,12 +9,13 @@ from dataclasses import dataclass
 from sqlalchemy import Engine
 from starlette.applications import Starlette
 
-from billing import BillingError, Pricing, UsageLedger
+from billing import BillingError, Pricing, RefusalTally, UsageLedger
 from gateway.admission import AdmissionSettings, GatewayAdmission, build_admission
 from gateway.app import build_app
 from gateway.billing_api import billing_routes
 from gateway.billing_wiring import LedgerBudgets, LedgerSink
 from gateway.console_routes import console_routes
+from gateway.dependency_health import DependencyHealth
 from gateway.observability import Observability
 from gateway.runtime import GatewayRuntime, ModelLoader
 from gateway.served_model import load_served_model
@@ -59,9 +60,11 @@ def compose_replica(
     runtime = GatewayRuntime(settings, tiers, db_engine, model_loader=model_loader)
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     ledger = UsageLedger(runtime.session_factory, settings.data_dir / "usage-spool.jsonl")
-    # First sink: a request's record is durable before its client sees the end.
-    runtime.sinks.append(LedgerSink(ledger, pricing))
+    refusals = RefusalTally(ledger.record)
+    # A request's record is durable before its client sees the end.
+    runtime.ledger = LedgerSink(ledger, pricing, refusals)
     runtime.on_start(ledger.start)
+    runtime.on_start(refusals.start)
     admission = build_admission(
         admission_settings, tiers, settings.redis_url, runtime.engine_stats,
         usage=LedgerBudgets(ledger),
@@ -69,7 +72,13 @@ def compose_replica(
     runtime.on_close(admission.aclose)
     try:
         observability = Observability.from_config(
-            dict(config), tiers, runtime.engine_stats, telemetry
+            dict(config), tiers, runtime.engine_stats, runtime.engine_health,
+            lambda: DependencyHealth(
+                database_up=ledger.is_database_healthy,
+                spool_bytes=ledger.spool_bytes,
+                redis_up=admission.redis_up,
+            ),
+            telemetry,
         )
     except ValueError as exc:
         raise ReplicaConfigError(f"alerts: {exc}") from None
@@ -78,6 +87,7 @@ def compose_replica(
     runtime.on_start(observability.start)
     runtime.on_close(observability.close)
     # Last: everything the drain let finish has been recorded by now.
+    runtime.on_close(refusals.close)
     runtime.on_close(ledger.close)
     app = build_app(
         runtime,

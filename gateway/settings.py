@@ -78,6 +78,11 @@ _OPTIONS: dict[str, _Option] = {
     "drain_timeout_s": _Option(
         "--drain-timeout", "TIERGATE_DRAIN_TIMEOUT_S", "seconds SIGTERM waits for requests"
     ),
+    "stream_write_timeout_s": _Option(
+        "--stream-write-timeout",
+        "TIERGATE_STREAM_WRITE_TIMEOUT_S",
+        "seconds a stream's client may leave a chunk unread before the request is aborted",
+    ),
     "demo_model_dir": _Option(
         "--demo-model-dir", "TIERGATE_DEMO_MODEL_DIR", "where the demo model is written"
     ),
@@ -120,6 +125,7 @@ class GatewaySettings:
     max_messages: int = 2048
     max_choices: int = 256
     drain_timeout_s: float = 30.0
+    stream_write_timeout_s: float = 30.0
     demo_model_dir: Path = Path.home() / ".cache" / "tiergate" / "demo-model"
     model_cache_dir: Path = Path.home() / ".cache" / "tiergate" / "models"
     data_dir: Path = Path("./tiergate-data")
@@ -145,6 +151,8 @@ class GatewaySettings:
                 raise SettingsError(f"{_OPTIONS[name].flag} must be >= 1")
         if self.drain_timeout_s < 0:
             raise SettingsError("--drain-timeout must be >= 0")
+        if not self.stream_write_timeout_s > 0:
+            raise SettingsError("--stream-write-timeout must be > 0")
 
     @classmethod
     def from_sources(

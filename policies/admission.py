@@ -1,4 +1,5 @@
-"""Admission: who gets in, checked in order budget, SLO shedding, rate limits.
+"""Admission: who gets in, checked in order budget, SLO shedding, the tenant's queue on this
+replica (max_queued_requests: admitted, not yet started by the engine), rate limits.
 
 Shedding is decided before the rate limiter charges anything, not after with a rollback.
 Both keep a shed request off the tenant's quota, but a charge-then-refund holds the quota
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 
 from engine import SchedulerStats, TenantShare, TierStats
 from policies.budgets import MonthlyUsage, MonthlyUsageSource, check_budgets
-from policies.errors import AdmissionRefused
+from policies.errors import AdmissionRefused, QueueFull
 from policies.rate_limiter_memory import MemoryRateLimiter
 from policies.rate_limits import (
     RateLimiter,
@@ -55,9 +56,10 @@ class AdmissionRequest:
         return self.num_prompt_tokens + self.num_max_tokens
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class AdmissionTicket:
-    """An admitted request; hand it back to release() when the request ends."""
+    """An admitted request; hand it back to started() when the engine starts it (its first
+    output) and to release() when it ends."""
 
     request: AdmissionRequest
     lease: RateLimitLease  # the rate-limit charge and concurrency slot
@@ -69,7 +71,7 @@ class AdmissionTicket:
 
 
 class AdmissionController:
-    """Budgets, SLO shedding and rate limits in front of the engine."""
+    """Budgets, SLO shedding, queue bounds and rate limits in front of the engine."""
 
     def __init__(
         self,
@@ -84,11 +86,14 @@ class AdmissionController:
         self._usage = usage  # None: budgets are not enforced
         self._stats = stats  # the engine's latest scheduler statistics
         self._shedder = SloShedder(tiers, shed)
+        # Admitted here, not yet started by the engine: per tenant (max_queued_requests).
+        self._queued: dict[str, set[AdmissionTicket]] = {}
 
     async def admit(self, request: AdmissionRequest) -> AdmissionTicket:
         """Admit or raise an AdmissionRefused subclass (nothing is charged on refusal).
 
-        BudgetExhausted, Shed, RateLimited, or LimiterUnavailable (Redis down, fail_closed);
+        BudgetExhausted, Shed, QueueFull, RateLimited, or LimiterUnavailable (Redis down,
+        fail_closed);
         UnknownTierError for a tier not in the table.
         """
         limits = request.limits
@@ -108,13 +113,38 @@ class AdmissionController:
             )
             if shed is not None:
                 raise shed
+        queued = self._queued.setdefault(request.tenant_id, set())
+        if limits.max_queued_requests is not None and len(queued) >= limits.max_queued_requests:
+            tier = self._tiers[request.tier]
+            wait_s = self._stats().estimate_queue_wait_s(tier.priority, 0)
+            raise QueueFull(
+                f"{len(queued)} of your requests are already waiting for the engine on this "
+                f"replica (your limit is {limits.max_queued_requests}); retry once they start",
+                retry_after_s=max(0.1, wait_s),
+                num_queued=len(queued),
+            )
         lease = await self._limiter.acquire(request.tenant_id, limits, request.num_tokens_reserved)
         self._shedder.admitted(request.tier, request.num_prompt_tokens, request.tenant_id)
-        return AdmissionTicket(request, lease)
+        ticket = AdmissionTicket(request, lease)
+        queued.add(ticket)
+        return ticket
+
+    def started(self, ticket: AdmissionTicket) -> None:
+        """The engine has started the request: it no longer counts as queued."""
+        queued = self._queued.get(ticket.request.tenant_id)
+        if queued is not None:
+            queued.discard(ticket)
+            if not queued:
+                del self._queued[ticket.request.tenant_id]
+
+    def num_queued(self, tenant_id: str) -> int:
+        """The tenant's requests admitted here that the engine has not started."""
+        return len(self._queued.get(tenant_id, ()))
 
     async def release(self, ticket: AdmissionTicket, num_tokens_used: int) -> RateLimitSnapshot:
         """The request ended having used num_tokens_used (prompt + generated): free its slot
         and refund the unused reservation. Calling it twice for a ticket does nothing more."""
+        self.started(ticket)  # if it never started, it is not waiting any more either
         return await self._limiter.release(ticket.lease, num_tokens_used)
 
     async def peek(self, request: AdmissionRequest) -> RateLimitSnapshot | None:

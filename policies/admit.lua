@@ -3,9 +3,10 @@
 --
 -- KEYS[1] requests bucket, KEYS[2] tokens bucket: hashes {level, ts_us}; a missing bucket is full.
 -- KEYS[3] leases: sorted set of lease id -> expiry (ms); a lease not renewed in time frees its slot.
--- All three keys share the tenant's hash tag, so they live on one node.
+-- KEYS[4] cancelled: sorted set of lease id -> expiry (ms) of admissions cancelled before they ran.
+-- All four keys share the tenant's hash tag, so they live on one node.
 --
--- ARGV[1] op: "admit" | "release" | "peek" | "charge" | "renew"
+-- ARGV[1] op: "admit" | "release" | "peek" | "charge" | "renew" | "cancel"
 -- admit/release: ARGV[2] requests capacity, ARGV[3] requests per second, ARGV[4] tokens capacity,
 --   ARGV[5] tokens per second (capacity -1: no such limit), ARGV[6] tokens to charge (admit) or to
 --   refund (release), ARGV[7] max concurrent (-1: none), ARGV[8] lease id, ARGV[9] lease ttl ms.
@@ -14,6 +15,10 @@
 -- peek: the admit arguments; charges nothing.
 -- charge: the admit arguments; takes 1 request and ARGV[6] tokens as far as the buckets hold them
 --   (never below empty), no lease, never refused.
+-- cancel: the admit arguments of an admission whose caller stopped waiting for the reply (its
+--   client timed out): if it ran, its lease is removed and its request and ARGV[6] tokens are
+--   given back (replies 1); if not, its lease id is remembered for ARGV[9] ms so that it does
+--   nothing when it arrives (replies 0). A slow Redis then leaves no ghost slot or charge.
 -- admit, release, peek and charge reply {admitted or released (0/1), leases held, requests level, tokens
 -- level}, levels as strings ("-1": no such limit), taken before the charge (admit) or after
 -- (release, charge):
@@ -73,6 +78,7 @@ local num_tokens, max_concurrent = tonumber(ARGV[6]), tonumber(ARGV[7])
 local lease_id, lease_ttl_ms = ARGV[8], tonumber(ARGV[9])
 
 redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now_ms)
+redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now_ms)
 local req_level = read(KEYS[1], req_cap, req_rate)
 local tok_level = read(KEYS[2], tok_cap, tok_rate)
 
@@ -101,8 +107,26 @@ if op == 'release' then
   return {released, redis.call('ZCARD', KEYS[3]), show(req_level), show(tok_level)}
 end
 
--- admit: all or nothing
+if op == 'cancel' then
+  if redis.call('ZREM', KEYS[3], lease_id) == 1 then
+    if req_level ~= nil then write(KEYS[1], req_cap, req_rate, math.min(req_cap, req_level + 1)) end
+    if tok_level ~= nil then
+      tok_level = math.min(tok_cap, tok_level + num_tokens)
+      write(KEYS[2], tok_cap, tok_rate, tok_level)
+    end
+    return {1, redis.call('ZCARD', KEYS[3]), show(req_level), show(tok_level)}
+  end
+  redis.call('ZADD', KEYS[4], now_ms + lease_ttl_ms, lease_id)
+  local latest = redis.call('ZRANGE', KEYS[4], -1, -1, 'WITHSCORES')[2]
+  redis.call('PEXPIRE', KEYS[4], math.max(1, tonumber(latest) - now_ms))
+  return {0, redis.call('ZCARD', KEYS[3]), show(req_level), show(tok_level)}
+end
+
+-- admit: all or nothing (nothing at all for an admission already cancelled)
 local num_leases = redis.call('ZCARD', KEYS[3])
+if redis.call('ZREM', KEYS[4], lease_id) == 1 then
+  return {0, num_leases, show(req_level), show(tok_level)}
+end
 local fits = (req_level == nil or req_level >= 1)
   and (tok_level == nil or tok_level >= num_tokens)
   and (max_concurrent < 0 or num_leases < max_concurrent)

@@ -39,6 +39,7 @@ class RefusalReason(StrEnum):
     CONCURRENCY = "concurrency"
     BUDGET = "budget"
     SHED = "slo_shed"
+    QUEUE_FULL = "queue_full"
     LIMITER_UNAVAILABLE = "limiter_unavailable"
 
 
@@ -119,6 +120,17 @@ class Shed(AdmissionRefused):
         super().__init__(message, retry_after_s)
         self.estimated_wait_s = estimated_wait_s
         self.threshold_s = threshold_s
+
+
+class QueueFull(AdmissionRefused):
+    """The tenant already has max_queued_requests waiting for the engine on this replica
+    (429, retry once its tier's queue has moved)."""
+
+    reason = RefusalReason.QUEUE_FULL
+
+    def __init__(self, message: str, retry_after_s: float, num_queued: int) -> None:
+        super().__init__(message, retry_after_s)
+        self.num_queued = num_queued
 
 
 class LimiterUnavailable(AdmissionRefused):

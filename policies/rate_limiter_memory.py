@@ -7,6 +7,7 @@ they die with the process that holds them.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import Callable
@@ -64,10 +65,18 @@ class MemoryRateLimiter:
     async def aclose(self) -> None:
         self._tenants.clear()
 
-    def acquire_now(self, tenant_id: str, limits: TenantLimits, num_tokens: int) -> RateLimitLease:
-        """acquire() without the coroutine (raises RateLimited)."""
+    def acquire_now(
+        self, tenant_id: str, limits: TenantLimits, num_tokens: int, num_held_elsewhere: int = 0
+    ) -> RateLimitLease:
+        """acquire() without the coroutine (raises RateLimited). num_held_elsewhere: slots
+        the tenant holds outside these buckets that count against the concurrency limit (as
+        the Redis limiter's fallback counts its replica's Redis leases)."""
         state = self._tenants.setdefault(tenant_id, _TenantState())
         levels = self._levels(state, limits)
+        if num_held_elsewhere:
+            levels = dataclasses.replace(
+                levels, num_concurrent=levels.num_concurrent + num_held_elsewhere
+            )
         refusal = check_limits(limits, levels, num_tokens, self._concurrency_retry_after_s)
         if refusal is not None:
             raise refusal

@@ -6,6 +6,14 @@ The script (admit.lua) checks and charges all three at once, with Redis's clock.
 by this process are renewed in the background every third of their ttl; a replica that dies
 stops renewing and its slots free themselves when the ttl runs out.
 
+An admission whose reply does not come within `timeout_s` may still run in Redis (a slow
+network, a stalled server): its lease id is then cancelled in the background (admit.lua's
+"cancel": the lease removed and its charge given back if it ran, a tombstone if it has not
+yet). A release that cannot reach Redis (it times out, or Redis is marked away) is also
+retried in the background, every SETTLE_RETRY_S for as long as the lease could live (off
+the request path: the probe interval still bounds what requests wait on). So
+a slow or flapping Redis leaves no ghost slots holding the tenant's concurrency.
+
 When Redis cannot be reached within `timeout_s`, the limiter either falls back to local
 buckets holding each replica's share of the limits (fail_open) or refuses with
 LimiterUnavailable (fail_closed). It then leaves Redis alone except for one probe per
@@ -60,6 +68,13 @@ _UNAVAILABLE: tuple[type[BaseException], ...] = (
 )
 
 
+# A call that timed out waiting for its reply: unlike a refused connection, its command may
+# have reached Redis and run.
+_NO_REPLY: tuple[type[BaseException], ...] = (redis_errors.TimeoutError, TimeoutError)
+# How often a cancel or release that did not reach Redis is tried again, in the background.
+SETTLE_RETRY_S = 0.2
+
+
 class FailurePolicy(StrEnum):
     FAIL_OPEN = "fail_open"  # local buckets at each replica's share of the limits
     FAIL_CLOSED = "fail_closed"  # refuse with LimiterUnavailable (503)
@@ -67,7 +82,7 @@ class FailurePolicy(StrEnum):
 
 @dataclass(frozen=True)
 class RedisLimiterConfig:
-    key_prefix: str = "tiergate"  # keys are <prefix>:{<tenant_id>}:requests|tokens|leases
+    key_prefix: str = "tiergate"  # keys: <prefix>:{<tenant_id>}:requests|tokens|leases|cancelled
     on_failure: FailurePolicy = FailurePolicy.FAIL_OPEN
     num_replicas: int = 1  # fail_open: each replica enforces limits / num_replicas
     timeout_s: float = 0.1  # longest one admission waits on Redis (socket and overall)
@@ -102,6 +117,10 @@ class RedisRateLimiter:
         )
         self._held: dict[str, set[str]] = {}  # tenant -> Redis lease ids this process holds
         self._renewal: asyncio.Task[None] | None = None
+        # Cancellations of timed-out admissions and releases Redis did not take, until each
+        # reaches it.
+        self._settlements: set[asyncio.Task[None]] = set()
+        self.num_cancelled_leases = 0  # of those, admissions that had run (a slot given back)
         self._is_down = False
         self._next_probe_s = 0.0  # while down: when Redis may be tried again
         self.num_script_loads = 0  # NOSCRIPT answers (first use, Redis restarted)
@@ -138,6 +157,8 @@ class RedisRateLimiter:
                 reply = await self._run(tenant_id, args)
             except _UNAVAILABLE as exc:
                 self._mark_down(exc)
+                if isinstance(exc, _NO_REPLY):  # sent, and it may have run
+                    self._settle_soon(tenant_id, ["cancel", *args[1:]])
             else:
                 self._mark_up()
                 return self._admitted(tenant_id, limits, num_tokens, lease_id, reply)
@@ -146,8 +167,11 @@ class RedisRateLimiter:
                 "The rate limiter is unavailable; please retry shortly.",
                 retry_after_s=self._config.probe_interval_s,
             )
+        # The replica's share, its Redis leases still running counted in it: a replica
+        # that goes back and forth between Redis and its share does not hold both.
         return self._fallback.acquire_now(
-            tenant_id, limits.divided(self._config.num_replicas), num_tokens
+            tenant_id, limits.divided(self._config.num_replicas), num_tokens,
+            num_held_elsewhere=self._held_count(tenant_id),
         )
 
     async def release(self, lease: RateLimitLease, num_tokens_used: int) -> RateLimitSnapshot:
@@ -159,14 +183,16 @@ class RedisRateLimiter:
             held.discard(lease.lease_id)
             if not held:
                 del self._held[lease.tenant_id]
-        if not self._may_try_redis():
-            return EMPTY_SNAPSHOT
         refund = max(0, lease.num_tokens_reserved - num_tokens_used)
         args = self._args("release", lease.limits, refund, lease.lease_id)
+        if not self._may_try_redis():
+            self._settle_soon(lease.tenant_id, args)
+            return EMPTY_SNAPSHOT
         try:
             reply = await self._run(lease.tenant_id, args)
         except _UNAVAILABLE as exc:
             self._mark_down(exc)
+            self._settle_soon(lease.tenant_id, args)  # a second release does nothing more
             return EMPTY_SNAPSHOT
         self._mark_up()
         return _levels(reply).snapshot(lease.limits)
@@ -220,7 +246,34 @@ class RedisRateLimiter:
                 num_renewed += int(reply)
         return num_renewed
 
+    def _held_count(self, tenant_id: str) -> int:
+        """The tenant's Redis leases this replica holds (requests still running)."""
+        return len(self._held.get(tenant_id, ()))
+
+    def _settle_soon(self, tenant_id: str, args: list[str | int | float]) -> None:
+        """Run a cancel or release that has not reached Redis, in the background: tried
+        every SETTLE_RETRY_S until Redis answers, for as long as its lease could live."""
+        task = asyncio.get_running_loop().create_task(self._settle(tenant_id, args))
+        self._settlements.add(task)
+        task.add_done_callback(self._settlements.discard)
+
+    async def _settle(self, tenant_id: str, args: list[str | int | float]) -> None:
+        deadline_s = self._clock() + self._config.lease_ttl_s
+        while True:
+            try:
+                reply = await self._run(tenant_id, args)
+            except _UNAVAILABLE:
+                if self._clock() >= deadline_s:
+                    return  # the lease has expired by itself meanwhile
+                await asyncio.sleep(SETTLE_RETRY_S)
+                continue
+            if args[0] == "cancel":
+                self.num_cancelled_leases += int(reply[0])
+            return
+
     async def aclose(self) -> None:
+        for task in list(self._settlements):
+            task.cancel()
         if self._renewal is not None:
             self._renewal.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -234,7 +287,9 @@ class RedisRateLimiter:
     async def _run(self, tenant_id: str, args: Sequence[str | int | float]) -> Any:
         """The script on the tenant's keys, loading it first if Redis does not know it."""
         prefix = f"{self._config.key_prefix}:{{{tenant_id}}}"
-        keys = (f"{prefix}:requests", f"{prefix}:tokens", f"{prefix}:leases")
+        keys = (
+            f"{prefix}:requests", f"{prefix}:tokens", f"{prefix}:leases", f"{prefix}:cancelled"
+        )
         async with asyncio.timeout(self._config.timeout_s):
             try:
                 return await self._client.evalsha(_SCRIPT_SHA, len(keys), *keys, *args)

@@ -30,6 +30,8 @@ class TenantLimits:
     max_concurrent_requests: int | None = None  # None: no concurrency limit
     monthly_token_budget: int | None = None  # None: no budget
     monthly_spend_budget_usd_micros: int | None = None  # None: no budget
+    # Requests admitted on this replica that its engine has not started yet; None: no limit.
+    max_queued_requests: int | None = None
 
     def __post_init__(self) -> None:
         for field in fields(self):
@@ -64,6 +66,7 @@ class TenantLimits:
             max_concurrent_requests=share(self.max_concurrent_requests),
             monthly_token_budget=self.monthly_token_budget,
             monthly_spend_budget_usd_micros=self.monthly_spend_budget_usd_micros,
+            max_queued_requests=self.max_queued_requests,  # already per replica
         )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -18,19 +19,42 @@ def create_db_engine(settings: DatabaseSettings, *, pooled: bool = True) -> Engi
     """An engine for settings.url. pooled=False opens one connection per use (CLI, migrations)."""
     url = make_url(settings.url)
     kwargs: dict[str, Any] = {}
+    is_postgresql = url.get_backend_name() == "postgresql"
+    if is_postgresql:
+        kwargs["connect_args"] = _postgresql_timeouts(settings, with_statement_limits=pooled)
     if not pooled:
         kwargs["poolclass"] = NullPool
-    elif url.get_backend_name() != "sqlite":
+    elif is_postgresql:
         kwargs.update(
             pool_size=settings.pool_size,
             max_overflow=settings.max_overflow,
             pool_recycle=settings.pool_recycle_s,
+            pool_timeout=settings.pool_timeout_s,
             pool_pre_ping=True,
         )
     engine = create_engine(url, **kwargs)
     if url.get_backend_name() == "sqlite":
         _configure_sqlite(engine, busy_timeout_s=settings.sqlite_busy_timeout_s)
     return engine
+
+
+def _postgresql_timeouts(
+    settings: DatabaseSettings, *, with_statement_limits: bool
+) -> dict[str, Any]:
+    # libpq counts connect_timeout in whole seconds (and uses at least 2).
+    connect_args: dict[str, Any] = {
+        "connect_timeout": max(2, math.ceil(settings.connect_timeout_s))
+    }
+    if with_statement_limits:
+        connect_args["options"] = (
+            f"-c lock_timeout={_ms(settings.lock_timeout_s)}"
+            f" -c statement_timeout={_ms(settings.statement_timeout_s)}"
+        )
+    return connect_args
+
+
+def _ms(seconds: float) -> int:
+    return max(1, round(seconds * 1000))
 
 
 def _configure_sqlite(engine: Engine, *, busy_timeout_s: float) -> None:

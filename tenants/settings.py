@@ -30,6 +30,14 @@ class DatabaseSettings:
     pool_recycle_s: int = 1800
     # Seconds a SQLite writer waits for another writer's lock before failing.
     sqlite_busy_timeout_s: float = 5.0
+    # PostgreSQL: seconds to open a connection, to wait for a pooled one, to wait for a lock
+    # (a locked table), and the longest statement, before the call fails. What a failure
+    # means is the caller's: a key lookup answers from the cache or 503, the ledger spools.
+    # Statement and lock limits hold on serving (pooled) engines; migrations have none.
+    connect_timeout_s: float = 5.0
+    pool_timeout_s: float = 10.0
+    lock_timeout_s: float = 5.0
+    statement_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         try:
@@ -40,6 +48,10 @@ class DatabaseSettings:
             raise InvalidFieldError("pool_size must be at least 1", "pool_size")
         if self.max_overflow < 0:
             raise InvalidFieldError("max_overflow must not be negative", "max_overflow")
+        for name in ("connect_timeout_s", "pool_timeout_s", "lock_timeout_s",
+                     "statement_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise InvalidFieldError(f"{name} must be positive", name)
 
     @property
     def is_sqlite(self) -> bool:

@@ -1,11 +1,12 @@
-"""Large-prompt attack on `tiergate serve` (issue 36's first row), measured from outside.
+"""Attacks from a 1-RPM key on `tiergate serve` (issue 36's first rows), measured from outside.
 
-A tenant limited to 1 request a minute sends ~4 MB chat prompts back to back from several
-processes while another tenant sends short streamed chats one after the other; the same
-victim requests are timed first alone. Printed: the victim's TTFT (p50/p99/max), the slowest
-`/health/live` answer, the server's event-loop heartbeats more than 50 ms late (its
-`tiergate_event_loop_lag_seconds`, read as `tiergate bench serve` reads it), and what the
-attacker got.
+A tenant limited to 1 request a minute sends chat requests back to back from several
+processes, ~4 MB prompts by default (`--prompt-chars 20` makes it a flood of small 429s),
+while another tenant sends short streamed chats one after the other; the same victim requests
+are timed first alone. Printed: the victim's TTFT (p50/p99/max), the slowest `/health/live`
+answer, the server's event-loop heartbeats more than 50 ms late (its
+`tiergate_event_loop_lag_seconds`, read as `tiergate bench serve` reads it), what the attacker
+got, and the usage-ledger rows written during the phase (and the requests they stand for).
 
 The server is `tiergate serve --model demo` started in the current directory (the benchmark's
 BenchServer), so running this file from another checkout's directory measures that checkout:
@@ -17,9 +18,11 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import multiprocessing
 import random
+import sqlite3
 import tempfile
 import threading
 import time
@@ -70,14 +73,14 @@ def main() -> None:
         )
         rows = [
             _phase(server.base_url, phase, keys["victim"], keys["attacker"], attack_body,
-                   num_attackers, args.victim_requests)
+                   num_attackers, args.victim_requests, server.work_dir / "tiergate.db")
             for phase, num_attackers in (("alone", 0), ("under attack", args.attackers))
         ]
     print(f"attack: {args.attackers} processes x {len(attack_body):,}-byte chat bodies, "
           f"1-RPM key ({TENANT_PREFIX}attacker); victim: {args.victim_requests} streamed chats "
           f"one after another, max_tokens 8 (demo model, seed {args.seed})")
     header = ("phase", "victim TTFT p50 ms", "p99 ms", "max ms", "/health/live max ms",
-              "loop beats > 50 ms late", "attacker answers")
+              "loop beats > 50 ms late", "attacker answers", "ledger rows (requests)")
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for row in rows:
@@ -86,8 +89,9 @@ def main() -> None:
 
 def _phase(
     base_url: str, name: str, victim_key: str, attacker_key: str, attack_body: bytes,
-    num_attackers: int, num_requests: int,
+    num_attackers: int, num_requests: int, database: Path,
 ) -> tuple[str, ...]:
+    ledger_before = _ledger_rows(database)
     stop = threading.Event()
     live_s: list[float] = []
 
@@ -105,14 +109,18 @@ def _phase(
     context = multiprocessing.get_context("spawn")
     stop_attack = context.Event()
     answers_queue: multiprocessing.Queue[dict[str, int]] = context.Queue()
+    sending = context.Semaphore(0)  # released by each attacker as it starts sending
     attackers = [
         context.Process(
-            target=_attack, args=(base_url, attacker_key, attack_body, stop_attack, answers_queue)
+            target=_attack,
+            args=(base_url, attacker_key, attack_body, stop_attack, sending, answers_queue),
         )
         for _ in range(num_attackers)
     ]
     for attacker in attackers:
         attacker.start()
+    for _ in attackers:  # a spawned process takes a while to import its client
+        assert sending.acquire(timeout=120), "an attacker did not start"
     prober = threading.Thread(target=probe_live)
     prober.start()
     time.sleep(2.0 if num_attackers else 0.0)  # the attack under way
@@ -131,10 +139,26 @@ def _phase(
         else str(activity_after.minus(activity_before).num_late_beats)
     )
     ttft = Percentiles.of(ttfts)
+    time.sleep(2.0)  # refusals are written a second at a time
+    rows, requests = (after - before for after, before in zip(
+        _ledger_rows(database), ledger_before, strict=True))
     return (
         name, _ms(ttft.p50), _ms(ttft.p99), _ms(max(ttfts)), _ms(max(live_s)), late,
         ", ".join(f"{count} x {code}" for code, count in sorted(answers.items())) or "-",
+        f"{rows:,} ({requests:,})",
     )
+
+
+def _ledger_rows(database: Path) -> tuple[int, int]:
+    """Rows in the server's usage_records, and the requests they stand for (one a row before
+    refusals were folded)."""
+    with contextlib.closing(sqlite3.connect(f"file:{database}?mode=ro", uri=True)) as db:
+        columns = {row[1] for row in db.execute("PRAGMA table_info(usage_records)")}
+        requests = "sum(num_requests)" if "num_requests" in columns else "count(*)"
+        num_rows, num_requests = db.execute(
+            f"SELECT count(*), coalesce({requests}, 0) FROM usage_records"
+        ).fetchone()
+    return int(num_rows), int(num_requests)
 
 
 def _victim_ttft(base_url: str, key: str, index: int) -> float:
@@ -155,11 +179,14 @@ def _victim_ttft(base_url: str, key: str, index: int) -> float:
     return ttft
 
 
-def _attack(base_url: str, key: str, body: bytes, stop: Any, answers_queue: Any) -> None:
+def _attack(
+    base_url: str, key: str, body: bytes, stop: Any, sending: Any, answers_queue: Any
+) -> None:
     """One attacker connection sending the body back to back until stop is set."""
     answers: collections.Counter[str] = collections.Counter()
     headers = {"authorization": f"Bearer {key}", "content-type": "application/json"}
     with httpx.Client(base_url=base_url, timeout=120) as client:
+        sending.release()
         while not stop.is_set():
             try:
                 response = client.post("/v1/chat/completions", content=body, headers=headers)

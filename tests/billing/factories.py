@@ -90,7 +90,7 @@ def seed_month(session: Session) -> SeededMonth:
                     status=RecordStatus.REFUSED, finish_reason=None, api_key_id=None,
                     num_prompt_tokens=0, num_cached_prompt_tokens=0, num_completion_tokens=0,
                     gpu_seconds=0.0, amount_usd_micros=0, queue_time_s=None, ttft_s=None,
-                    e2e_time_s=None),
+                    e2e_time_s=None, num_requests=3),  # three refusals, folded
         make_record("a3", tenant_id=a, tier="premium", finished_at=at(3),
                     num_prompt_tokens=10, num_cached_prompt_tokens=0, num_completion_tokens=1,
                     gpu_seconds=0.0625, amount_usd_micros=40, num_preemptions=2,

@@ -64,7 +64,8 @@ def test_daily_rows_per_tenant_per_utc_day(session: Session, month: SeededMonth)
         # a1 and a2 (the last microsecond of the day), plus g1's recompute that acme caused.
         ("2026-11-01", a, "acme", (2, 150, 10, 15, 1.5, 0.25, 1000 + 500 + 100)),
         ("2026-11-01", g, "globex", (1, 200, 0, 40, 2.0, 0.0, 300)),
-        ("2026-11-02", g, "globex", (2, 30, 16, 3, 0.125, 0.0, 250)),  # aborted, refused
+        # g2 aborted, and g3 folding three refusals: four requests.
+        ("2026-11-02", g, "globex", (4, 30, 16, 3, 0.125, 0.0, 250)),
         ("2026-11-03", a, "acme", (1, 10, 0, 1, 0.0625, 0.0, 40)),  # its recompute: globex's
         ("2026-11-03", g, "globex", (0, 0, 0, 0, 0.0, 1.5, 600)),  # pays, sent nothing that day
         ("2026-11-30", d, None, (1, 7, 0, 7, 0.25, 0.0, 70)),  # tenant deleted, records kept
@@ -81,7 +82,7 @@ def test_totals_reconcile_with_the_records(session: Session, month: SeededMonth)
         from_records = UsageTotals.of_records(month.records, tenant_id)
         assert from_rows == from_sql == from_records, tenant_id
     everyone = interval_totals(session, NOVEMBER.start, NOVEMBER.end)
-    assert everyone.num_requests == len(month.records) == 7
+    assert everyone.num_requests == len(month.records) + 2 == 9  # g3 folds three refusals
     assert everyone.amount_usd_micros == 1000 + 500 + 300 + 100 + 250 + 40 + 600 + 70
 
 
@@ -116,7 +117,7 @@ def test_daily_jsonl_for_one_tenant(session: Session, month: SeededMonth) -> Non
     rows = [json.loads(line) for line in export_lines(session, request)]
     assert [(r["date"], r["num_requests"], r["amount_usd_micros"]) for r in rows] == [
         ("2026-11-01", 1, 300),
-        ("2026-11-02", 2, 250),
+        ("2026-11-02", 4, 250),
         ("2026-11-03", 0, 600),
     ]
     assert set(rows[0]) == set(DAILY_COLUMNS)

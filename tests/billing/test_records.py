@@ -49,11 +49,19 @@ def test_timestamps_are_kept_in_utc() -> None:
         ({"ttft_s": -0.1}, "ttft_s"),
         ({"amount_usd_micros": -5}, "amount_usd_micros"),
         ({"finished_at": datetime(2026, 11, 15)}, "timezone-aware"),
+        ({"num_requests": 0}, "at least 1"),
+        ({"num_requests": 2}, "only refusals"),  # a request that ran is one record
     ],
 )
 def test_invalid_records_are_refused(fields: dict[str, Any], message: str) -> None:
     with pytest.raises(InvalidRecordError, match=message):
         make_record("r", **fields)
+
+
+def test_a_spool_line_from_before_folded_refusals_stands_for_one_request() -> None:
+    line = make_record("r").to_json()
+    del line["num_requests"]
+    assert UsageRecord.from_json(line).num_requests == 1
 
 
 def test_unreadable_json_is_an_invalid_record() -> None:
@@ -66,6 +74,7 @@ def test_unreadable_json_is_an_invalid_record() -> None:
         {**good, "tenant_id": "7"},
         {**good, "num_prompt_tokens": True},
         {**good, "gpu_seconds": "0.5"},
+        {**good, "num_requests": 1.5},
         {**good, "model": None},
     ):
         with pytest.raises(InvalidRecordError):

@@ -81,13 +81,14 @@ def server(sqlite_url: str, tmp_path: Path) -> Iterator[ServeProcess]:
 def _tenant_records(
     server: ServeProcess, tenant_id: int, since: datetime, *, num_refused: int
 ) -> list[dict[str, Any]]:
-    """The tenant's records once its refusals are in (they are recorded after the 429)."""
+    """The tenant's records once its refusals are in (they are folded and written a second
+    at a time, after the 429s)."""
     deadline = time.monotonic() + 10.0
     while True:
         records = [
             r for r in detail_export(server, billing_periods(since)) if r["tenant_id"] == tenant_id
         ]
-        if sum(r["status"] == "refused" for r in records) >= num_refused:
+        if sum(r["num_requests"] for r in records if r["status"] == "refused") >= num_refused:
             return records
         assert time.monotonic() < deadline, records
         time.sleep(0.1)

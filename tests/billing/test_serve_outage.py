@@ -150,6 +150,7 @@ def test_database_outage_under_load_fails_no_request_and_bills_each_once(
             failed = [r for r in traffic.requests if not r.is_complete]
             assert not failed, failed  # every request got its 200 and its whole answer
             assert log.spool_peak_bytes > 0  # the ledger really lost its database
+            assert set(log.ready_codes) == {200}  # still in service throughout
             _wait_for_empty_spool(data_dir)
             check = assert_billed_exactly_once(
                 traffic.requests, detail_export(server, billing_periods(since))
@@ -170,6 +171,7 @@ def test_database_outage_under_load_fails_no_request_and_bills_each_once(
                 _through_outage(second, server, data_dir, outage, kill_in_outage=True)
             )
             assert all(r.status_code in (None, 200) for r in second.requests), second.requests
+            assert set(log.ready_codes) == {200}
             spooled_bytes = _spool_bytes(data_dir)
             assert spooled_bytes > 0
             server = _serve(database_url, data_dir)

@@ -67,11 +67,13 @@ def test_tenant_key_chat_usage_revoke_through_tiergate_serve(
     page.get_by_role("button", name="Done").click()
     assert key not in page.content()
 
-    client = openai.OpenAI(base_url=f"{serve_url}/v1", api_key=key, max_retries=0, timeout=60)
-    model = client.models.list().data[0].id
-    completion = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "Hello!"}], max_tokens=4
-    )
+    with openai.OpenAI(
+        base_url=f"{serve_url}/v1", api_key=key, max_retries=0, timeout=60
+    ) as client:
+        model = client.models.list().data[0].id
+        completion = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "Hello!"}], max_tokens=4
+        )
     assert completion.usage is not None and completion.usage.completion_tokens > 0
     num_tokens = completion.usage.prompt_tokens + completion.usage.completion_tokens
 
@@ -110,8 +112,13 @@ def test_tenant_key_chat_usage_revoke_through_tiergate_serve(
     page.get_by_role("button", name=f"Revoke key {prefix}").click()
     page.get_by_role("button", name=f"Confirm: revoke key {prefix}").click()
     expect(key_row).to_contain_text("revoked")
-    with pytest.raises(openai.PermissionDeniedError) as denied:
-        client.chat.completions.create(
+    with (
+        pytest.raises(openai.PermissionDeniedError) as denied,
+        openai.OpenAI(
+            base_url=f"{serve_url}/v1", api_key=key, max_retries=0, timeout=60
+        ) as revoked,
+    ):
+        revoked.chat.completions.create(
             model=model, messages=[{"role": "user", "content": "Hello?"}], max_tokens=4
         )
     assert denied.value.status_code == 403

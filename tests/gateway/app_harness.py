@@ -12,13 +12,15 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import uvicorn
+from starlette.types import ASGIApp
 
 import migrations
 import tenants
@@ -79,6 +81,7 @@ class InProcessGateway:
     loader: FakeModelLoader
     _server: uvicorn.Server = field(repr=False)
     _thread: threading.Thread = field(repr=False)
+    _clients: list[openai.OpenAI] = field(default_factory=list, repr=False)
 
     @property
     def runner(self) -> FakeModelRunner:
@@ -89,6 +92,15 @@ class InProcessGateway:
         return httpx.Client(
             base_url=self.base_url, headers={"x-admin-token": ADMIN_TOKEN}, timeout=30
         )
+
+    def openai_client(self, api_key: str, **options: Any) -> openai.OpenAI:
+        """The openai SDK on this replica, without retries; closed by stop() (a client left
+        to the garbage collector warns of its unclosed sockets in a later test)."""
+        client = openai.OpenAI(
+            base_url=f"{self.base_url}/v1", api_key=api_key, max_retries=0, **options
+        )
+        self._clients.append(client)
+        return client
 
     def create_tenant(
         self, name: str, tier: str, quota: Mapping[str, Any] | None = None
@@ -105,6 +117,8 @@ class InProcessGateway:
         return tenant_id, str(key.json()["key"])
 
     def stop(self, timeout_s: float = 30.0) -> None:
+        for client in self._clients:
+            client.close()
         self._server.should_exit = True
         self._thread.join(timeout_s)
         assert not self._thread.is_alive(), "uvicorn did not stop"
@@ -117,14 +131,22 @@ def start_gateway(
     telemetry: Telemetry | None = None,
     tiers: TierTable | None = None,
     timeout_s: float = 60.0,
+    wrap_app: Callable[[ASGIApp], ASGIApp] | None = None,
+    database_url: str | None = None,
+    send_buffer_bytes: int | None = None,
     **settings: Any,
 ) -> InProcessGateway:
-    """Migrate a fresh SQLite database in work_dir, compose the replica as serve does and
+    """Migrate a fresh SQLite database in work_dir (or database_url's, empty), compose the
+    replica as serve does and
     serve it; returns once /health/ready answers 200. settings override GatewaySettings
-    fields; file_config holds the config file's sections (admission, alerts)."""
-    database_url = f"sqlite:///{work_dir / 'tiergate.db'}"
+    fields; file_config holds the config file's sections (admission, alerts); wrap_app wraps
+    the app the server runs (an ASGI middleware of the test's); send_buffer_bytes sets the
+    connections' kernel send buffer (small: a client that does not read blocks writes soon)."""
+    database_url = database_url or f"sqlite:///{work_dir / 'tiergate.db'}"
     migrations.upgrade_head(database_url)
     listener = socket.socket()
+    if send_buffer_bytes is not None:  # inherited by each accepted connection
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)
     listener.bind(("127.0.0.1", 0))
     port = int(listener.getsockname()[1])
     gateway_settings = GatewaySettings(
@@ -144,8 +166,10 @@ def start_gateway(
         gateway_settings, tier_table, db_engine, model_loader=loader, telemetry=telemetry
     )
     runtime, observability, app = replica.runtime, replica.observability, replica.app
+    served_app: ASGIApp = app if wrap_app is None else wrap_app(app)
     server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+        uvicorn.Config(served_app, host="127.0.0.1", port=port, log_level="warning",
+                       lifespan="on")
     )
     thread = threading.Thread(
         target=server.run, kwargs={"sockets": [listener]}, name="uvicorn-e2e", daemon=True

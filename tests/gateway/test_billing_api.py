@@ -109,7 +109,7 @@ def test_usage_returns_daily_rows(admin: TestClient, month: SeededMonth) -> None
     assert [(r["date"], r["tenant_name"], r["num_requests"]) for r in rows] == [
         ("2026-11-01", "acme", 2),
         ("2026-11-01", "globex", 1),
-        ("2026-11-02", "globex", 2),
+        ("2026-11-02", "globex", 4),  # g2, and g3 folding three refusals
     ]
     assert rows[0]["amount_usd"] == pytest.approx(0.0016)
     assert rows[0]["recompute_gpu_seconds_charged"] == 0.25

@@ -168,16 +168,16 @@ def test_greedy_chat_answers_equal_hf_through_the_openai_sdk(
     server: ServeProcess, model_file: Path, hf_tokenizer: Any
 ) -> None:
     key = server.printed_keys()[0]
-    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=key, max_retries=0)
-    assert [m.id for m in client.models.list().data] == [DEFAULT_MODEL_NAME]
     ours = []
-    for prompt in CHAT_PROMPTS:
-        response = client.chat.completions.create(
-            model=DEFAULT_MODEL_NAME, messages=[{"role": "user", "content": prompt}],
-            temperature=0, max_tokens=MAX_TOKENS,
-        )
-        assert response.usage is not None
-        ours.append((response.choices[0].message.content, response.usage.completion_tokens))
+    with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=key, max_retries=0) as client:
+        assert [m.id for m in client.models.list().data] == [DEFAULT_MODEL_NAME]
+        for prompt in CHAT_PROMPTS:
+            response = client.chat.completions.create(
+                model=DEFAULT_MODEL_NAME, messages=[{"role": "user", "content": prompt}],
+                temperature=0, max_tokens=MAX_TOKENS,
+            )
+            assert response.usage is not None
+            ours.append((response.choices[0].message.content, response.usage.completion_tokens))
     expected = _hf_answers(model_file, hf_tokenizer)
     assert ours == expected
     # A real model answers: the first prompt's reply names the city.

@@ -12,12 +12,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.applications import Starlette
 from starlette.testclient import TestClient
 
 from engine import SamplingParams, TenantContext
+from gateway.dependency_health import DependencyHealth
 from gateway.metrics import (
     OTHER_TENANT,
     TTFT_BUCKETS_S,
@@ -27,6 +29,7 @@ from gateway.metrics import (
     TenantLabeler,
     metrics_route,
 )
+from gateway.metrics_views import without_tenants
 from policies import DEFAULT_TIERS
 from policies.alerts import ALERT_NAME, AlertState, AlertStatus, TtftAlertRule
 from tests.engine.helpers import make_engine, preempting_engine
@@ -45,6 +48,11 @@ POOL_WIDE = {
     "tiergate_gc_pause_seconds",  # the process's
     "tiergate_event_loop_lag_seconds",  # the process's
     "tiergate_engine_under_share_lane_steps",
+    "tiergate_engine_up",
+    "tiergate_engine_restarts",
+    "tiergate_ledger_database_up",
+    "tiergate_ledger_spool_bytes",
+    "tiergate_rate_limiter_redis_up",
 }
 
 
@@ -238,17 +246,14 @@ def populated_metrics() -> GatewayMetrics:
     metrics.record_rejection("standard", "requests_per_minute")
     engine = make_engine()
     metrics.update_engine(engine.stats(), {"premium": 0.0})
+    metrics.update_dependencies(DependencyHealth(database_up=True, spool_bytes=0, redis_up=True))
     metrics.update_alerts([AlertStatus(ALERT_NAME, "premium", AlertState.INACTIVE, None, None,
                                        0.4, 0)])  # fmt: skip
     return metrics
 
 
 def _scrape(metrics: GatewayMetrics, accept: str = "") -> tuple[str, str]:
-    app = Starlette(routes=[metrics_route(metrics)])
-    with TestClient(app) as client:
-        response = client.get("/metrics", headers={"accept": accept} if accept else {})
-    assert response.status_code == 200
-    return response.headers["content-type"], response.text
+    return _scrape_registry(metrics.registry, accept)
 
 
 def _families(text: str) -> list[Metric]:
@@ -263,7 +268,7 @@ def test_metrics_route_serves_the_exposition_format() -> None:
     content_type, text = _scrape(metrics)
     assert content_type.startswith("text/plain; version=0.0.4")
     families = _families(text)
-    assert len(families) == 31
+    assert len(families) == 36
     for family in families:
         assert family.name.startswith("tiergate_"), family.name
         assert family.samples, family.name
@@ -368,3 +373,45 @@ def test_slo_and_page_thresholds_are_bucket_edges() -> None:
     for tier in DEFAULT_TIERS:
         for value in (tier.ttft_slo_s, tier.alert_ttft_p99_s):
             assert value is None or value in TTFT_BUCKETS_S
+
+
+def test_anonymous_scrapes_see_per_tenant_series_summed_over_tenants() -> None:
+    metrics = GatewayMetrics(DEFAULT_TIERS)
+    metrics.observe_request(_completed())  # tenant 7
+    metrics.observe_request(_completed(tenant_id="8", gpu_seconds=0.25))
+    metrics.observe_request(_completed(tier="standard", tenant_id="9"))
+    full = metrics.registry.get_sample_value
+    view = without_tenants(metrics.registry)
+    _, text = _scrape_registry(view)
+    assert "tenant=" not in text
+    folded = view.get_sample_value
+    premium = {"tier": "premium"}
+    assert folded("tiergate_tokens_total", premium | {"kind": "prompt"}) == 200
+    assert folded("tiergate_gpu_seconds_total", premium) == pytest.approx(0.75)
+    assert folded("tiergate_gpu_seconds_total", {"tier": "standard"}) == pytest.approx(0.5)
+    created = [full("tiergate_gpu_seconds_created", premium | {"tenant": t}) for t in ("7", "8")]
+    assert folded("tiergate_gpu_seconds_created", premium) == min(c for c in created if c)
+    # Series without a tenant label are as they were.
+    assert folded("tiergate_ttft_seconds_count", premium) == full(
+        "tiergate_ttft_seconds_count", premium
+    ) == 2
+
+
+def _scrape_registry(registry: CollectorRegistry, accept: str = "") -> tuple[str, str]:
+    app = Starlette(routes=[metrics_route(registry)])
+    with TestClient(app) as client:
+        response = client.get("/metrics", headers={"accept": accept} if accept else {})
+    assert response.status_code == 200
+    return response.headers["content-type"], response.text
+
+
+def test_the_redis_gauge_is_absent_without_redis_and_follows_it_with() -> None:
+    metrics = GatewayMetrics(DEFAULT_TIERS)
+    metrics.update_dependencies(DependencyHealth(database_up=False, spool_bytes=512,
+                                                 redis_up=None))
+    value = metrics.registry.get_sample_value
+    assert (value("tiergate_ledger_database_up"), value("tiergate_ledger_spool_bytes")) == (0, 512)
+    assert value("tiergate_rate_limiter_redis_up") is None  # not 0: there is no Redis
+    for is_up in (False, True):
+        metrics.update_dependencies(DependencyHealth(True, 0, redis_up=is_up))
+        assert value("tiergate_rate_limiter_redis_up") == int(is_up)

@@ -58,7 +58,9 @@ Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
 def scrape(gateway: InProcessGateway) -> Samples:
-    text = httpx.get(f"{gateway.base_url}/metrics", timeout=10).text
+    """The admin scrape: tenant labels included (anonymous /metrics sums them away)."""
+    with gateway.admin() as admin:
+        text = admin.get("/admin/v1/metrics", timeout=10).text
     return {
         (sample.name, frozenset(sample.labels.items())): sample.value
         for family in text_string_to_metric_families(text)
@@ -132,8 +134,7 @@ def new_caller(
     gateway: InProcessGateway, name: str, tier: str, quota: dict[str, Any] | None = None
 ) -> Caller:
     tenant_id, key = gateway.create_tenant(name, tier, quota or NEVER_LIMITED)
-    client = openai.OpenAI(base_url=f"{gateway.base_url}/v1", api_key=key, max_retries=0)
-    return Caller(tenant_id, tier, key, client)
+    return Caller(tenant_id, tier, key, gateway.openai_client(key))
 
 
 # -- 1. paging ----------------------------------------------------------------------------------
@@ -655,6 +656,8 @@ def test_requests_refused_before_admission_are_counted_as_invalid(
     # Not API requests: admin and unknown top-level routes are not counted.
     before = scrape(gateway)
     assert httpx.get(f"{base}/admin/v1/tenants").status_code == 401
+    assert httpx.get(f"{base}/admin/v1/metrics").status_code == 401  # per-tenant figures
+    assert "tenant=" not in httpx.get(f"{base}/metrics").text
     assert httpx.get(f"{base}/nothing-here").status_code == 404
     assert requests_increase(before, scrape(gateway)) == {}
     # Counted once: a success, and an admission refusal as refused, never as invalid too.

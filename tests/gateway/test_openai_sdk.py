@@ -34,8 +34,9 @@ def api_key(server: ServeProcess) -> str:
 
 
 @pytest.fixture(scope="module")
-def client(server: ServeProcess, api_key: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=api_key, max_retries=0)
+def client(server: ServeProcess, api_key: str) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=api_key, max_retries=0) as sdk:
+        yield sdk
 
 
 def _admin(server: ServeProcess) -> httpx.Client:
@@ -159,8 +160,11 @@ def test_token_id_prompts_and_max_completion_tokens(client: openai.OpenAI) -> No
 
 def test_errors_map_to_sdk_exceptions(server: ServeProcess, client: openai.OpenAI) -> None:
     base = f"{server.base_url}/v1"
-    with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=base, api_key="tg-unknown0_nope", max_retries=0).models.list()
+    with (
+        pytest.raises(openai.AuthenticationError),
+        openai.OpenAI(base_url=base, api_key="tg-unknown0_nope", max_retries=0) as unknown,
+    ):
+        unknown.models.list()
     with pytest.raises(openai.NotFoundError) as not_found:
         client.chat.completions.create(model="gpt-4o", messages=MESSAGES)
     assert not_found.value.code == "model_not_found"
@@ -182,17 +186,20 @@ def test_revoked_key_and_disabled_tenant_get_403(server: ServeProcess) -> None:
         assert tenant.status_code == 201, tenant.text
         tenant_id = tenant.json()["id"]
         created = admin.post(f"/admin/v1/tenants/{tenant_id}/keys", json={"name": "k"}).json()
-        key = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=created["key"],
-                            max_retries=0)
-        assert key.models.list().data
-        assert admin.post(f"/admin/v1/keys/{created['id']}/revoke").status_code == 200
-        with pytest.raises(openai.PermissionDeniedError):
-            key.models.list()
+        with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=created["key"],
+                           max_retries=0) as key:
+            assert key.models.list().data
+            assert admin.post(f"/admin/v1/keys/{created['id']}/revoke").status_code == 200
+            with pytest.raises(openai.PermissionDeniedError):
+                key.models.list()
         other = admin.post(f"/admin/v1/tenants/{tenant_id}/keys", json={"name": "k2"}).json()
         assert admin.post(f"/admin/v1/tenants/{tenant_id}/disable").status_code == 200
-        with pytest.raises(openai.PermissionDeniedError):
+        with (
+            pytest.raises(openai.PermissionDeniedError),
             openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=other["key"],
-                          max_retries=0).models.list()
+                          max_retries=0) as disabled,
+        ):
+            disabled.models.list()
 
 
 def test_bad_bodies_get_400_with_param(server: ServeProcess, api_key: str) -> None:

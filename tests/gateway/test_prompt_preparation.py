@@ -85,7 +85,7 @@ def gateway(tmp_path: Path) -> Iterator[InProcessGateway]:
 
 
 def _client(gateway: InProcessGateway, key: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{gateway.base_url}/v1", api_key=key, max_retries=0)
+    return gateway.openai_client(key)
 
 
 def test_small_prompts_are_tokenized_on_the_event_loop(
@@ -142,9 +142,7 @@ def test_a_large_body_is_tokenized_in_a_thread_while_other_tenants_are_served(
     heavy.start()
     try:
         assert spy.started.wait(30), heavy_result
-        light = openai.OpenAI(
-            base_url=f"{gateway.base_url}/v1", api_key=light_key, max_retries=0, timeout=20
-        ).chat.completions.create(
+        light = gateway.openai_client(light_key, timeout=20).chat.completions.create(
             model=DEMO_MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2
         )
         served_meanwhile = not spy.finished.is_set()

@@ -32,7 +32,7 @@ def test_shed_requests_count_as_their_tenants_demand(tmp_path: Path) -> None:
     gateway = start_gateway(tmp_path, tiers=tiers)
     try:
         tenant_id, key = gateway.create_tenant("bursty", "standard")
-        client = openai.OpenAI(base_url=f"{gateway.base_url}/v1", api_key=key, max_retries=0)
+        client = gateway.openai_client(key)
         gateway.runner.extra_delay_s = 0.2
         # One request first, so the engine has measured how fast it drains prompts.
         client.completions.create(model=DEMO_MODEL_NAME, prompt=WARM_UP_PROMPT, max_tokens=2)

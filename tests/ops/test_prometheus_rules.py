@@ -120,7 +120,7 @@ def _seconds(duration: str) -> float:
 
 
 def test_prometheus_alert_is_the_in_process_alert() -> None:
-    (alert,) = [rule for rule in _rules() if "alert" in rule]
+    (alert,) = [rule for rule in _rules() if rule.get("alert") == ALERT_NAME]
     expr = " ".join(alert["expr"].split())
     window = f"[{int(DEFAULT_WINDOW_S // 60)}m]"
     assert alert["alert"] == ALERT_NAME

@@ -17,6 +17,7 @@ from policies import (
     BudgetExhausted,
     MemoryRateLimiter,
     MonthlyUsage,
+    QueueFull,
     RateLimited,
     RedisLimiterConfig,
     RedisRateLimiter,
@@ -188,6 +189,40 @@ def test_rate_limits_refuse_with_headers_and_all_or_nothing() -> None:
         with pytest.raises(UnknownTierError):
             await controller.admit(_request(tier="gold"))
         await controller.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_tenants_queue_on_this_replica_is_bounded_before_any_charge() -> None:
+    async def main() -> None:
+        stats = EngineStats()
+        stats.backlog(1, 1000)  # 1 s of standard prompts ahead at 1,000 tokens/s
+        controller, limiter = _controller(stats=stats)
+        limits = replace(LIMITS, max_queued_requests=2, max_concurrent_requests=None)
+        first = await controller.admit(_request(limits=limits))
+        second = await controller.admit(_request(limits=limits))
+        assert controller.num_queued("t1") == 2
+        before = await limiter.peek("t1", limits)
+        with pytest.raises(QueueFull) as full:
+            await controller.admit(_request(limits=limits))
+        assert full.value.reason is RefusalReason.QUEUE_FULL
+        assert "your limit is 2" in full.value.message
+        assert full.value.retry_after_s == pytest.approx(1.0, rel=0.2)
+        assert await limiter.peek("t1", limits) == before  # nothing charged
+        # Another tenant's queue is its own.
+        other = replace(_request(limits=limits), tenant_id="t2")
+        await controller.admit(other)
+        # Started by the engine, the first no longer waits: a place in the queue frees.
+        controller.started(first)
+        third = await controller.admit(_request(limits=limits))
+        # A request that ends before it starts (its client left) frees its place too.
+        await controller.release(second, num_tokens_used=0)
+        fourth = await controller.admit(_request(limits=limits))
+        assert controller.num_queued("t1") == 2
+        for ticket in (first, third, fourth):
+            controller.started(ticket)
+            await controller.release(ticket, num_tokens_used=0)
+        assert controller.num_queued("t1") == 0
 
     asyncio.run(main())
 

@@ -190,6 +190,36 @@ def test_refusal_charges_nothing_and_release_refunds(redis_url: str, key_prefix:
     asyncio.run(main())
 
 
+def test_a_cancelled_admission_gives_everything_back_or_never_runs(
+    redis_url: str, key_prefix: str
+) -> None:
+    """admit.lua's cancel, for an admission whose reply timed out: if it ran, its lease,
+    request and tokens come back; if it has not run yet, it does nothing when it does."""
+    limits = TenantLimits(
+        requests_per_minute=1, burst_requests=60, tokens_per_minute=1, burst_tokens=6000,
+        max_concurrent_requests=2,
+    )
+
+    async def main() -> None:
+        (limiter,) = _replicas(redis_url, key_prefix, 1, **_PATIENT)
+        try:
+            ran = limiter._args("admit", limits, 1000, "ran")
+            assert int((await limiter._run("t", ran))[0]) == 1
+            assert int((await limiter._run("t", ["cancel", *ran[1:]]))[0]) == 1
+            late = limiter._args("admit", limits, 1000, "late")
+            assert int((await limiter._run("t", ["cancel", *late[1:]]))[0]) == 0
+            assert int((await limiter._run("t", late))[0]) == 0  # arrives after: nothing
+            levels = await limiter.peek("t", limits)
+            assert levels is not None
+            assert (levels.requests, levels.tokens, levels.num_concurrent) == (
+                pytest.approx(60, abs=0.1), pytest.approx(6000, abs=1), 0
+            )
+        finally:
+            await limiter.aclose()
+
+    asyncio.run(main())
+
+
 def test_keys_are_hash_tagged_expire_and_use_redis_time(redis_url: str, key_prefix: str) -> None:
     # a request refills in 60 s, the 300 tokens in 30 s: no stall outlives a key
     limits = TenantLimits(
@@ -314,7 +344,9 @@ def test_fail_open_falls_back_to_a_local_share_and_heals(
             clock.advance(_OUTAGE["probe_interval_s"])
             probe = await first.acquire("t", limits, 1)
             assert probe.backend is LimiterBackend.REDIS and first.is_available
-            assert first.num_script_loads == loads_before + 1  # NOSCRIPT after the restart
+            # NOSCRIPT after the restart (the releases retried in the background may meet
+            # it too, and load the script as well)
+            assert first.num_script_loads >= loads_before + 1
             # shared again: the replicas together get the burst of 10, the probe took one
             taken = 1
             for replica in (first, second):

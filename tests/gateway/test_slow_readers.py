@@ -1,0 +1,80 @@
+"""Streams whose clients never read: each write the server cannot finish within
+--stream-write-timeout ends the request as a disconnect would (cancelled in the engine,
+recorded as aborted, its connection dropped), so such clients hold no engine slot, no
+memory and no drain past the timeout; a client that reads is served meanwhile.
+
+The replica runs in this process (tests/gateway/app_harness.py) with small socket send
+buffers; the silent clients are raw sockets with small receive buffers.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from pathlib import Path
+
+from sqlalchemy import select
+
+from billing import RecordStatus, UsageRecordRow
+from gateway.model_source import DEMO_MODEL_NAME
+from tests.gateway.app_harness import start_gateway
+
+NUM_SILENT = 4
+WRITE_TIMEOUT_S = 1.0
+
+
+def _silent_stream(port: int, key: str) -> socket.socket:
+    """A streamed chat sent from a socket that will never read its answer."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", port))
+    body = json.dumps({
+        "model": DEMO_MODEL_NAME, "max_tokens": 1500, "stream": True, "ignore_eos": True,
+        "messages": [{"role": "user", "content": "talk"}],
+    }).encode()
+    sock.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: gateway\r\n"
+        + f"authorization: Bearer {key}\r\ncontent-type: application/json\r\n".encode()
+        + f"content-length: {len(body)}\r\n\r\n".encode() + body
+    )
+    return sock
+
+
+def test_streams_that_are_never_read_are_aborted_after_the_write_timeout(
+    tmp_path: Path,
+) -> None:
+    gateway = start_gateway(
+        tmp_path, send_buffer_bytes=4096, stream_write_timeout_s=WRITE_TIMEOUT_S
+    )
+    silent: list[socket.socket] = []
+    try:
+        _, key = gateway.create_tenant("silent", "standard")
+        port = int(gateway.base_url.rsplit(":", 1)[1])
+        started = time.monotonic()
+        silent = [_silent_stream(port, key) for _ in range(NUM_SILENT)]
+        # A reading client is served meanwhile.
+        reader = gateway.openai_client(key, timeout=30)
+        assert reader.chat.completions.create(
+            model=DEMO_MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        ).choices
+        deadline = time.monotonic() + 30
+        while gateway.runtime.num_in_flight:
+            assert time.monotonic() < deadline, gateway.runtime.num_in_flight
+            time.sleep(0.05)
+        freed_s = time.monotonic() - started
+        stats = gateway.runtime.engine_stats()
+        assert sum(tier.num_running for tier in stats.tiers.values()) == 0
+        with gateway.runtime.session_factory() as session:
+            statuses = list(session.scalars(select(UsageRecordRow.status)))
+    finally:
+        for sock in silent:
+            sock.close()
+        gateway.stop()
+    print(f"\n{NUM_SILENT} streams never read: every one aborted and freed {freed_s:.1f} s "
+          f"after they were sent (write timeout {WRITE_TIMEOUT_S} s)")
+    assert sorted(statuses) == sorted(
+        [RecordStatus.COMPLETED] + [RecordStatus.ABORTED] * NUM_SILENT
+    )
+    # Each silent one was aborted, not served to the end (1,500 tokens take far longer).
+    assert freed_s < 15

@@ -1,0 +1,173 @@
+"""Every PostgreSQL call of a serving process ends within its limit: a locked table, a
+statement that runs too long, a server that never answers the connection, an exhausted pool.
+And what the ledger does with a locked usage_records table: it spools after the lock timeout
+instead of waiting for ever, and the spool is replayed once the lock is gone.
+
+Against the local PostgreSQL server, each test on a scratch database of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine, select, text
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeoutError
+
+import migrations
+from billing import UsageLedger, UsageRecordRow
+from tenants import DatabaseSettings, create_db_engine, create_session_factory
+from tenants.errors import InvalidFieldError
+from tests.billing.factories import make_record
+from tests.tenants.conftest import scratch_database
+
+LIMIT_S = 0.5
+
+
+@pytest.fixture
+def postgresql_url(tmp_path: Path) -> Iterator[str]:
+    with scratch_database("postgresql", tmp_path) as url:
+        migrations.upgrade_head(url)
+        yield url
+
+
+def _settings(url: str) -> DatabaseSettings:
+    return DatabaseSettings(
+        url=url, lock_timeout_s=LIMIT_S, statement_timeout_s=2 * LIMIT_S, pool_timeout_s=LIMIT_S,
+        pool_size=1, max_overflow=0,
+    )
+
+
+def _timed_failure(call: object) -> float:
+    assert callable(call)
+    started = time.monotonic()
+    with pytest.raises((OperationalError, PoolTimeoutError)):
+        call()
+    return time.monotonic() - started
+
+
+def test_a_locked_table_fails_the_query_after_the_lock_timeout(postgresql_url: str) -> None:
+    engine = create_db_engine(_settings(postgresql_url))
+    holder = create_engine(postgresql_url)
+    try:
+        with holder.connect() as locking:
+            locking.execute(text("LOCK TABLE tenants IN ACCESS EXCLUSIVE MODE"))
+
+            def query() -> None:
+                with engine.connect() as connection:
+                    connection.execute(text("SELECT count(*) FROM tenants"))
+
+            waited_s = _timed_failure(query)
+            locking.rollback()
+    finally:
+        holder.dispose()
+        engine.dispose()
+    assert LIMIT_S <= waited_s < LIMIT_S + 2.0
+
+
+def test_a_statement_past_its_limit_is_cancelled(postgresql_url: str) -> None:
+    engine = create_db_engine(_settings(postgresql_url))
+    try:
+        def query() -> None:
+            with engine.connect() as connection:
+                connection.execute(text("SELECT pg_sleep(30)"))
+
+        waited_s = _timed_failure(query)
+    finally:
+        engine.dispose()
+    assert 2 * LIMIT_S <= waited_s < 2 * LIMIT_S + 2.0
+
+
+def test_an_exhausted_pool_fails_after_the_pool_timeout(postgresql_url: str) -> None:
+    engine = create_db_engine(_settings(postgresql_url))
+    try:
+        with engine.connect():  # the pool's only connection
+
+            def query() -> None:
+                with engine.connect() as connection:
+                    connection.execute(text("SELECT 1"))
+
+            waited_s = _timed_failure(query)
+    finally:
+        engine.dispose()
+    assert LIMIT_S <= waited_s < LIMIT_S + 2.0
+
+
+def test_a_server_that_never_answers_fails_the_connection_in_seconds() -> None:
+    # A listening socket nobody accepts from: the handshake completes, no greeting follows.
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        port = silent.getsockname()[1]
+        url = make_url("postgresql+psycopg://postgres@127.0.0.1/test").set(port=port)
+        engine = create_db_engine(DatabaseSettings(url=url.render_as_string(), connect_timeout_s=2))
+        try:
+            def connect() -> None:
+                with engine.connect():
+                    pass
+
+            waited_s = _timed_failure(connect)
+        finally:
+            engine.dispose()
+    assert 2.0 <= waited_s < 10.0
+
+
+def test_migrations_and_the_cli_run_without_statement_limits(postgresql_url: str) -> None:
+    unpooled = create_db_engine(_settings(postgresql_url), pooled=False)
+    serving = create_db_engine(_settings(postgresql_url))
+    try:
+        with unpooled.connect() as connection:
+            assert connection.scalar(text("SHOW statement_timeout")) == "0"
+        with serving.connect() as connection:
+            assert connection.scalar(text("SHOW statement_timeout")) == "1s"
+            assert connection.scalar(text("SHOW lock_timeout")) == "500ms"
+    finally:
+        unpooled.dispose()
+        serving.dispose()
+
+
+def test_limits_must_be_positive() -> None:
+    with pytest.raises(InvalidFieldError, match="lock_timeout_s"):
+        DatabaseSettings(lock_timeout_s=0)
+
+
+def test_the_ledger_spools_past_a_locked_usage_table_and_replays_after(
+    postgresql_url: str, tmp_path: Path
+) -> None:
+    engine = create_db_engine(_settings(postgresql_url))
+    session_factory = create_session_factory(engine)
+    holder = create_engine(postgresql_url)
+    spool = tmp_path / "spool.jsonl"
+
+    async def scenario() -> float:
+        ledger = UsageLedger(session_factory, spool, retry_interval_s=0.2)
+        await ledger.start()
+        with holder.connect() as locking:
+            locking.execute(text("LOCK TABLE usage_records IN ACCESS EXCLUSIVE MODE"))
+            started = time.monotonic()
+            await asyncio.gather(*(ledger.record(make_record(f"r{i}")) for i in range(20)))
+            durable_s = time.monotonic() - started
+            assert spool.stat().st_size > 0  # spooled, not committed
+            locking.rollback()
+        deadline = time.monotonic() + 30
+        while spool.stat().st_size:
+            assert time.monotonic() < deadline, "the spool was not replayed"
+            await asyncio.sleep(0.05)
+        await ledger.close()
+        return durable_s
+
+    try:
+        durable_s = asyncio.run(scenario())
+        with session_factory() as session:
+            stored = set(session.scalars(select(UsageRecordRow.request_id)))
+    finally:
+        holder.dispose()
+        engine.dispose()
+    print(f"\n20 records with usage_records locked: durable (spooled) after {durable_s:.2f} s "
+          f"(lock timeout {LIMIT_S} s), all replayed once the lock was gone")
+    assert stored == {f"r{i}" for i in range(20)}
+    assert durable_s < LIMIT_S + 2.0
