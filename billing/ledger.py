@@ -11,7 +11,9 @@ it, goes to the spool. Every ``retry_interval_s`` the writer tries the database 
 replaying a chunk of the spool (or probing, when the spool is empty); once that works, new
 batches go to the database again and the spool drains a chunk per turn, between batches.
 Inserts skip request ids already stored, so replaying a spool twice, or a crash between a
-replay's commit and the spool's truncation, never duplicates a record.
+replay's commit and the spool's truncation, never duplicates a record. A chunk the database
+refuses for what a record holds (not for being away) is inserted record by record, and the
+refused ones are set aside in ``<spool>.rejected``: one bad record cannot hold up the rest.
 
 ``close()`` (the SIGTERM path) writes everything queued, then tries to empty the spool.
 """
@@ -30,7 +32,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from sqlalchemy import select
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import DataError, IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from billing.errors import (
@@ -44,7 +46,7 @@ from billing.monthly import MonthlyTotals, MonthlyUsage
 from billing.period import Period
 from billing.records import UsageRecord
 from billing.rollups import interval_totals
-from billing.spool import Spool
+from billing.spool import Spool, encode_record
 from billing.store import insert_records
 
 logger = logging.getLogger(__name__)
@@ -59,7 +61,7 @@ class ReplayReport:
 
     num_read: int  # records read from the spool
     num_inserted: int  # of those, not already in the database
-    num_rejected: int  # unreadable lines moved to the .rejected file
+    num_rejected: int  # unreadable lines, and records the database refused, set aside
 
     def __add__(self, other: ReplayReport) -> ReplayReport:
         return ReplayReport(
@@ -384,14 +386,35 @@ class UsageLedger:
 
     def _replay_step(self, max_records: int) -> ReplayReport:
         chunk = self._spool.read_chunk(self._replay_offset, max_records)
-        num_inserted = len(self._insert(chunk.records)) if chunk.records else 0
+        refused: list[UsageRecord] = []
+        try:
+            num_inserted = len(self._insert(chunk.records)) if chunk.records else 0
+        except (DataError, IntegrityError):
+            # Some record the database refuses for what it holds (a value out of a column's
+            # range, a check): one by one, so the others go in and it alone is set aside,
+            # instead of the chunk failing every replay for ever.
+            num_inserted, refused = self._insert_each(chunk.records)
         self._spool.reject(chunk.rejected_lines)
+        self._spool.reject([encode_record(r) for r in refused], why="refused by the database")
         self._replay_offset = chunk.next_offset
         if chunk.is_end:
             self._spool.truncate()
             self._replay_offset = 0
             self._spool_has_records = False
-        return ReplayReport(len(chunk.records), num_inserted, len(chunk.rejected_lines))
+        return ReplayReport(
+            len(chunk.records), num_inserted, len(chunk.rejected_lines) + len(refused)
+        )
+
+    def _insert_each(self, records: Sequence[UsageRecord]) -> tuple[int, list[UsageRecord]]:
+        """Insert records one transaction each: how many were new, and those refused for
+        their content (an outage still raises)."""
+        num_inserted, refused = 0, []
+        for record in records:
+            try:
+                num_inserted += len(self._insert([record]))
+            except (DataError, IntegrityError):
+                refused.append(record)
+        return num_inserted, refused
 
     # --- health ----------------------------------------------------------------------------
 

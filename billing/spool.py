@@ -3,8 +3,9 @@
 Each append is one write of whole lines followed by fsync, so an appended batch is durable
 before its callers are told so. A crash in the middle of an append can leave a torn last
 line; that batch was never acknowledged, and ``recover`` ends the torn line so later appends
-start on a line of their own. Lines that do not parse are kept in ``<spool>.rejected`` (and
-logged) rather than dropped, for an operator to look at.
+start on a line of their own. Lines that do not parse, and records the database refuses for
+what they hold, are kept in ``<spool>.rejected`` (and logged) rather than dropped, for an
+operator to look at.
 
 Not thread-safe, and one file per process: the ledger serialises every call.
 """
@@ -114,20 +115,27 @@ class Spool:
             spool.truncate(0)
             os.fsync(spool.fileno())
 
-    def reject(self, lines: Sequence[bytes]) -> None:
-        """Keep unreadable lines in the .rejected file (before the spool is truncated)."""
+    def reject(self, lines: Sequence[bytes], why: str = "unreadable") -> None:
+        """Keep lines in the .rejected file (before the spool is truncated): unreadable ones,
+        or records the database refuses for what they hold (why says which)."""
         if not lines:
             return
         logger.error(
-            "spool %s: %d unreadable line(s) copied to %s",
+            "spool %s: %d %s line(s) copied to %s",
             self.path,
             len(lines),
+            why,
             self.rejected_path,
         )
         with self.rejected_path.open("ab") as rejected:
             rejected.write(b"".join(lines))
             rejected.flush()
             os.fsync(rejected.fileno())
+
+
+def encode_record(record: UsageRecord) -> bytes:
+    """A record's spool line."""
+    return _encode(record)
 
 
 def _encode(record: UsageRecord) -> bytes:

@@ -427,9 +427,11 @@ class _Run:
         return RequestStatus.ABORTED, None
 
     async def _finalize(self, status: RequestStatus) -> bool:
-        """Once per request: release admission, publish the record, end in-flight. Shielded:
-        a client that goes away meanwhile cannot skip the record. False when the record
-        could not be written (the client must then get an error, not the result)."""
+        """Once per request: publish the record, release admission, end in-flight. Shielded:
+        a client that goes away meanwhile cannot skip the record. The release comes after
+        the record, whose usage is then in the ledger's monthly totals: the budget it held
+        is never counted by neither. False when the record could not be written (the client
+        must then get an error, not the result)."""
         if self._finalized:
             return True
         self._finalized = True
@@ -437,19 +439,17 @@ class _Run:
         is_recorded = False
         with anyio.CancelScope(shield=True):
             try:
-                summary = self.job.summary()
-                try:
-                    await self.api.admission.release(
-                        self.grant, summary.num_prompt_tokens + summary.num_completion_tokens
-                    )
-                except Exception:  # the record matters more than the slot
-                    logger.exception("releasing %s's admission failed", self.job.request_id)
                 record = self._record(status)
                 self.trace.finished(_trace_response(record, self.served))
-                await runtime.publish(record)
-                is_recorded = True
-            except RecordLostError:
-                pass  # logged by publish
+                try:
+                    await runtime.publish(record)
+                    is_recorded = True
+                except RecordLostError:
+                    pass  # logged by publish
+                summary = self.job.summary()
+                await self.api.admission.release(
+                    self.grant, summary.num_prompt_tokens + summary.num_completion_tokens
+                )
             finally:
                 runtime.request_ended()
         return is_recorded

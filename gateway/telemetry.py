@@ -214,12 +214,22 @@ class RequestTrace:
 
     @contextmanager
     def admission(self) -> Iterator[Span]:
-        """Wraps the admission decision; a refusal raised inside marks the span as an error."""
-        context = trace.set_span_in_context(self.span)
-        with self._tracer.start_as_current_span(
-            "admission", context=context, record_exception=True, set_status_on_exception=True
-        ) as span:
-            yield span
+        """Wraps the admission decision; a refusal raised inside marks the span as an error.
+        Timed on the engine clock like every other span of the request (the SDK's default,
+        the wall clock, can run a few ns ahead of it and end admission after the queue
+        span starts)."""
+        span = self._tracer.start_span(
+            "admission",
+            context=trace.set_span_in_context(self.span),
+            start_time=self._epoch_ns(time.monotonic()),
+        )
+        try:
+            with trace.use_span(
+                span, end_on_exit=False, record_exception=True, set_status_on_exception=True
+            ):
+                yield span
+        finally:
+            span.end(end_time=self._epoch_ns(time.monotonic()))
 
     def queued(self, at_s: float | None = None) -> None:
         """The request was handed to the engine."""

@@ -1,5 +1,7 @@
-"""Admission: who gets in, checked in order budget, SLO shedding, the tenant's queue on this
-replica (max_queued_requests: admitted, not yet started by the engine), rate limits.
+"""Admission: who gets in, checked in order budget (what is used, and the tokens this request
+may use within what is left, less what the tenant's requests in flight here hold), SLO
+shedding, the tenant's queue on this replica (max_queued_requests: admitted, not yet started
+by the engine), rate limits.
 
 Shedding is decided before the rate limiter charges anything, not after with a rollback.
 Both keep a shed request off the tenant's quota, but a charge-then-refund holds the quota
@@ -27,7 +29,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine import SchedulerStats, TenantShare, TierStats
-from policies.budgets import MonthlyUsage, MonthlyUsageSource, check_budgets
+from policies.budgets import (
+    MonthlyUsage,
+    MonthlyUsageSource,
+    check_budgets,
+    check_token_reservation,
+)
 from policies.errors import AdmissionRefused, QueueFull
 from policies.rate_limiter_memory import MemoryRateLimiter
 from policies.rate_limits import (
@@ -88,6 +95,9 @@ class AdmissionController:
         self._shedder = SloShedder(tiers, shed)
         # Admitted here, not yet started by the engine: per tenant (max_queued_requests).
         self._queued: dict[str, set[AdmissionTicket]] = {}
+        # Monthly token budget held by requests admitted here and not yet released.
+        self._budget_held: dict[str, int] = {}
+        self._budget_tickets: set[AdmissionTicket] = set()
 
     async def admit(self, request: AdmissionRequest) -> AdmissionTicket:
         """Admit or raise an AdmissionRefused subclass (nothing is charged on refusal).
@@ -101,11 +111,19 @@ class AdmissionController:
             limits.monthly_token_budget is not None
             or limits.monthly_spend_budget_usd_micros is not None
         )
+        holds_budget = False
         if self._usage is not None and has_budget:
             usage = await self._usage.monthly_usage(request.tenant_id)
             exhausted = check_budgets(request.tenant_id, limits, usage)
             if exhausted is not None:
                 raise exhausted
+            short = check_token_reservation(
+                request.tenant_id, limits, usage,
+                self._budget_held.get(request.tenant_id, 0), request.num_tokens_reserved,
+            )
+            if short is not None:
+                raise short
+            holds_budget = limits.monthly_token_budget is not None
         if not self._shedder.is_exempt(request.tier):
             shed = self._shedder.check(
                 self._stats(), request.tier, request.num_prompt_tokens,
@@ -127,6 +145,11 @@ class AdmissionController:
         self._shedder.admitted(request.tier, request.num_prompt_tokens, request.tenant_id)
         ticket = AdmissionTicket(request, lease)
         queued.add(ticket)
+        if holds_budget:  # until release(), which comes once its usage is in the totals
+            self._budget_tickets.add(ticket)
+            self._budget_held[request.tenant_id] = (
+                self._budget_held.get(request.tenant_id, 0) + request.num_tokens_reserved
+            )
         return ticket
 
     def started(self, ticket: AdmissionTicket) -> None:
@@ -145,6 +168,14 @@ class AdmissionController:
         """The request ended having used num_tokens_used (prompt + generated): free its slot
         and refund the unused reservation. Calling it twice for a ticket does nothing more."""
         self.started(ticket)  # if it never started, it is not waiting any more either
+        if ticket in self._budget_tickets:
+            self._budget_tickets.discard(ticket)
+            tenant_id = ticket.request.tenant_id
+            held = self._budget_held[tenant_id] - ticket.request.num_tokens_reserved
+            if held:
+                self._budget_held[tenant_id] = held
+            else:
+                del self._budget_held[tenant_id]
         return await self._limiter.release(ticket.lease, num_tokens_used)
 
     async def peek(self, request: AdmissionRequest) -> RateLimitSnapshot | None:

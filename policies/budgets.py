@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Protocol
 
-from policies.errors import BudgetExhausted
+from policies.errors import BudgetExhausted, BudgetHeld
 from policies.rate_limits import TenantLimits
 
 
@@ -33,8 +33,8 @@ def check_budgets(
 ) -> BudgetExhausted | None:
     """The refusal for a tenant whose monthly token or spend budget is used up, or None.
 
-    A budget is exhausted once usage reaches it; the request's own cost is not known yet and
-    is not counted, so a tenant may go over by at most its requests in flight.
+    A budget is exhausted once usage reaches it; check_token_reservation then keeps the
+    tokens a request may use within what is left.
     """
     budget = limits.monthly_token_budget
     if budget is not None and usage.num_tokens >= budget:
@@ -56,6 +56,42 @@ def check_budgets(
             budget_name="spend_usd_micros",
             used=usage.spend_usd_micros,
             budget=budget,
+        )
+    return None
+
+
+def check_token_reservation(
+    tenant_id: str,
+    limits: TenantLimits,
+    usage: MonthlyUsage,
+    num_tokens_held: int,
+    num_tokens: int,
+) -> BudgetExhausted | BudgetHeld | None:
+    """The refusal for a request whose tokens (prompt + max_tokens x n, as the rate limiter
+    reserves them) the monthly token budget cannot cover, or None.
+
+    num_tokens_held: what the tenant's requests in flight on this replica reserved. A request
+    larger than what is left at all is refused for good (lower max_tokens); one that fits
+    only once those in flight end is told to retry.
+    """
+    budget = limits.monthly_token_budget
+    if budget is None:
+        return None
+    remaining = max(0, budget - usage.num_tokens)
+    if num_tokens > remaining:
+        return BudgetExhausted(
+            f"This request may use up to {num_tokens} tokens (prompt and max_tokens for each "
+            f"choice), and {remaining} of the monthly token budget of tenant {tenant_id} "
+            f"remain; lower max_tokens. {_resets(None)}",
+            budget_name="tokens",
+            used=usage.num_tokens,
+            budget=budget,
+        )
+    if num_tokens > remaining - num_tokens_held:
+        return BudgetHeld(
+            f"{num_tokens_held} of the {remaining} tokens left in the monthly budget of tenant "
+            f"{tenant_id} are held by its requests in flight; retry when they end.",
+            num_tokens_held=num_tokens_held,
         )
     return None
 

@@ -109,6 +109,17 @@ class BudgetExhausted(AdmissionRefused):
         self.budget = budget
 
 
+class BudgetHeld(AdmissionRefused):
+    """The monthly token budget left is held by the tenant's requests in flight on this
+    replica (429, retry when they end)."""
+
+    reason = RefusalReason.BUDGET
+
+    def __init__(self, message: str, num_tokens_held: int) -> None:
+        super().__init__(message, retry_after_s=1.0)
+        self.num_tokens_held = num_tokens_held
+
+
 class Shed(AdmissionRefused):
     """The tier's estimated queue wait is over its threshold (429, retry later)."""
 

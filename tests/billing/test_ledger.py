@@ -5,6 +5,7 @@ duplicate), exactly once per request id across replays and crashes, monthly tota
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import signal
 import subprocess
@@ -19,6 +20,7 @@ import pytest
 from sqlalchemy import Engine, event, select
 from sqlalchemy.orm import Session, sessionmaker
 
+import migrations
 from billing import (
     InvalidSettingError,
     LedgerClosedError,
@@ -30,8 +32,10 @@ from billing import (
     insert_records,
 )
 from billing.spool import Spool
+from tenants import DatabaseSettings, create_db_engine, create_session_factory
 from tests.billing.conftest import OwnDatabase
 from tests.billing.factories import make_record
+from tests.tenants.conftest import scratch_database
 
 T = TypeVar("T")
 NOW = datetime(2026, 11, 20, 9, 30, tzinfo=UTC)
@@ -249,6 +253,38 @@ def test_spool_unwritable_while_database_down_is_an_error(
         await ledger.close()
 
     _run(scenario)
+
+
+def test_a_record_the_database_refuses_is_set_aside_and_the_rest_go_in(tmp_path: Path) -> None:
+    """A record PostgreSQL refuses for its content (a count past INTEGER's range) fails its
+    batch; the batch is spooled, and its replay inserts the others and sets it aside in the
+    .rejected file instead of failing every replay (and spooling everything after it)."""
+    with scratch_database("postgresql", tmp_path) as url:
+        migrations.upgrade_head(url)
+        engine = create_db_engine(DatabaseSettings(url=url))
+        session_factory = create_session_factory(engine)
+        spool = tmp_path / "spool.jsonl"
+
+        async def scenario() -> None:
+            ledger = _ledger(session_factory, spool, retry_interval_s=0.05)
+            await ledger.start()
+            poison = make_record("poison", num_completion_tokens=2**31)
+            await asyncio.gather(
+                *(ledger.record(make_record(f"ok{i}")) for i in range(5)), ledger.record(poison)
+            )
+            await _eventually(lambda: ledger.is_database_healthy and ledger.spool_bytes == 0)
+            await ledger.record(make_record("after"))  # straight to the database again
+            assert ledger.spool_bytes == 0
+            await ledger.close()
+
+        try:
+            _run(scenario)
+            stored = _stored_ids(session_factory)
+        finally:
+            engine.dispose()
+    assert sorted(stored) == sorted([f"ok{i}" for i in range(5)] + ["after"])
+    rejected = spool.with_name("spool.jsonl.rejected").read_text().splitlines()
+    assert [json.loads(line)["request_id"] for line in rejected] == ["poison"]
 
 
 # --- exactly once across replays and crashes -----------------------------------------------------

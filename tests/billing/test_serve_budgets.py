@@ -1,7 +1,8 @@
-"""Monthly token budgets end to end: a tenant is admitted until the usage the ledger holds
-reaches its budget, then gets 429 insufficient_quota with `x-should-retry: false`, which
-the openai SDK does not retry; the ledger's totals survive a restart, and a larger budget
-lets the tenant in again."""
+"""Monthly token budgets end to end: a tenant is admitted while the tokens a request may use
+(prompt + max_tokens) fit in what the ledger says is left, then gets 429 insufficient_quota
+with `x-should-retry: false`, which the openai SDK does not retry; the usage never passes
+the budget; the ledger's totals survive a restart, and a larger budget lets the tenant in
+again."""
 
 from __future__ import annotations
 
@@ -55,7 +56,9 @@ class CountingClient:
         num_before = self.num_attempts
         with pytest.raises(openai.RateLimitError) as caught:
             if stream:
-                self.sdk.completions.create(model=MODEL, prompt="more", max_tokens=4, stream=True)
+                self.sdk.completions.create(
+                    model=MODEL, prompt="more", max_tokens=BUDGET_TOKENS, stream=True
+                )
             else:
                 self.chat()
         assert self.num_attempts == num_before + 1  # no retry
@@ -98,7 +101,8 @@ def _assert_budget_refusal(error: openai.RateLimitError, used: int) -> None:
     assert error.status_code == 429
     assert error.code == "insufficient_quota"
     assert error.response.headers["x-should-retry"] == "false"
-    assert f"used {used} of {BUDGET_TOKENS} tokens" in error.message
+    assert f"{BUDGET_TOKENS - used} of the monthly token budget" in error.message
+    assert "lower max_tokens" in error.message
 
 
 def test_budget_exhausted_from_the_ledger_is_429_without_retry(
@@ -113,17 +117,22 @@ def test_budget_exhausted_from_the_ledger_is_429_without_retry(
         assert created.status_code == 201, created.text
         tenant_id = created.json()["id"]
         api_key = admin.post("/admin/v1/tenants/capped/keys", json={"name": "sdk"}).json()["key"]
-    # Admitted while the recorded usage is under the budget: the last one takes it over.
+    # Admitted while a request's tokens fit in what is left; never over the budget.
     used = 0
     with closing(CountingClient(server, api_key)) as client:
-        while used < BUDGET_TOKENS:
-            used += client.chat()
-        num_admitted = client.num_attempts
+        while True:
+            try:
+                used += client.chat()
+            except openai.RateLimitError as first:
+                _assert_budget_refusal(first, used)
+                break
+        assert used <= BUDGET_TOKENS
+        num_admitted = client.num_attempts - 1
         # A refusal uses nothing: the second sees the same usage as the first.
         _assert_budget_refusal(client.refused(), used)
         _assert_budget_refusal(client.refused(stream=True), used)
 
-    records = _tenant_records(server, tenant_id, since, num_refused=2)
+    records = _tenant_records(server, tenant_id, since, num_refused=3)
     billed = [r for r in records if r["status"] == "completed"]
     assert len(billed) == num_admitted
     assert sum(r["num_prompt_tokens"] + r["num_completion_tokens"] for r in billed) == used

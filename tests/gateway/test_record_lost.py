@@ -28,7 +28,7 @@ from sqlalchemy import select
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from billing import UsageRecordRow
-from gateway.admission import GatewayAdmission
+from gateway.billing_wiring import LedgerSink
 from gateway.model_source import DEMO_MODEL_NAME
 from tests.billing.test_serve_outage import SqliteWriteLock
 from tests.gateway.app_harness import InProcessGateway, start_gateway
@@ -112,17 +112,17 @@ def _asgi_2_3(app: ASGIApp) -> ASGIApp:
 def test_a_client_gone_while_its_request_is_finalized_still_leaves_a_record(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The stream's end waits for admission's release and the record; a disconnect then
-    cancels the response (on an ASGI 2.3 server), which must not skip the record."""
-    release = GatewayAdmission.release
-    releasing = threading.Event()
+    """The stream's end waits for the record; a disconnect then cancels the response (on an
+    ASGI 2.3 server), which must not cancel the record."""
+    record = LedgerSink.record
+    recording = threading.Event()
 
-    async def slow_release(self: GatewayAdmission, *args: Any) -> None:
-        releasing.set()
-        await asyncio.sleep(1.0)  # as a slow Redis would
-        await release(self, *args)
+    async def slow_record(self: LedgerSink, *args: Any) -> None:
+        recording.set()
+        await asyncio.sleep(1.0)  # as a slow commit would
+        await record(self, *args)
 
-    monkeypatch.setattr(GatewayAdmission, "release", slow_release)
+    monkeypatch.setattr(LedgerSink, "record", slow_record)
     gateway = start_gateway(tmp_path, wrap_app=_asgi_2_3)
     try:
         _, key = gateway.create_tenant("acme", "standard")
@@ -134,8 +134,8 @@ def test_a_client_gone_while_its_request_is_finalized_still_leaves_a_record(
         ) as response:
             lines = response.iter_lines()  # dropping it would close the connection now
             first = next(lines)
-            assert releasing.wait(10)
-        # The connection is closed here, while the release sleeps.
+            assert recording.wait(10)
+        # The connection is closed here, while the record is being written.
         response_id = json.loads(first.removeprefix("data: "))["id"]
         deadline = time.monotonic() + 10
         while response_id not in _stored_ids(gateway):

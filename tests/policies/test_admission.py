@@ -15,6 +15,7 @@ from policies import (
     AdmissionRequest,
     AdmissionTicket,
     BudgetExhausted,
+    BudgetHeld,
     MemoryRateLimiter,
     MonthlyUsage,
     QueueFull,
@@ -126,6 +127,38 @@ def test_budget_is_checked_first_and_says_not_to_retry() -> None:
         # the limiter was never charged: a full minute's requests are still there
         lease = limiter.acquire_now("t1", LIMITS, 1)
         assert lease.snapshot.requests is not None and lease.snapshot.requests.remaining == 59
+
+    asyncio.run(main())
+
+
+def test_the_tokens_a_request_may_use_are_held_against_the_token_budget() -> None:
+    ledger = LedgerTotals()
+    limits = replace(LIMITS, monthly_token_budget=2500, tokens_per_minute=None,
+                     max_concurrent_requests=None)
+
+    async def main() -> None:
+        controller, _ = _controller(ledger)
+        ledger.totals["t1"] = MonthlyUsage(num_tokens=500, spend_usd_micros=0)
+        first = await controller.admit(_request(limits=limits))  # holds 1,000 of 2,000 left
+        second = await controller.admit(_request(limits=limits))  # the other 1,000
+        with pytest.raises(BudgetHeld) as held:
+            await controller.admit(_request(limits=limits, prompt=10, max_tokens=10))
+        assert held.value.reason is RefusalReason.BUDGET and held.value.should_retry
+        assert "2000 of the 2000 tokens left" in held.value.message
+        # Larger than what is left at all: refused for good, whatever is in flight.
+        with pytest.raises(BudgetExhausted) as too_large:
+            await controller.admit(_request(limits=limits, prompt=100, max_tokens=2000))
+        assert not too_large.value.should_retry and "lower max_tokens" in too_large.value.message
+        # The first ends having used 300 tokens (recorded, then released): 700 come free.
+        ledger.totals["t1"] = MonthlyUsage(num_tokens=800, spend_usd_micros=0)
+        await controller.release(first, num_tokens_used=300)
+        await controller.release(first, num_tokens_used=300)  # twice frees nothing more
+        third = await controller.admit(_request(limits=limits, prompt=100, max_tokens=600))
+        with pytest.raises(BudgetHeld):
+            await controller.admit(_request(limits=limits, prompt=1, max_tokens=1))
+        for ticket in (second, third):
+            await controller.release(ticket, num_tokens_used=0)
+        assert controller._budget_held == {}
 
     asyncio.run(main())
 
