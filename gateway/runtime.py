@@ -46,6 +46,9 @@ logger = logging.getLogger(__name__)
 
 # What a client gets when its request's record could not be written (service unavailable).
 RECORD_LOST_STATUS = 503
+# How long close() waits, once the engine has stopped, for the requests in flight to end and
+# publish their records.
+CLOSE_RECORDS_TIMEOUT_S = 10.0
 
 
 class RecordSink(Protocol):
@@ -154,6 +157,12 @@ class GatewayRuntime:
             await self._supervisor
         if self.engine is not None:
             await anyio.to_thread.run_sync(self.engine.shutdown)
+        # With the engine stopped, the requests still in flight end at once (an engine
+        # error); their records are published before the sinks and the ledger close.
+        try:
+            await asyncio.wait_for(self._idle.wait(), CLOSE_RECORDS_TIMEOUT_S)
+        except TimeoutError:
+            logger.error("%d request(s) still unrecorded at close", self.num_in_flight)
         for callback in self._on_close:
             await callback()
         await anyio.to_thread.run_sync(self.key_resolver.close)

@@ -112,7 +112,8 @@ def serve(settings: GatewaySettings, *, log_level: str = "info") -> int:
 
 class _DrainingServer(uvicorn.Server):
     """uvicorn.Server whose first SIGTERM/SIGINT drains the runtime before exiting (exit
-    status 0, no re-raised signal); a second one exits at once."""
+    status 0, no re-raised signal); a second one stops waiting for the requests in flight,
+    which end at once (the engine stops) and are still recorded before the ledger closes."""
 
     def __init__(self, config: uvicorn.Config, runtime: GatewayRuntime, drain_s: float) -> None:
         super().__init__(config)
@@ -143,6 +144,13 @@ class _DrainingServer(uvicorn.Server):
     async def _drain_then_exit(self) -> None:
         await self.runtime.drain(self.drain_s)
         self.should_exit = True
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().shutdown(sockets)
+        if self.force_exit:
+            # uvicorn skips the app's shutdown on a forced exit; it is where the requests in
+            # flight are ended and recorded and the ledger flushed, so it runs all the same.
+            await self.lifespan.shutdown()
 
 
 def _base_url(settings: GatewaySettings) -> str:

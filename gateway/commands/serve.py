@@ -3,7 +3,8 @@
 Start-up order: settings, Alembic upgrade head (unless --no-migrate), the demo tenant on an
 empty database, then the HTTP server; the model loads in the background and /health/ready
 turns 200 once it is loaded. SIGTERM or Ctrl-C: new requests get 503, requests in flight
-finish (up to --drain-timeout), the ledger is flushed, exit 0. A second signal exits at once.
+finish (up to --drain-timeout), the ledger is flushed, exit 0. A second signal stops waiting:
+the requests in flight end at once and are recorded, the ledger is flushed, exit 0.
 """
 
 from __future__ import annotations

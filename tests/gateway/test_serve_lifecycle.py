@@ -4,14 +4,18 @@ and clients that disconnect mid-stream."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import shlex
+import signal
+import sqlite3
 import subprocess
 import threading
 import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.serve_process import ADMIN_TOKEN, ServeProcess
 
@@ -138,3 +142,50 @@ def _wait_idle(base_url: str, timeout_s: float = 30) -> dict:
             return live
         time.sleep(0.2)
     return live
+
+
+def _long_stream(base_url: str, key: str, lines: list[str], started: threading.Event) -> None:
+    body = {"model": MODEL, "max_tokens": 1500, "stream": True, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "count"}]}
+    try:
+        with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body,
+                          headers={"authorization": f"Bearer {key}"}, timeout=60) as response:
+            for line in response.iter_lines():
+                if line:
+                    lines.append(line)
+                    started.set()
+    except httpx.HTTPError:
+        pass  # the server went away mid-stream: what matters is its record
+
+
+@pytest.mark.parametrize("num_signals", [1, 2])
+def test_a_drain_cut_short_still_records_every_request(tmp_path: Path, num_signals: int) -> None:
+    """SIGTERM with streams that outlast the drain timeout (1 s), or SIGTERM twice (exit
+    without waiting): the streams end, and every one has its usage record."""
+    database = tmp_path / "cut.db"
+    server = ServeProcess(f"sqlite:///{database}", args=["--drain-timeout", "1"]).start()
+    assert server.process is not None
+    key = server.printed_keys()[0]
+    streams = [([], threading.Event()) for _ in range(3)]
+    threads = [
+        threading.Thread(target=_long_stream, args=(server.base_url, key, lines, started))
+        for lines, started in streams
+    ]
+    for thread in threads:
+        thread.start()
+    for _, started in streams:
+        assert started.wait(60)
+    server.process.send_signal(signal.SIGTERM)
+    if num_signals == 2:
+        time.sleep(0.3)
+        server.process.send_signal(signal.SIGTERM)
+    exit_code = server.process.wait(60)
+    for thread in threads:
+        thread.join(60)
+    ids = {json.loads(lines[0].removeprefix("data: "))["id"] for lines, _ in streams}
+    with contextlib.closing(sqlite3.connect(database)) as db:
+        recorded = dict(db.execute("SELECT request_id, status FROM usage_records").fetchall())
+    print(f"\n{num_signals} SIGTERM(s), drain timeout 1 s: exit {exit_code}, records "
+          f"{sorted(recorded[i] for i in ids if i in recorded)}")
+    assert exit_code == 0, server.output()
+    assert ids <= set(recorded), server.output()  # no request without its record
