@@ -94,7 +94,8 @@ class AdmissionController:
         self._stats = stats  # the engine's latest scheduler statistics
         self._shedder = SloShedder(tiers, shed)
         # Admitted here, not yet started by the engine: per tenant (max_queued_requests).
-        self._queued: dict[str, set[AdmissionTicket]] = {}
+        self._num_queued: dict[str, int] = {}
+        self._queued_tickets: set[AdmissionTicket] = set()
         # Monthly token budget held by requests admitted here and not yet released.
         self._budget_held: dict[str, int] = {}
         self._budget_tickets: set[AdmissionTicket] = set()
@@ -131,38 +132,48 @@ class AdmissionController:
             )
             if shed is not None:
                 raise shed
-        queued = self._queued.setdefault(request.tenant_id, set())
-        if limits.max_queued_requests is not None and len(queued) >= limits.max_queued_requests:
+        num_queued = self.num_queued(request.tenant_id)
+        if limits.max_queued_requests is not None and num_queued >= limits.max_queued_requests:
             tier = self._tiers[request.tier]
             wait_s = self._stats().estimate_queue_wait_s(tier.priority, 0)
             raise QueueFull(
-                f"{len(queued)} of your requests are already waiting for the engine on this "
+                f"{num_queued} of your requests are already waiting for the engine on this "
                 f"replica (your limit is {limits.max_queued_requests}); retry once they start",
                 retry_after_s=max(0.1, wait_s),
-                num_queued=len(queued),
+                num_queued=num_queued,
             )
-        lease = await self._limiter.acquire(request.tenant_id, limits, request.num_tokens_reserved)
+        # This replica's holds are taken before the limiter's await (admissions of the same
+        # tenant run meanwhile and must see them), and given back if it refuses.
+        budget_tokens = request.num_tokens_reserved if holds_budget else 0
+        is_queue_counted = limits.max_queued_requests is not None
+        _add(self._budget_held, request.tenant_id, budget_tokens)
+        _add(self._num_queued, request.tenant_id, int(is_queue_counted))
+        try:
+            lease = await self._limiter.acquire(
+                request.tenant_id, limits, request.num_tokens_reserved
+            )
+        except BaseException:
+            _add(self._budget_held, request.tenant_id, -budget_tokens)
+            _add(self._num_queued, request.tenant_id, -int(is_queue_counted))
+            raise
         self._shedder.admitted(request.tier, request.num_prompt_tokens, request.tenant_id)
         ticket = AdmissionTicket(request, lease)
-        queued.add(ticket)
-        if holds_budget:  # until release(), which comes once its usage is in the totals
+        if is_queue_counted:
+            self._queued_tickets.add(ticket)
+        if budget_tokens:  # until release(), which comes once its usage is in the totals
             self._budget_tickets.add(ticket)
-            self._budget_held[request.tenant_id] = (
-                self._budget_held.get(request.tenant_id, 0) + request.num_tokens_reserved
-            )
         return ticket
 
     def started(self, ticket: AdmissionTicket) -> None:
         """The engine has started the request: it no longer counts as queued."""
-        queued = self._queued.get(ticket.request.tenant_id)
-        if queued is not None:
-            queued.discard(ticket)
-            if not queued:
-                del self._queued[ticket.request.tenant_id]
+        if ticket in self._queued_tickets:
+            self._queued_tickets.discard(ticket)
+            _add(self._num_queued, ticket.request.tenant_id, -1)
 
     def num_queued(self, tenant_id: str) -> int:
-        """The tenant's requests admitted here that the engine has not started."""
-        return len(self._queued.get(tenant_id, ()))
+        """The tenant's requests admitted here that the engine has not started (counted for
+        tenants with max_queued_requests)."""
+        return self._num_queued.get(tenant_id, 0)
 
     async def release(self, ticket: AdmissionTicket, num_tokens_used: int) -> RateLimitSnapshot:
         """The request ended having used num_tokens_used (prompt + generated): free its slot
@@ -170,12 +181,7 @@ class AdmissionController:
         self.started(ticket)  # if it never started, it is not waiting any more either
         if ticket in self._budget_tickets:
             self._budget_tickets.discard(ticket)
-            tenant_id = ticket.request.tenant_id
-            held = self._budget_held[tenant_id] - ticket.request.num_tokens_reserved
-            if held:
-                self._budget_held[tenant_id] = held
-            else:
-                del self._budget_held[tenant_id]
+            _add(self._budget_held, ticket.request.tenant_id, -ticket.request.num_tokens_reserved)
         return await self._limiter.release(ticket.lease, num_tokens_used)
 
     async def peek(self, request: AdmissionRequest) -> RateLimitSnapshot | None:
@@ -316,3 +322,14 @@ def format_latency_table(rows: list[LatencyRow]) -> str:
         for r in rows
     ]
     return "\n".join(lines)
+
+
+def _add(counts: dict[str, int], tenant_id: str, delta: int) -> None:
+    """counts[tenant_id] += delta, the key dropped at 0."""
+    if not delta:
+        return
+    total = counts.get(tenant_id, 0) + delta
+    if total:
+        counts[tenant_id] = total
+    else:
+        counts.pop(tenant_id, None)

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -116,3 +117,20 @@ class ServeProcess:
         if self.process is not None and self.process.poll() is None:
             self.process.kill()
             self.process.wait(30)
+
+
+def stream_long_chat(base_url: str, key: str, lines: list[str], started: threading.Event) -> None:
+    """One streamed chat of 1,500 tokens (ignore_eos): each non-empty SSE line into lines,
+    started set at the first. A server that goes away mid-stream ends it quietly: callers
+    check what arrived and what was recorded."""
+    body = {"model": "tiergate-demo", "max_tokens": 1500, "stream": True, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "count"}]}
+    try:
+        with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body,
+                          headers={"authorization": f"Bearer {key}"}, timeout=120) as response:
+            for line in response.iter_lines():
+                if line:
+                    lines.append(line)
+                    started.set()
+    except httpx.HTTPError:
+        pass

@@ -26,7 +26,7 @@ from engine.async_engine import AsyncLLMEngine
 from gateway.model_source import DEMO_MODEL_NAME
 from tests.billing.test_serve_harness import billing_periods, detail_export
 from tests.gateway.app_harness import start_gateway
-from tests.serve_process import ServeProcess
+from tests.serve_process import ServeProcess, stream_long_chat
 
 NUM_STREAMS = 3
 
@@ -50,18 +50,6 @@ def _engine_pid(server_pid: int) -> int:
     return found[0]
 
 
-def _stream(base_url: str, key: str, lines: list[str], started: threading.Event) -> None:
-    body = {"model": DEMO_MODEL_NAME, "max_tokens": 1500, "stream": True,
-            "ignore_eos": True, "messages": [{"role": "user", "content": "count"}]}
-    with httpx.Client(base_url=base_url, timeout=120) as client, client.stream(
-        "POST", "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {key}"}
-    ) as response:
-        for line in response.iter_lines():
-            if line:
-                lines.append(line)
-                started.set()
-
-
 def _restarts(base_url: str) -> dict[str, float]:
     text = httpx.get(f"{base_url}/metrics", timeout=30).text
     return {
@@ -82,7 +70,7 @@ def test_a_killed_engine_process_is_restarted_and_its_requests_are_recorded(
         key = server.printed_keys()[0]
         streams = [([], threading.Event()) for _ in range(NUM_STREAMS)]
         threads = [
-            threading.Thread(target=_stream, args=(server.base_url, key, lines, started))
+            threading.Thread(target=stream_long_chat, args=(server.base_url, key, lines, started))
             for lines, started in streams
         ]
         for thread in threads:

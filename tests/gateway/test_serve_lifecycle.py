@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.serve_process import ADMIN_TOKEN, ServeProcess
+from tests.serve_process import ADMIN_TOKEN, ServeProcess, stream_long_chat
 
 MODEL = "tiergate-demo"
 
@@ -144,20 +144,6 @@ def _wait_idle(base_url: str, timeout_s: float = 30) -> dict:
     return live
 
 
-def _long_stream(base_url: str, key: str, lines: list[str], started: threading.Event) -> None:
-    body = {"model": MODEL, "max_tokens": 1500, "stream": True, "ignore_eos": True,
-            "messages": [{"role": "user", "content": "count"}]}
-    try:
-        with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body,
-                          headers={"authorization": f"Bearer {key}"}, timeout=60) as response:
-            for line in response.iter_lines():
-                if line:
-                    lines.append(line)
-                    started.set()
-    except httpx.HTTPError:
-        pass  # the server went away mid-stream: what matters is its record
-
-
 @pytest.mark.parametrize("num_signals", [1, 2])
 def test_a_drain_cut_short_still_records_every_request(tmp_path: Path, num_signals: int) -> None:
     """SIGTERM with streams that outlast the drain timeout (1 s), or SIGTERM twice (exit
@@ -168,7 +154,7 @@ def test_a_drain_cut_short_still_records_every_request(tmp_path: Path, num_signa
     key = server.printed_keys()[0]
     streams = [([], threading.Event()) for _ in range(3)]
     threads = [
-        threading.Thread(target=_long_stream, args=(server.base_url, key, lines, started))
+        threading.Thread(target=stream_long_chat, args=(server.base_url, key, lines, started))
         for lines, started in streams
     ]
     for thread in threads:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import replace
 from datetime import UTC, datetime
+from typing import Any
 
 import pytest
 
@@ -159,6 +160,37 @@ def test_the_tokens_a_request_may_use_are_held_against_the_token_budget() -> Non
         for ticket in (second, third):
             await controller.release(ticket, num_tokens_used=0)
         assert controller._budget_held == {}
+
+    asyncio.run(main())
+
+
+def test_admissions_awaiting_the_limiter_together_see_each_others_holds() -> None:
+    """A shared limiter's acquire awaits (Redis): two admissions of one tenant at once must
+    not both pass a budget or queue check that only one fits."""
+
+    class YieldingLimiter(MemoryRateLimiter):
+        async def acquire(self, *args: Any) -> Any:
+            await asyncio.sleep(0.01)
+            return await super().acquire(*args)
+
+    ledger = LedgerTotals()
+    limits = replace(LIMITS, monthly_token_budget=1500, tokens_per_minute=None,
+                     max_concurrent_requests=None, max_queued_requests=2)
+
+    async def main() -> None:
+        controller = AdmissionController(
+            YieldingLimiter(ManualClock()), TierTable(), ledger, EngineStats()
+        )
+        results = await asyncio.gather(
+            *(controller.admit(_request(limits=limits)) for _ in range(3)),
+            return_exceptions=True,
+        )
+        admitted = [r for r in results if isinstance(r, AdmissionTicket)]
+        assert len(admitted) == 1  # 1,000 tokens each: one fits in 1,500
+        assert all(isinstance(r, BudgetHeld) for r in results if r not in admitted)
+        assert controller.num_queued("t1") == 1
+        await controller.release(admitted[0], num_tokens_used=0)
+        assert controller.num_queued("t1") == 0 and controller._budget_held == {}
 
     asyncio.run(main())
 
