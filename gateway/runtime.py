@@ -229,7 +229,7 @@ class GatewayRuntime:
                 self._down_since = time.monotonic()
                 logger.error("the engine stopped: restarting it (%d request(s) in flight "
                              "fail)", self.num_in_flight)
-            await anyio.to_thread.run_sync(engine.shutdown)  # its process, pipes, threads
+                await anyio.to_thread.run_sync(engine.shutdown)  # its process, pipes, threads
             try:
                 served, restarted = await anyio.to_thread.run_sync(
                     self._model_loader, self.settings, self.tiers, int(time.time())
