@@ -52,6 +52,7 @@ class UsageRecordRow(Base):
             name="counts_not_negative",
         ),
         CheckConstraint("num_requests >= 1", name="num_requests_positive"),
+        CheckConstraint("grammar_compile_s >= 0", name="grammar_compile_s_non_negative"),
     )
 
     request_id: Mapped[str] = mapped_column(String(MAX_REQUEST_ID_LENGTH), primary_key=True)
@@ -84,6 +85,7 @@ class UsageRecordRow(Base):
     amount_usd_micros: Mapped[int] = mapped_column(BigInteger)
     recompute_amount_usd_micros: Mapped[int] = mapped_column(BigInteger)
     num_requests: Mapped[int] = mapped_column(Integer, server_default="1")
+    grammar_compile_s: Mapped[float] = mapped_column(Float, server_default="0")
 
 
 USAGE_RECORDS = Base.metadata.tables[UsageRecordRow.__tablename__]

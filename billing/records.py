@@ -35,7 +35,7 @@ _COUNT_FIELDS = (
     "amount_usd_micros",
     "recompute_amount_usd_micros",
 )
-_SECONDS_FIELDS = ("gpu_seconds", "recompute_gpu_seconds")
+_SECONDS_FIELDS = ("gpu_seconds", "recompute_gpu_seconds", "grammar_compile_s")
 _OPTIONAL_SECONDS_FIELDS = ("queue_time_s", "ttft_s", "e2e_time_s")
 _TIMESTAMP_FIELDS = ("created_at", "finished_at")
 _INT_FIELDS = (
@@ -99,6 +99,9 @@ class UsageRecord:
     # Requests this record stands for: 1, or the refusals folded into it (created_at the first
     # one's arrival, finished_at the last one's).
     num_requests: int = 1
+    # Structured output: seconds spent compiling the request's grammar (0 when it came from
+    # the cache or there was none); its step time is in gpu_seconds like any other work.
+    grammar_compile_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name, value, limit in (

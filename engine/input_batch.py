@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import llguidance
 import numpy as np
 import torch
 
@@ -34,6 +35,7 @@ class RequestState:
     __slots__ = (
         "_batch",
         "eos_token_id",
+        "matcher",
         "num_prompt_tokens",
         "penalty_counts",
         "request_id",
@@ -51,6 +53,14 @@ class RequestState:
         self.eos_token_id = data.eos_token_id
         self.sample_index = data.sample_index
         self.penalty_counts: PenaltyCounts | None = None  # the sampler's (engine.sampler)
+        # Structured output: the grammar's state after the request's outputs so far (a
+        # resumed request's are fed again; the sampler advances it with each new token).
+        self.matcher: llguidance.LLMatcher | None = None
+        if data.grammar is not None:
+            self.matcher = data.grammar.matcher()
+            outputs = data.token_ids[data.num_prompt_tokens:]
+            if outputs:
+                self.matcher.consume_tokens(outputs)
 
     @property
     def num_output_tokens(self) -> int:

@@ -4,6 +4,7 @@ process of its own."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 from collections.abc import Callable
@@ -11,6 +12,7 @@ from dataclasses import dataclass, replace
 
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
+from engine.grammar_compiler import GrammarCompiler, GrammarError, GrammarResult
 from engine.kv_manager import KVCacheManager
 from engine.metering import split_step_time
 from engine.outputs import RequestMetrics, RequestOutput
@@ -25,6 +27,10 @@ from engine.scheduler_stats import EngineCounters, SchedulerStats
 from engine.text_output import TextOutputState, Tokenizer
 
 logger = logging.getLogger(__name__)
+
+# Longest the engine blocks on compiling grammars when it has nothing else to run (new
+# commands wait at most this long for it).
+GRAMMAR_WAIT_S = 0.005
 
 # Outputs carry RequestMetrics only with the first token, the end, and every this many tokens
 # between (a caller that stops waiting for an aborted request's end bills what it saw last).
@@ -58,7 +64,9 @@ class LLMEngine:
         waiting_queue: WaitingQueue | None = None,
         tokenizer: Tokenizer | None = None,
         clock: Callable[[], float] = time.monotonic,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
+        """grammars: compiles structured outputs (None: requests with one are refused)."""
         config.validate()
         if runner.block_size != config.cache.block_size:
             raise InvalidRequestError("runner and cache config disagree on block_size")
@@ -79,6 +87,9 @@ class LLMEngine:
         self._groups: dict[str, list[Request]] = {}  # caller's id -> its samples
         self._text: dict[str, TextOutputState] = {}  # sample request id -> text state
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
+        self.grammars = grammars
+        # Requests waiting for their grammar, outside the scheduler: caller's id -> compile.
+        self._compiling: dict[str, concurrent.futures.Future[GrammarResult]] = {}
         self.counters = EngineCounters()
         self._last_step_end: float | None = None  # when the latest model step finished
         self._busy_since_last_step = False  # it left unfinished requests behind
@@ -106,6 +117,10 @@ class LLMEngine:
         max_tokens = self.validate_request(prompt_token_ids, sampling_params, tenant)
         if sampling_params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer", param="stop")
+        constraint = sampling_params.structured
+        if constraint is not None and self.grammars is None:
+            raise InvalidRequestError("this engine serves no structured outputs",
+                                      param=constraint.param)
         arrival = self.clock() if arrival_time is None else arrival_time
         samples: list[Request] = []
         for index in range(sampling_params.n):
@@ -140,7 +155,47 @@ class LLMEngine:
                 self._text[sample.request_id] = TextOutputState(
                     self.tokenizer, sample.prompt_token_ids, sampling_params
                 )
+        if constraint is None:
+            for sample in samples:
+                self.scheduler.add_request(sample)
+            return
+        assert self.grammars is not None
+        compiling = self.grammars.compile(constraint)
+        if compiling.done():  # from the cache: scheduled at once
+            self._pending += self._schedule_compiled(request_id, compiling)
+        else:  # the request waits for its grammar; the steps go on
+            self._compiling[request_id] = compiling
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Requests whose grammar is ready go to the scheduler (waiting briefly for one when
+        the engine has nothing else to do); those whose grammar failed end with an error."""
+        if not self._compiling:
+            return []
+        if not self.scheduler.has_unfinished_requests():
+            concurrent.futures.wait(self._compiling.values(), timeout=GRAMMAR_WAIT_S,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+        outputs: list[RequestOutput] = []
+        for request_id, compiling in list(self._compiling.items()):
+            if compiling.done():
+                del self._compiling[request_id]
+                outputs += self._schedule_compiled(request_id, compiling)
+        return outputs
+
+    def _schedule_compiled(
+        self, request_id: str, compiling: concurrent.futures.Future[GrammarResult]
+    ) -> list[RequestOutput]:
+        samples = self._groups[request_id]
+        try:
+            result = compiling.result()
+        except GrammarError as exc:
+            for sample in samples:
+                sample.status = RequestStatus.FINISHED_ERROR
+            return [self._error_output(sample, f"grammar: {exc}") for sample in samples]
+        samples[0].grammar_compile_s = result.compile_time_s
+        for sample in samples:
+            sample.grammar = result.grammar
             self.scheduler.add_request(sample)
+        return []
 
     def validate_request(
         self, prompt_token_ids: list[int], params: SamplingParams, tenant: TenantContext
@@ -158,10 +213,16 @@ class LLMEngine:
     def abort(self, request_id: str) -> None:
         """End every sample of a request now (client gone); frees its blocks before the next
         step. Its final output (finish_reason "abort") comes with the next step()."""
+        # A request still waiting for its grammar was never scheduled.
+        unscheduled = self._compiling.pop(request_id, None) is not None
         for sample in self._groups.get(request_id, []):
-            request = self.scheduler.finish_request(
-                sample.request_id, RequestStatus.FINISHED_ABORTED
-            )
+            request: Request | None = sample
+            if unscheduled:
+                sample.status = RequestStatus.FINISHED_ABORTED
+            else:
+                request = self.scheduler.finish_request(
+                    sample.request_id, RequestStatus.FINISHED_ABORTED
+                )
             if request is not None:
                 request.finish_time = self.clock()
                 text_state = self._text.get(request.request_id)
@@ -169,7 +230,8 @@ class LLMEngine:
                 self._forget(request)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._pending)
+        return (self.scheduler.has_unfinished_requests() or bool(self._pending)
+                or bool(self._compiling))
 
     def stats(self) -> SchedulerStats:
         """A snapshot: scheduler state and a copy of the engine's counters."""
@@ -186,6 +248,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
+        outputs += self._admit_compiled()
         scheduler_output = self.scheduler.schedule(self.clock())
         self.counters.num_preemptions = self.scheduler.num_preemptions_total
         self.counters.num_lane_steps = self.scheduler.num_lane_steps_total
@@ -284,14 +347,19 @@ class LLMEngine:
         outputs = []
         for chunk in scheduler_output.chunks:
             request = self.scheduler.finish_request(chunk.request_id, RequestStatus.FINISHED_ERROR)
-            if request is None:
-                continue
-            request.finish_time = self.clock()
-            output = self._make_output(request, [], [], self._text.get(request.request_id))
-            output.error = f"engine step failed: {type(exc).__name__}"
-            outputs.append(output)
-            self._forget(request)
+            if request is not None:
+                outputs.append(
+                    self._error_output(request, f"engine step failed: {type(exc).__name__}")
+                )
         return outputs
+
+    def _error_output(self, request: Request, error: str) -> RequestOutput:
+        """The final output of a request that ended in error (its status set already)."""
+        request.finish_time = self.clock()
+        output = self._make_output(request, [], [], self._text.get(request.request_id))
+        output.error = error
+        self._forget(request)
+        return output
 
     def _make_output(
         self,
@@ -334,6 +402,7 @@ class LLMEngine:
             num_recomputed_tokens=request.num_recomputed_tokens,
             recompute_charged_tenant_id=request.recompute_charged_tenant_id,
             recompute_gpu_seconds_by_tenant=dict(request.recompute_gpu_seconds_by_tenant),
+            grammar_compile_s=request.grammar_compile_s,
         )
 
     def _forget(self, request: Request) -> None:

@@ -29,6 +29,9 @@ class RequestMetrics:
     # charged most: recompute_gpu_seconds_by_tenant has the exact split.
     recompute_charged_tenant_id: str | None = None
     recompute_gpu_seconds_by_tenant: dict[str, float] = field(default_factory=dict)
+    # Structured output: the grammar compile time the request waited for (sample 0 carries
+    # it; 0.0 when the grammar came from the cache or there is none).
+    grammar_compile_s: float = 0.0
 
     @property
     def queue_time_s(self) -> float | None:

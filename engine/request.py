@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from engine.grammar_compiler import CompiledGrammar
 from engine.metering import ChunkCharge
 from engine.sampling_params import SamplingParams
 
@@ -71,6 +72,10 @@ class Request:
     num_recomputed_tokens: int = 0
     # Tenant charged -> recompute seconds (the preemptor at the time of each recompute).
     recompute_gpu_seconds_by_tenant: dict[str, float] = field(default_factory=dict)
+    # Structured output: the compiled grammar (set before scheduling) and the compile time
+    # the request waited for (charged once, to sample 0 of a group).
+    grammar: CompiledGrammar | None = None
+    grammar_compile_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.group_id:

@@ -5,13 +5,16 @@ The pipeline, in order (vLLM V1's order):
 1. repetition penalty (HF: over prompt and output tokens), then frequency and presence
    penalties (OpenAI: over output tokens only);
 2. logprobs, when asked, are taken here: log_softmax of the penalised logits, before min_tokens
-   suppression, temperature and the truncation filters. This is what TokenLogprobs documents.
+   suppression, the grammar mask, temperature and the truncation filters. This is what
+   TokenLogprobs documents.
    vLLM V1's default `raw_logprobs` reads the logits before penalties too; they differ only for
    requests that set penalties. Pass `logprobs_mode="raw"` for that behaviour;
 3. min_tokens: while fewer outputs exist, the stop token ids and (unless ignore_eos, as in
    vLLM) the EOS token get -inf. ignore_eos itself is the engine's business: it stops on EOS
    or not, the sampler never suppresses EOS for it;
-4. greedy rows (temperature 0) take the argmax; the others are divided by their temperature,
+4. structured outputs: a row whose request follows a grammar has every token its matcher
+   disallows at -inf (engine.grammar_mask), and its matcher takes the sampled token;
+5. greedy rows (temperature 0) take the argmax; the others are divided by their temperature,
    filtered by min-p, top-k, then top-p (top-p measured after top-k), and sampled with the
    exponential-race trick: argmax(p / E) with E ~ Exp(1) picks a token with probability p.
 
@@ -31,8 +34,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
+import llguidance
 import torch
 
+from engine.grammar_mask import ConstrainedRow, advance_matchers, apply_grammar_masks
 from engine.runner import ModelRunnerOutput, TokenLogprobs
 from engine.sampling_params import SamplingParams
 
@@ -81,7 +86,11 @@ def seeded_exponential(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Exp(1) noise [R, V] where element (r, v) depends only on (keys[r], v).
 
     Element v of row r is output v of a splitmix64 stream started at keys[r]; int64 products
-    wrap around as unsigned arithmetic would. The top 24 bits make a uniform in (0, 1).
+    wrap around as unsigned arithmetic would. The top 24 bits make a uniform in (0, 1),
+    computed in float64: in float32 the top value (1 - 2**-25) rounds to 1.0, whose noise
+    is 0, and p / 0 then picked a token whatever its probability (a NaN for a token
+    filtered or masked to p = 0, which argmax takes: about 0.3 % of seeded steps at a
+    49,152-token vocabulary sampled a token the grammar or top-k had excluded).
     """
     # keys: int64[R]
     offsets = torch.arange(1, vocab_size + 1, device=keys.device, dtype=torch.int64)
@@ -89,8 +98,8 @@ def seeded_exponential(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     z = (z ^ _shift_right(z, 30)) * _signed64(_MIX1)
     z = (z ^ _shift_right(z, 27)) * _signed64(_MIX2)
     z = z ^ _shift_right(z, 31)
-    uniform = (_shift_right(z, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
-    return -torch.log(uniform)
+    uniform = (_shift_right(z, 40).to(torch.float64) + 0.5) * (1.0 / (1 << 24))
+    return (-torch.log(uniform)).to(torch.float32)
 
 
 def filtered_probs(
@@ -137,6 +146,7 @@ class SampleRow(Protocol):
     eos_token_id: int | None  # suppressed until min_tokens outputs exist
     sample_index: int  # seeded samples of one prompt differ by it
     penalty_counts: PenaltyCounts | None  # the sampler's, kept with the request; None at first
+    matcher: llguidance.LLMatcher | None  # its grammar's state; None: unconstrained
 
     @property
     def prompt_token_ids(self) -> list[int]:  # repetition penalty
@@ -215,11 +225,25 @@ class Sampler:
             source = raw_logits if self.logprobs_mode == "raw" else logits
             logprobs = torch.log_softmax(source[logprob_rows], dim=-1)  # [L, V]
 
+        unsuppressed = logits
         logits = self._apply_min_tokens(logits, seqs)
+        constrained: list[ConstrainedRow] = [
+            (i, c.matcher) for i, c in enumerate(seqs) if c.matcher is not None
+        ]
+        if constrained:
+            # The grammar wins over min_tokens only where min_tokens suppresses something.
+            suppressing = any(
+                seqs[i].num_output_tokens < seqs[i].sampling_params.min_tokens
+                for i, _ in constrained
+            )
+            logits = apply_grammar_masks(logits, constrained,
+                                         unsuppressed if suppressing else None)
         params = self._batch_params(seqs, logits.device)
         sampled = self._sample(logits, params)  # int64[N]
 
         token_ids: list[int] = sampled.tolist()
+        if constrained:
+            advance_matchers(constrained, token_ids)
         output = ModelRunnerOutput(
             sampled_token_ids={c.request_id: t for c, t in zip(seqs, token_ids, strict=True)}
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequestError
+from engine.structured_output import StructuredOutput
 
 # Temperatures below this are treated as greedy decoding.
 GREEDY_EPSILON = 1e-5
@@ -34,6 +35,9 @@ class SamplingParams:
     ignore_eos: bool = False  # keep generating past the EOS token
     logprobs: int | None = None  # None: no logprobs; k: the sampled token's plus top-k
     skip_special_tokens: bool = True  # drop special tokens from the detokenized text
+    # The output must match this (a JSON schema, a regex, ...); checked by its validate()
+    # before the request is sent, compiled by the engine (engine.grammar_compiler).
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -86,6 +90,11 @@ class SamplingParams:
                 all(t >= 0 for t in self.stop_token_ids),
                 "stop_token_ids",
                 "stop_token_ids must be non-negative",
+            ),
+            (
+                self.structured is None or not self.ignore_eos,
+                "ignore_eos",
+                "ignore_eos cannot be combined with a structured output: the grammar ends it",
             ),
             (
                 self.logprobs is None or 0 <= self.logprobs <= 20,

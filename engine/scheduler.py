@@ -522,6 +522,7 @@ class Scheduler:
             sampling_params=request.sampling_params,
             eos_token_id=request.eos_token_id,
             sample_index=request.sample_index,
+            grammar=request.grammar,
         )
 
     def step_failed(self, scheduler_output: SchedulerOutput) -> None:

@@ -293,6 +293,11 @@ class Tokenizer:
 
     # -- chat ----------------------------------------------------------------------------------
 
+    def to_json(self) -> str:
+        """The HF `tokenizers` JSON of the tokenizer (what a grammar compiler reads)."""
+        text: str = self._backend.to_str()
+        return text
+
     @cached_property
     def _compiled_chat_template(self) -> jinja2.Template:
         assert self.chat_template is not None

@@ -50,6 +50,7 @@ def usage_record(record: RequestRecord) -> UsageRecord:
         finished_at=record.finished_at,
         amount_usd_micros=0,
         recompute_amount_usd_micros=0,
+        grammar_compile_s=record.grammar_compile_s,
     )
 
 

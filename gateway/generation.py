@@ -25,9 +25,11 @@ from engine import (
 from engine import InvalidRequestError as EngineInvalidRequestError
 from engine.engine_client import EngineClient
 from engine.llm_engine import TenantContext
+from engine.structured_output import StructuredOutput
 from gateway.errors import InvalidRequestError
 from gateway.openai_requests import Endpoint, GenerationRequest
 from gateway.served_model import ServedModel
+from gateway.tool_calls import render_messages, required_call_grammar
 
 # Longest a cancelled job waits for the engine's final (abort) outputs.
 _ABORT_WAIT_S = 2.0
@@ -63,8 +65,10 @@ def _prepare(
 ) -> list[PreparedPrompt]:
     tokenizer = model.tokenizer
     if request.endpoint is Endpoint.CHAT:
+        offered = request.tools.tools if request.tools.is_active else ()
+        messages, tools = render_messages(request.messages, offered, tokenizer.chat_template)
         try:
-            text = tokenizer.apply_chat_template(list(request.messages))
+            text = tokenizer.apply_chat_template(messages, tools=tools)
         except EngineError as exc:
             raise _translate(exc) from exc
         except (TypeError, ValueError, KeyError) as exc:
@@ -120,6 +124,7 @@ def sampling_params(request: GenerationRequest, model: ServedModel) -> SamplingP
             )
     try:
         return SamplingParams(
+            structured=_constraint(request, model),
             n=fields.n,
             temperature=fields.temperature,
             top_p=fields.top_p,
@@ -139,6 +144,17 @@ def sampling_params(request: GenerationRequest, model: ServedModel) -> SamplingP
         )
     except EngineError as exc:
         raise _translate(exc) from exc
+
+
+def _constraint(request: GenerationRequest, model: ServedModel) -> StructuredOutput | None:
+    """The request's structured output, or the grammar of the call its tool_choice forces."""
+    tools = request.tools
+    if tools.choice.mode not in ("required", "function"):
+        return request.structured
+    grammar = required_call_grammar(model.tool_format, tools.tools, tools.choice, tools.parallel)
+    constraint = StructuredOutput("grammar", grammar, "tool_choice")
+    constraint.validate()  # the tools' schemas were checked one by one
+    return constraint
 
 
 def check_fits(

@@ -2,7 +2,7 @@
 schema (shared/reference/openai-openapi.yaml) and turned into typed requests.
 
 Every problem raises gateway.errors.InvalidRequestError with ``param`` naming the field.
-Fields of the schema that this server cannot honour (tools, audio, JSON-schema output, ...)
+Fields of the schema that this server cannot honour (audio, the deprecated functions, ...)
 are refused with code ``unsupported_parameter`` rather than silently ignored; fields that
 only label a request (user, metadata, store, ...) are accepted. Sampling parameters the
 engine supports beyond OpenAI's (top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
@@ -18,7 +18,15 @@ from enum import Enum
 from typing import Any
 
 from engine import MAX_STOP_STRING_CHARS
+from engine.structured_output import StructuredOutput
 from gateway.errors import InvalidRequestError
+from gateway.openai_structured import (
+    NO_TOOLS,
+    STRUCTURED_FIELDS,
+    ToolRequest,
+    structured_output,
+    tool_request,
+)
 
 MAX_N = 128
 MAX_STOP_STRINGS = 4
@@ -82,6 +90,10 @@ class GenerationRequest:
     echo: bool = False
     # The OpenAI `user` field (an end-user id of the tenant's), kept for tracing.
     user: str | None = None
+    # What the output must match (response_format, structured_outputs, guided_*).
+    structured: StructuredOutput | None = None
+    # Chat only: the tools offered and tool_choice.
+    tools: ToolRequest = NO_TOOLS
 
 
 # Fields that only label or route a request on OpenAI's side: accepted, no effect here.
@@ -89,7 +101,7 @@ _IGNORED_CHAT = frozenset(
     {
         "user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
         "prompt_cache_retention", "prompt_cache_options", "reasoning_effort", "verbosity",
-        "parallel_tool_calls", "moderation",
+        "moderation",
     }
 )
 _IGNORED_COMPLETIONS = frozenset({"user"})
@@ -106,13 +118,13 @@ _COMMON = frozenset(
         "max_tokens", "stop", "stream", "stream_options", "logprobs", "logit_bias",
     }
 )
-_CHAT_FIELDS = _COMMON | _EXTENSIONS | _IGNORED_CHAT | {
-    "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions",
-    "function_call", "response_format", "audio", "modalities", "prediction",
-    "web_search_options",
+_CHAT_FIELDS = _COMMON | _EXTENSIONS | _IGNORED_CHAT | STRUCTURED_FIELDS | {
+    "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+    "parallel_tool_calls", "functions", "function_call", "response_format", "audio",
+    "modalities", "prediction", "web_search_options",
 }
-_COMPLETION_FIELDS = _COMMON | _EXTENSIONS | _IGNORED_COMPLETIONS | {
-    "prompt", "echo", "best_of", "suffix",
+_COMPLETION_FIELDS = _COMMON | _EXTENSIONS | _IGNORED_COMPLETIONS | STRUCTURED_FIELDS | {
+    "prompt", "echo", "best_of", "suffix", "response_format",
 }
 _CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
@@ -145,6 +157,14 @@ def parse_chat_request(body: object, bounds: RequestBounds | None = None) -> Gen
     sampling = _sampling(fields, max_tokens, (top_logprobs or 0) if logprobs else None)
     _check_choices(1, sampling.n, bounds)
     stream, include_usage = _stream(fields)
+    structured = _structured(fields)
+    tools = tool_request(fields.raw("tools"), fields.raw("tool_choice"),
+                         fields.raw("parallel_tool_calls"))
+    if structured is not None and tools.choice.mode in ("required", "function"):
+        raise InvalidRequestError(
+            "a tool_choice that forces a call cannot be combined with a structured output",
+            param="tool_choice",
+        )
     return GenerationRequest(
         endpoint=Endpoint.CHAT,
         model=model,
@@ -153,6 +173,8 @@ def parse_chat_request(body: object, bounds: RequestBounds | None = None) -> Gen
         include_usage=include_usage,
         messages=messages,
         user=fields.optional_string("user"),
+        structured=structured,
+        tools=tools,
     )
 
 
@@ -188,6 +210,7 @@ def parse_completion_request(
         prompts=prompts,
         echo=echo,
         user=fields.optional_string("user"),
+        structured=_structured(fields),
     )
 
 
@@ -228,6 +251,18 @@ def _sampling(fields: _Fields, max_tokens: int | None, num_logprobs: int | None)
         skip_special_tokens=_default(fields.boolean("skip_special_tokens"), True),
         num_logprobs=num_logprobs,
     )
+
+
+def _structured(fields: _Fields) -> StructuredOutput | None:
+    constraint = structured_output(
+        fields.raw("response_format"), {name: fields.raw(name) for name in STRUCTURED_FIELDS}
+    )
+    if constraint is not None and fields.boolean("ignore_eos"):
+        raise InvalidRequestError(
+            "ignore_eos cannot be combined with a structured output: the grammar ends it",
+            param="ignore_eos",
+        )
+    return constraint
 
 
 def _stream(fields: _Fields) -> tuple[bool, bool]:
@@ -324,11 +359,32 @@ def _message(value: object, index: int) -> dict[str, Any]:
     content = value.get("content")
     if content is None and role not in ("assistant",):
         raise InvalidRequestError("content is required", param=f"{param}.content")
+    if role == "assistant" and value.get("tool_calls") is not None:
+        _check_tool_calls(value["tool_calls"], f"{param}.tool_calls")
+    elif content is None:
+        raise InvalidRequestError("content is required without tool_calls",
+                                  param=f"{param}.content")
+    if role == "tool" and not isinstance(value.get("tool_call_id"), str):
+        raise InvalidRequestError("a tool message needs tool_call_id",
+                                  param=f"{param}.tool_call_id")
     message = dict(value)
     # Chat templates know system, not OpenAI's newer name for it.
     message["role"] = "system" if role == "developer" else role
     message["content"] = _text_content(content, f"{param}.content")
     return message
+
+
+def _check_tool_calls(calls: object, param: str) -> None:
+    if not isinstance(calls, list):
+        raise InvalidRequestError("tool_calls must be an array", param=param)
+    for index, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if (not isinstance(function, dict) or not isinstance(function.get("name"), str)
+                or not isinstance(function.get("arguments"), str)):
+            raise InvalidRequestError(
+                "each tool call needs function.name and function.arguments (strings)",
+                param=f"{param}[{index}].function",
+            )
 
 
 def _text_content(content: object, param: str) -> str | None:
@@ -360,19 +416,11 @@ def _text_content(content: object, param: str) -> str | None:
 
 
 def _refuse_chat_features(fields: _Fields) -> None:
-    for name in ("tools", "functions"):
-        value = fields.raw(name)
-        if value not in (None, []):
-            _unsupported(name, f"{name} (function calling) is not supported by this server")
-    for name in ("tool_choice", "function_call"):
-        value = fields.raw(name)
-        if value not in (None, "none", "auto"):
-            _unsupported(name, f"{name} is not supported by this server")
-    response_format = fields.raw("response_format")
-    if response_format is not None:
-        kind = response_format.get("type") if isinstance(response_format, dict) else None
-        if kind != "text":
-            _unsupported("response_format", 'only response_format {"type": "text"} is supported')
+    if fields.raw("functions") not in (None, []):
+        _unsupported("functions", "functions (deprecated) is not supported: use tools")
+    if fields.raw("function_call") not in (None, "none", "auto"):
+        _unsupported("function_call", "function_call (deprecated) is not supported: use "
+                     "tool_choice")
     modalities = fields.raw("modalities")
     if modalities is not None and modalities != ["text"]:
         _unsupported("modalities", "this model produces text only")

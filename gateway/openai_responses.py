@@ -14,9 +14,11 @@ from engine import TokenLogprobs
 from engine.tokenizer import Tokenizer
 from gateway.generation import JobSummary
 from gateway.openai_requests import Endpoint
+from gateway.tool_calls import ToolCallFormat
 
 # Finish reasons the API knows; the engine's "abort" and "error" never reach a client as one.
-_API_FINISH_REASONS = {"stop": "stop", "length": "length"}
+# "tool_calls" is the gateway's: a choice that stopped after calling tools.
+_API_FINISH_REASONS = {"stop": "stop", "length": "length", "tool_calls": "tool_calls"}
 
 
 @dataclass
@@ -57,15 +59,16 @@ def full_response(
     choices: list[ChoiceText],
     summary: JobSummary,
     tokenizer: Tokenizer,
+    tool_format: ToolCallFormat | None = None,
 ) -> dict[str, Any]:
-    """The body of a non-streamed response."""
+    """The body of a non-streamed response. tool_format: the request offered tools, and
+    calls are read out of each choice's text."""
     if context.endpoint is Endpoint.CHAT:
         body_choices = [
             {
                 "index": index,
-                "message": {"role": "assistant", "content": choice.text, "refusal": None},
+                **_chat_message(choice, tool_format),
                 "logprobs": chat_logprobs(choice.logprobs, tokenizer) if choice.logprobs else None,
-                "finish_reason": api_finish_reason(choice.finish_reason),
             }
             for index, choice in enumerate(choices)
         ]
@@ -95,6 +98,20 @@ def full_response(
     }
 
 
+def _chat_message(choice: ChoiceText, tool_format: ToolCallFormat | None) -> dict[str, Any]:
+    """A chat choice's message and finish_reason, its tool calls read out of its text."""
+    finish_reason = api_finish_reason(choice.finish_reason)
+    message: dict[str, Any] = {"role": "assistant", "content": choice.text, "refusal": None}
+    if tool_format is not None:
+        content, calls = tool_format.parse(choice.text)
+        if calls:
+            message["content"] = content or None
+            message["tool_calls"] = [call.as_openai() for call in calls]
+            if finish_reason == "stop":
+                finish_reason = "tool_calls"
+    return {"message": message, "finish_reason": finish_reason}
+
+
 def chunk(
     context: ResponseContext,
     index: int,
@@ -105,12 +122,16 @@ def chunk(
     finish_reason: str | None = None,
     text_offset: int = 0,
     tokenizer: Tokenizer,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """One stream chunk for one choice. role=True marks the choice's first chunk (chat)."""
+    """One stream chunk for one choice. role=True marks the choice's first chunk (chat);
+    tool_calls: the calls the choice ended with (chat, in the delta)."""
     if context.endpoint is Endpoint.CHAT:
         delta: dict[str, Any] = {"role": "assistant", "content": text} if role else {}
         if not role and (text or finish_reason is None):
             delta["content"] = text
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         choice: dict[str, Any] = {
             "index": index,
             "delta": delta,

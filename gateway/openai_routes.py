@@ -55,6 +55,7 @@ from gateway.request_record import RequestRecord, RequestStatus
 from gateway.runtime import GatewayRuntime, RecordLostError
 from gateway.served_model import ServedModel, tenant_context
 from gateway.telemetry import GenAiRequest, GenAiResponse, RequestTrace
+from gateway.tool_calls import StreamedToolCalls
 from policies import RefusalReason
 
 logger = logging.getLogger(__name__)
@@ -310,6 +311,8 @@ class _Run:
         self._token_times: list[list[float]] = [[] for _ in range(job.num_choices)]
         self._finalized = False
         self._has_started = False
+        # Tools offered: calls are read out of each choice's text (gateway.tool_calls).
+        self._tool_format = served.tool_format if request.tools.is_active else None
 
     # -- non-streamed ----------------------------------------------------------------------------
 
@@ -348,7 +351,8 @@ class _Run:
             raise InternalServerError(
                 "the engine failed while generating this request", code="engine_error"
             )
-        body = full_response(self.context, choices, self.job.summary(), self.served.tokenizer)
+        body = full_response(self.context, choices, self.job.summary(), self.served.tokenizer,
+                             self._tool_format)
         return JSONResponse(body, headers=self.grant.headers)
 
     # -- streamed --------------------------------------------------------------------------------
@@ -357,6 +361,10 @@ class _Run:
         status = RequestStatus.ABORTED
         started = [False] * self.job.num_choices
         offsets = [0] * self.job.num_choices
+        tool_streams = (
+            None if self._tool_format is None
+            else [StreamedToolCalls(self._tool_format) for _ in range(self.job.num_choices)]
+        )
         try:
             async for index, output in self.job.outputs():
                 self._observe(index, output)
@@ -378,7 +386,19 @@ class _Run:
                         return
                 if output.finished and output.finish_reason not in ("stop", "length"):
                     continue  # an error ends the stream above, not as a choice
-                yield _choice_chunk(self, index, text, output, started, offsets)
+                finish_reason = output.finish_reason if output.finished else None
+                tool_calls = None
+                if tool_streams is not None:
+                    text = tool_streams[index].feed(text)
+                    if output.finished:
+                        rest, calls = tool_streams[index].finish()
+                        text += rest
+                        if calls:
+                            tool_calls = [call.as_openai(i) for i, call in enumerate(calls)]
+                            finish_reason = "tool_calls" if finish_reason == "stop" else (
+                                finish_reason)
+                yield _choice_chunk(self, index, text, output, started, offsets,
+                                    finish_reason, tool_calls)
             if self.request.include_usage:
                 yield _sse(usage_chunk(self.context, self.job.summary()))
             yield "data: [DONE]\n\n"
@@ -508,6 +528,7 @@ class _Run:
             created_at=self.created_at,
             finished_at=datetime.now(UTC),
             http_status=self._http_status(status),
+            grammar_compile_s=sum(m.grammar_compile_s for m in metrics),
         )
 
 
@@ -597,6 +618,8 @@ def _choice_chunk(
     output: RequestOutput,
     started: list[bool],
     offsets: list[int],
+    finish_reason: str | None,
+    tool_calls: list[dict[str, Any]] | None,
 ) -> str:
     body = chunk(
         run.context,
@@ -604,9 +627,10 @@ def _choice_chunk(
         text=text,
         role=not started[index],
         logprobs=output.logprobs or None,
-        finish_reason=output.finish_reason if output.finished else None,
+        finish_reason=finish_reason,
         text_offset=offsets[index],
         tokenizer=run.served.tokenizer,
+        tool_calls=tool_calls,
     )
     started[index] = True
     offsets[index] += len(text)

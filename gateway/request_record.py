@@ -55,3 +55,5 @@ class RequestRecord:
     http_status: int
     # Why admission refused it (rate_limit, budget, shed, ...); None otherwise.
     refusal_reason: str | None = None
+    # Seconds spent compiling its structured output's grammar (0: cached or none).
+    grammar_compile_s: float = 0.0

@@ -22,6 +22,7 @@ from engine import (
 )
 from engine.engine_client import EngineClient
 from engine.engine_process import EngineProcess
+from engine.grammar_compiler import GrammarCompiler
 from engine.model_runner import RunnerConfig, TorchModelRunner
 from engine.models.config import ModelConfig
 from engine.queues import FCFSQueue, WaitingQueue
@@ -29,6 +30,7 @@ from engine.request_limits import RequestLimits
 from engine.tokenizer import Tokenizer
 from gateway.model_source import resolve_model
 from gateway.settings import GatewaySettings
+from gateway.tool_calls import FORMATS, ToolCallFormat, format_for_template
 from policies import TieredFairQueue, TierTable
 
 logger = logging.getLogger(__name__)
@@ -52,6 +54,8 @@ class ServedModel:
     created: int
     num_kv_blocks: int
     kv_block_size: int
+    # How the model writes tool calls (--tool-call-parser, or guessed from its template).
+    tool_format: ToolCallFormat = FORMATS["hermes"]
 
 
 def context_length(settings: GatewaySettings, model_config: ModelConfig) -> int:
@@ -75,7 +79,8 @@ def load_served_model(
     tokenizer = Tokenizer.from_dir(model_dir)
     engine = EngineProcess(functools.partial(build_engine, settings, tiers, model_dir))
     name = settings.served_model_name or source.default_name
-    served = describe_model(model_config, tokenizer, name, created, engine.limits)
+    served = describe_model(model_config, tokenizer, name, created, engine.limits,
+                            tool_call_parser=settings.tool_call_parser)
     logger.info(
         "serving %s from %s on %s: %d KV blocks of %d tokens, context %d (engine process %s)",
         name, model_dir, settings.device, served.num_kv_blocks, served.kv_block_size,
@@ -98,7 +103,10 @@ def build_engine(settings: GatewaySettings, tiers: TierTable, model_dir: Path) -
         dtype=_DTYPES[settings.dtype],
         device=settings.device,
     )
-    return new_engine(settings, tiers, runner, model_config, Tokenizer.from_dir(model_dir))
+    engine = new_engine(settings, tiers, runner, model_config, Tokenizer.from_dir(model_dir))
+    if engine.grammars is not None:
+        engine.grammars.warm_up()  # while the server starts, not on the first request
+    return engine
 
 
 def new_engine(
@@ -125,7 +133,8 @@ def new_engine(
         eos_token_id=eos_ids[0] if eos_ids else None,
     )
     queue: WaitingQueue = TieredFairQueue() if tiered else FCFSQueue()
-    return LLMEngine(engine_config, runner, queue, tokenizer)
+    grammars = GrammarCompiler(tokenizer.to_json(), model_config.vocab_size, list(eos_ids))
+    return LLMEngine(engine_config, runner, queue, tokenizer, grammars=grammars)
 
 
 def describe_model(
@@ -135,6 +144,7 @@ def describe_model(
     created: int,
     limits: RequestLimits,
     vocab_size: int | None = None,
+    tool_call_parser: str = "auto",
 ) -> ServedModel:
     """What the HTTP layer is told of the model. vocab_size: the ids clients may send
     (default: the model's vocabulary)."""
@@ -148,6 +158,7 @@ def describe_model(
         created=created,
         num_kv_blocks=limits.num_kv_blocks,
         kv_block_size=limits.block_size,
+        tool_format=format_for_template(tokenizer.chat_template, tool_call_parser),
     )
 
 

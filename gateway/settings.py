@@ -92,6 +92,12 @@ _OPTIONS: dict[str, _Option] = {
         "where converted GGUF models (and the fetched default model) are kept",
     ),
     "data_dir": _Option("--data-dir", "TIERGATE_DATA_DIR", "local state: usage spool"),
+    "tool_call_parser": _Option(
+        "--tool-call-parser",
+        "TIERGATE_TOOL_CALL_PARSER",
+        "how the model writes tool calls: auto (from its chat template), hermes, llama3_json "
+        "or mistral",
+    ),
 }
 
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -129,6 +135,7 @@ class GatewaySettings:
     demo_model_dir: Path = Path.home() / ".cache" / "tiergate" / "demo-model"
     model_cache_dir: Path = Path.home() / ".cache" / "tiergate" / "models"
     data_dir: Path = Path("./tiergate-data")
+    tool_call_parser: str = "auto"
     # Never from a flag (it would show in `ps`): only TIERGATE_ADMIN_TOKEN.
     admin_token: str | None = field(default=None, repr=False)
     # The parsed --config file (empty when none).
@@ -143,6 +150,8 @@ class GatewaySettings:
             raise SettingsError(f"--dtype must be one of {', '.join(_DTYPES)}")
         if self.scheduling not in ("tiered", "fcfs"):
             raise SettingsError("--scheduling must be tiered or fcfs")
+        if self.tool_call_parser not in ("auto", "hermes", "llama3_json", "mistral"):
+            raise SettingsError("--tool-call-parser must be auto, hermes, llama3_json or mistral")
         for name in (
             "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens", "max_body_bytes",
             "max_messages", "max_choices",

@@ -119,6 +119,16 @@ class ServeProcess:
             self.process.wait(30)
 
 
+def default_model_server(cache_dir: Path, database: Path) -> ServeProcess:
+    """A started replica of the default model (converted into cache_dir once), with room for
+    a real model's prompts: 128 MiB of KV cache, a 2,048-token context."""
+    return ServeProcess(
+        f"sqlite:///{database}",
+        env={"TIERGATE_MODEL": "", "TIERGATE_MODEL_CACHE_DIR": str(cache_dir)},
+        args=["--kv-cache-bytes", str(128 << 20), "--max-model-len", "2048"],
+    ).start(timeout_s=300)
+
+
 def stream_long_chat(base_url: str, key: str, lines: list[str], started: threading.Event) -> None:
     """One streamed chat of 1,500 tokens (ignore_eos): each non-empty SSE line into lines,
     started set at the first. A server that goes away mid-stream ends it quietly: callers

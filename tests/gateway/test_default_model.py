@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine.tokenizer import Tokenizer
 from gateway.model_source import DEFAULT_MODEL_NAME, default_model_file, gguf_model_dir
-from tests.serve_process import ServeProcess
+from tests.serve_process import ServeProcess, default_model_server
 
 pytestmark = pytest.mark.slow
 
@@ -154,12 +154,9 @@ def server(
     model_dir: Path, cache_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServeProcess]:
     # TIERGATE_MODEL empty: the default model, from the cache the fixture converted into.
-    db = tmp_path_factory.mktemp("default-model") / "tiergate.db"
-    process = ServeProcess(
-        f"sqlite:///{db}",
-        env={"TIERGATE_MODEL": "", "TIERGATE_MODEL_CACHE_DIR": str(cache_dir)},
-        args=["--kv-cache-bytes", str(128 << 20), "--max-model-len", "2048"],
-    ).start(timeout_s=300)
+    process = default_model_server(
+        cache_dir, tmp_path_factory.mktemp("default-model") / "tiergate.db"
+    )
     yield process
     assert process.stop() == 0, process.output()
 

@@ -43,6 +43,53 @@ def test_chat_fields_are_read() -> None:
     assert request.stream and request.include_usage and request.user == "u1"
 
 
+@pytest.mark.parametrize(
+    ("fields", "kind", "param"),
+    [
+        ({"response_format": {"type": "json_object"}}, "json_object", "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {
+            "name": "p", "schema": {"type": "object"}, "strict": True}}}, "json_schema",
+         "response_format.json_schema.schema"),
+        ({"structured_outputs": {"json": '{"type": "integer"}'}}, "json_schema",
+         "structured_outputs.json"),
+        ({"structured_outputs": {"choice": ["a", "b"]}}, "choice", "structured_outputs.choice"),
+        ({"guided_regex": "[0-9]+"}, "regex", "guided_regex"),
+        ({"guided_grammar": 'start: "x"+'}, "grammar", "guided_grammar"),
+        ({"structured_outputs": {"grammar": 'root ::= "yes" | "no"'}}, "grammar",
+         "structured_outputs.grammar"),
+    ],
+)
+def test_structured_outputs_are_read(fields: dict[str, Any], kind: str, param: str) -> None:
+    for parse, body in ((parse_chat_request, CHAT), (parse_completion_request, COMPLETION)):
+        constraint = parse({**body, **fields}).structured
+        assert constraint is not None
+        assert (constraint.kind, constraint.param) == (kind, param)
+
+
+def test_tools_are_read() -> None:
+    tool = {"type": "function", "function": {
+        "name": "get_weather", "description": "weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+    request = parse_chat_request({
+        **CHAT, "tools": [tool], "parallel_tool_calls": False,
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        "messages": [
+            {"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [{
+                "id": "c1", "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Lyon"}'}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "21 C"},
+        ],
+    })
+    tools = request.tools
+    assert [t.name for t in tools.tools] == ["get_weather"]
+    assert (tools.choice.mode, tools.choice.function, tools.parallel) == (
+        "function", "get_weather", False)
+    assert tools.is_active
+    assert parse_chat_request({**CHAT, "tools": [tool]}).tools.choice.mode == "auto"
+    assert not parse_chat_request({**CHAT, "tools": [tool], "tool_choice": "none"}).tools.is_active
+
+
 def test_top_p_zero_keeps_only_the_top_token() -> None:
     sampling = parse_chat_request({**CHAT, "top_p": 0}).sampling
     assert (sampling.top_p, sampling.top_k) == (1.0, 1)
@@ -78,9 +125,35 @@ def test_completion_prompt_forms(prompt: Any, expected: tuple[Any, ...]) -> None
         ({**CHAT, "messages": [{"role": "user"}]}, "messages[0].content", None),
         ({**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
          "messages[0].content[0].type", "unsupported_parameter"),
-        ({**CHAT, "tools": [{"type": "function"}]}, "tools", "unsupported_parameter"),
-        ({**CHAT, "response_format": {"type": "json_object"}}, "response_format",
-         "unsupported_parameter"),
+        ({**CHAT, "tools": [{"type": "function"}]}, "tools[0].function", None),
+        ({**CHAT, "tools": [{"type": "function", "function": {"name": "a b"}}]},
+         "tools[0].function.name", None),
+        ({**CHAT, "tools": [{"type": "function", "function": {
+            "name": "f", "parameters": {"type": "object", "dependentSchemas": {}}}}]},
+         "tools[0].function.parameters", None),
+        ({**CHAT, "tool_choice": "required"}, "tool_choice", None),
+        ({**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}],
+          "tool_choice": {"type": "function", "function": {"name": "g"}}},
+         "tool_choice.function.name", None),
+        ({**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}],
+          "tool_choice": "required", "response_format": {"type": "json_object"}},
+         "tool_choice", None),
+        ({**CHAT, "functions": [{"name": "f"}]}, "functions", "unsupported_parameter"),
+        ({**CHAT, "response_format": {"type": "xml"}}, "response_format.type", None),
+        ({**CHAT, "response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+         "response_format.json_schema.name", None),
+        ({**CHAT, "response_format": {"type": "json_object"}, "ignore_eos": True},
+         "ignore_eos", None),
+        ({**CHAT, "structured_outputs": {"regex": "a", "choice": ["b"]}},
+         "structured_outputs", None),
+        ({**CHAT, "structured_outputs": {"choice": []}}, "structured_outputs.choice", None),
+        ({**CHAT, "structured_outputs": {"grammar": "start: nothing_here"}},
+         "structured_outputs.grammar", None),
+        ({**COMPLETION, "guided_json": "{not json"}, "guided_json", None),
+        ({**CHAT, "messages": [{"role": "tool", "content": "x"}]},
+         "messages[0].tool_call_id", None),
+        ({**CHAT, "messages": [{"role": "assistant", "tool_calls": [{"function": {}}]}]},
+         "messages[0].tool_calls[0].function", None),
         ({**CHAT, "logit_bias": {"5": 10}}, "logit_bias", "unsupported_parameter"),
         ({**CHAT, "stream_options": {"include_usage": True}}, "stream_options", None),
         ({**CHAT, "wat": 1}, "wat", None),

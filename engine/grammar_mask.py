@@ -1,0 +1,91 @@
+"""Masks the logits of the rows whose output follows a grammar, and advances their matchers
+with what was sampled.
+
+Each constrained row's matcher writes the allowed tokens as a bitmask (32 tokens an int32)
+into one host tensor; one copy takes it to the logits' device, where a byte lookup expands
+it to the vocabulary and every disallowed token gets -inf. Rows without a matcher cost nothing: the
+work is proportional to the constrained rows only.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import llguidance
+import torch
+
+__all__ = ["ConstrainedRow", "advance_matchers", "apply_grammar_masks", "disallowed_tokens"]
+
+logger = logging.getLogger(__name__)
+
+ConstrainedRow = tuple[int, llguidance.LLMatcher]  # (logits row, its matcher)
+
+_BYTE_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def _byte_table(device: torch.device) -> torch.Tensor:
+    """bool[256, 8]: for a byte of a bitmask, which of its 8 tokens are disallowed."""
+    table = _BYTE_TABLES.get(device)
+    if table is None:
+        values = torch.arange(256, dtype=torch.int32)[:, None]
+        bits = (values >> torch.arange(8, dtype=torch.int32)[None, :]) & 1
+        table = _BYTE_TABLES[device] = (bits == 0).to(device)
+    return table
+
+
+def disallowed_tokens(rows: Sequence[ConstrainedRow], vocab_size: int,
+                      device: torch.device) -> torch.Tensor:
+    """bool[len(rows), vocab_size]: the tokens each row's grammar does not allow next.
+
+    The matchers write one bit a token (token t: bit t % 32 of int32 word t // 32); read as
+    little-endian bytes, byte j holds tokens 8j..8j+7, which one lookup expands to bools:
+    one pass over the vocabulary (shifting out all 32 bits of each word took four: 32
+    constrained rows cost 15 ms of tensor work a step, now about 2 with the fill)."""
+    words = (vocab_size + 31) // 32
+    # On a GPU the forward is still running while the matchers fill this (host) bitmask.
+    bitmask = torch.empty((len(rows), words), dtype=torch.int32,
+                          pin_memory=device.type == "cuda")
+    for index, (_, matcher) in enumerate(rows):
+        word = bitmask[index]
+        matcher.unsafe_compute_mask_ptr(word.data_ptr(), words * 4)
+    as_bytes = bitmask.view(torch.uint8).to(device, non_blocking=True)  # [R, 4W]
+    # index_select with int32 indices: a fifth of the time of indexing with int64 here.
+    expanded = _byte_table(device).index_select(0, as_bytes.reshape(-1).to(torch.int32))
+    return expanded.view(len(rows), words * 32)[:, :vocab_size]
+
+
+def apply_grammar_masks(
+    logits: torch.Tensor,  # float32[N, V], after penalties and min_tokens
+    rows: Sequence[ConstrainedRow],  # in row order
+    unsuppressed: torch.Tensor | None,  # the same before min_tokens, when it suppressed any
+) -> torch.Tensor:
+    """The logits with every token the rows' grammars disallow at -inf. A row whose grammar
+    allows only what min_tokens suppresses (the end, once the grammar is complete) keeps
+    the grammar's tokens: the grammar wins over min_tokens."""
+    disallowed = disallowed_tokens(rows, logits.shape[1], logits.device)
+    every_row = len(rows) == logits.shape[0]
+    index = None if every_row else torch.tensor([row for row, _ in rows], device=logits.device)
+    selected = logits if index is None else logits[index]
+    masked = selected.masked_fill(disallowed, float("-inf"))
+    if unsuppressed is not None:
+        # Computed for every constrained row rather than asked for (no device-to-host sync).
+        blocked = ~torch.isfinite(masked).any(dim=-1)
+        before = unsuppressed if index is None else unsuppressed[index]
+        fallback = before.masked_fill(disallowed, float("-inf"))
+        masked = torch.where(blocked[:, None], fallback, masked)
+    if index is None:
+        return masked
+    logits = logits.clone()
+    logits[index] = masked
+    return logits
+
+
+def advance_matchers(rows: Sequence[ConstrainedRow], sampled: Sequence[int]) -> None:
+    """Feed each constrained row's sampled token to its matcher."""
+    for row, matcher in rows:
+        if not matcher.consume_token(sampled[row]):
+            # Only a grammar past its step limits gets here (the mask allowed the token):
+            # the matcher stays in error and allows only the end from now on.
+            logger.warning("a grammar matcher refused a sampled token: %s",
+                           matcher.get_error().strip().splitlines()[0:1])

@@ -1,0 +1,223 @@
+"""Structured outputs in the engine: constraint checks, the grammar cache, the sampler's mask,
+and whole requests on the random-weight demo model (a mask must hold for any weights),
+through preemption, parallel samples and aborts."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import jsonschema
+import pytest
+import torch
+
+from engine import (
+    CacheConfig,
+    EngineConfig,
+    InvalidRequestError,
+    LLMEngine,
+    SamplingParams,
+    SchedulerConfig,
+)
+from engine.grammar_compiler import GrammarCompiler
+from engine.model_runner import RunnerConfig, TorchModelRunner
+from engine.models.config import ModelConfig
+from engine.sampler import Sampler, seeded_exponential
+from engine.structured_output import (
+    MAX_STRUCTURED_SOURCE_CHARS,
+    NUMBER_MAGNITUDE,
+    NUMBER_STEP,
+    StructuredOutput,
+    bounded_numbers,
+)
+from engine.tokenizer import Tokenizer
+from tests.serve_process import shared_demo_model_dir
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 130},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+        "score": {"type": "number"},
+    },
+    "required": ["name", "age", "tags", "score"],
+    "additionalProperties": False,
+}
+EMAIL = r"[a-z]{2,8}@[a-z]{2,6}\.(com|org)"
+
+
+@pytest.mark.parametrize(
+    ("constraint", "message"),
+    [
+        (StructuredOutput("json_schema", '{"type": "objectx"}'), "Invalid type"),
+        (StructuredOutput("json_schema", '{"type": "object", "dependentSchemas": {}}'),
+         "Unimplemented keys"),
+        (StructuredOutput("regex", "a(b"), "invalid regex"),
+        (StructuredOutput("grammar", "start: missing"), "unknown name"),
+        (StructuredOutput("json_schema", json.dumps(
+            {"description": "x" * MAX_STRUCTURED_SOURCE_CHARS})), "at most"),
+    ],
+)
+def test_bad_constraints_are_refused_naming_the_field(
+    constraint: StructuredOutput, message: str
+) -> None:
+    with pytest.raises(InvalidRequestError, match=message) as raised:
+        constraint.validate()
+    assert raised.value.param == "response_format"
+
+
+def test_numbers_get_a_step_and_bounds_only_where_the_schema_has_none() -> None:
+    schema = {"type": "object", "properties": {
+        "a": {"type": "number"},
+        "b": {"type": "integer", "minimum": 3},
+        "c": {"type": ["number", "null"], "multipleOf": 0.5, "exclusiveMaximum": 9},
+        "d": {"type": "array", "items": {"anyOf": [{"type": "integer"}, {"type": "string"}]}},
+    }}
+    bounded = bounded_numbers(schema)
+    assert isinstance(bounded, dict)
+    props = bounded["properties"]
+    assert props["a"] == {"type": "number", "multipleOf": NUMBER_STEP,
+                          "minimum": -NUMBER_MAGNITUDE, "maximum": NUMBER_MAGNITUDE}
+    assert props["b"] == {"type": "integer", "minimum": 3, "maximum": NUMBER_MAGNITUDE}
+    assert props["c"] == {"type": ["number", "null"], "multipleOf": 0.5, "exclusiveMaximum": 9,
+                          "minimum": -NUMBER_MAGNITUDE}
+    assert props["d"]["items"]["anyOf"][0]["maximum"] == NUMBER_MAGNITUDE
+    assert schema["properties"]["a"] == {"type": "number"}  # the request's schema is kept
+
+
+def test_seeded_noise_is_never_zero_at_the_top_of_its_range() -> None:
+    # The key whose first output has the top 24 bits all set gave noise 0 in float32.
+    noise = seeded_exponential(torch.arange(-(1 << 20), 1 << 20, 4096), 4096)
+    assert bool((noise > 0).all())
+    top = torch.tensor([(1 << 24) - 1], dtype=torch.float64)
+    assert float(-torch.log((top + 0.5) / (1 << 24)).to(torch.float32)) > 0.0
+
+
+@pytest.fixture(scope="module")
+def demo() -> tuple[Path, Tokenizer, ModelConfig]:
+    path = shared_demo_model_dir()
+    return path, Tokenizer.from_dir(path), ModelConfig.from_file(path)
+
+
+def _engine(demo: tuple[Path, Tokenizer, ModelConfig], num_kv_blocks: int = 256) -> LLMEngine:
+    path, tokenizer, config = demo
+    runner = TorchModelRunner.from_model_dir(
+        path, RunnerConfig(num_kv_blocks=num_kv_blocks, max_model_len=512, max_num_seqs=8))
+    assert tokenizer.eos_token_id is not None
+    return LLMEngine(
+        EngineConfig(
+            scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8,
+                                      max_model_len=512),
+            cache=CacheConfig(block_size=runner.block_size),
+            eos_token_id=tokenizer.eos_token_id,
+        ),
+        runner, tokenizer=tokenizer,
+        grammars=GrammarCompiler(tokenizer.to_json(), config.vocab_size,
+                                 [tokenizer.eos_token_id]),
+    )
+
+
+def _run(engine: LLMEngine) -> dict[tuple[str, int], tuple[str, list[int], str | None]]:
+    texts: dict[tuple[str, int], str] = {}
+    tokens: dict[tuple[str, int], list[int]] = {}
+    reasons: dict[tuple[str, int], str | None] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            key = (out.request_id, out.sample_index)
+            texts[key] = texts.get(key, "") + out.new_text
+            tokens.setdefault(key, []).extend(out.new_token_ids)
+            if out.finished:
+                reasons[key] = out.finish_reason
+    return {key: (texts[key], tokens[key], reasons.get(key)) for key in texts}
+
+
+def _requests(engine: LLMEngine, tokenizer: Tokenizer) -> None:
+    prompt = tokenizer.encode("Tell me about a person.")
+    schema = StructuredOutput.json_schema(SCHEMA, "response_format")
+    email = StructuredOutput("regex", EMAIL)
+    for seed in range(6):
+        constraint = schema if seed % 2 == 0 else email
+        engine.add_request(f"r{seed}", prompt, SamplingParams(
+            temperature=1.0, seed=seed, max_tokens=120, structured=constraint,
+            n=2 if seed == 1 else 1))
+    engine.add_request("plain", prompt, SamplingParams(temperature=1.0, seed=9, max_tokens=30))
+
+
+def test_random_weights_follow_the_constraint_through_preemption(
+    demo: tuple[Path, Tokenizer, ModelConfig],
+) -> None:
+    tokenizer = demo[1]
+    roomy = _engine(demo)
+    _requests(roomy, tokenizer)
+    expected = _run(roomy)
+    assert roomy.scheduler.num_preemptions_total == 0
+    tight = _engine(demo, num_kv_blocks=10)  # preempts: resumed matchers replay the outputs
+    _requests(tight, tokenizer)
+    outputs = _run(tight)
+    assert tight.scheduler.num_preemptions_total > 0
+    assert outputs == expected  # seeded: the same tokens however the batch ran
+    assert len(outputs) == 8
+    for (request_id, _), (text, _, reason) in outputs.items():
+        if request_id == "plain":
+            continue
+        assert reason == "stop", (request_id, text)
+        seed = int(request_id[1:])
+        if seed % 2 == 0:
+            jsonschema.validate(json.loads(text), SCHEMA)
+        else:
+            assert re.fullmatch(EMAIL, text), text
+
+
+def test_a_cached_grammar_costs_no_compile_and_an_abort_while_compiling_ends_the_request(
+    demo: tuple[Path, Tokenizer, ModelConfig],
+) -> None:
+    engine = _engine(demo)
+    prompt = demo[1].encode("hi")
+    choice = StructuredOutput.choice(["yes", "no"], "structured_outputs.choice")
+    engine.add_request("first", prompt, SamplingParams(max_tokens=5, structured=choice))
+    engine.add_request("gone", prompt, SamplingParams(
+        max_tokens=5, structured=StructuredOutput("regex", "[0-9]{3}")))
+    engine.abort("gone")  # still compiling, or in the scheduler: either way it ends
+    first = _run(engine)
+    assert first[("gone", 0)][2] == "abort"
+    assert first[("first", 0)][0] in ("yes", "no")
+    assert engine.grammars is not None and engine.grammars.num_compiled >= 1
+    engine.add_request("second", prompt, SamplingParams(max_tokens=5, structured=choice))
+    compile_times = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished and out.metrics is not None:
+                compile_times.append(out.metrics.grammar_compile_s)
+    assert compile_times == [0.0]
+    assert engine.grammars.num_cache_hits == 1
+
+
+def test_the_grammar_wins_over_min_tokens(demo: tuple[Path, Tokenizer, ModelConfig]) -> None:
+    """min_tokens suppresses EOS, but a complete grammar allows nothing else: it ends."""
+    _, tokenizer, config = demo
+    assert tokenizer.eos_token_id is not None
+    compiler = GrammarCompiler(tokenizer.to_json(), config.vocab_size, [tokenizer.eos_token_id])
+    grammar = compiler.compile_now(StructuredOutput("choice", '["ok"]')).grammar
+    matcher = grammar.matcher()
+    assert matcher.consume_tokens(tokenizer.encode("ok", add_special_tokens=False))
+
+    class Row:
+        request_id = "r"
+        sampling_params = SamplingParams(temperature=1.0, min_tokens=50, max_tokens=60)
+        eos_token_id = tokenizer.eos_token_id
+        sample_index = 0
+        penalty_counts = None
+        num_output_tokens = 1
+
+        def __init__(self) -> None:
+            self.matcher = matcher
+            self.prompt_token_ids = [1, 2]
+
+        def output_tokens_since(self, start: int) -> list[int]:
+            return []
+
+    sampler = Sampler(config.vocab_size, seed=0)
+    out = sampler(torch.randn(1, config.vocab_size), [Row()])  # type: ignore[list-item]
+    assert out.sampled_token_ids == {"r": tokenizer.eos_token_id}

