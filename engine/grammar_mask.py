@@ -65,7 +65,12 @@ def apply_grammar_masks(
     the grammar's tokens: the grammar wins over min_tokens."""
     disallowed = disallowed_tokens(rows, logits.shape[1], logits.device)
     every_row = len(rows) == logits.shape[0]
-    index = None if every_row else torch.tensor([row for row, _ in rows], device=logits.device)
+    index = None
+    if not every_row:
+        # Through pinned memory without blocking: a plain copy to a GPU waits for the forward.
+        host = torch.tensor([row for row, _ in rows], dtype=torch.int64,
+                            pin_memory=logits.device.type == "cuda")
+        index = host.to(logits.device, non_blocking=True)
     selected = logits if index is None else logits[index]
     masked = selected.masked_fill(disallowed, float("-inf"))
     if unsuppressed is not None:
@@ -81,11 +86,14 @@ def apply_grammar_masks(
     return logits
 
 
-def advance_matchers(rows: Sequence[ConstrainedRow], sampled: Sequence[int]) -> None:
-    """Feed each constrained row's sampled token to its matcher."""
+def advance_matchers(rows: Sequence[ConstrainedRow], sampled: Sequence[int]) -> dict[int, str]:
+    """Feed each constrained row's sampled token to its matcher; returns the rows whose
+    matcher failed (row -> why), whose requests must end with an error."""
+    failed: dict[int, str] = {}
     for row, matcher in rows:
-        if not matcher.consume_token(sampled[row]):
-            # Only a grammar past its step limits gets here (the mask allowed the token):
-            # the matcher stays in error and allows only the end from now on.
-            logger.warning("a grammar matcher refused a sampled token: %s",
-                           matcher.get_error().strip().splitlines()[0:1])
+        if not matcher.consume_token(sampled[row]) or matcher.is_error():
+            # Only a grammar past its step limits gets here (the mask allowed the token).
+            reason = (matcher.get_error().strip().splitlines() or ["matcher error"])[0]
+            logger.warning("a grammar matcher failed: %s", reason)
+            failed[row] = f"grammar: {reason}"
+    return failed

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
-from engine.grammar_compiler import GrammarCompiler, GrammarError, GrammarResult
+from engine.grammar_compiler import GrammarCompiler, GrammarResult
 from engine.kv_manager import KVCacheManager
 from engine.metering import split_step_time
 from engine.outputs import RequestMetrics, RequestOutput
@@ -160,7 +160,7 @@ class LLMEngine:
                 self.scheduler.add_request(sample)
             return
         assert self.grammars is not None
-        compiling = self.grammars.compile(constraint)
+        compiling = self.grammars.compile(constraint, tenant.cache_salt)
         if compiling.done():  # from the cache: scheduled at once
             self._pending += self._schedule_compiled(request_id, compiling)
         else:  # the request waits for its grammar; the steps go on
@@ -187,7 +187,7 @@ class LLMEngine:
         samples = self._groups[request_id]
         try:
             result = compiling.result()
-        except GrammarError as exc:
+        except Exception as exc:  # GrammarError; whatever it is, it ends this request only
             for sample in samples:
                 sample.status = RequestStatus.FINISHED_ERROR
             return [self._error_output(sample, f"grammar: {exc}") for sample in samples]
@@ -322,7 +322,11 @@ class LLMEngine:
         outputs = []
         all_logprobs = runner_output.logprobs
         texts = self._text
+        grammar_errors = runner_output.grammar_errors
         for request in updated:
+            if grammar_errors and request.request_id in grammar_errors and not request.is_finished:
+                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ERROR)
+                request.finish_time = now
             new_tokens = request.output_token_ids[-1:]
             logprobs = all_logprobs.get(request.request_id) if all_logprobs else None
             text_state = texts.get(request.request_id) if texts else None
@@ -336,9 +340,12 @@ class LLMEngine:
                     request.finish_time = now
             elif text_state is not None:
                 text_state.append(new_tokens, finished=True)
-            outputs.append(
-                self._make_output(request, new_tokens, [logprobs] if logprobs else [], text_state)
+            output = self._make_output(
+                request, new_tokens, [logprobs] if logprobs else [], text_state
             )
+            if grammar_errors and request.status is RequestStatus.FINISHED_ERROR:
+                output.error = grammar_errors.get(request.request_id)
+            outputs.append(output)
             if request.is_finished:
                 self._forget(request)
         return outputs

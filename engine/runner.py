@@ -24,6 +24,9 @@ class ModelRunnerOutput:
 
     sampled_token_ids: dict[str, int]  # request_id -> the token sampled this step
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # when requested
+    # Requests whose grammar matcher failed this step (past its step limits): they end with
+    # an error rather than go on unconstrained.
+    grammar_errors: dict[str, str] = field(default_factory=dict)
 
 
 class ModelRunner(Protocol):

@@ -242,11 +242,12 @@ class Sampler:
         sampled = self._sample(logits, params)  # int64[N]
 
         token_ids: list[int] = sampled.tolist()
-        if constrained:
-            advance_matchers(constrained, token_ids)
         output = ModelRunnerOutput(
             sampled_token_ids={c.request_id: t for c, t in zip(seqs, token_ids, strict=True)}
         )
+        if constrained:
+            failed = advance_matchers(constrained, token_ids)
+            output.grammar_errors = {seqs[row].request_id: why for row, why in failed.items()}
         if logprobs is not None:
             output.logprobs = self._gather_logprobs(logprobs, sampled, seqs, logprob_rows)
         return output

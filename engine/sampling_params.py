@@ -35,8 +35,8 @@ class SamplingParams:
     ignore_eos: bool = False  # keep generating past the EOS token
     logprobs: int | None = None  # None: no logprobs; k: the sampled token's plus top-k
     skip_special_tokens: bool = True  # drop special tokens from the detokenized text
-    # The output must match this (a JSON schema, a regex, ...); checked by its validate()
-    # before the request is sent, compiled by the engine (engine.grammar_compiler).
+    # The output must match this (a JSON schema, a regex, ...); checked by the gateway
+    # (GrammarCompiler.check) before it is sent, compiled by the engine (GrammarCompiler).
     structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:

@@ -20,7 +20,6 @@ it knows.
 
 from __future__ import annotations
 
-import functools
 import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
@@ -65,7 +64,9 @@ def bounded_numbers(schema: object) -> object:
     most 6 decimals, magnitude below 10**15 (exact in a double). Whatever the model writes
     still validates against the schema as given; what it cannot do is write digits until
     max_tokens, which SmolLM2-135M did at temperature 1.0 in 2 of 50 requests
-    (`"score": 0.57236532073589615927...` for a number in [0, 1])."""
+    (`"score": 0.57236532073589615927...` for a number in [0, 1]). A number with a const or
+    an enum is left alone (its values are given), and so is a bound or step the schema's own
+    bounds would contradict (a range narrower than 0.001, a minimum past 10**15)."""
     if isinstance(schema, list):
         return [bounded_numbers(item) for item in schema]
     if not isinstance(schema, dict):
@@ -82,19 +83,31 @@ def bounded_numbers(schema: object) -> object:
             result[key] = bounded_numbers(result[key])
     kinds = result.get("type")
     kinds = kinds if isinstance(kinds, list) else [kinds]
-    if "number" in kinds or "integer" in kinds:
-        if "number" in kinds and "multipleOf" not in result:
+    if ("number" in kinds or "integer" in kinds) and "const" not in result \
+            and "enum" not in result:
+        low = _bound(result, "minimum", "exclusiveMinimum")
+        high = _bound(result, "maximum", "exclusiveMaximum")
+        wide = low is None or high is None or high - low >= 1e-3
+        if "number" in kinds and "multipleOf" not in result and wide:
             result["multipleOf"] = NUMBER_STEP
-        if "minimum" not in result and "exclusiveMinimum" not in result:
+        if low is None and (high is None or high > -NUMBER_MAGNITUDE):
             result["minimum"] = -NUMBER_MAGNITUDE
-        if "maximum" not in result and "exclusiveMaximum" not in result:
+        if high is None and (low is None or low < NUMBER_MAGNITUDE):
             result["maximum"] = NUMBER_MAGNITUDE
     return result
 
 
+def _bound(schema: dict[str, object], inclusive: str, exclusive: str) -> float | None:
+    """A bound the schema sets (the inclusive or exclusive keyword), None without one."""
+    values = [schema.get(inclusive), schema.get(exclusive)]
+    numbers = [float(v) for v in values if isinstance(v, int | float) and not isinstance(v, bool)]
+    return numbers[0] if numbers else None
+
+
 def grammar_limits() -> llguidance.LLParserLimits:
     """Bounds on one grammar's compilation and on each step's mask (llguidance's fuel):
-    past them the grammar is refused (at validation) or the request ends with an error."""
+    past them the grammar is refused (GrammarCompiler.check) or the request ends with an
+    error."""
     return llguidance.LLParserLimits(
         initial_lexer_fuel=1_000_000,  # about 20 ms of lexer construction
         step_lexer_fuel=200_000,  # about 15 ms of lexing a step
@@ -102,17 +115,6 @@ def grammar_limits() -> llguidance.LLParserLimits:
         max_grammar_size=200_000,
         verbose_errors=False,  # errors go to clients: no parser state in them
     )
-
-
-@functools.lru_cache(maxsize=256)
-def _grammar_error(kind: StructuredKind, source: str) -> str:
-    """Why llguidance refuses a constraint ("" when it takes it); remembered, so a schema
-    sent again is not checked again."""
-    try:
-        grammar = StructuredOutput(kind, source).grammar()
-    except (ValueError, TypeError, RecursionError, GbnfToLarkError) as exc:
-        return str(exc) or type(exc).__name__
-    return llguidance.LLMatcher.validate_grammar(grammar, None, limits=grammar_limits())
 
 
 @dataclass(frozen=True)
@@ -129,8 +131,11 @@ class StructuredOutput:
     def json_schema(cls, schema: object, param: str) -> StructuredOutput:
         if not isinstance(schema, dict | bool):
             raise InvalidRequestError("the schema must be a JSON object", param=param)
-        return cls("json_schema", json.dumps(schema, separators=(",", ":")),
-                   param)
+        try:
+            source = json.dumps(schema, separators=(",", ":"))
+        except RecursionError:
+            raise InvalidRequestError("the schema is nested too deeply", param=param) from None
+        return cls("json_schema", source, param).check_size()
 
     @classmethod
     def choice(cls, choices: object, param: str) -> StructuredOutput:
@@ -138,10 +143,22 @@ class StructuredOutput:
                 or not all(isinstance(c, str) and c for c in choices)):
             raise InvalidRequestError("choice must be a non-empty array of non-empty strings",
                                       param=param)
-        return cls("choice", json.dumps(choices, separators=(",", ":")), param)
+        return cls("choice", json.dumps(choices, separators=(",", ":")), param).check_size()
 
     def grammar(self) -> str:
-        """The llguidance grammar of this constraint (not yet checked)."""
+        """The llguidance grammar of this constraint (not yet checked); InvalidRequestError
+        for a source that cannot be read."""
+        try:
+            return self._grammar()
+        except (ValueError, TypeError, RecursionError, GbnfToLarkError) as exc:
+            raise InvalidRequestError(self.error_message(str(exc) or type(exc).__name__),
+                                      param=self.param) from None
+
+    def error_message(self, error: str) -> str:
+        first_line = (error.strip().splitlines() or [""])[0]
+        return f"unsupported or invalid {self.kind.replace('_', ' ')}: {first_line}"
+
+    def _grammar(self) -> str:
         if self.kind == "json_object":
             return llguidance.LLMatcher.grammar_from_json_schema(
                 {"type": "object"}, defaults=JSON_OPTIONS
@@ -159,19 +176,13 @@ class StructuredOutput:
         # llguidance's Lark, or GBNF (llama.cpp's, what vLLM's xgrammar backend takes).
         return llguidance.LLMatcher.grammar_from_lark(any_to_lark(self.source))
 
-    def validate(self) -> None:
-        """InvalidRequestError (naming the field) for a source too large, malformed, using a
-        feature llguidance does not implement, or past the compile limits."""
+    def check_size(self) -> StructuredOutput:
+        """Itself, or InvalidRequestError for a source over MAX_STRUCTURED_SOURCE_CHARS (the
+        cheap check; whether llguidance takes it is GrammarCompiler.check's)."""
         if len(self.source) > MAX_STRUCTURED_SOURCE_CHARS:
             raise InvalidRequestError(
                 f"the {self.kind.replace('_', ' ')} holds {len(self.source)} characters; this "
                 f"server takes at most {MAX_STRUCTURED_SOURCE_CHARS}",
                 param=self.param,
             )
-        error = _grammar_error(self.kind, self.source)
-        if error:
-            first_line = error.strip().splitlines()[0]
-            raise InvalidRequestError(
-                f"unsupported or invalid {self.kind.replace('_', ' ')}: {first_line}",
-                param=self.param,
-            )
+        return self

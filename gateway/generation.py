@@ -152,9 +152,31 @@ def _constraint(request: GenerationRequest, model: ServedModel) -> StructuredOut
     if tools.choice.mode not in ("required", "function"):
         return request.structured
     grammar = required_call_grammar(model.tool_format, tools.tools, tools.choice, tools.parallel)
-    constraint = StructuredOutput("grammar", grammar, "tool_choice")
-    constraint.validate()  # the tools' schemas were checked one by one
-    return constraint
+    return StructuredOutput("grammar", grammar, "tool_choice")
+
+
+async def check_constraints(
+    request: GenerationRequest,
+    params: SamplingParams,
+    model: ServedModel,
+    limiter: anyio.CapacityLimiter,
+) -> None:
+    """400 naming the field for a schema or grammar llguidance does not take with this
+    model's tokenizer (checked in a worker thread: a large schema takes up to ~20 ms)."""
+    constraints = request.constraints()
+    if params.structured is not None and params.structured not in constraints:
+        constraints.append(params.structured)  # a forced tool call's grammar
+    if not constraints:
+        return
+
+    def check_all() -> None:
+        for constraint in constraints:
+            model.grammars.check(constraint)
+
+    try:
+        await anyio.to_thread.run_sync(check_all, limiter=limiter)
+    except EngineError as exc:
+        raise _translate(exc) from exc
 
 
 def check_fits(

@@ -24,6 +24,7 @@ from gateway.openai_structured import (
     NO_TOOLS,
     STRUCTURED_FIELDS,
     ToolRequest,
+    check_total_size,
     structured_output,
     tool_request,
 )
@@ -95,6 +96,12 @@ class GenerationRequest:
     # Chat only: the tools offered and tool_choice.
     tools: ToolRequest = NO_TOOLS
 
+    def constraints(self) -> list[StructuredOutput]:
+        """Every schema and grammar of the request: the structured output, each tool's
+        parameters."""
+        found = [] if self.structured is None else [self.structured]
+        return found + list(self.tools.parameter_constraints)
+
 
 # Fields that only label or route a request on OpenAI's side: accepted, no effect here.
 _IGNORED_CHAT = frozenset(
@@ -165,6 +172,7 @@ def parse_chat_request(body: object, bounds: RequestBounds | None = None) -> Gen
             "a tool_choice that forces a call cannot be combined with a structured output",
             param="tool_choice",
         )
+    check_total_size(([structured] if structured else []) + list(tools.parameter_constraints))
     return GenerationRequest(
         endpoint=Endpoint.CHAT,
         model=model,

@@ -7,6 +7,7 @@ and ``finish_reason`` keys (null until set), as the spec requires.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,14 +61,15 @@ def full_response(
     summary: JobSummary,
     tokenizer: Tokenizer,
     tool_format: ToolCallFormat | None = None,
+    tool_names: Collection[str] = (),
 ) -> dict[str, Any]:
-    """The body of a non-streamed response. tool_format: the request offered tools, and
-    calls are read out of each choice's text."""
+    """The body of a non-streamed response. tool_format: the request offered tools (named
+    tool_names), and calls of them are read out of each choice's text."""
     if context.endpoint is Endpoint.CHAT:
         body_choices = [
             {
                 "index": index,
-                **_chat_message(choice, tool_format),
+                **_chat_message(choice, tool_format, tool_names),
                 "logprobs": chat_logprobs(choice.logprobs, tokenizer) if choice.logprobs else None,
             }
             for index, choice in enumerate(choices)
@@ -98,12 +100,14 @@ def full_response(
     }
 
 
-def _chat_message(choice: ChoiceText, tool_format: ToolCallFormat | None) -> dict[str, Any]:
+def _chat_message(
+    choice: ChoiceText, tool_format: ToolCallFormat | None, tool_names: Collection[str]
+) -> dict[str, Any]:
     """A chat choice's message and finish_reason, its tool calls read out of its text."""
     finish_reason = api_finish_reason(choice.finish_reason)
     message: dict[str, Any] = {"role": "assistant", "content": choice.text, "refusal": None}
     if tool_format is not None:
-        content, calls = tool_format.parse(choice.text)
+        content, calls = tool_format.parse(choice.text, tool_names)
         if calls:
             message["content"] = content or None
             message["tool_calls"] = [call.as_openai() for call in calls]

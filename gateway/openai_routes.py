@@ -41,7 +41,13 @@ from gateway.errors import (
     ServiceUnavailableError,
     error_body,
 )
-from gateway.generation import GenerationJob, check_fits, prepare_prompts, sampling_params
+from gateway.generation import (
+    GenerationJob,
+    check_constraints,
+    check_fits,
+    prepare_prompts,
+    sampling_params,
+)
 from gateway.json_body import parse_json_body
 from gateway.openai_requests import (
     Endpoint,
@@ -156,6 +162,7 @@ class _OpenAIApi:
             prompts = await prepare_prompts(parsed, served, off_loop)
             num_prompt_tokens = sum(len(p.token_ids) for p in prompts)
             params = sampling_params(parsed, served)
+            await check_constraints(parsed, params, served, self._encoder_threads())
             tenant = tenant_context(
                 served,
                 self.runtime.tiers,
@@ -313,6 +320,7 @@ class _Run:
         self._has_started = False
         # Tools offered: calls are read out of each choice's text (gateway.tool_calls).
         self._tool_format = served.tool_format if request.tools.is_active else None
+        self._tool_names = frozenset(tool.name for tool in request.tools.tools)
 
     # -- non-streamed ----------------------------------------------------------------------------
 
@@ -352,7 +360,7 @@ class _Run:
                 "the engine failed while generating this request", code="engine_error"
             )
         body = full_response(self.context, choices, self.job.summary(), self.served.tokenizer,
-                             self._tool_format)
+                             self._tool_format, self._tool_names)
         return JSONResponse(body, headers=self.grant.headers)
 
     # -- streamed --------------------------------------------------------------------------------
@@ -363,7 +371,8 @@ class _Run:
         offsets = [0] * self.job.num_choices
         tool_streams = (
             None if self._tool_format is None
-            else [StreamedToolCalls(self._tool_format) for _ in range(self.job.num_choices)]
+            else [StreamedToolCalls(self._tool_format, self._tool_names)
+                  for _ in range(self.job.num_choices)]
         )
         try:
             async for index, output in self.job.outputs():

@@ -2,8 +2,9 @@
 (and its older guided_* names), and tools with tool_choice; read into engine constraints
 and tool lists, each problem a 400 naming its field.
 
-These checks are cheap (shape and size); whether llguidance can compile a schema is checked
-by StructuredOutput.validate, which the route runs before any engine work.
+These checks are cheap (shape and size: at most 32 KiB a constraint, 64 KiB for all of one
+request's); whether llguidance takes each one with the model's tokenizer is checked in a
+worker thread before any engine work (gateway.generation.check_constraints).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from gateway.errors import InvalidRequestError
 from gateway.tool_calls import FunctionTool, ToolChoice
 
 MAX_TOOLS = 128
+# All the schemas, grammars and tool parameters of one request together, as JSON text.
+MAX_REQUEST_CONSTRAINT_CHARS = 64 << 10
 _FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 # vLLM's extension fields (the SDK's extra_body); structured_outputs is the current one.
 STRUCTURED_FIELDS = frozenset(
@@ -35,6 +38,9 @@ class ToolRequest:
     tools: tuple[FunctionTool, ...]
     choice: ToolChoice
     parallel: bool  # parallel_tool_calls
+    # Each tool's parameters as a constraint (checked like a response_format schema: a
+    # forced call's arguments are constrained by them).
+    parameter_constraints: tuple[StructuredOutput, ...] = ()
 
     @property
     def is_active(self) -> bool:
@@ -50,13 +56,23 @@ def _invalid(message: str, param: str) -> InvalidRequestError:
 
 
 def _constraint(build: Any, *args: Any) -> StructuredOutput:
-    """The constraint build(*args) makes, checked (StructuredOutput.validate)."""
+    """The constraint build(*args) makes, its size checked."""
     try:
         constraint: StructuredOutput = build(*args)
-        constraint.validate()
+        return constraint.check_size()
     except EngineInvalidRequestError as exc:
         raise _invalid(str(exc), exc.param or "response_format") from exc
-    return constraint
+
+
+def check_total_size(constraints: list[StructuredOutput]) -> None:
+    """400 when one request's constraints hold more than MAX_REQUEST_CONSTRAINT_CHARS."""
+    total = sum(len(c.source) for c in constraints)
+    if total > MAX_REQUEST_CONSTRAINT_CHARS:
+        raise _invalid(
+            f"the request's schemas and grammars hold {total} characters; this server takes "
+            f"at most {MAX_REQUEST_CONSTRAINT_CHARS} in one request",
+            constraints[-1].param,
+        )
 
 
 def structured_output(
@@ -117,10 +133,13 @@ def _response_format(value: object) -> StructuredOutput | None:
 
 def _json_schema(schema: object, param: str) -> StructuredOutput:
     if isinstance(schema, str):  # vLLM takes the schema as JSON text too
+        _constraint(StructuredOutput, "json_schema", schema, param)  # its size, before parsing
         try:
             schema = json.loads(schema)
         except ValueError as exc:
             raise _invalid(f"the schema is not valid JSON: {exc}", param) from exc
+        except RecursionError:
+            raise _invalid("the schema is nested too deeply", param) from None
     return _constraint(StructuredOutput.json_schema, schema, param)
 
 
@@ -157,19 +176,20 @@ def tool_request(tools: object, tool_choice: object, parallel: object) -> ToolRe
     """tools, tool_choice and parallel_tool_calls of a chat request."""
     if parallel is not None and not isinstance(parallel, bool):
         raise _invalid("parallel_tool_calls must be a boolean", "parallel_tool_calls")
-    parsed = _tools(tools)
+    parsed, constraints = _tools(tools)
     choice = _tool_choice(tool_choice, parsed)
-    return ToolRequest(parsed, choice, parallel is not False)
+    return ToolRequest(parsed, choice, parallel is not False, constraints)
 
 
-def _tools(value: object) -> tuple[FunctionTool, ...]:
+def _tools(value: object) -> tuple[tuple[FunctionTool, ...], tuple[StructuredOutput, ...]]:
     if value is None:
-        return ()
+        return (), ()
     if not isinstance(value, list):
         raise _invalid("tools must be an array", "tools")
     if len(value) > MAX_TOOLS:
         raise _invalid(f"tools holds at most {MAX_TOOLS} tools", "tools")
     tools: list[FunctionTool] = []
+    constraints: list[StructuredOutput] = []
     for index, item in enumerate(value):
         param = f"tools[{index}]"
         if not isinstance(item, dict) or item.get("type") != "function":
@@ -192,10 +212,10 @@ def _tools(value: object) -> tuple[FunctionTool, ...]:
             if not isinstance(parameters, dict):
                 raise _invalid("function.parameters must be a JSON schema object",
                                f"{param}.function.parameters")
-            # Checked like a response_format schema: the arguments may be constrained by it.
-            _constraint(StructuredOutput.json_schema, parameters, f"{param}.function.parameters")
+            constraints.append(_constraint(StructuredOutput.json_schema, parameters,
+                                           f"{param}.function.parameters"))
         tools.append(FunctionTool(name, description, parameters))
-    return tuple(tools)
+    return tuple(tools), tuple(constraints)
 
 
 def _tool_choice(value: object, tools: tuple[FunctionTool, ...]) -> ToolChoice:

@@ -30,7 +30,7 @@ from engine.request_limits import RequestLimits
 from engine.tokenizer import Tokenizer
 from gateway.model_source import resolve_model
 from gateway.settings import GatewaySettings
-from gateway.tool_calls import FORMATS, ToolCallFormat, format_for_template
+from gateway.tool_calls import ToolCallFormat, format_for_template
 from policies import TieredFairQueue, TierTable
 
 logger = logging.getLogger(__name__)
@@ -55,7 +55,10 @@ class ServedModel:
     num_kv_blocks: int
     kv_block_size: int
     # How the model writes tool calls (--tool-call-parser, or guessed from its template).
-    tool_format: ToolCallFormat = FORMATS["hermes"]
+    tool_format: ToolCallFormat
+    # Checks structured outputs against the tokenizer before any engine work (its own
+    # compiler: the engine's is in the engine's process).
+    grammars: GrammarCompiler
 
 
 def context_length(settings: GatewaySettings, model_config: ModelConfig) -> int:
@@ -81,6 +84,7 @@ def load_served_model(
     name = settings.served_model_name or source.default_name
     served = describe_model(model_config, tokenizer, name, created, engine.limits,
                             tool_call_parser=settings.tool_call_parser)
+    served.grammars.warm_up()  # the tokenizer's index, before the first structured request
     logger.info(
         "serving %s from %s on %s: %d KV blocks of %d tokens, context %d (engine process %s)",
         name, model_dir, settings.device, served.num_kv_blocks, served.kv_block_size,
@@ -133,7 +137,7 @@ def new_engine(
         eos_token_id=eos_ids[0] if eos_ids else None,
     )
     queue: WaitingQueue = TieredFairQueue() if tiered else FCFSQueue()
-    grammars = GrammarCompiler(tokenizer.to_json(), model_config.vocab_size, list(eos_ids))
+    grammars = GrammarCompiler(tokenizer, model_config.vocab_size, list(eos_ids))
     return LLMEngine(engine_config, runner, queue, tokenizer, grammars=grammars)
 
 
@@ -159,6 +163,8 @@ def describe_model(
         num_kv_blocks=limits.num_kv_blocks,
         kv_block_size=limits.block_size,
         tool_format=format_for_template(tokenizer.chat_template, tool_call_parser),
+        grammars=GrammarCompiler(tokenizer, vocab_size or model_config.vocab_size,
+                                 list(eos_token_ids(model_config, tokenizer))),
     )
 
 

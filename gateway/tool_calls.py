@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -101,8 +101,15 @@ class ParsedCall:
         return call if index is None else {"index": index, **call}
 
 
-def _call(data: object, arguments_keys: Sequence[str]) -> ParsedCall | None:
-    if not isinstance(data, dict) or not isinstance(data.get("name"), str):
+def _call(
+    data: object, arguments_keys: Sequence[str], names: Collection[str], *,
+    needs_arguments: bool = False,
+) -> ParsedCall | None:
+    """The call data describes: an object naming one of the offered functions (names), with
+    its arguments under one of arguments_keys (an object, or JSON text of one); None when it
+    is not one. needs_arguments: without the arguments key it is not a call (a reply that
+    is plain JSON must not read as a call)."""
+    if not isinstance(data, dict) or data.get("name") not in names:
         return None
     for key in arguments_keys:
         if key in data:
@@ -115,7 +122,7 @@ def _call(data: object, arguments_keys: Sequence[str]) -> ParsedCall | None:
             if not isinstance(arguments, dict):
                 return None
             return ParsedCall(data["name"], json.dumps(arguments, ensure_ascii=False))
-    return ParsedCall(data["name"], "{}")
+    return None if needs_arguments else ParsedCall(data["name"], "{}")
 
 
 class ToolCallFormat:
@@ -124,8 +131,15 @@ class ToolCallFormat:
     name: ToolFormatName
     marker: str  # text that starts the calls
 
-    def parse(self, text: str) -> tuple[str, list[ParsedCall]]:
-        """(the text outside the calls, the calls); no calls: (text, [])."""
+    def parse(self, text: str, names: Collection[str]) -> tuple[str, list[ParsedCall]]:
+        """(the text outside the calls, stripped; the calls) for calls of the offered
+        functions (names); no calls: (text, [])."""
+        outside, calls = self.split(text, names)
+        return (outside.strip(), calls) if calls else (text, [])
+
+    def split(self, text: str, names: Collection[str]) -> tuple[str, list[ParsedCall]]:
+        """(the text outside the calls as it stands, the calls); ("", []) without calls.
+        Anything that does not read as calls of offered functions is no calls at all."""
         raise NotImplementedError
 
     def call_start(self, text: str) -> int | None:
@@ -160,19 +174,17 @@ class HermesFormat(ToolCallFormat):
     marker = "<tool_call>"
     _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
-    def parse(self, text: str) -> tuple[str, list[ParsedCall]]:
+    def split(self, text: str, names: Collection[str]) -> tuple[str, list[ParsedCall]]:
         calls = []
         for match in self._CALL.finditer(text):
             try:
-                call = _call(json.loads(match.group(1)), ("arguments", "parameters"))
-            except ValueError:
+                call = _call(json.loads(match.group(1)), ("arguments", "parameters"), names)
+            except (ValueError, RecursionError):
                 call = None
             if call is None:
-                return text, []
+                return "", []
             calls.append(call)
-        if not calls:
-            return text, []
-        return self._CALL.sub("", text).strip(), calls
+        return (self._CALL.sub("", text), calls) if calls else ("", [])
 
     def grammar(self, tools: Sequence[FunctionTool], parallel: bool) -> str:
         repeat = f"{{0,{MAX_PARALLEL_CALLS - 1}}}"
@@ -190,25 +202,28 @@ class Llama3JsonFormat(ToolCallFormat):
     name: ToolFormatName = "llama3_json"
     marker = "<|python_tag|>"
 
-    def parse(self, text: str) -> tuple[str, list[ParsedCall]]:
-        body = text.strip().removeprefix(self.marker).strip()
+    def split(self, text: str, names: Collection[str]) -> tuple[str, list[ParsedCall]]:
+        head, found, body = text.partition(self.marker)
+        if not found:  # a reply that is calls alone needs no marker
+            head, body = "", text
+        body = body.strip()
         if not body.startswith("{"):
-            return text, []
+            return "", []
         decoder = json.JSONDecoder()
         calls, position = [], 0
         while position < len(body):
             try:
                 data, end = decoder.raw_decode(body, position)
-            except ValueError:
-                return text, []
-            call = _call(data, ("parameters", "arguments"))
+            except (ValueError, RecursionError):
+                return "", []
+            call = _call(data, ("parameters", "arguments"), names, needs_arguments=not found)
             if call is None:
-                return text, []
+                return "", []
             calls.append(call)
             position = end
             while position < len(body) and body[position] in " \t\n;":
                 position += 1
-        return "", calls
+        return head, calls
 
     def call_start(self, text: str) -> int | None:
         stripped = text.lstrip()
@@ -226,19 +241,20 @@ class MistralFormat(ToolCallFormat):
     name: ToolFormatName = "mistral"
     marker = "[TOOL_CALLS]"
 
-    def parse(self, text: str) -> tuple[str, list[ParsedCall]]:
+    def split(self, text: str, names: Collection[str]) -> tuple[str, list[ParsedCall]]:
         head, found, body = text.partition(self.marker)
         if not found:  # the marker is a special token, dropped from decoded text
             head, body = "", text
         try:
             data = json.loads(body.strip())
-        except ValueError:
-            return text, []
+        except (ValueError, RecursionError):
+            return "", []
         items = data if isinstance(data, list) else [data]
-        calls = [_call(item, ("arguments", "parameters")) for item in items]
+        calls = [_call(item, ("arguments", "parameters"), names, needs_arguments=not found)
+                 for item in items]
         if not calls or any(c is None for c in calls):
-            return text, []
-        return head.strip(), [c for c in calls if c is not None]
+            return "", []
+        return head, [c for c in calls if c is not None]
 
     def call_start(self, text: str) -> int | None:
         if text.lstrip().startswith("[") or not text.strip():
@@ -370,8 +386,9 @@ class StreamedToolCalls:
     """Splits one choice's streamed text into content to send now and calls held for the
     end: text before the format's marker goes out as it comes, the rest waits."""
 
-    def __init__(self, tool_format: ToolCallFormat) -> None:
+    def __init__(self, tool_format: ToolCallFormat, names: Collection[str]) -> None:
         self._format = tool_format
+        self._names = names
         self._text = ""
         self._sent = 0  # characters of _text already sent as content
         self._held_from: int | None = None
@@ -392,10 +409,8 @@ class StreamedToolCalls:
 
     def finish(self) -> tuple[str, list[ParsedCall]]:
         """At the end: (the content not sent yet, the calls)."""
-        content, calls = self._format.parse(self._text)
+        outside, calls = self._format.split(self._text, self._names)
         if not calls:
             return self._text[self._sent:], []
-        sent = self._text[:self._sent]
-        # What was sent is the start of the content outside the calls.
-        rest = content[len(sent):] if content.startswith(sent) else ""
-        return rest, calls
+        # What was sent came before the first call: it starts the text outside the calls.
+        return outside[self._sent:].rstrip(), calls

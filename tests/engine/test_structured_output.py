@@ -4,6 +4,7 @@ through preemption, parallel samples and aborts."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import re
 from pathlib import Path
@@ -20,7 +21,7 @@ from engine import (
     SamplingParams,
     SchedulerConfig,
 )
-from engine.grammar_compiler import GrammarCompiler
+from engine.grammar_compiler import GrammarCompiler, GrammarError
 from engine.model_runner import RunnerConfig, TorchModelRunner
 from engine.models.config import ModelConfig
 from engine.sampler import Sampler, seeded_exponential
@@ -48,24 +49,57 @@ SCHEMA = {
 EMAIL = r"[a-z]{2,8}@[a-z]{2,6}\.(com|org)"
 
 
+@pytest.fixture(scope="module")
+def demo() -> tuple[Path, Tokenizer, ModelConfig]:
+    path = shared_demo_model_dir()
+    return path, Tokenizer.from_dir(path), ModelConfig.from_file(path)
+
+
+def _compiler(demo: tuple[Path, Tokenizer, ModelConfig]) -> GrammarCompiler:
+    _, tokenizer, config = demo
+    assert tokenizer.eos_token_id is not None
+    return GrammarCompiler(tokenizer, config.vocab_size, [tokenizer.eos_token_id])
+
+
 @pytest.mark.parametrize(
     ("constraint", "message"),
     [
         (StructuredOutput("json_schema", '{"type": "objectx"}'), "Invalid type"),
         (StructuredOutput("json_schema", '{"type": "object", "dependentSchemas": {}}'),
          "Unimplemented keys"),
+        (StructuredOutput("json_schema", "[" * 5000), "nest|recurs|depth"),
         (StructuredOutput("regex", "a(b"), "invalid regex"),
         (StructuredOutput("grammar", "start: missing"), "unknown name"),
-        (StructuredOutput("json_schema", json.dumps(
-            {"description": "x" * MAX_STRUCTURED_SOURCE_CHARS})), "at most"),
+        (StructuredOutput("grammar", "root ::= ("), "Expected"),
+        # Only the tokenizer knows it has no such token.
+        (StructuredOutput("grammar", 'start: "a" <|no_such_token|>\n'), "token"),
+        (StructuredOutput("json_schema", '{"type": "number", "const": 3.14159265}'), ""),
     ],
 )
-def test_bad_constraints_are_refused_naming_the_field(
-    constraint: StructuredOutput, message: str
+def test_constraints_are_checked_against_the_tokenizer(
+    demo: tuple[Path, Tokenizer, ModelConfig], constraint: StructuredOutput, message: str
 ) -> None:
+    compiler = _compiler(demo)
+    if not message:  # a valid one, which the number bounds must not make unsatisfiable
+        compiler.check(constraint)
+        compiler.check(constraint)  # remembered
+        return
     with pytest.raises(InvalidRequestError, match=message) as raised:
-        constraint.validate()
+        compiler.check(constraint)
     assert raised.value.param == "response_format"
+    with pytest.raises(GrammarError):  # the engine's compile fails the request, not itself
+        compiler.compile(constraint).result()
+
+
+def test_a_source_too_large_is_refused_before_it_is_read() -> None:
+    with pytest.raises(InvalidRequestError, match="at most") as raised:
+        StructuredOutput.json_schema({"description": "x" * MAX_STRUCTURED_SOURCE_CHARS}, "p")
+    assert raised.value.param == "p"
+    with pytest.raises(InvalidRequestError, match="nested too deeply"):
+        deep: dict[str, object] = {}
+        for _ in range(5000):
+            deep = {"items": deep}
+        StructuredOutput.json_schema(deep, "p")
 
 
 def test_numbers_get_a_step_and_bounds_only_where_the_schema_has_none() -> None:
@@ -85,6 +119,12 @@ def test_numbers_get_a_step_and_bounds_only_where_the_schema_has_none() -> None:
                           "minimum": -NUMBER_MAGNITUDE}
     assert props["d"]["items"]["anyOf"][0]["maximum"] == NUMBER_MAGNITUDE
     assert schema["properties"]["a"] == {"type": "number"}  # the request's schema is kept
+    given = {"type": "number", "enum": [0.1234567, 2]}
+    assert bounded_numbers(given) == given  # its values are given: left alone
+    assert bounded_numbers({"type": "integer", "minimum": 10**16}) == {
+        "type": "integer", "minimum": 10**16}  # no maximum below its minimum
+    narrow = {"type": "number", "minimum": 0.1234567, "maximum": 0.1234568}
+    assert bounded_numbers(narrow) == narrow  # no step wider than its range
 
 
 def test_seeded_noise_is_never_zero_at_the_top_of_its_range() -> None:
@@ -95,14 +135,59 @@ def test_seeded_noise_is_never_zero_at_the_top_of_its_range() -> None:
     assert float(-torch.log((top + 0.5) / (1 << 24)).to(torch.float32)) > 0.0
 
 
-@pytest.fixture(scope="module")
-def demo() -> tuple[Path, Tokenizer, ModelConfig]:
-    path = shared_demo_model_dir()
-    return path, Tokenizer.from_dir(path), ModelConfig.from_file(path)
+def test_one_compile_serves_the_requests_waiting_for_it_per_tenant(
+    demo: tuple[Path, Tokenizer, ModelConfig],
+) -> None:
+    compiler = _compiler(demo)
+    constraint = StructuredOutput("regex", "[a-z]{1,8}")
+    first, second = compiler.compile(constraint, "acme"), compiler.compile(constraint, "acme")
+    other = compiler.compile(constraint, "globex")  # another tenant's salt: its own compile
+    results = [f.result() for f in (first, second, other)]
+    assert results[0].grammar is results[1].grammar
+    assert results[0].compile_time_s > 0.0 and results[1].compile_time_s == 0.0
+    assert results[2].grammar is not results[0].grammar
+    assert compiler.num_compiled == 2
+    hit = compiler.compile(constraint, "acme").result()
+    assert (hit.grammar, hit.compile_time_s) == (results[0].grammar, 0.0)
+
+
+def test_a_matcher_that_fails_ends_its_request_with_an_error() -> None:
+    class FailingMatcher:
+        """Allows every token, then refuses the one sampled (a grammar past its limits)."""
+
+        def unsafe_compute_mask_ptr(self, pointer: int, size: int) -> None:
+            ctypes.memset(pointer, 0xFF, size)
+
+        def consume_token(self, token: int) -> bool:
+            return False
+
+        def is_error(self) -> bool:
+            return True
+
+        def get_error(self) -> str:
+            return "step fuel exhausted"
+
+    class Row:
+        request_id = "r"
+        sampling_params = SamplingParams(temperature=0.0, max_tokens=5)
+        eos_token_id = None
+        sample_index = 0
+        penalty_counts = None
+        num_output_tokens = 0
+
+        def __init__(self) -> None:
+            self.matcher = FailingMatcher()
+            self.prompt_token_ids = [1]
+
+        def output_tokens_since(self, start: int) -> list[int]:
+            return []
+
+    out = Sampler(64)(torch.randn(1, 64), [Row()])  # type: ignore[list-item]
+    assert out.grammar_errors == {"r": "grammar: step fuel exhausted"}
 
 
 def _engine(demo: tuple[Path, Tokenizer, ModelConfig], num_kv_blocks: int = 256) -> LLMEngine:
-    path, tokenizer, config = demo
+    path, tokenizer, _ = demo
     runner = TorchModelRunner.from_model_dir(
         path, RunnerConfig(num_kv_blocks=num_kv_blocks, max_model_len=512, max_num_seqs=8))
     assert tokenizer.eos_token_id is not None
@@ -113,9 +198,7 @@ def _engine(demo: tuple[Path, Tokenizer, ModelConfig], num_kv_blocks: int = 256)
             cache=CacheConfig(block_size=runner.block_size),
             eos_token_id=tokenizer.eos_token_id,
         ),
-        runner, tokenizer=tokenizer,
-        grammars=GrammarCompiler(tokenizer.to_json(), config.vocab_size,
-                                 [tokenizer.eos_token_id]),
+        runner, tokenizer=tokenizer, grammars=_compiler(demo),
     )
 
 
@@ -197,9 +280,8 @@ def test_a_cached_grammar_costs_no_compile_and_an_abort_while_compiling_ends_the
 def test_the_grammar_wins_over_min_tokens(demo: tuple[Path, Tokenizer, ModelConfig]) -> None:
     """min_tokens suppresses EOS, but a complete grammar allows nothing else: it ends."""
     _, tokenizer, config = demo
-    assert tokenizer.eos_token_id is not None
-    compiler = GrammarCompiler(tokenizer.to_json(), config.vocab_size, [tokenizer.eos_token_id])
-    grammar = compiler.compile_now(StructuredOutput("choice", '["ok"]')).grammar
+    compiler = _compiler(demo)
+    grammar = compiler.compile_now(StructuredOutput("choice", '["ok"]'))
     matcher = grammar.matcher()
     assert matcher.consume_tokens(tokenizer.encode("ok", add_special_tokens=False))
 

@@ -129,8 +129,11 @@ def test_completion_prompt_forms(prompt: Any, expected: tuple[Any, ...]) -> None
         ({**CHAT, "tools": [{"type": "function", "function": {"name": "a b"}}]},
          "tools[0].function.name", None),
         ({**CHAT, "tools": [{"type": "function", "function": {
-            "name": "f", "parameters": {"type": "object", "dependentSchemas": {}}}}]},
+            "name": "f", "parameters": {"description": "x" * 40_000}}}]},
          "tools[0].function.parameters", None),
+        ({**CHAT, "tools": [{"type": "function", "function": {
+            "name": f"f{i}", "parameters": {"description": "x" * 30_000}}} for i in range(3)]},
+         "tools[2].function.parameters", None),
         ({**CHAT, "tool_choice": "required"}, "tool_choice", None),
         ({**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}],
           "tool_choice": {"type": "function", "function": {"name": "g"}}},
@@ -147,8 +150,7 @@ def test_completion_prompt_forms(prompt: Any, expected: tuple[Any, ...]) -> None
         ({**CHAT, "structured_outputs": {"regex": "a", "choice": ["b"]}},
          "structured_outputs", None),
         ({**CHAT, "structured_outputs": {"choice": []}}, "structured_outputs.choice", None),
-        ({**CHAT, "structured_outputs": {"grammar": "start: nothing_here"}},
-         "structured_outputs.grammar", None),
+        ({**CHAT, "guided_json": "[" * 5000}, "guided_json", None),
         ({**COMPLETION, "guided_json": "{not json"}, "guided_json", None),
         ({**CHAT, "messages": [{"role": "tool", "content": "x"}]},
          "messages[0].tool_call_id", None),

@@ -235,6 +235,10 @@ def test_a_conversation_with_a_tool_result_continues(client: openai.OpenAI) -> N
             "name": "x", "schema": {"type": "object", "description": "x" * 40_000}}}},
          "response_format.json_schema.schema"),
         ({"extra_body": {"guided_regex": "a(b"}}, "guided_regex"),
+        ({"extra_body": {"guided_grammar": 'start: "a" <|no_such_token|>'}}, "guided_grammar"),
+        ({"tools": [{"type": "function", "function": {
+            "name": "f", "parameters": {"type": "object", "dependentSchemas": {}}}}]},
+         "tools[0].function.parameters"),
         ({"tools": [WEATHER_TOOL],
           "tool_choice": {"type": "function", "function": {"name": "nope"}}},
          "tool_choice.function.name"),

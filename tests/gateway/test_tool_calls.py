@@ -23,6 +23,7 @@ from gateway.tool_calls import (
 WEATHER = FunctionTool("get_weather", "The weather in a city.", {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
 TIME = FunctionTool("get_time", None, None)
+NAMES = frozenset({"get_weather", "get_time"})
 
 CALLS = {
     "hermes": 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lyon"}}'
@@ -36,7 +37,7 @@ CALLS = {
 
 @pytest.mark.parametrize("name", sorted(CALLS))
 def test_calls_are_read_out_of_the_text(name: str) -> None:
-    content, calls = FORMATS[name].parse(CALLS[name])
+    content, calls = FORMATS[name].parse(CALLS[name], NAMES)
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [
         ("get_weather", {"city": "Lyon"}), ("get_time", {})]
     assert content == ("" if name == "llama3_json" else "Let me look.")
@@ -45,31 +46,55 @@ def test_calls_are_read_out_of_the_text(name: str) -> None:
 @pytest.mark.parametrize("name", sorted(CALLS))
 def test_text_without_calls_is_content(name: str) -> None:
     text = "It is sunny in Lyon."
-    assert FORMATS[name].parse(text) == (text, [])
+    assert FORMATS[name].parse(text, NAMES) == (text, [])
     # A malformed call is left as text rather than half-read.
     broken = CALLS[name].replace('"city"', "city")
-    assert FORMATS[name].parse(broken) == (broken, [])
+    assert FORMATS[name].parse(broken, NAMES) == (broken, [])
 
 
 @pytest.mark.parametrize("name", sorted(CALLS))
 @pytest.mark.parametrize("piece", [1, 3, 7, 1000])
 def test_streamed_calls_equal_the_whole(name: str, piece: int) -> None:
     text = CALLS[name]
-    stream = StreamedToolCalls(FORMATS[name])
+    stream = StreamedToolCalls(FORMATS[name], NAMES)
     sent = "".join(stream.feed(text[i:i + piece]) for i in range(0, len(text), piece))
     rest, calls = stream.finish()
-    content, expected = FORMATS[name].parse(text)
+    content, expected = FORMATS[name].parse(text, NAMES)
     assert calls == expected
     assert (sent + rest).strip() == content
     assert "<tool_call" not in sent and "[TOOL" not in sent  # no marker leaks as content
 
 
 def test_streamed_text_without_calls_goes_out_as_it_comes() -> None:
-    stream = StreamedToolCalls(FORMATS["hermes"])
+    stream = StreamedToolCalls(FORMATS["hermes"], NAMES)
     assert stream.feed("It is ") == "It is "
     assert stream.feed("sunny <tool") == "sunny "  # may start a call: held
     assert stream.feed("kit>") == "<toolkit>"  # it did not
     assert stream.finish() == ("", [])
+
+
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [
+        ("hermes", '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>'),
+        ("llama3_json", '{"name": "Alice", "age": 30}'),  # a JSON reply, not a call
+        ("llama3_json", '{"name": "get_time"}'),  # no arguments, no marker: not a call
+        ("mistral", '[{"name": "Alice", "age": 30}]'),
+        ("mistral", '[{"name": "get_time"}]'),
+    ],
+)
+def test_only_calls_of_offered_functions_are_calls(name: str, text: str) -> None:
+    assert FORMATS[name].parse(text, NAMES) == (text, [])
+
+
+def test_text_around_streamed_calls_is_kept() -> None:
+    text = ' Sure.\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\nDone.'
+    stream = StreamedToolCalls(FORMATS["hermes"], NAMES)
+    sent = "".join(stream.feed(text[i:i + 4]) for i in range(0, len(text), 4))
+    rest, calls = stream.finish()
+    assert [c.name for c in calls] == ["get_time"]
+    assert sent + rest == " Sure.\n\nDone."
+    assert FORMATS["hermes"].parse(text, NAMES)[0] == "Sure.\n\nDone."
 
 
 @pytest.mark.parametrize("name", sorted(CALLS))
