@@ -15,6 +15,14 @@ While the database is unreachable, a key this process resolved within the last
 or long-unseen key gets 503. Recording ``last_used_at`` is best effort: a database that
 answers reads but refuses writes (a locked SQLite file) does not fail authentication.
 
+Unknown keys cost the database at most one query each per ``ttl_s``: a key that cannot be
+one of ours (wrong shape) is refused without a query; a well-formed key the database does
+not know is remembered as unknown for ``ttl_s`` (in a bounded table of its own: it never
+displaces known keys). Keys this process has no entry for at all wait for one of
+``first_sight_lookups`` database lookups at a time, and past ``first_sight_waiting`` such
+requests waiting, get 503 ``auth_overloaded`` at once: a flood of random well-formed keys
+holds a few database connections, not the pool every tenant's reloads need.
+
 401 for a missing, malformed or unknown key; 403 for a revoked key or a disabled tenant.
 """
 
@@ -39,11 +47,16 @@ from gateway.errors import (
     ServiceUnavailableError,
 )
 from tenants import ApiKey, find_api_key, hash_key, mark_api_key_used
+from tenants.keys import lookup_prefix
 
 DEFAULT_KEY_CACHE_TTL_S = 5.0
 # How long after its last successful lookup a key is still served while the database is down.
 DEFAULT_KEY_MAX_STALE_S = 900.0
 DEFAULT_KEY_CACHE_MAX_ENTRIES = 10_000
+# Database lookups at once for keys this process has no entry for, and how many such
+# requests may wait for one before the rest get 503.
+DEFAULT_FIRST_SIGHT_LOOKUPS = 4
+DEFAULT_FIRST_SIGHT_WAITING = 256
 # The last part of an entry's life (a fraction of ttl_s) in which the next request using it
 # reloads it in the background.
 _REFRESH_AHEAD_FRACTION_OF_TTL = 0.2
@@ -132,6 +145,8 @@ class TenantKeyResolver:
         max_stale_s: float = DEFAULT_KEY_MAX_STALE_S,
         max_entries: int = DEFAULT_KEY_CACHE_MAX_ENTRIES,
         clock: Callable[[], float] = time.monotonic,
+        first_sight_lookups: int = DEFAULT_FIRST_SIGHT_LOOKUPS,
+        first_sight_waiting: int = DEFAULT_FIRST_SIGHT_WAITING,
     ) -> None:
         self._session_factory = session_factory
         self.ttl_s = ttl_s
@@ -146,19 +161,66 @@ class TenantKeyResolver:
         self._refreshes: dict[str, Future[None]] = {}
         self._refresher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="key-refresh")
         self._closed = False
+        # Well-formed keys the database did not know: key hash -> clock() until which that
+        # answer stands (bounded like the entries, oldest dropped first).
+        self._unknown: OrderedDict[str, float] = OrderedDict()
+        self._first_sight_lookups = first_sight_lookups
+        self._first_sight_waiting = first_sight_waiting
+        self._first_sight_limiter: anyio.CapacityLimiter | None = None  # made in the loop
+        self._num_first_sight_waiting = 0  # touched on the event loop only
 
     async def authenticate(self, request: Request) -> TenantPrincipal:
         """The caller of request; a cache miss queries the database off the event loop."""
         plaintext, key_hash = _presented_key(request.headers.get("authorization"))
         entry = self._cached(plaintext, key_hash)
         if entry is None:
-            entry = await anyio.to_thread.run_sync(self._load, plaintext, key_hash)
+            self._refuse_known_unknown(plaintext, key_hash)
+            with self._lock:
+                seen = key_hash in self._entries  # expired: a key known here, reloaded
+            if seen:
+                entry = await anyio.to_thread.run_sync(self._load, plaintext, key_hash)
+            else:
+                entry = await self._first_sight(plaintext, key_hash)
         return _admit(entry)
+
+    async def _first_sight(self, plaintext: str, key_hash: str) -> _CacheEntry:
+        """A key with no entry here: looked up among a bounded few at a time."""
+        if self._num_first_sight_waiting >= self._first_sight_waiting:
+            raise ServiceUnavailableError(
+                "too many requests with API keys this server has not seen yet; retry shortly",
+                code="auth_overloaded", headers={"retry-after": "1"},
+            )
+        if self._first_sight_limiter is None:
+            self._first_sight_limiter = anyio.CapacityLimiter(self._first_sight_lookups)
+        self._num_first_sight_waiting += 1
+        try:
+            async with self._first_sight_limiter:
+                # Another request with the same key may have answered it meanwhile.
+                entry = self._cached(plaintext, key_hash)
+                if entry is not None:
+                    return entry
+                self._refuse_known_unknown(plaintext, key_hash)
+                return await anyio.to_thread.run_sync(self._load, plaintext, key_hash)
+        finally:
+            self._num_first_sight_waiting -= 1
+
+    def _refuse_known_unknown(self, plaintext: str, key_hash: str) -> None:
+        """401 without a query for a key that cannot be ours or that the database did not
+        know within ttl_s."""
+        if lookup_prefix(plaintext) is None:
+            raise InvalidApiKeyError("invalid API key")
+        with self._lock:
+            until = self._unknown.get(key_hash)
+            if until is not None and until > self._clock():
+                raise InvalidApiKeyError("invalid API key")
 
     def resolve(self, authorization: str | None) -> TenantPrincipal:
         """Blocking form of authenticate, for code already off the event loop."""
         plaintext, key_hash = _presented_key(authorization)
-        entry = self._cached(plaintext, key_hash) or self._load(plaintext, key_hash)
+        entry = self._cached(plaintext, key_hash)
+        if entry is None:
+            self._refuse_known_unknown(plaintext, key_hash)
+            entry = self._load(plaintext, key_hash)
         return _admit(entry)
 
     def wait_for_refreshes(self, timeout_s: float | None = None) -> None:
@@ -192,6 +254,7 @@ class TenantKeyResolver:
         with self._lock:
             self._generation += 1
             self._entries.clear()
+            self._unknown.clear()
 
     def _cached(self, plaintext: str, key_hash: str) -> _CacheEntry | None:
         """The entry if it has not expired, reloading it in the background when it is due.
@@ -234,6 +297,13 @@ class TenantKeyResolver:
             entry = self._lookup(plaintext)
         except DBAPIError as exc:
             entry = self._stale_fallback(key_hash, exc)
+        except InvalidApiKeyError:
+            with self._lock:
+                self._unknown[key_hash] = self._clock() + self.ttl_s
+                self._unknown.move_to_end(key_hash)
+                while len(self._unknown) > self._max_entries:
+                    self._unknown.popitem(last=False)
+            raise
         with self._lock:
             if generation == self._generation:
                 self._entries[key_hash] = entry
@@ -246,7 +316,7 @@ class TenantKeyResolver:
         with self._session_factory() as session:
             api_key = find_api_key(session, plaintext)
             if api_key is None:
-                # Unknown keys are not cached: they would let anyone fill the cache.
+                # Remembered apart (_unknown, by _load): never among the known keys.
                 raise InvalidApiKeyError("invalid API key")
             now = self._clock()
             entry = _CacheEntry(

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
+import anyio
 import httpx
 import httpx2
 import pytest
@@ -18,6 +19,7 @@ import uvicorn
 from sqlalchemy import Engine, event
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
+from starlette.requests import Request
 from starlette.testclient import TestClient
 
 import tenants
@@ -178,13 +180,66 @@ def test_cached_key_costs_no_query_and_marks_last_used_once(
     assert statements, "an expired entry is loaded again"
 
 
-def test_unknown_keys_are_not_cached(harness: GatewayHarness, db: Engine) -> None:
+def test_unknown_keys_cost_one_query_a_ttl_and_malformed_ones_none(
+    harness: GatewayHarness, db: Engine
+) -> None:
     unknown = "Bearer tg-zzzzzzzz_" + "x" * 43
     with _count_queries(db) as statements:
         for _ in range(3):
             with pytest.raises(InvalidApiKeyError):
                 harness.resolver.resolve(unknown)
-    assert len(statements) == 3
+        for malformed in ("Bearer tg-zz", "Bearer sk-" + "x" * 48, "Bearer tg-ZZZZZZZZ_x"):
+            with pytest.raises(InvalidApiKeyError):
+                harness.resolver.resolve(malformed)
+    assert len(statements) == 1
+    assert not harness.resolver._entries  # never among the known keys
+    harness.clock.advance(harness.resolver.ttl_s)
+    with _count_queries(db) as statements, pytest.raises(InvalidApiKeyError):
+        harness.resolver.resolve(unknown)
+    assert len(statements) == 1  # asked again once its answer is ttl_s old
+
+
+def test_keys_seen_for_the_first_time_wait_for_a_few_lookups(
+    session_factory: sessionmaker[Session],
+) -> None:
+    """A flood of random well-formed keys holds first_sight_lookups database lookups; past
+    first_sight_waiting requests waiting, the rest get 503 without touching the database."""
+    resolver = TenantKeyResolver(session_factory, first_sight_lookups=1, first_sight_waiting=3)
+    release = threading.Event()
+    lookups: list[str] = []
+    original = tenants.find_api_key
+
+    def slow_find(session: Session, plaintext: str) -> object:
+        lookups.append(plaintext)
+        release.wait(10)
+        return original(session, plaintext)
+
+    def request(key: str) -> Request:
+        return Request({"type": "http", "headers": [(b"authorization", f"Bearer {key}".encode())]})
+
+    async def flood() -> list[int]:
+        statuses: list[int] = []
+
+        async def one(index: int) -> None:
+            try:
+                await resolver.authenticate(request(f"tg-{index:08d}_" + "x" * 43))
+            except (InvalidApiKeyError, ServiceUnavailableError) as exc:
+                statuses.append(exc.status_code)
+
+        async with anyio.create_task_group() as group:
+            for index in range(10):
+                group.start_soon(one, index)
+            await anyio.sleep(0.5)
+            assert len(lookups) == 1  # one at a time
+            release.set()
+        return statuses
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("gateway.auth.find_api_key", slow_find)
+        statuses = anyio.run(flood)
+    assert sorted(statuses) == [401] * 3 + [503] * 7
+    assert len(lookups) == 3
+    resolver.close()
 
 
 def test_invalidate_during_a_load_keeps_the_stale_result_out(
