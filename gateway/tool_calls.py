@@ -142,6 +142,13 @@ class ToolCallFormat:
         Anything that does not read as calls of offered functions is no calls at all."""
         raise NotImplementedError
 
+    def _partition(self, text: str) -> tuple[str, bool, str]:
+        """(text before the marker, whether it was there, the calls' part); without the
+        marker the whole text may be calls (a special-token marker drops from decoded text,
+        a reply of calls alone may have none)."""
+        head, found, body = text.partition(self.marker)
+        return (head, True, body) if found else ("", False, text)
+
     def call_start(self, text: str) -> int | None:
         """Where calls may begin in text (the marker, or a prefix of it at the end): what
         comes before can be streamed as content, the rest must wait for the end."""
@@ -203,9 +210,7 @@ class Llama3JsonFormat(ToolCallFormat):
     marker = "<|python_tag|>"
 
     def split(self, text: str, names: Collection[str]) -> tuple[str, list[ParsedCall]]:
-        head, found, body = text.partition(self.marker)
-        if not found:  # a reply that is calls alone needs no marker
-            head, body = "", text
+        head, found, body = self._partition(text)
         body = body.strip()
         if not body.startswith("{"):
             return "", []
@@ -242,9 +247,7 @@ class MistralFormat(ToolCallFormat):
     marker = "[TOOL_CALLS]"
 
     def split(self, text: str, names: Collection[str]) -> tuple[str, list[ParsedCall]]:
-        head, found, body = text.partition(self.marker)
-        if not found:  # the marker is a special token, dropped from decoded text
-            head, body = "", text
+        head, found, body = self._partition(text)
         try:
             data = json.loads(body.strip())
         except (ValueError, RecursionError):

@@ -129,6 +129,25 @@ def default_model_server(cache_dir: Path, database: Path) -> ServeProcess:
     ).start(timeout_s=300)
 
 
+def start_long_streams(
+    base_url: str, key: str, count: int
+) -> tuple[list[list[str]], list[threading.Thread]]:
+    """count long chat streams (stream_long_chat) in threads, once all have started: the
+    lines each receives, and the threads."""
+    streams: list[tuple[list[str], threading.Event]] = [
+        ([], threading.Event()) for _ in range(count)
+    ]
+    threads = [
+        threading.Thread(target=stream_long_chat, args=(base_url, key, lines, started))
+        for lines, started in streams
+    ]
+    for thread in threads:
+        thread.start()
+    for _, started in streams:
+        assert started.wait(60)
+    return [lines for lines, _ in streams], threads
+
+
 def stream_long_chat(base_url: str, key: str, lines: list[str], started: threading.Event) -> None:
     """One streamed chat of 1,500 tokens (ignore_eos): each non-empty SSE line into lines,
     started set at the first. A server that goes away mid-stream ends it quietly: callers

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -26,7 +25,7 @@ from engine.async_engine import AsyncLLMEngine
 from gateway.model_source import DEMO_MODEL_NAME
 from tests.billing.test_serve_harness import billing_periods, detail_export
 from tests.gateway.app_harness import start_gateway
-from tests.serve_process import ServeProcess, stream_long_chat
+from tests.serve_process import ServeProcess, start_long_streams
 
 NUM_STREAMS = 3
 
@@ -68,22 +67,14 @@ def test_a_killed_engine_process_is_restarted_and_its_requests_are_recorded(
     try:
         assert server.process is not None
         key = server.printed_keys()[0]
-        streams = [([], threading.Event()) for _ in range(NUM_STREAMS)]
-        threads = [
-            threading.Thread(target=stream_long_chat, args=(server.base_url, key, lines, started))
-            for lines, started in streams
-        ]
-        for thread in threads:
-            thread.start()
-        for _, started in streams:
-            assert started.wait(60)
+        streams, threads = start_long_streams(server.base_url, key, NUM_STREAMS)
         engine_pid = _engine_pid(server.process.pid)
         os.kill(engine_pid, signal.SIGKILL)
         killed_at = time.monotonic()
         for thread in threads:
             thread.join(60)
         # Every stream ended with the engine's error, none with [DONE].
-        for lines, _ in streams:
+        for lines in streams:
             assert lines[-1] != "data: [DONE]"
             assert json.loads(lines[-1].removeprefix("data: "))["error"]["code"] == "engine_error"
         # Until the engine is back: 503 engine_restarting (liveness stays 200); then served.
@@ -107,7 +98,7 @@ def test_a_killed_engine_process_is_restarted_and_its_requests_are_recorded(
         restarted_s = time.monotonic() - killed_at
         assert _engine_pid(server.process.pid) != engine_pid
         assert _restarts(server.base_url) == {"up": 1.0, "restarted": 1.0, "failed": 0.0}
-        ids = {json.loads(lines[0].removeprefix("data: "))["id"] for lines, _ in streams}
+        ids = {json.loads(lines[0].removeprefix("data: "))["id"] for lines in streams}
         records = {r["request_id"]: r for r in detail_export(server, billing_periods(since))}
     finally:
         server.stop()

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.serve_process import ADMIN_TOKEN, ServeProcess, stream_long_chat
+from tests.serve_process import ADMIN_TOKEN, ServeProcess, start_long_streams
 
 MODEL = "tiergate-demo"
 
@@ -152,15 +152,7 @@ def test_a_drain_cut_short_still_records_every_request(tmp_path: Path, num_signa
     server = ServeProcess(f"sqlite:///{database}", args=["--drain-timeout", "1"]).start()
     assert server.process is not None
     key = server.printed_keys()[0]
-    streams = [([], threading.Event()) for _ in range(3)]
-    threads = [
-        threading.Thread(target=stream_long_chat, args=(server.base_url, key, lines, started))
-        for lines, started in streams
-    ]
-    for thread in threads:
-        thread.start()
-    for _, started in streams:
-        assert started.wait(60)
+    streams, threads = start_long_streams(server.base_url, key, 3)
     server.process.send_signal(signal.SIGTERM)
     if num_signals == 2:
         time.sleep(0.3)
@@ -168,7 +160,7 @@ def test_a_drain_cut_short_still_records_every_request(tmp_path: Path, num_signa
     exit_code = server.process.wait(60)
     for thread in threads:
         thread.join(60)
-    ids = {json.loads(lines[0].removeprefix("data: "))["id"] for lines, _ in streams}
+    ids = {json.loads(lines[0].removeprefix("data: "))["id"] for lines in streams}
     with contextlib.closing(sqlite3.connect(database)) as db:
         recorded = dict(db.execute("SELECT request_id, status FROM usage_records").fetchall())
     print(f"\n{num_signals} SIGTERM(s), drain timeout 1 s: exit {exit_code}, records "
