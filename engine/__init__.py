@@ -10,6 +10,7 @@ from engine.errors import (
     EngineError,
     InvalidRequestError,
 )
+from engine.fcfs_policy import FCFSPolicy
 from engine.llm_engine import LLMEngine, TenantContext
 from engine.outputs import RequestMetrics, RequestOutput
 from engine.queues import FCFSQueue, WaitingQueue
@@ -24,9 +25,16 @@ from engine.scheduler_stats import (
     TierStats,
     Unseen,
 )
+from engine.scheduling_policy import (
+    AdmissionGate,
+    SchedulingPolicy,
+    StepBuilder,
+    Verdict,
+)
 
 __all__ = [
     "MAX_STOP_STRING_CHARS",
+    "AdmissionGate",
     "CacheConfig",
     "ConfigError",
     "ContextLengthExceededError",
@@ -34,6 +42,7 @@ __all__ = [
     "EngineCounters",
     "EngineDeadError",
     "EngineError",
+    "FCFSPolicy",
     "FCFSQueue",
     "InvalidRequestError",
     "LLMEngine",
@@ -48,10 +57,13 @@ __all__ = [
     "SchedulerConfig",
     "SchedulerOutput",
     "SchedulerStats",
+    "SchedulingPolicy",
+    "StepBuilder",
     "TenantContext",
     "TenantShare",
     "TierStats",
     "TokenLogprobs",
     "Unseen",
+    "Verdict",
     "WaitingQueue",
 ]

@@ -14,9 +14,10 @@ from pathlib import Path
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.fake_runner import CostModel, FakeModelRunner
+from engine.fcfs_policy import FCFSPolicy
 from engine.llm_engine import LLMEngine, TenantContext
-from engine.queues import FCFSQueue, WaitingQueue
 from engine.sampling_params import SamplingParams
+from engine.scheduling_policy import SchedulingPolicy
 from engine.workload import Workload
 
 
@@ -56,13 +57,12 @@ class Policy:
     """How the simulated engine orders and protects tiers."""
 
     name: str
-    make_queue: Callable[[], WaitingQueue]
+    make_policy: Callable[[], SchedulingPolicy]
     reserved_fractions: dict[int, float]  # priority -> KV share
-    priority_preemption: bool
 
 
 def fcfs_policy() -> Policy:
-    return Policy("fcfs", FCFSQueue, {}, priority_preemption=False)
+    return Policy("fcfs", FCFSPolicy, {})
 
 
 @dataclass
@@ -136,11 +136,10 @@ def simulate(
             max_num_batched_tokens=machine.max_num_batched_tokens,
             max_num_seqs=machine.max_num_seqs,
             max_model_len=4096,
-            enable_priority_preemption=policy.priority_preemption,
         ),
         cache=CacheConfig(machine.block_size, reserved_fractions=policy.reserved_fractions),
     )
-    engine = LLMEngine(config, runner, policy.make_queue(), clock=clock)
+    engine = LLMEngine(config, runner, policy.make_policy(), clock=clock)
     prompts = workload.prompts(machine.vocab_size)
     pending = sorted(workload.requests, key=lambda r: r.arrival_s)
     records: dict[str, RequestRecord] = {}
@@ -220,7 +219,7 @@ def measure_capacity_rps(workload: Workload, machine: SimulatedMachine) -> float
 
 
 def main() -> None:
-    from policies import TieredFairQueue, TierTable
+    from policies import TieredPolicy, TierTable
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--workload", type=Path, required=True)
@@ -235,7 +234,7 @@ def main() -> None:
     assert gpu_slo is not None, "the premium tier has no TTFT objective"
     slo_scale = premium_slo_scale(machine, gpu_slo)
     scaled = tiers.scaled(slo_scale)
-    tiered = Policy("tiered", TieredFairQueue, tiers.reserved_fractions(), True)
+    tiered = Policy("tiered", TieredPolicy, tiers.reserved_fractions())
     print(f"capacity {capacity:.2f} req/s; offered {args.overload:.1f}x; SLO scale {slo_scale:.3f}")
     print(
         f"{'policy':8} {'prem p50':>9} {'prem p99':>9} {'prem SLO%':>9} {'std p99':>9} "

@@ -15,9 +15,11 @@ import torch
 from engine import (
     CacheConfig,
     EngineConfig,
+    FCFSPolicy,
     LLMEngine,
     ModelRunner,
     SchedulerConfig,
+    SchedulingPolicy,
     TenantContext,
 )
 from engine.engine_client import EngineClient
@@ -25,13 +27,12 @@ from engine.engine_process import EngineProcess
 from engine.grammar_compiler import GrammarCompiler
 from engine.model_runner import RunnerConfig, TorchModelRunner
 from engine.models.config import ModelConfig
-from engine.queues import FCFSQueue, WaitingQueue
 from engine.request_limits import RequestLimits
 from engine.tokenizer import Tokenizer
 from gateway.model_source import resolve_model
 from gateway.settings import GatewaySettings
 from gateway.tool_calls import ToolCallFormat, format_for_template
-from policies import TieredFairQueue, TierTable
+from policies import TieredPolicy, TierTable
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +129,6 @@ def new_engine(
             max_num_batched_tokens=settings.max_num_batched_tokens,
             max_num_seqs=settings.max_num_seqs,
             max_model_len=context_length(settings, model_config),
-            enable_priority_preemption=tiered,
         ),
         cache=CacheConfig(
             block_size=runner.block_size,
@@ -136,9 +136,9 @@ def new_engine(
         ),
         eos_token_id=eos_ids[0] if eos_ids else None,
     )
-    queue: WaitingQueue = TieredFairQueue() if tiered else FCFSQueue()
+    policy: SchedulingPolicy = TieredPolicy() if tiered else FCFSPolicy()
     grammars = GrammarCompiler(tokenizer, model_config.vocab_size, list(eos_ids))
-    return LLMEngine(engine_config, runner, queue, tokenizer, grammars=grammars)
+    return LLMEngine(engine_config, runner, policy, tokenizer, grammars=grammars)
 
 
 def describe_model(

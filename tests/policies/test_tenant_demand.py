@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.demand import TenantDemand
+from policies.tenant_demand import TenantDemand
 
 
 def test_a_tenant_sending_under_half_its_share_of_the_tiers_tokens_is_light() -> None:
