@@ -14,10 +14,11 @@ import functools
 import sys
 from collections.abc import Callable
 
-from engine import bench_engine, bench_offline
-from gateway.bench_serve import command as bench_serve
-from gateway.bench_serve import peer as bench_peer
-from gateway.bench_serve.errors import BenchServeError
+from bench import engine as bench_engine
+from bench import offline as bench_offline
+from bench.serve import command as bench_serve
+from bench.serve import peer as bench_peer
+from bench.serve.errors import BenchServeError
 
 _Entry = Callable[[argparse.Namespace], int]
 

@@ -6,7 +6,7 @@ command stays cheap):
 
 - plan: what is sent when (workload re-timed to a load, token-id prompts)
 - loadgen: sending and timing (LoadGenerator, RequestResult)
-- stats: percentiles, SLO attainment, goodput (summarize, RunSummary)
+- stats: SLO attainment, goodput, latencies per tier and tenant (summarize, RunSummary)
 - server_process: a server subprocess started here (ServerProcess); server: tiergate
   configurations under comparison (BenchServer, VARIANTS); provision: tenants and keys
 - session: one run against one server (BenchTarget); calibration: SLO scale and capacity
