@@ -1,8 +1,8 @@
 """`tiergate bench serve`: an open-loop HTTP + SSE load generator against real servers, and
 a sweep comparing server configurations at multiples of the measured capacity.
 
-One concept per module; import from them (this package imports nothing, so registering the
-command stays cheap):
+One concept per module; import from them (this package imports nothing, so reading the
+command's options stays cheap):
 
 - plan: what is sent when (workload re-timed to a load, token-id prompts)
 - loadgen: sending and timing (LoadGenerator, RequestResult)

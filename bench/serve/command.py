@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from policies import TierTable
 
 # The load generator, statistics and reports are imported where a run needs them: this
-# module is imported whenever `tiergate` builds its parser.
+# module is imported for the options alone too (`tiergate bench serve --help`).
 
 __all__ = ["add_arguments", "run_command"]
 

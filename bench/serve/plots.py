@@ -1,4 +1,4 @@
-"""PNG figures with matplotlib (imported here, on use: the `plot` extra).
+"""PNG figures with matplotlib (imported here, on use: the `bench` extra).
 
 - ttft_cdf.png: TTFT CDF per tier (a column per tier, a row per offered load), a line per
   server configuration, the tier's scaled TTFT objective dashed;
