@@ -19,9 +19,9 @@ from engine import (
     TenantContext,
     WaitingQueue,
 )
-from engine.fake_runner import FakeModelRunner, fake_next_token
 from engine.request import RequestStatus
-from engine.simulation import SimulatedClock
+from engine.testing.clock import SimulatedClock
+from engine.testing.fake_runner import FakeModelRunner, fake_next_token
 from policies import TieredPolicy, TieredPolicyConfig
 
 VOCAB = 1000

@@ -21,13 +21,13 @@ from engine import (
     SchedulerConfig,
     TenantContext,
 )
-from engine.fake_runner import FakeModelRunner
 from engine.flops import FlopsCounter, forward_flops, linear_params_per_token
 from engine.metering import split_step_time
 from engine.model_runner import RunnerConfig, TorchModelRunner
 from engine.models.config import ModelConfig
 from engine.scheduler_output import ScheduledChunk
-from engine.simulation import SimulatedClock
+from engine.testing.clock import SimulatedClock
+from engine.testing.fake_runner import FakeModelRunner
 from policies import TieredFairQueue, TieredPolicy
 from tests.engine.helpers import VOCAB, check_invariants, make_engine
 

@@ -7,7 +7,7 @@ from collections import Counter
 
 from engine import LLMEngine, SamplingParams, TenantContext
 from engine.request import RequestStatus
-from engine.simulation import SimulatedClock
+from engine.testing.clock import SimulatedClock
 from policies import TieredFairQueue, TieredPolicyConfig
 from tests.engine.helpers import check_invariants, make_engine, reference_output, run_to_completion
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from engine import ContextLengthExceededError, SamplingParams, TenantContext
 from engine.request import RequestStatus
-from engine.simulation import SimulatedClock
+from engine.testing.clock import SimulatedClock
 from policies import TieredFairQueue
 from tests.engine.helpers import check_invariants, make_engine, reference_output
 

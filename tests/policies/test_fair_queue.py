@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from engine import Request, SamplingParams
-from engine.simulation import (
+from bench.simulation import (
     Policy,
     SimulatedMachine,
     SimulationResult,
     fcfs_policy,
     measure_capacity_rps,
-    percentile,
     premium_slo_scale,
     simulate,
 )
-from engine.workload import BENCH_INPUTS, Workload, WorkloadRequest
+from bench.stats import percentile
+from bench.workload import BENCH_INPUTS, Workload, WorkloadRequest
+from engine import Request, SamplingParams
 from policies import TieredFairQueue, TieredPolicy, TierTable
 
 

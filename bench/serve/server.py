@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Self
 
 import yaml
 
-from gateway.bench_serve.server_process import ServerProcess
+from bench.serve.server_process import ServerProcess
 
 if TYPE_CHECKING:
     from policies import TierTable

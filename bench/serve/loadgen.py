@@ -24,9 +24,9 @@ from dataclasses import dataclass, field, replace
 
 import aiohttp
 
-from gateway.bench_serve.errors import BenchConfigError
-from gateway.bench_serve.plan import PlannedRequest
-from gateway.bench_serve.progress import ProgressBar
+from bench.serve.errors import BenchConfigError
+from bench.serve.plan import PlannedRequest
+from bench.serve.progress import ProgressBar
 from gateway.loop_lag import LoopLagWatch, LoopStall
 
 __all__ = ["CANCELLED", "CLIENT_LATE_S", "ClientLoopLag", "LoadGenerator", "RequestResult"]

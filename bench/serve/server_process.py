@@ -16,7 +16,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
-from gateway.bench_serve.errors import ServerStartError
+from bench.serve.errors import ServerStartError
 
 __all__ = ["ServerProcess", "free_port", "process_tree_cpu_s"]
 

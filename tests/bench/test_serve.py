@@ -21,9 +21,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import generate_latest
 
-from engine.workload import Workload, WorkloadRequest
-from gateway import cli
-from gateway.bench_serve.calibration import (
+from bench.serve.calibration import (
     REFERENCE_PROMPT_LEN,
     Calibration,
     CapacityAttempt,
@@ -32,15 +30,15 @@ from gateway.bench_serve.calibration import (
     measure_capacity,
     measure_reference_prefill_s,
 )
-from gateway.bench_serve.engine_activity import (
+from bench.serve.engine_activity import (
     EngineActivity,
     engine_activity_of,
     read_engine_activity,
 )
-from gateway.bench_serve.errors import BenchConfigError
-from gateway.bench_serve.loadgen import CANCELLED, ClientLoopLag, LoadGenerator, RequestResult
-from gateway.bench_serve.machine import CpuTicks, MachineInfo, read_cpu_ticks
-from gateway.bench_serve.plan import (
+from bench.serve.errors import BenchConfigError
+from bench.serve.loadgen import CANCELLED, ClientLoopLag, LoadGenerator, RequestResult
+from bench.serve.machine import CpuTicks, MachineInfo, read_cpu_ticks
+from bench.serve.plan import (
     HEAVY_TENANT,
     LIGHT_TENANT,
     ArrivalProcess,
@@ -50,18 +48,20 @@ from gateway.bench_serve.plan import (
     retime,
     two_tenant_workload,
 )
-from gateway.bench_serve.report import format_run, format_sweep, headline, run_json
-from gateway.bench_serve.server import VARIANTS, BenchServer, EngineLimits
-from gateway.bench_serve.server_process import process_tree_cpu_s
-from gateway.bench_serve.session import BenchTarget, RunRecord
-from gateway.bench_serve.stats import RunSummary, meets_slo, summarize
-from gateway.bench_serve.sweep import FairnessRun, LoadPoint, SweepResult, run_order
-from gateway.bench_serve.sweep_config import (
+from bench.serve.report import format_run, format_sweep, headline, run_json
+from bench.serve.server import VARIANTS, BenchServer, EngineLimits
+from bench.serve.server_process import process_tree_cpu_s
+from bench.serve.session import BenchTarget, RunRecord
+from bench.serve.stats import RunSummary, meets_slo, summarize
+from bench.serve.sweep import FairnessRun, LoadPoint, SweepResult, run_order
+from bench.serve.sweep_config import (
     MIN_RUN_DURATION_S,
     OBJECTIVES_PER_RUN,
     SweepConfig,
     run_duration_s,
 )
+from bench.workload import Workload, WorkloadRequest
+from gateway import cli
 from gateway.loop_lag import LoopStall
 from gateway.metrics import GatewayMetrics
 from policies import DEFAULT_TIERS, TierTable

@@ -16,9 +16,9 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 from pathlib import Path
 
+from bench.serve.errors import BenchConfigError
+from bench.workload import FIRST_ORDINARY_TOKEN_ID, Workload, WorkloadRequest
 from engine.models.config import ModelConfig
-from engine.workload import FIRST_ORDINARY_TOKEN_ID, Workload, WorkloadRequest
-from gateway.bench_serve.errors import BenchConfigError
 
 __all__ = [
     "HEAVY_TENANT",

@@ -39,19 +39,19 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
-from engine.workload import Workload
-from gateway.bench_serve.calibration import (
+from bench.serve.calibration import (
     Calibration,
     CapacityAttempt,
     calibration_of,
     measure_capacity,
     measure_reference_prefill_s,
 )
-from gateway.bench_serve.machine import MachineInfo
-from gateway.bench_serve.plan import HEAVY_TENANT, LIGHT_TENANT, retime, two_tenant_workload
-from gateway.bench_serve.server import VARIANTS, BenchServer
-from gateway.bench_serve.session import BenchTarget, RunRecord
-from gateway.bench_serve.sweep_config import SweepConfig, run_duration_s
+from bench.serve.machine import MachineInfo
+from bench.serve.plan import HEAVY_TENANT, LIGHT_TENANT, retime, two_tenant_workload
+from bench.serve.server import VARIANTS, BenchServer
+from bench.serve.session import BenchTarget, RunRecord
+from bench.serve.sweep_config import SweepConfig, run_duration_s
+from bench.workload import Workload
 from policies import TierTable
 
 __all__ = ["FairnessRun", "LoadPoint", "SweepResult", "repeat_tag", "run_order", "run_sweep"]

@@ -19,17 +19,17 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from engine.workload import BENCH_INPUTS, Workload
-from gateway.bench_serve.errors import BenchConfigError
-from gateway.bench_serve.plan import ArrivalProcess, PromptVocabulary, retime
-from gateway.bench_serve.server import VARIANTS, BenchServer, EngineLimits
-from gateway.bench_serve.sweep_config import MIN_RUN_DURATION_S, OBJECTIVES_PER_RUN, SweepConfig
+from bench.serve.errors import BenchConfigError
+from bench.serve.plan import ArrivalProcess, PromptVocabulary, retime
+from bench.serve.server import VARIANTS, BenchServer, EngineLimits
+from bench.serve.sweep_config import MIN_RUN_DURATION_S, OBJECTIVES_PER_RUN, SweepConfig
+from bench.workload import BENCH_INPUTS, Workload
 
 if TYPE_CHECKING:
     from policies import TierTable
 
 # The load generator, statistics and reports are imported where a run needs them: this
-# module is imported whenever `tiergate` builds its parser.
+# module is imported for the options alone too (`tiergate bench serve --help`).
 
 __all__ = ["add_arguments", "run_command"]
 
@@ -173,8 +173,8 @@ def _sweep(
     limits: EngineLimits,
     work_dir: Path,
 ) -> tuple[dict[str, Any], str]:
-    from gateway.bench_serve.report import format_sweep, sweep_json
-    from gateway.bench_serve.sweep import run_sweep
+    from bench.serve.report import format_sweep, sweep_json
+    from bench.serve.sweep import run_sweep
 
     flags = {
         "variants": None if args.variants is None else _names(args.variants),
@@ -208,7 +208,7 @@ def _sweep(
     )
     result = run_sweep(config, log=_log)
     if args.plot is not None:
-        from gateway.bench_serve.plots import plot_sweep
+        from bench.serve.plots import plot_sweep
 
         for path in plot_sweep(result, args.plot):
             _log(f"wrote {path}")
@@ -222,8 +222,8 @@ def _one_run(
     limits: EngineLimits,
     work_dir: Path,
 ) -> tuple[dict[str, Any], str]:
-    from gateway.bench_serve.report import format_run, run_json
-    from gateway.bench_serve.session import BenchTarget
+    from bench.serve.report import format_run, run_json
+    from bench.serve.session import BenchTarget
     from policies import TierTable
 
     tiers = TierTable().scaled(args.slo_scale or 1.0)
@@ -246,7 +246,7 @@ def _one_run(
                                            vocabulary, progress=progress)
             record = target.run(timed, label, tiers, rate)
     if args.plot is not None:
-        from gateway.bench_serve.plots import plot_run
+        from bench.serve.plots import plot_run
 
         for path in plot_run(record.results, tiers, args.plot):
             _log(f"wrote {path}")

@@ -1,4 +1,4 @@
-"""PNG figures with matplotlib (imported here, on use: the `plot` extra).
+"""PNG figures with matplotlib (imported here, on use: the `bench` extra).
 
 - ttft_cdf.png: TTFT CDF per tier (a column per tier, a row per offered load), a line per
   server configuration, the tier's scaled TTFT objective dashed;
@@ -15,9 +15,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from gateway.bench_serve.loadgen import RequestResult
-from gateway.bench_serve.stats import RunSummary, share_of_requests, time_weighted
-from gateway.bench_serve.sweep import LoadPoint, SweepResult
+from bench.serve.loadgen import RequestResult
+from bench.serve.stats import RunSummary, share_of_requests, time_weighted
+from bench.serve.sweep import LoadPoint, SweepResult
 from policies import TierTable
 
 __all__ = ["plot_run", "plot_sweep"]

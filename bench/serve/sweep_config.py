@@ -7,10 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.workload import Workload
-from gateway.bench_serve.errors import BenchConfigError
-from gateway.bench_serve.plan import ArrivalProcess, PromptVocabulary
-from gateway.bench_serve.server import VARIANTS, EngineLimits
+from bench.serve.errors import BenchConfigError
+from bench.serve.plan import ArrivalProcess, PromptVocabulary
+from bench.serve.server import VARIANTS, EngineLimits
+from bench.workload import Workload
 from policies import TierTable
 
 __all__ = ["MIN_RUN_DURATION_S", "OBJECTIVES_PER_RUN", "SweepConfig", "run_duration_s"]

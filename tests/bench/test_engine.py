@@ -8,9 +8,11 @@ import json
 import pytest
 import torch
 
-from engine import SamplingParams, bench_device, bench_engine
+from bench import device as bench_device
+from bench import engine as bench_engine
+from engine import SamplingParams
 from engine.models.config import ModelConfig
-from engine.no_work_runner import NoWorkRunner
+from engine.testing.no_work_runner import NoWorkRunner
 
 
 def test_decode_and_short_measurements_run_the_engine() -> None:

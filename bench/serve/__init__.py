@@ -1,12 +1,12 @@
 """`tiergate bench serve`: an open-loop HTTP + SSE load generator against real servers, and
 a sweep comparing server configurations at multiples of the measured capacity.
 
-One concept per module; import from them (this package imports nothing, so registering the
-command stays cheap):
+One concept per module; import from them (this package imports nothing, so reading the
+command's options stays cheap):
 
 - plan: what is sent when (workload re-timed to a load, token-id prompts)
 - loadgen: sending and timing (LoadGenerator, RequestResult)
-- stats: percentiles, SLO attainment, goodput (summarize, RunSummary)
+- stats: SLO attainment, goodput, latencies per tier and tenant (summarize, RunSummary)
 - server_process: a server subprocess started here (ServerProcess); server: tiergate
   configurations under comparison (BenchServer, VARIANTS); provision: tenants and keys
 - session: one run against one server (BenchTarget); calibration: SLO scale and capacity

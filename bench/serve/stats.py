@@ -19,43 +19,21 @@ the one named "while arrivals last"):
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from engine.simulation import percentile
-from gateway.bench_serve.loadgen import RequestResult
+from bench.serve.loadgen import RequestResult
+from bench.stats import Percentiles
 from policies import TierTable
 
 __all__ = [
     "GroupSummary",
-    "Percentiles",
     "RunSummary",
     "meets_slo",
     "share_of_requests",
     "summarize",
     "time_weighted",
 ]
-
-
-@dataclass(frozen=True)
-class Percentiles:
-    """Nearest-rank percentiles and mean of one latency, in seconds (NaN: no sample)."""
-
-    p50: float
-    p90: float
-    p99: float
-    mean: float
-    num_samples: int
-
-    @classmethod
-    def of(cls, values: Sequence[float]) -> Percentiles:
-        ordered = sorted(values)
-        mean = statistics.fmean(ordered) if ordered else math.nan
-        return cls(
-            percentile(ordered, 50), percentile(ordered, 90), percentile(ordered, 99), mean,
-            len(ordered),
-        )
 
 
 @dataclass(frozen=True)

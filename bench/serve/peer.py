@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from engine.workload import BENCH_INPUTS
-from gateway.bench_serve.errors import BenchConfigError, BenchServeError
+from bench.serve.errors import BenchConfigError, BenchServeError
+from bench.workload import BENCH_INPUTS
 
 # Heavy modules (torch, aiohttp, the tokenizer) are imported when the command runs.
 
@@ -133,7 +133,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> PeerConfig:
-    from gateway.bench_serve.llamacpp_build import MODEL_TYPES
+    from bench.serve.llamacpp_build import MODEL_TYPES
 
     concurrency = tuple(args.concurrency)
     if args.requests_per_level is None:
@@ -411,11 +411,11 @@ def _say(message: str, stream: TextIO = sys.stderr) -> None:
 
 
 def run_peer(config: PeerConfig, command: str) -> PeerReport:
+    from bench.serve.machine import MachineInfo
+    from bench.serve.peer_client import PeerRequest
+    from bench.serve.peer_prompts import PromptBuilder
+    from bench.workload import Workload
     from engine.gguf_checkpoint import GGUFCheckpoint
-    from engine.workload import Workload
-    from gateway.bench_serve.machine import MachineInfo
-    from gateway.bench_serve.peer_client import PeerRequest
-    from gateway.bench_serve.peer_prompts import PromptBuilder
     from gateway.model_source import default_model_file
     from gateway.settings import GatewaySettings
 
@@ -456,11 +456,11 @@ def run_peer(config: PeerConfig, command: str) -> PeerReport:
     _say(f"{sum(map(len, level_requests))} prompts built; longest sequence {max_seq_len} "
          f"tokens; servers' files in {work_root}")
 
-    from gateway.bench_serve.peer_servers import PEER_TENANT_TIER
+    from bench.serve.peer_servers import PEER_TENANT_TIER
 
     build = None
     if config.llamacpp_types:  # built first: a failed build costs no tiergate run
-        from gateway.bench_serve.llamacpp_build import ensure_built
+        from bench.serve.llamacpp_build import ensure_built
 
         build = ensure_built(config.llamacpp_cache_dir, jobs=config.build_jobs)
         report.llamacpp_version = build.version
@@ -475,8 +475,8 @@ def run_peer(config: PeerConfig, command: str) -> PeerReport:
         _measure_into(report, server, TIERGATE, dtype, level_requests, warmup)
 
     if build is not None:
-        from gateway.bench_serve.llamacpp_build import quantized_model
-        from gateway.bench_serve.peer_servers import LlamaServer
+        from bench.serve.llamacpp_build import quantized_model
+        from bench.serve.peer_servers import LlamaServer
 
         per_slot = math.ceil((max_seq_len + 16) / 256) * 256
         for model_type in config.llamacpp_types:
@@ -495,7 +495,7 @@ def run_peer(config: PeerConfig, command: str) -> PeerReport:
 
 def _tiergate_server(config: PeerConfig, checkpoint: Any, dtype: str, max_seq_len: int,
                      work_root: Path, model_cache_dir: Path) -> Any:
-    from gateway.bench_serve.peer_servers import (
+    from bench.serve.peer_servers import (
         PEER_TENANT_TIER,
         TiergateServer,
         kv_bytes_per_token,
@@ -531,8 +531,8 @@ def _measure_into(report: PeerReport, server: Any, system: str, dtype: str,
 
 def _measure(server: Any, system: str, dtype: str, config: PeerConfig,
              level_requests: Sequence[Sequence[Any]], warmup: Any) -> list[LevelRow]:
-    from gateway.bench_serve.loadgen import collector_paused
-    from gateway.bench_serve.peer_client import LevelStats, run_level
+    from bench.serve.loadgen import collector_paused
+    from bench.serve.peer_client import LevelStats, run_level
 
     rows: list[LevelRow] = []
     _say(f"starting {system} {dtype}")

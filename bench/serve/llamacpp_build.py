@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TextIO
 
-from gateway.bench_serve.errors import BenchServeError
+from bench.serve.errors import BenchServeError
 
 __all__ = [
     "LLAMA_CPP_PYTHON_VERSION",

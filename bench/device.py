@@ -6,7 +6,7 @@ For a model config (random weights, the given dtype) and each batch of running d
   graph where the runner has one), median milliseconds of --steps steps each;
 - the bytes a decode step must read (every weight once, plus the KV of every context) against
   the device's measured copy rate: the fraction of that rate the step and the forward reach.
-The offline comparison with HF transformers `generate` is `engine.bench_offline` on the same
+The offline comparison with HF transformers `generate` is `bench.offline` on the same
 device (`--compare-hf`). Built for CUDA; runs anywhere (CPU for a quick check on tiny sizes).
 """
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.bench_engine import step_until_decoding
+from bench.engine import step_until_decoding
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.flops import linear_params_per_token
 from engine.llm_engine import LLMEngine

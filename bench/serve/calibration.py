@@ -1,6 +1,6 @@
 """Measuring the machine before a sweep: the SLO scale and the capacity.
 
-SLO scale, as `engine.simulation.premium_slo_scale` does on the simulated machine: premium's
+SLO scale, as `bench.simulation.premium_slo_scale` does on the simulated machine: premium's
 GPU TTFT objective (500 ms) is taken as 10x an unloaded 1024-token prefill on a GPU, and keeps
 that ratio here, so every objective of the tier table is multiplied by
 10 x (this server's unloaded 1024-token TTFT) / 500 ms. The unloaded TTFT is the median over a
@@ -35,10 +35,10 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field, replace
 
-from engine.workload import Workload, WorkloadRequest
-from gateway.bench_serve.errors import BenchConfigError, BenchServeError
-from gateway.bench_serve.loadgen import CANCELLED
-from gateway.bench_serve.session import BenchTarget, RunRecord
+from bench.serve.errors import BenchConfigError, BenchServeError
+from bench.serve.loadgen import CANCELLED
+from bench.serve.session import BenchTarget, RunRecord
+from bench.workload import Workload, WorkloadRequest
 from policies import TierTable
 
 __all__ = [
@@ -53,7 +53,7 @@ __all__ = [
 ]
 
 REFERENCE_PROMPT_LEN = 1024  # tokens of the unloaded reference prefill
-# The premium TTFT objective is this many unloaded reference prefills (engine.simulation).
+# The premium TTFT objective is this many unloaded reference prefills (bench.simulation).
 _PREFILLS_PER_PREMIUM_SLO = 10
 # Seeds of the probes' prompts start here, far from any workload's seed: every attempt's
 # probes and capacity run get prompts of their own.

@@ -14,7 +14,7 @@ yardstick. Each measurement runs in a fresh process, all with the same OpenMP wa
 shared machine compare the ratios of one run, not absolute figures across runs. A seeded
 script with a printed table; never a CI timing gate.
 
-    python -m engine.bench_offline --num-requests 64 --compare-hf
+    python -m bench.offline --num-requests 64 --compare-hf
 """
 
 from __future__ import annotations
@@ -35,14 +35,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from bench.workload import BENCH_INPUTS, Workload, WorkloadRequest
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.flops import forward_flops
 from engine.llm_engine import LLMEngine, TenantContext
 from engine.loader import random_hf_state_dict
 from engine.model_runner import RunnerConfig, TorchModelRunner
 from engine.models.config import ModelConfig
+from engine.queues import FCFSQueue
 from engine.sampling_params import SamplingParams
-from engine.workload import BENCH_INPUTS, Workload, WorkloadRequest
+from policies import TieredPolicy
 
 if TYPE_CHECKING:  # transformers is a test/benchmark dependency, imported only when comparing
     from transformers.generation.continuous_batching import ContinuousBatchingManager
@@ -175,7 +177,9 @@ def run_engine(
         ),
         cache=CacheConfig(block_size=runner.block_size),
     )
-    engine = LLMEngine(engine_config, runner)
+    # Tiers by priority, in arrival order: what the engine did by default before its policy
+    # became a choice of its own (FCFS now), so earlier runs compare.
+    engine = LLMEngine(engine_config, runner, TieredPolicy(FCFSQueue()))
     _drain(engine, {"warmup": [3] * 64}, {"warmup": 4}, {})  # threads, allocator, first step
     lengths = {r.request_id: r.output_len for r in requests}
     tenants = {

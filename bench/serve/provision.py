@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 import httpx
 
-from gateway.bench_serve.errors import ProvisionError
+from bench.serve.errors import ProvisionError
 from tenants import QUOTA_FIELDS
 
 __all__ = ["TENANT_PREFIX", "provision_tenants", "served_model_name"]

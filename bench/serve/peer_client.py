@@ -26,7 +26,7 @@ from typing import Any
 
 import aiohttp
 
-from engine.simulation import percentile
+from bench.stats import percentile
 
 __all__ = ["LevelRun", "LevelStats", "PeerRequest", "PeerResult", "run_level", "send_one"]
 

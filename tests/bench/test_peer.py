@@ -18,17 +18,17 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from gateway.bench_serve import llamacpp_build, peer
-from gateway.bench_serve.errors import BenchConfigError, ServerStartError
-from gateway.bench_serve.llamacpp_build import (
+from bench.serve import llamacpp_build, peer
+from bench.serve.errors import BenchConfigError, ServerStartError
+from bench.serve.llamacpp_build import (
     LlamaCppVersion,
     changelog_commit,
     cmake_configure_args,
     ensure_built,
     ggml_version,
 )
-from gateway.bench_serve.machine import MachineInfo
-from gateway.bench_serve.peer_client import (
+from bench.serve.machine import MachineInfo
+from bench.serve.peer_client import (
     LevelRun,
     LevelStats,
     PeerRequest,
@@ -36,8 +36,8 @@ from gateway.bench_serve.peer_client import (
     completion_body,
     run_level,
 )
-from gateway.bench_serve.peer_prompts import CORPUS, PromptBuilder, PromptBuildError
-from gateway.bench_serve.peer_servers import (
+from bench.serve.peer_prompts import CORPUS, PromptBuilder, PromptBuildError
+from bench.serve.peer_servers import (
     LlamaServer,
     kv_bytes_per_token,
     thread_env,

@@ -1,35 +1,25 @@
 """Scheduling on a simulated machine: the FakeModelRunner's cost model drives a virtual clock.
 
-Used by tests and `python -m engine.simulation` to compare the tiered policy with FCFS on the
+Used by tests and `python -m bench.simulation` to compare the tiered policy with FCFS on the
 same workload; no model, no sleeping, deterministic.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.stats import percentile
+from bench.workload import Workload
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.fake_runner import CostModel, FakeModelRunner
 from engine.fcfs_policy import FCFSPolicy
 from engine.llm_engine import LLMEngine, TenantContext
 from engine.sampling_params import SamplingParams
 from engine.scheduling_policy import SchedulingPolicy
-from engine.workload import Workload
-
-
-class SimulatedClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
+from engine.testing.clock import SimulatedClock
+from engine.testing.fake_runner import CostModel, FakeModelRunner
 
 
 @dataclass
@@ -102,14 +92,6 @@ class SimulationResult:
 
     def ttfts(self, tier: str | None = None) -> list[float]:
         return sorted(r.ttft_s for r in self.records if tier is None or r.tier == tier)
-
-
-def percentile(sorted_values: list[float], q: float) -> float:
-    """Nearest-rank percentile of already sorted values."""
-    if not sorted_values:
-        return math.nan
-    rank = max(1, math.ceil(q / 100 * len(sorted_values)))
-    return sorted_values[rank - 1]
 
 
 def simulate(

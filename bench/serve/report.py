@@ -8,19 +8,14 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from gateway.bench_serve.calibration import CapacityAttempt
-from gateway.bench_serve.engine_activity import EngineActivity
-from gateway.bench_serve.loadgen import CLIENT_LATE_S, RequestResult
-from gateway.bench_serve.plan import HEAVY_TENANT, LIGHT_TENANT
-from gateway.bench_serve.session import RunRecord
-from gateway.bench_serve.stats import (
-    GroupSummary,
-    Percentiles,
-    RunSummary,
-    share_of_requests,
-    time_weighted,
-)
-from gateway.bench_serve.sweep import FairnessRun, LoadPoint, SweepResult, repeat_tag
+from bench.serve.calibration import CapacityAttempt
+from bench.serve.engine_activity import EngineActivity
+from bench.serve.loadgen import CLIENT_LATE_S, RequestResult
+from bench.serve.plan import HEAVY_TENANT, LIGHT_TENANT
+from bench.serve.session import RunRecord
+from bench.serve.stats import GroupSummary, RunSummary, share_of_requests, time_weighted
+from bench.serve.sweep import FairnessRun, LoadPoint, SweepResult, repeat_tag
+from bench.stats import Percentiles
 
 __all__ = ["format_run", "format_sweep", "headline", "run_json", "sweep_json"]
 

@@ -1,6 +1,6 @@
 """`tiergate bench engine`: the engine's own host work per step, without model work.
 
-The engine runs on engine.no_work_runner.NoWorkRunner: every step is scheduled, its inputs
+The engine runs on engine.testing.NoWorkRunner: every step is scheduled, its inputs
 are built as the real runner builds them, outputs are processed and metered, but no forward
 runs (one constant token is "sampled"). Two measurements:
 
@@ -13,9 +13,9 @@ runs (one constant token is "sampled"). Two measurements:
 
 With `--device DEV` (cuda on a GPU machine) it also runs a real model (`--model-config`,
 random weights in `--dtype`) on DEV: the engine step against the forward alone and the
-bytes a decode step reads against the device's copy rate (engine.bench_device), and with
+bytes a decode step reads against the device's copy rate (bench.device), and with
 `--compare-hf` the offline throughput against HF transformers `generate` on the same weights
-(engine.bench_offline, `--offline-requests` requests of its workload, cycled).
+(bench.offline, `--offline-requests` requests of its workload, cycled).
 
 Never a CI gate: the figures depend on the machine. `--json` prints the rows as JSON.
 """
@@ -34,12 +34,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.bench_offline import DEFAULT_MODEL
+from bench.offline import DEFAULT_MODEL
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
-from engine.no_work_runner import NoWorkRunner
 from engine.request import Request
 from engine.sampling_params import SamplingParams
+from engine.testing.no_work_runner import NoWorkRunner
 
 __all__ = [
     "DecodeRow",
@@ -201,10 +201,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _device_report(args: argparse.Namespace) -> dict[str, Any]:
-    """The device half: rows of engine.bench_device, and the offline comparison if asked."""
+    """The device half: rows of bench.device, and the offline comparison if asked."""
     import torch
 
-    from engine import bench_device, bench_offline
+    from bench import device as bench_device
+    from bench import offline as bench_offline
     from engine.models.config import ModelConfig
 
     device = torch.device(args.device)

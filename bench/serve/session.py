@@ -7,13 +7,13 @@ import asyncio
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
-from engine.workload import Workload
-from gateway.bench_serve.engine_activity import EngineActivity, read_engine_activity
-from gateway.bench_serve.loadgen import ClientLoopLag, LoadGenerator, RequestResult
-from gateway.bench_serve.machine import CpuTicks, read_cpu_ticks
-from gateway.bench_serve.plan import PromptVocabulary, plan_requests
-from gateway.bench_serve.provision import provision_tenants, served_model_name
-from gateway.bench_serve.stats import RunSummary, summarize
+from bench.serve.engine_activity import EngineActivity, read_engine_activity
+from bench.serve.loadgen import ClientLoopLag, LoadGenerator, RequestResult
+from bench.serve.machine import CpuTicks, read_cpu_ticks
+from bench.serve.plan import PromptVocabulary, plan_requests
+from bench.serve.provision import provision_tenants, served_model_name
+from bench.serve.stats import RunSummary, summarize
+from bench.workload import Workload
 from policies import TierTable
 
 __all__ = ["BenchTarget", "RunRecord"]

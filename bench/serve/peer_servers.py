@@ -17,7 +17,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from gateway.bench_serve.server_process import ServerProcess
+from bench.serve.server_process import ServerProcess
 
 __all__ = [
     "PEER_TENANT_TIER",
@@ -113,7 +113,7 @@ class TiergateServer(PeerServer):
         return {**super().env(), "TIERGATE_ADMIN_TOKEN": self.admin_token}
 
     def after_ready(self) -> None:
-        from gateway.bench_serve.provision import provision_tenants, served_model_name
+        from bench.serve.provision import provision_tenants, served_model_name
 
         keys = provision_tenants(self.base_url, self.admin_token, {"peer": PEER_TENANT_TIER})
         self.api_key = keys["peer"]
