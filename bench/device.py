@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from bench.engine import step_until_decoding
+from engine.attention import AttentionMetadata
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.flops import linear_params_per_token
 from engine.llm_engine import LLMEngine
@@ -129,8 +130,7 @@ def measure_device(
             if runner.graphs is not None and runner.graphs.can_run(chunks, batch):
                 runner.graphs.run(batch)
             else:
-                runner.attention.prepare(batch.block_tables, batch.query_start_loc,
-                                         batch.context_lens)
+                runner.attention.prepare(AttentionMetadata.from_batch(batch))
                 runner.model(batch, runner.kv_caches, runner.attention)
             _sync(device)
             forward_times.append(time.perf_counter() - started)

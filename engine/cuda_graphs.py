@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import PagedAttention
+from engine.attention import AttentionBackend, AttentionMetadata
 from engine.models.batch import ForwardBatch
 from engine.models.decoder import CausalLM, KVCache
 from engine.scheduler_output import ScheduledChunk
@@ -34,7 +34,7 @@ class DecodeCudaGraphs:
         self,
         model: CausalLM,
         kv_caches: list[KVCache],
-        attention: PagedAttention,
+        attention: AttentionBackend,
         max_num_seqs: int,
         max_blocks_per_seq: int,
     ) -> None:
@@ -80,7 +80,7 @@ class DecodeCudaGraphs:
         batch = self._static_batch(size)
 
         def forward() -> torch.Tensor:
-            self.attention.prepare(batch.block_tables, batch.query_start_loc, batch.context_lens)
+            self.attention.prepare(AttentionMetadata.from_batch(batch))
             out: torch.Tensor = self.model(batch, self.kv_caches, self.attention)
             return out
 

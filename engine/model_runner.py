@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from engine.attention import PagedAttention
+from engine.attention import AttentionMetadata, attention_backend
 from engine.cuda_graphs import DecodeCudaGraphs
 from engine.flops import FlopsCounter
 from engine.input_batch import InputBatch, RequestState
@@ -115,7 +115,7 @@ class TorchModelRunner:
              torch.zeros(shape, dtype=self.dtype, device=self.device))
             for _ in range(self.model_config.num_layers)
         ]
-        self.attention = PagedAttention(self.device)
+        self.attention = attention_backend(self.device)
         self.sampler: SampleFn = sampler or Sampler(
             self.model_config.vocab_size, seed=config.sampler_seed
         )
@@ -188,7 +188,7 @@ class TorchModelRunner:
         if self.graphs is not None and self.graphs.can_run(chunks, batch):
             logits = self.graphs.run(batch)
         else:
-            self.attention.prepare(batch.block_tables, batch.query_start_loc, batch.context_lens)
+            self.attention.prepare(AttentionMetadata.from_batch(batch))
             logits = self.model(batch, self.kv_caches, self.attention)  # [S, V]
         states = self.input_batch.sample_states(chunks)
         output = self.sampler(logits, states)

@@ -1,12 +1,12 @@
 """Paged attention on the CPU through a small C++ kernel that reads K/V blocks in place.
 
-The torch reference gathers every sequence's blocks into contiguous memory before SDPA; on a
+The PyTorch path gathers every sequence's blocks into contiguous memory before SDPA; on a
 2-core CPU that copy cost as much as the attention itself. cpu_paged_attention.cpp walks each
-block table instead. engine.attention.native builds it at first use; a missing compiler, a
-failed build or a result that disagrees with the reference leaves `load()` returning None, and
-callers use the reference instead.
+block table instead. engine.attention.cpp_build builds it at first use; a missing compiler, a
+failed build or a result that disagrees with the PyTorch path leaves `load()` returning None,
+and callers keep the PyTorch path.
 
-Same contract as engine.attention.reference.paged_attention, for float32 CPU tensors whose
+Same contract as engine.attention.torch_paged.paged_attention, for float32 CPU tensors whose
 head_dim is a multiple of 8 up to 256.
 """
 
@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from engine.attention import native
+from engine.attention import cpp_build
+from engine.attention.metadata import AttentionMetadata
 
 __all__ = ["CpuKernelError", "load", "paged_attention", "supports_head_dim"]
 
@@ -33,7 +34,7 @@ KernelFunction = Callable[..., int]
 SOURCE = Path(__file__).with_name("cpu_paged_attention.cpp")
 _LANES = 8  # floats per vector in the kernel
 _MAX_HEAD_DIM = 256  # the kernel's register arrays hold at most this many floats
-# The load-time check against the reference: relative error bound on a small random batch.
+# The load-time check against the PyTorch path: relative error bound on a small random batch.
 _CHECK_TOLERANCE = 1e-4
 
 
@@ -45,7 +46,7 @@ class CpuKernelError(RuntimeError):
 @functools.cache
 def load() -> KernelFunction | None:
     """The compiled kernel (built and cached on first call), or None where it cannot be had."""
-    library = native.load_library(SOURCE)
+    library = cpp_build.load_library(SOURCE)
     if library is None:
         return None
     function = library["tiergate_paged_attention_f32"]
@@ -53,8 +54,8 @@ def load() -> KernelFunction | None:
     function.argtypes = [p, i64, i64, p, p, i64, p, i64, p, p, i64, p, i64, i64, i64, i64, i64,
                          ctypes.c_float, i64, p]
     function.restype = ctypes.c_int
-    if not _agrees_with_reference(function):
-        logger.warning("CPU attention kernel disagrees with the reference; not using it")
+    if not _agrees_with_torch_path(function):
+        logger.warning("CPU attention kernel disagrees with the PyTorch path; not using it")
         return None
     return function
 
@@ -68,9 +69,7 @@ def paged_attention(
     query: torch.Tensor,  # [T, H, D]; rows may be strided (a view into a fused qkv)
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-    block_tables: torch.Tensor,  # int32[B, max_blocks_per_seq]
-    query_start_loc: torch.Tensor,  # int32[B + 1]
-    context_lens: torch.Tensor,  # int32[B]
+    metadata: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
     seq_ids: torch.Tensor | None = None,  # int32[K]: attend only these sequences' rows
@@ -88,8 +87,8 @@ def paged_attention(
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype)
     assert out.is_contiguous() and out.shape == query.shape
-    return _run(function, query, k_cache, v_cache, block_tables, query_start_loc,
-                context_lens, scale, sliding_window, seq_ids, out)
+    return _run(function, query, k_cache, v_cache, metadata, scale, sliding_window, seq_ids,
+                out)
 
 
 def _run(
@@ -97,9 +96,7 @@ def _run(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    context_lens: torch.Tensor,
+    metadata: AttentionMetadata,
     scale: float,
     sliding_window: int | None,
     seq_ids: torch.Tensor | None,
@@ -108,9 +105,9 @@ def _run(
     if query.stride(2) != 1 or query.stride(1) != query.shape[2]:
         query = query.contiguous()  # the kernel needs each row's heads contiguous
     k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
-    tables = block_tables.to(torch.int32).contiguous()
-    starts = query_start_loc.to(torch.int32).contiguous()
-    lens = context_lens.to(torch.int32).contiguous()
+    tables = metadata.block_tables.to(torch.int32).contiguous()
+    starts = metadata.query_start_loc.to(torch.int32).contiguous()
+    lens = metadata.context_lens.to(torch.int32).contiguous()
     ids = None if seq_ids is None else seq_ids.to(torch.int32).contiguous()
     status = function(
         query.data_ptr(), query.stride(0), query.shape[0], k_cache.data_ptr(),
@@ -126,22 +123,23 @@ def _run(
     return out
 
 
-def _agrees_with_reference(function: KernelFunction) -> bool:
-    """One small mixed batch (decodes, a prefill over a prefix, a window) against the reference."""
-    from engine.attention import reference
+def _agrees_with_torch_path(function: KernelFunction) -> bool:
+    """One small mixed batch (decodes, a prefill over a prefix, a window) against the PyTorch
+    path."""
+    from engine.attention import torch_paged
 
     generator = torch.Generator().manual_seed(0)
     k_cache = torch.randn(12, 4, 2, 8, generator=generator)
     v_cache = torch.randn(12, 4, 2, 8, generator=generator)
-    layout = (
+    metadata = AttentionMetadata.of(
         torch.tensor([[3, 7, 1], [0, 5, 9], [11, 2, 0]], dtype=torch.int32),  # block tables
         torch.tensor([0, 1, 6, 7], dtype=torch.int32),  # a decode, a 5-row prefill, a decode
         torch.tensor([9, 12, 5], dtype=torch.int32),  # context lengths
     )
     query = torch.randn(7, 4, 8, generator=generator)
     for window in (None, 3):
-        expected = reference.paged_attention(query, k_cache, v_cache, *layout, 0.3, window)
-        out = _run(function, query, k_cache, v_cache, *layout, 0.3, window, None,
+        expected = torch_paged.paged_attention(query, k_cache, v_cache, metadata, 0.3, window)
+        out = _run(function, query, k_cache, v_cache, metadata, 0.3, window, None,
                    torch.empty_like(query))
         if not bool((out - expected).norm() / expected.norm() < _CHECK_TOLERANCE):
             return False

@@ -9,33 +9,22 @@ merges the partitions of each (sequence, query head) by log-sum-exp weighting. L
 therefore spread over many programs even when the batch is small. When a single partition covers
 the longest possible context, pass 1 writes the final output and pass 2 is skipped.
 
-Scores live in the log2 domain (`exp2`, with log2(e) folded into the scale), as in FlashAttention.
+Scores live in the log2 domain (`engine.attention.triton_paged_tile`).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-# Scale factor between natural and base-2 exponentials.
-LOG2_E = 1.4426950408889634
-
-
-def is_interpreting() -> bool:
-    """True when Triton runs kernels on the CPU through its interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def needs_fp32_dot(dtype: torch.dtype) -> bool:
-    """The interpreter computes with numpy, which has no bfloat16: tl.dot on bf16 gives garbage.
-
-    Kernels then upcast bf16 tiles to float32 before their dot products. On a GPU, bf16 and fp16
-    tiles go to the tensor cores as they are, accumulating in float32.
-    """
-    return is_interpreting() and dtype == torch.bfloat16
+from engine.attention.metadata import AttentionMetadata
+from engine.attention.triton_paged_tile import (
+    LOG2_E,
+    load_kv_tile,
+    needs_fp32_dot,
+    online_softmax_step,
+)
 
 
 @triton.jit
@@ -108,32 +97,11 @@ def _decode_partition_kernel(
     for start_n in range(tile_lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_mask = (offs_n >= lo) & (offs_n < hi)
-        block_ids = tl.load(
-            block_tables_ptr + seq * stride_bt + offs_n // BLOCK_SIZE, mask=n_mask, other=0
-        ).to(tl.int64)
-        kv_offs = block_ids * stride_cb + (offs_n % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
-        # k: [BLOCK_D, BLOCK_N] (transposed for the dot), v: [BLOCK_N, BLOCK_D]
-        k = tl.load(
-            k_cache_ptr + kv_offs[None, :] + offs_d[:, None],
-            mask=n_mask[None, :] & d_mask[:, None],
-            other=0.0,
-        )
-        v = tl.load(
-            v_cache_ptr + kv_offs[:, None] + offs_d[None, :],
-            mask=n_mask[:, None] & d_mask[None, :],
-            other=0.0,
-        )
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, k, input_precision="ieee") * scale_log2e  # [BLOCK_G, BLOCK_N]
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m_i = m_new
+        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, offs_n,
+                            n_mask, offs_d, d_mask, stride_bt, stride_cb, stride_cs, stride_ch,
+                            BLOCK_SIZE, UPCAST)
+        m_i, l_i, acc = online_softmax_step(q, k, v, n_mask[None, :], m_i, l_i, acc,
+                                            scale_log2e)
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     store_mask = g_mask[:, None] & d_mask[None, :]
@@ -196,9 +164,7 @@ def paged_decode(
     query: torch.Tensor,  # [B, H, D]: one query row per sequence
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-    block_tables: torch.Tensor,  # int32[B, max_blocks_per_seq]
-    query_start_loc: torch.Tensor,  # int32[B + 1]
-    context_lens: torch.Tensor,  # int32[B], each >= 1
+    metadata: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
     partition_size: int = 512,
@@ -209,6 +175,8 @@ def paged_decode(
     The number of partitions comes from the width of the block table (an upper bound of every
     context length), so launching needs no device-to-host copy.
     """
+    block_tables, query_start_loc = metadata.block_tables, metadata.query_start_loc
+    context_lens = metadata.context_lens
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = context_lens.shape[0]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]

@@ -19,7 +19,13 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.attention.triton_decode import LOG2_E, needs_fp32_dot
+from engine.attention.metadata import AttentionMetadata
+from engine.attention.triton_paged_tile import (
+    LOG2_E,
+    load_kv_tile,
+    needs_fp32_dot,
+    online_softmax_step,
+)
 
 
 @triton.jit
@@ -104,37 +110,13 @@ def _prefill_kernel(
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_mask = offs_n < hi
-        block_ids = tl.load(
-            block_tables_ptr + seq * stride_bt + offs_n // BLOCK_SIZE, mask=n_mask, other=0
-        ).to(tl.int64)
-        kv_offs = block_ids * stride_cb + (offs_n % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
-        # k: [BLOCK_D, BLOCK_N] (transposed for the dot), v: [BLOCK_N, BLOCK_D]
-        k = tl.load(
-            k_cache_ptr + kv_offs[None, :] + offs_d[:, None],
-            mask=n_mask[None, :] & d_mask[:, None],
-            other=0.0,
-        )
-        v = tl.load(
-            v_cache_ptr + kv_offs[:, None] + offs_d[None, :],
-            mask=n_mask[:, None] & d_mask[None, :],
-            other=0.0,
-        )
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, k, input_precision="ieee") * scale_log2e  # [BLOCK_M, BLOCK_N]
+        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, offs_n,
+                            n_mask, offs_d, d_mask, stride_bt, stride_cb, stride_cs, stride_ch,
+                            BLOCK_SIZE, UPCAST)
         visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
         if USE_WINDOW:
             visible = visible & (offs_n[None, :] > q_pos[:, None] - sliding_window)
-        s = tl.where(visible, s, float("-inf"))
-        # A row may see no key of this tile (window, or a padding row): keep its max finite.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(q, k, v, visible, m_i, l_i, acc, scale_log2e)
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(
@@ -148,15 +130,15 @@ def paged_prefill(
     query: torch.Tensor,  # [T, H, D]
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-    block_tables: torch.Tensor,  # int32[B, max_blocks_per_seq]
-    query_start_loc: torch.Tensor,  # int32[B + 1]
-    context_lens: torch.Tensor,  # int32[B]
+    metadata: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
     block_m: int = 64,
     block_n: int = 64,
 ) -> torch.Tensor:  # [T, H, D]
     """Causal attention of each sequence's query rows over its paged context (prefix + chunk)."""
+    block_tables, query_start_loc = metadata.block_tables, metadata.query_start_loc
+    context_lens = metadata.context_lens
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = context_lens.shape[0]
     num_kv_heads = k_cache.shape[2]

@@ -3,7 +3,7 @@
 A decode step on a 2-core CPU runs a few dozen rows through each layer; there the torch forms of
 RMSNorm (eight ops), RoPE (five) and SiLU-and-multiply (two, with a strided result) cost more
 in dispatch and passes over memory than in arithmetic. The C++ versions make one pass each, and
-RoPE also writes the token's K and V into the paged cache. engine.attention.native builds them
+RoPE also writes the token's K and V into the paged cache. engine.attention.cpp_build builds them
 at first use; `supports` says whether a model can use them (and CausalLM.use_fused_cpu_ops
 switches it over), otherwise the decoder keeps its torch path.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from engine.attention import native
+from engine.attention import cpp_build
 from engine.models.config import ModelConfig
 
 __all__ = ["rms_norm", "rope_write_kv", "silu_and_mul", "supports"]
@@ -32,7 +32,7 @@ _CHECK_TOLERANCE = 1e-5  # relative error of the load-time check against torch
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    library = native.load_library(SOURCE)
+    library = cpp_build.load_library(SOURCE)
     if library is None:
         return None
     p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float

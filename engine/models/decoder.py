@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import PagedAttention
+from engine.attention import AttentionBackend
 from engine.models import cpu_ops
 from engine.models.batch import ForwardBatch
 from engine.models.config import ModelConfig
@@ -89,9 +89,8 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,  # [T, E]
         rope: RopeInputs,
-        slot_mapping: torch.Tensor,  # int64[T]
         kv_cache: KVCache,
-        attention: PagedAttention,
+        attention: AttentionBackend,
     ) -> torch.Tensor:  # [T, E]
         num_tokens = x.shape[0]
         h, h_kv = self.num_heads, self.num_kv_heads
@@ -103,13 +102,13 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         if self.fused:
             cpu_ops.rope_write_kv(qkv, h, h_kv, rope.positions, rope.table.cos, rope.table.sin,
-                                  slot_mapping, k_cache, v_cache)
+                                  attention.metadata.slot_mapping, k_cache, v_cache)
             q = heads[:, :h]
         else:
             assert rope.cos is not None and rope.sin is not None
             qk = apply_rope(heads[:, : h + h_kv], rope.cos, rope.sin)  # q and k in one pass
             q = qk[:, :h]
-            attention.write_kv(qk[:, h:], heads[:, h + h_kv :], k_cache, v_cache, slot_mapping)
+            attention.write_kv(qk[:, h:], heads[:, h + h_kv :], k_cache, v_cache)
         out = attention.attend(q, k_cache, v_cache, self.scale, self.sliding_window)  # [T, H, D]
         return self.o_proj(out.view(num_tokens, self.q_size))
 
@@ -145,15 +144,14 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,  # [T, E] the previous layer's output (the embeddings for the first)
         residual: torch.Tensor | None,  # [T, E] the residual stream before x; None: first layer
         rope: RopeInputs,
-        slot_mapping: torch.Tensor,
         kv_cache: KVCache,
-        attention: PagedAttention,
+        attention: AttentionBackend,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # this layer's output and the stream before it
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm.add_and_norm(x, residual)
-        h = self.self_attn(h, rope, slot_mapping, kv_cache, attention)
+        h = self.self_attn(h, rope, kv_cache, attention)
         h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
         return self.mlp(h), residual
 
@@ -204,7 +202,7 @@ class CausalLM(nn.Module):
                 module.fused_cuda = enabled
 
     def forward(
-        self, batch: ForwardBatch, kv_caches: list[KVCache], attention: PagedAttention
+        self, batch: ForwardBatch, kv_caches: list[KVCache], attention: AttentionBackend
     ) -> torch.Tensor:  # float32[S, V], logits of rows batch.logits_indices
         """Run every token of the step; attention.prepare() must have bound the batch."""
         assert self.rotary is not None, "build_rotary_table() first"
@@ -214,7 +212,7 @@ class CausalLM(nn.Module):
         x = self.embed_tokens(batch.input_ids)  # [T, E]
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, rope, batch.slot_mapping, kv_cache, attention)
+            x, residual = layer(x, residual, rope, kv_cache, attention)
         assert residual is not None, "a model has at least one layer"
         rows = batch.logits_indices
         x, _ = self.norm.add_and_norm(x.index_select(0, rows), residual.index_select(0, rows))

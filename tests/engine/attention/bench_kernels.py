@@ -1,4 +1,4 @@
-"""Time the Triton attention kernels against the torch reference on CUDA; prints a table.
+"""Time the Triton attention kernels against the PyTorch path on CUDA; prints a table.
 
     python tests/engine/attention/bench_kernels.py [--dtype bfloat16] [--seed 0]
 
@@ -15,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from engine.attention import AttentionMetadata
 
 NUM_HEADS = 32
 NUM_KV_HEADS = 8
@@ -43,9 +45,8 @@ CASES = [
 ]
 
 
-# query, k_cache, v_cache, block_tables, query_start_loc, context_lens
-BatchTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                     torch.Tensor]
+# query, k_cache, v_cache, the layout
+BatchTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]
 
 
 def build(case: Case, dtype: torch.dtype, gen: torch.Generator) -> BatchTensors:
@@ -64,14 +65,12 @@ def build(case: Case, dtype: torch.dtype, gen: torch.Generator) -> BatchTensors:
     k_cache = torch.randn(shape, generator=gen).to(dtype)
     v_cache = torch.randn(shape, generator=gen).to(dtype)
     query = torch.randn(starts[-1], NUM_HEADS, HEAD_DIM, generator=gen).to(dtype)
-    return (
-        query.cuda(),
-        k_cache.cuda(),
-        v_cache.cuda(),
+    metadata = AttentionMetadata.of(
         tables.cuda(),
         torch.tensor(starts, dtype=torch.int32, device="cuda"),
         torch.tensor(case.context_lens, dtype=torch.int32, device="cuda"),
     )
+    return query.cuda(), k_cache.cuda(), v_cache.cuda(), metadata
 
 
 def time_ms(fn: Callable[[], object], num_iters: int) -> float:
@@ -96,22 +95,32 @@ def print_row(name: str, num_tokens: int, triton_ms: float, ref_ms: float, error
 
 
 def bench_attention(case: Case, dtype: torch.dtype, gen: torch.Generator, num_iters: int) -> None:
-    from engine.attention import reference, triton_backend
+    from engine.attention import torch_paged
+    from engine.attention.triton_backend import TritonPagedAttention
 
-    inputs = build(case, dtype, gen)
+    query, k_cache, v_cache, metadata = build(case, dtype, gen)
     scale = HEAD_DIM**-0.5
-    out = triton_backend.paged_attention(*inputs, scale)
-    expected = reference.paged_attention(*inputs, scale).float()
+    backend = TritonPagedAttention()
+    backend.prepare(metadata)
+
+    def triton_run() -> torch.Tensor:
+        return backend.attend(query, k_cache, v_cache, scale, None)
+
+    def torch_run() -> torch.Tensor:
+        return torch_paged.paged_attention(query, k_cache, v_cache, metadata, scale)
+
+    out = triton_run()
+    expected = torch_run().float()
     error = float((out.float() - expected).norm() / expected.norm())
-    triton_ms = time_ms(lambda: triton_backend.paged_attention(*inputs, scale), num_iters)
-    ref_ms = time_ms(lambda: reference.paged_attention(*inputs, scale), max(3, num_iters // 4))
-    print_row(case.name, inputs[0].shape[0], triton_ms, ref_ms, f"{error:.2e}")
+    triton_ms = time_ms(triton_run, num_iters)
+    ref_ms = time_ms(torch_run, max(3, num_iters // 4))
+    print_row(case.name, query.shape[0], triton_ms, ref_ms, f"{error:.2e}")
 
 
 def bench_write_kv(
     num_tokens: int, dtype: torch.dtype, gen: torch.Generator, num_iters: int
 ) -> None:
-    from engine.attention import reference, triton_backend
+    from engine.attention import torch_paged, triton_kv_write
 
     num_blocks = -(-num_tokens // BLOCK_SIZE) * 2
     shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
@@ -121,9 +130,9 @@ def bench_write_kv(
     value = torch.randn_like(key)
     slots = torch.randperm(num_blocks * BLOCK_SIZE, generator=gen)[:num_tokens].cuda()
     triton_ms = time_ms(
-        lambda: triton_backend.write_kv(key, value, k_cache, v_cache, slots), num_iters
+        lambda: triton_kv_write.write_kv(key, value, k_cache, v_cache, slots), num_iters
     )
-    ref_ms = time_ms(lambda: reference.write_kv(key, value, k_cache, v_cache, slots), num_iters)
+    ref_ms = time_ms(lambda: torch_paged.write_kv(key, value, k_cache, v_cache, slots), num_iters)
     print_row(f"write_kv {num_tokens} tokens", num_tokens, triton_ms, ref_ms, "")
 
 

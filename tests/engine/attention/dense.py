@@ -12,16 +12,28 @@ from collections.abc import Callable
 
 import torch
 
-from engine.attention.reference import write_kv
+from engine.attention import AttentionBackend, AttentionMetadata
+from engine.attention.torch_paged import write_kv
 
 BLOCK_SIZE = 16
 
-# (query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, sliding_window)
+# (query, k_cache, v_cache, metadata, scale, sliding_window)
 PagedAttentionFn = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float,
-     int | None],
+    [torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float, int | None],
     torch.Tensor,
 ]
+
+
+def through(backend: AttentionBackend) -> PagedAttentionFn:
+    """A backend as a function: bind the case's metadata, then attend."""
+
+    def attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               metadata: AttentionMetadata, scale: float, sliding_window: int | None
+               ) -> torch.Tensor:
+        backend.prepare(metadata)
+        return backend.attend(query, k_cache, v_cache, scale, sliding_window)
+
+    return attend
 
 
 def dense_attention(
@@ -87,15 +99,11 @@ def run_case(
                             generator=gen).to(dtype)
         fused[:, :num_heads] = query
         query = fused[:, :num_heads]
-    out = attend(
-        query,
-        k_cache,
-        v_cache,
+    metadata = AttentionMetadata.of(
         torch.tensor(tables, dtype=torch.int32),
         torch.tensor(starts, dtype=torch.int32),
         torch.tensor([ctx for ctx, _ in seqs], dtype=torch.int32),
-        head_dim**-0.5,
-        sliding_window,
     )
+    out = attend(query, k_cache, v_cache, metadata, head_dim**-0.5, sliding_window)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out, torch.cat(expected), rtol=tolerance, atol=tolerance)

@@ -1,4 +1,4 @@
-"""The CPU attention kernel and the CPU backend against dense attention and the reference."""
+"""The CPU attention kernel and the CPU backend against dense attention and the PyTorch path."""
 
 from __future__ import annotations
 
@@ -10,13 +10,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.attention import cpu_backend, cpu_kernel, native, reference
-from tests.engine.attention.dense import BLOCK_SIZE, run_case
+from engine.attention import AttentionMetadata, cpp_build, cpu_backend, cpu_kernel, torch_paged
+from engine.attention.cpu_backend import CpuPagedAttention
+from tests.engine.attention.dense import BLOCK_SIZE, run_case, through
 
 # Every test here needs the compiled kernel: a machine that cannot build it fails loudly
-# instead of skipping (CI has g++; the backend's fallback is covered by test_reference).
+# instead of skipping (CI has g++; the backend's fallback is covered by test_torch_paged).
 kernel_case = functools.partial(run_case, cpu_kernel.paged_attention)
-backend_case = functools.partial(run_case, cpu_backend.paged_attention)
+backend_case = functools.partial(run_case, through(CpuPagedAttention()))
 
 
 def test_kernel_builds_and_loads() -> None:
@@ -68,50 +69,51 @@ def test_selected_sequences_leave_other_rows_alone() -> None:
     k_cache = torch.randn(8, BLOCK_SIZE, 2, 16, generator=generator)
     v_cache = torch.randn(8, BLOCK_SIZE, 2, 16, generator=generator)
     query = torch.randn(6, 4, 16, generator=generator)
-    layout = (
+    metadata = AttentionMetadata.of(
         torch.tensor([[1, 4, 0], [2, 5, 7], [3, 6, 0]], dtype=torch.int32),
         torch.tensor([0, 1, 5, 6], dtype=torch.int32),
         torch.tensor([20, 40, 33], dtype=torch.int32),
     )
-    expected = reference.paged_attention(query, k_cache, v_cache, *layout, 0.25)
+    expected = torch_paged.paged_attention(query, k_cache, v_cache, metadata, 0.25)
     out = torch.full_like(query, 7.0)
-    cpu_kernel.paged_attention(query, k_cache, v_cache, *layout, 0.25,
+    cpu_kernel.paged_attention(query, k_cache, v_cache, metadata, 0.25,
                                seq_ids=torch.tensor([0, 2], dtype=torch.int32), out=out)
     torch.testing.assert_close(out[[0, 5]], expected[[0, 5]], rtol=1e-5, atol=1e-5)
     assert out[1:5].eq(7.0).all()
 
 
-def test_backend_sends_decodes_to_the_kernel_and_prefills_to_the_reference() -> None:
+def test_backend_sends_decodes_to_the_kernel_and_prefills_to_the_torch_path() -> None:
     k_cache = torch.zeros(4, BLOCK_SIZE, 2, 16)
-    layout = (
+    metadata = AttentionMetadata.of(
         torch.tensor([[0, 1], [2, 3], [1, 0]], dtype=torch.int32),
         torch.tensor([0, 1, 9, 10], dtype=torch.int32),  # decode, 8-row chunk, decode
         torch.tensor([20, 30, 5], dtype=torch.int32),
     )
-    plan = cpu_backend.plan(*layout, k_cache)
+    plan = cpu_backend.plan(metadata, k_cache)
     assert plan.kernel_seq_ids is not None and plan.kernel_seq_ids.tolist() == [0, 2]
     assert [p.row_start for p in plan.prefills] == [1] and not plan.decode_groups
-    half = cpu_backend.plan(*layout, k_cache.to(torch.bfloat16))  # no kernel: all reference
+    half = cpu_backend.plan(metadata, k_cache.to(torch.bfloat16))  # no kernel: all torch
     assert half.kernel_seq_ids is None and len(half.decode_groups) == 1
 
 
 def test_kernel_refuses_other_dtypes() -> None:
     query = torch.zeros(1, 2, 8, dtype=torch.bfloat16)
     cache = torch.zeros(1, BLOCK_SIZE, 1, 8, dtype=torch.bfloat16)
-    layout = (torch.zeros(1, 1, dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32),
-              torch.tensor([1], dtype=torch.int32))
+    metadata = AttentionMetadata.of(torch.zeros(1, 1, dtype=torch.int32),
+                                    torch.tensor([0, 1], dtype=torch.int32),
+                                    torch.tensor([1], dtype=torch.int32))
     with pytest.raises(cpu_kernel.CpuKernelError):
-        cpu_kernel.paged_attention(query, cache, cache, *layout, 1.0)
+        cpu_kernel.paged_attention(query, cache, cache, metadata, 1.0)
 
 
 def test_a_fresh_cache_builds_the_library_once(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert native.load_library.__wrapped__(cpu_kernel.SOURCE) is not None
+    assert cpp_build.load_library.__wrapped__(cpu_kernel.SOURCE) is not None
     [built] = (tmp_path / "tiergate" / "kernels").glob("cpu_paged_attention_*.so")
     built_at = built.stat().st_mtime_ns
-    assert native.load_library.__wrapped__(cpu_kernel.SOURCE) is not None
+    assert cpp_build.load_library.__wrapped__(cpu_kernel.SOURCE) is not None
     [again] = (tmp_path / "tiergate" / "kernels").glob("cpu_paged_attention_*.so")
     assert again == built and again.stat().st_mtime_ns == built_at  # loaded, not rebuilt
 
@@ -120,10 +122,10 @@ def test_a_fresh_cache_builds_the_library_once(
 def test_no_kernel_without_a_working_compiler(
     compiler: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """A missing or failing compiler means no kernel (the backend then uses the reference)."""
+    """A missing or failing compiler means no kernel (the backend keeps the PyTorch path)."""
     monkeypatch.setenv("CXX", compiler)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert native.load_library.__wrapped__(cpu_kernel.SOURCE) is None
+    assert cpp_build.load_library.__wrapped__(cpu_kernel.SOURCE) is None
 
 
 @pytest.mark.parametrize(
@@ -143,9 +145,8 @@ def test_out_of_range_layouts_raise_instead_of_reading_past_the_cache(
     cache = torch.zeros(4, BLOCK_SIZE, 2, 16)
     out = torch.full_like(query, 3.0)
     with pytest.raises(cpu_kernel.CpuKernelError, match="out of range"):
-        cpu_kernel.paged_attention(
-            query, cache, cache, torch.tensor(tables, dtype=torch.int32),
-            torch.tensor(starts, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32), 1.0,
-            out=out,
-        )
+        metadata = AttentionMetadata.of(torch.tensor(tables, dtype=torch.int32),
+                                        torch.tensor(starts, dtype=torch.int32),
+                                        torch.tensor(lens, dtype=torch.int32))
+        cpu_kernel.paged_attention(query, cache, cache, metadata, 1.0, out=out)
     assert out.eq(3.0).all()

@@ -1,4 +1,4 @@
-"""Triton attention kernels against dense attention and against engine.attention.reference.
+"""Triton attention kernels against dense attention and against engine.attention.torch_paged.
 
 Without CUDA the kernels run under the Triton interpreter (TRITON_INTERPRET=1, which the Makefile
 sets for the whole run and this module sets if nobody did); shapes stay tiny because the
@@ -18,9 +18,11 @@ if not torch.cuda.is_available():
 
 import pytest
 
-from engine.attention import reference, triton_backend
-from engine.attention.triton_decode import is_interpreting, paged_decode
+from engine.attention import AttentionMetadata, torch_paged
+from engine.attention.triton_backend import TritonPagedAttention
+from engine.attention.triton_decode import paged_decode
 from engine.attention.triton_kv_write import write_kv
+from engine.attention.triton_paged_tile import is_interpreting
 from engine.attention.triton_prefill import _prefill_kernel, paged_prefill
 
 if not torch.cuda.is_available() and type(_prefill_kernel).__name__ != "InterpretedFunction":
@@ -126,28 +128,27 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float(diff / expected.float().norm())
 
 
-# query, k_cache, v_cache, block_tables, query_start_loc, context_lens
-BatchTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                     torch.Tensor]
+def metadata(batch: PagedBatch, slot_mapping: torch.Tensor | None = None) -> AttentionMetadata:
+    return AttentionMetadata.of(batch.block_tables, batch.query_start_loc, batch.context_lens,
+                                slot_mapping)
 
 
-def batch_args(batch: PagedBatch) -> BatchTensors:
-    return (
-        batch.query,
-        batch.k_cache,
-        batch.v_cache,
-        batch.block_tables,
-        batch.query_start_loc,
-        batch.context_lens,
-    )
+def batch_args(
+    batch: PagedBatch,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+    return batch.query, batch.k_cache, batch.v_cache, metadata(batch)
+
+
+def attend(backend: TritonPagedAttention, batch: PagedBatch) -> torch.Tensor:
+    return backend.attend(batch.query, batch.k_cache, batch.v_cache, batch.scale, None)
 
 
 def check(out: torch.Tensor, batch: PagedBatch, sliding_window: int | None = None) -> None:
-    """Against dense attention and against the torch reference of the paged layout."""
+    """Against dense attention and against the PyTorch path over the paged layout."""
     assert out.shape == batch.query.shape and out.dtype == batch.query.dtype
     tolerance = TOLERANCE[batch.query.dtype]
     assert relative_error(out, dense_attention(batch, sliding_window)) <= tolerance
-    expected = reference.paged_attention(*batch_args(batch), batch.scale, sliding_window)
+    expected = torch_paged.paged_attention(*batch_args(batch), batch.scale, sliding_window)
     assert relative_error(out, expected) <= tolerance
 
 
@@ -172,7 +173,7 @@ def test_write_kv_scatters_into_slots_and_skips_padding(device: str, dtype: torc
     assert torch.equal(v_dev.cpu(), expected_v)
 
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
-    reference.write_kv(key, value, ref_k, ref_v, slots)
+    torch_paged.write_kv(key, value, ref_k, ref_v, slots)
     assert torch.equal(k_dev.cpu(), ref_k) and torch.equal(v_dev.cpu(), ref_v)
 
 
@@ -231,10 +232,15 @@ def test_sliding_window_in_both_kernels(device: str) -> None:
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_backend_dispatches_decode_and_prefill(device: str) -> None:
+    backend = TritonPagedAttention()
     decode = make_batch([1, 1], [13, 50], device=device, seed=5)
-    check(triton_backend.paged_attention(*batch_args(decode), decode.scale), decode)
+    backend.prepare(metadata(decode))
+    assert backend.metadata.is_decode_only
+    check(attend(backend, decode), decode)
     mixed = make_batch([1, 6], [13, 50], device=device, seed=6)
-    check(triton_backend.paged_attention(*batch_args(mixed), mixed.scale), mixed)
+    backend.prepare(metadata(mixed))
+    assert not backend.metadata.is_decode_only
+    check(attend(backend, mixed), mixed)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -257,7 +263,7 @@ def test_backend_writes_then_attends(device: str) -> None:
     flat_v = batch.v_cache.view(-1, *batch.v_cache.shape[2:])
     flat_k[slot_mapping] = 0.0
     flat_v[slot_mapping] = 0.0
-    triton_backend.write_kv(
-        torch.cat(keys), torch.cat(values), batch.k_cache, batch.v_cache, slot_mapping
-    )
-    check(triton_backend.paged_attention(*batch_args(batch), batch.scale), batch)
+    backend = TritonPagedAttention()
+    backend.prepare(metadata(batch, slot_mapping))
+    backend.write_kv(torch.cat(keys), torch.cat(values), batch.k_cache, batch.v_cache)
+    check(attend(backend, batch), batch)

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.attention.reference import write_kv
+from engine.attention.torch_paged import write_kv
 from engine.models import cpu_ops
 from engine.models.config import RopeConfig
 from engine.models.rope import RotaryTable, apply_rope

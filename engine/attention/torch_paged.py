@@ -1,4 +1,5 @@
-"""Paged attention in plain PyTorch: the CPU path, and the reference the Triton kernels match.
+"""Paged attention in plain PyTorch: the CPU path for prefill chunks (and for everything where
+the C++ kernel does not apply), usable on any device.
 
 The cache layout is [num_blocks, block_size, Hkv, D] per layer. Sequence b owns the query rows
 query_start_loc[b]:query_start_loc[b+1]: the last q_len of its context_lens[b] tokens, whose
@@ -22,8 +23,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from engine.attention.metadata import AttentionMetadata
+
 __all__ = [
     "AttentionPlan",
+    "TorchPagedAttention",
     "paged_attention",
     "paged_attention_planned",
     "plan_attention",
@@ -106,14 +110,14 @@ class AttentionPlan:
 
 
 def plan_attention(
-    block_tables: torch.Tensor,  # int32[B, max_blocks_per_seq]
-    query_start_loc: torch.Tensor,  # int32[B + 1]
-    context_lens: torch.Tensor,  # int32[B]
+    metadata: AttentionMetadata,
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D] of any layer (layout and dtype)
     kernel_max_rows: int = 0,
 ) -> AttentionPlan:
     """Split the batch into padded decode groups and per-sequence prefills; sequences with at
     most kernel_max_rows query rows go to plan.kernel_seq_ids instead, for a kernel to attend."""
+    block_tables, query_start_loc = metadata.block_tables, metadata.query_start_loc
+    context_lens = metadata.context_lens
     block_size = k_cache.shape[1]
     starts = query_start_loc.tolist()
     lens = context_lens.tolist()
@@ -192,14 +196,12 @@ def paged_attention(
     query: torch.Tensor,  # [T, H, D]
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-    block_tables: torch.Tensor,  # int32[B, max_blocks_per_seq]
-    query_start_loc: torch.Tensor,  # int32[B + 1]
-    context_lens: torch.Tensor,  # int32[B]
+    metadata: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:  # [T, H, D]
     """Causal attention of each sequence's last q_len tokens over its cached context."""
-    plan = plan_attention(block_tables, query_start_loc, context_lens, k_cache)
+    plan = plan_attention(metadata, k_cache)
     return paged_attention_planned(query, k_cache, v_cache, plan, scale, sliding_window)
 
 
@@ -335,3 +337,39 @@ def _prefill_mask(
             mask &= key_pos > row_pos - sliding_window
         plan.masks[key] = mask
     return mask
+
+
+class TorchPagedAttention:
+    """The PyTorch path as an attention backend: one plan per step, made at the first layer's
+    attend (it needs the cache's layout) and shared by the others."""
+
+    name = "torch"
+
+    def __init__(self, kernel_max_rows: int = 0) -> None:
+        self._metadata: AttentionMetadata | None = None
+        self._plan: AttentionPlan | None = None
+        self._kernel_max_rows = kernel_max_rows
+
+    @property
+    def metadata(self) -> AttentionMetadata:
+        assert self._metadata is not None, "prepare() must come before the layers"
+        return self._metadata
+
+    def prepare(self, metadata: AttentionMetadata) -> None:
+        self._metadata = metadata
+        self._plan = None
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor) -> None:
+        write_kv(key, value, k_cache, v_cache, self.metadata.slot_mapping)
+
+    def attend(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               scale: float, sliding_window: int | None) -> torch.Tensor:
+        return paged_attention_planned(query, k_cache, v_cache, self.plan(k_cache), scale,
+                                       sliding_window)
+
+    def plan(self, k_cache: torch.Tensor) -> AttentionPlan:
+        """The bound step's plan (made once)."""
+        if self._plan is None:
+            self._plan = plan_attention(self.metadata, k_cache, self._kernel_max_rows)
+        return self._plan

@@ -9,18 +9,20 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.attention import PagedAttention, paged_attention
-from engine.attention.reference import (
+from engine.attention import AttentionMetadata, attention_backend
+from engine.attention.cpu_backend import CpuPagedAttention
+from engine.attention.torch_paged import (
     GROUP_OVERHEAD,
     MAX_GROUP_BYTES,
+    TorchPagedAttention,
+    paged_attention,
     plan_attention,
     write_kv,
 )
-from engine.attention.reference import paged_attention as reference_attention
-from tests.engine.attention.dense import BLOCK_SIZE
+from tests.engine.attention.dense import BLOCK_SIZE, through
 from tests.engine.attention.dense import run_case as run_dense_case
 
-run_case = functools.partial(run_dense_case, reference_attention)
+run_case = functools.partial(run_dense_case, paged_attention)
 
 
 def test_decodes() -> None:
@@ -81,8 +83,9 @@ def test_write_kv_skips_negative_slots() -> None:
 def _plan_groups(lens: list[int], k_cache: torch.Tensor) -> list[tuple[int, int]]:
     """(num_seqs, num_blocks) of each decode group the plan makes for decodes of lens."""
     tables = torch.zeros(len(lens), 200, dtype=torch.int32)
-    plan = plan_attention(tables, torch.arange(len(lens) + 1, dtype=torch.int32),
-                          torch.tensor(lens, dtype=torch.int32), k_cache)
+    metadata = AttentionMetadata.of(tables, torch.arange(len(lens) + 1, dtype=torch.int32),
+                                    torch.tensor(lens, dtype=torch.int32))
+    plan = plan_attention(metadata, k_cache)
     return sorted((g.num_seqs, g.num_blocks) for g in plan.decode_groups)
 
 
@@ -103,20 +106,38 @@ def test_decode_groups_stay_within_the_byte_cap() -> None:
     assert all(n * blocks * BLOCK_SIZE <= max_pairs for n, blocks in groups if n > 1)
 
 
-def test_paged_attention_object_reuses_one_plan_per_step() -> None:
-    """PagedAttention.prepare binds the batch once; attend equals the stateless function."""
+def test_the_torch_backend_matches_dense_attention() -> None:
+    run_dense_case(through(TorchPagedAttention()), [(20, 1), (44, 9), (70, 1)], sliding_window=30)
+
+
+def test_backends_plan_once_per_step_and_write_through_the_metadata() -> None:
+    """prepare binds a step once; the layers' attends share one plan (a new step, a new one),
+    equal to the stateless function, and write_kv writes to the metadata's slots."""
     gen = torch.Generator().manual_seed(3)
     k_cache = torch.randn(8, BLOCK_SIZE, 2, 16, generator=gen)
     v_cache = torch.randn(8, BLOCK_SIZE, 2, 16, generator=gen)
     query = torch.randn(6, 4, 16, generator=gen)
-    layout = (
+    metadata = AttentionMetadata.of(
         torch.tensor([[1, 4, 0], [2, 5, 7]], dtype=torch.int32),
         torch.tensor([0, 1, 6], dtype=torch.int32),
         torch.tensor([20, 40], dtype=torch.int32),
+        slot_mapping=torch.tensor([4 * BLOCK_SIZE + 3, -1, -1, -1, -1, 7 * BLOCK_SIZE + 7]),
     )
-    attention = PagedAttention(torch.device("cpu"))
-    attention.prepare(*layout)
-    for window in (None, 8):
-        expected = paged_attention(query, k_cache, v_cache, *layout, 0.25, window)
-        torch.testing.assert_close(attention.attend(query, k_cache, v_cache, 0.25, window),
-                                   expected, rtol=0, atol=0)
+    assert not metadata.is_decode_only and metadata.num_seqs == 2
+    backend = attention_backend(torch.device("cpu"))
+    assert isinstance(backend, CpuPagedAttention)
+    for attention in (backend, TorchPagedAttention()):
+        attention.prepare(metadata)
+        for window in (None, 8):
+            expected = paged_attention(query, k_cache, v_cache, metadata, 0.25, window)
+            torch.testing.assert_close(attention.attend(query, k_cache, v_cache, 0.25, window),
+                                       expected, rtol=1e-5, atol=1e-5)
+    torch_backend = TorchPagedAttention()
+    torch_backend.prepare(metadata)
+    first = torch_backend.plan(k_cache)
+    assert torch_backend.plan(k_cache) is first
+    torch_backend.prepare(metadata)
+    assert torch_backend.plan(k_cache) is not first
+    key = torch.ones(6, 2, 16)
+    torch_backend.write_kv(key, 2 * key, k_cache, v_cache)
+    assert k_cache[4, 3].eq(1).all() and v_cache[7, 7].eq(2).all()
