@@ -35,7 +35,7 @@ from gateway.bench_serve.engine_activity import read_engine_activity
 from gateway.bench_serve.provision import TENANT_PREFIX, provision_tenants
 from gateway.bench_serve.server import VARIANTS, BenchServer, EngineLimits
 from gateway.bench_serve.stats import Percentiles
-from gateway.settings import GatewaySettings
+from gateway.server.settings import GatewaySettings
 from policies import TierTable
 
 _WORDS = [

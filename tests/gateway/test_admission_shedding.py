@@ -32,7 +32,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.admission import AdmissionSettings
+from gateway.access.admission import AdmissionSettings
 from gateway.bench_serve.loadgen import collector_paused
 from policies import TierTable
 from tests.gateway.admission_support import (

@@ -1,11 +1,11 @@
-"""gateway.json_body: what JSON allows and the server must refuse, as a 400 naming the field."""
+"""gateway.http.json_body: what JSON allows and the server must refuse, a 400 naming the field."""
 
 from __future__ import annotations
 
 import pytest
 
-from gateway.errors import InvalidRequestError
-from gateway.json_body import parse_json_body
+from gateway.http.errors import InvalidRequestError
+from gateway.http.json_body import parse_json_body
 
 
 @pytest.mark.parametrize(

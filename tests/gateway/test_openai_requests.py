@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from gateway.errors import InvalidRequestError
-from gateway.openai_requests import Endpoint, parse_chat_request, parse_completion_request
+from gateway.http.errors import InvalidRequestError
+from gateway.openai.requests import Endpoint, parse_chat_request, parse_completion_request
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 COMPLETION = {"model": "m", "prompt": "hi"}
