@@ -12,8 +12,15 @@ from tenants.errors import (
     TenantNotFoundError,
     TenantsError,
 )
-from tenants.keys import GeneratedKey, generate_key, hash_key, looks_like_key, verify_key
-from tenants.models import ApiKey, AuditEntry, Base, Quota, Tenant, TenantStatus
+from tenants.keys import (
+    GeneratedKey,
+    generate_key,
+    hash_key,
+    looks_like_key,
+    lookup_prefix,
+    verify_key,
+)
+from tenants.models import ApiKey, AuditEntry, Base, Quota, Tenant, TenantStatus, UtcDateTime
 from tenants.repository import (
     TENANT_UPDATE_FIELDS,
     CreatedApiKey,
@@ -62,6 +69,7 @@ __all__ = [
     "TenantNotFoundError",
     "TenantStatus",
     "TenantsError",
+    "UtcDateTime",
     "api_key_snapshot",
     "audit_entry_snapshot",
     "create_api_key",
@@ -78,6 +86,7 @@ __all__ = [
     "list_audit_entries",
     "list_tenants",
     "looks_like_key",
+    "lookup_prefix",
     "mark_api_key_used",
     "quota_snapshot",
     "record_audit",

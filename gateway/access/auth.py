@@ -46,8 +46,7 @@ from gateway.http.errors import (
     PermissionDeniedError,
     ServiceUnavailableError,
 )
-from tenants import ApiKey, find_api_key, hash_key, mark_api_key_used
-from tenants.keys import lookup_prefix
+from tenants import ApiKey, find_api_key, hash_key, lookup_prefix, mark_api_key_used
 
 DEFAULT_KEY_CACHE_TTL_S = 5.0
 # How long after its last successful lookup a key is still served while the database is down.

@@ -28,6 +28,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
 from billing import (
+    MICROS_PER_USD,
     DailyUsage,
     ExportFormat,
     ExportRequest,
@@ -39,7 +40,6 @@ from billing import (
     export_lines,
     parse_day,
 )
-from billing.pricing import MICROS_PER_USD
 from gateway.admin.auth import ADMIN_METHODS, AdminGuard, admin_disabled
 from gateway.http.errors import InvalidRequestError, ServiceUnavailableError
 

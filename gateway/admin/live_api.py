@@ -18,8 +18,7 @@ from starlette.routing import Route
 from engine import SchedulerStats
 from gateway.admin.auth import AdminGuard
 from gateway.observability.alerting import AlertMonitor
-from policies.alerts import AlertStatus
-from policies.tiers import Tier
+from policies import AlertStatus, Tier
 
 
 def alert_json(status: AlertStatus) -> dict[str, Any]:

@@ -28,16 +28,16 @@ from typing import Any
 import httpx
 
 from gateway.observability.metrics import GatewayMetrics
-from policies.alerts import (
+from policies import (
     AlertEvaluator,
     AlertEvent,
     AlertEventKind,
     AlertRuleError,
     AlertStatus,
+    Tier,
     TtftAlertRule,
     rules_from_tiers,
 )
-from policies.tiers import Tier
 
 logger = logging.getLogger(__name__)
 

@@ -25,8 +25,7 @@ from gateway.observability.dependency_health import DependencyHealth
 from gateway.observability.engine_health import EngineHealth
 from gateway.observability.gc_pauses import GcPauseCollector, GcPauses, process_gc_pauses
 from gateway.observability.loop_lag import LAG_BUCKETS_S
-from policies.alerts import AlertStatus, TtftAlertRule
-from policies.tiers import Tier
+from policies import AlertStatus, Tier, TtftAlertRule
 
 OTHER_TENANT = "other"
 _Endpoint = Callable[[Request], Awaitable[Response]]

@@ -17,15 +17,15 @@ import anyio
 
 from engine import (
     ContextLengthExceededError,
+    EngineClient,
     EngineError,
     RequestMetrics,
     RequestOutput,
     SamplingParams,
+    StructuredOutput,
+    TenantContext,
 )
 from engine import InvalidRequestError as EngineInvalidRequestError
-from engine.engine_client import EngineClient
-from engine.llm_engine import TenantContext
-from engine.structured_output import StructuredOutput
 from gateway.http.errors import InvalidRequestError
 from gateway.openai.requests import Endpoint, GenerationRequest
 from gateway.openai.tool_calls import render_messages, required_call_grammar

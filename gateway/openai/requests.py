@@ -17,8 +17,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from engine import MAX_STOP_STRING_CHARS
-from engine.structured_output import StructuredOutput
+from engine import MAX_STOP_STRING_CHARS, StructuredOutput
 from gateway.http.errors import InvalidRequestError
 from gateway.openai.structured import (
     NO_TOOLS,

@@ -11,8 +11,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine import TokenLogprobs
-from engine.tokenizer import Tokenizer
+from engine import Tokenizer, TokenLogprobs
 from gateway.openai.generation import JobSummary
 from gateway.openai.requests import Endpoint
 from gateway.openai.tool_calls import ToolCallFormat

@@ -14,8 +14,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from engine.errors import InvalidRequestError as EngineInvalidRequestError
-from engine.structured_output import StructuredOutput
+from engine import InvalidRequestError as EngineInvalidRequestError
+from engine import StructuredOutput
 from gateway.http.errors import InvalidRequestError
 from gateway.openai.tool_calls import FunctionTool, ToolChoice
 

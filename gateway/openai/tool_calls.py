@@ -28,7 +28,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from engine.structured_output import JSON_OPTIONS, bounded_numbers
+from engine import JSON_OPTIONS, bounded_numbers
 
 __all__ = [
     "FORMATS",

@@ -28,9 +28,7 @@ from pathlib import Path
 
 import torch
 
-from engine.demo_model import write_demo_model
-from engine.gguf_checkpoint import GGUFCheckpoint
-from engine.models.config import ModelConfigError
+from engine import GGUFCheckpoint, ModelConfigError, write_demo_model
 
 logger = logging.getLogger(__name__)
 

@@ -26,9 +26,7 @@ from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
 import tenants
-from engine import SchedulerStats
-from engine.engine_client import EngineClient
-from engine.models.config import ModelConfigError
+from engine import EngineClient, ModelConfigError, SchedulerStats
 from gateway.access.auth import TenantKeyResolver
 from gateway.http.errors import ServiceUnavailableError
 from gateway.observability.engine_health import (

@@ -14,20 +14,22 @@ import torch
 
 from engine import (
     CacheConfig,
+    EngineClient,
     EngineConfig,
+    EngineProcess,
+    FCFSQueue,
+    GrammarCompiler,
     LLMEngine,
+    ModelConfig,
     ModelRunner,
+    RequestLimits,
+    RunnerConfig,
     SchedulerConfig,
     TenantContext,
+    Tokenizer,
+    TorchModelRunner,
+    WaitingQueue,
 )
-from engine.engine_client import EngineClient
-from engine.engine_process import EngineProcess
-from engine.grammar_compiler import GrammarCompiler
-from engine.model_runner import RunnerConfig, TorchModelRunner
-from engine.models.config import ModelConfig
-from engine.queues import FCFSQueue, WaitingQueue
-from engine.request_limits import RequestLimits
-from engine.tokenizer import Tokenizer
 from gateway.openai.tool_calls import ToolCallFormat, format_for_template
 from gateway.server.model_source import resolve_model
 from gateway.server.settings import GatewaySettings
