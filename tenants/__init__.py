@@ -6,9 +6,9 @@ Imports nothing of the project; the schema itself lives in migrations/.
 from tenants.db import create_db_engine, create_session_factory, session_scope
 from tenants.errors import (
     ApiKeyNotFoundError,
-    ConflictError,
+    DuplicateError,
     InvalidFieldError,
-    NotFoundError,
+    RowNotFoundError,
     TenantNotFoundError,
     TenantsError,
 )
@@ -58,13 +58,13 @@ __all__ = [
     "ApiKeyNotFoundError",
     "AuditEntry",
     "Base",
-    "ConflictError",
     "CreatedApiKey",
     "DatabaseSettings",
+    "DuplicateError",
     "GeneratedKey",
     "InvalidFieldError",
-    "NotFoundError",
     "Quota",
+    "RowNotFoundError",
     "Tenant",
     "TenantNotFoundError",
     "TenantStatus",

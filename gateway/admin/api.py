@@ -26,9 +26,9 @@ import tenants
 from gateway.access.auth import TenantKeyResolver
 from gateway.admin.auth import ADMIN_METHODS, ADMIN_TOKEN_ENV, AdminGuard, admin_disabled
 from gateway.http.errors import (
+    BadRequestError,
     ConflictError,
     GatewayError,
-    InvalidRequestError,
     NotFoundError,
     PayloadTooLargeError,
 )
@@ -126,12 +126,12 @@ class _AdminApi:
         body = await _json_object(request)
         _reject_unknown(body, _CREATE_TENANT_FIELDS)
         if "name" not in body:
-            raise InvalidRequestError("missing required field 'name'", param="name")
+            raise BadRequestError("missing required field 'name'", param="name")
         quota = body.get("quota")
         if quota is None:
             quota = {}
         elif not isinstance(quota, Mapping):
-            raise InvalidRequestError("quota must be an object", param="quota")
+            raise BadRequestError("quota must be an object", param="quota")
         actor = _actor(request)
 
         def work(session: Session) -> dict[str, Any]:
@@ -261,10 +261,10 @@ class _AdminApi:
 
 def _translate(exc: tenants.TenantsError) -> GatewayError:
     if isinstance(exc, tenants.InvalidFieldError):
-        return InvalidRequestError(str(exc), param=exc.param)
-    if isinstance(exc, tenants.NotFoundError):
+        return BadRequestError(str(exc), param=exc.param)
+    if isinstance(exc, tenants.RowNotFoundError):
         return NotFoundError(str(exc), code="not_found")
-    if isinstance(exc, tenants.ConflictError):
+    if isinstance(exc, tenants.DuplicateError):
         return ConflictError(str(exc), param=exc.param, code="conflict")
     raise AssertionError(f"untranslated tenants error {type(exc).__name__}") from exc
 
@@ -288,14 +288,14 @@ async def _json_object(request: Request, *, allow_empty: bool = False) -> dict[s
         return {}
     body = parse_json_body(raw)
     if not isinstance(body, dict):
-        raise InvalidRequestError("request body must be a JSON object")
+        raise BadRequestError("request body must be a JSON object")
     return body
 
 
 def _reject_unknown(body: Mapping[str, object], allowed: Collection[str]) -> None:
     for field in body:
         if field not in allowed:
-            raise InvalidRequestError(
+            raise BadRequestError(
                 f"unknown field {field!r}; expected some of: {', '.join(allowed)}", param=field
             )
 
@@ -307,7 +307,7 @@ def _status_param(value: str | None) -> TenantStatus | None:
         return TenantStatus(value)
     except ValueError:
         choices = ", ".join(s.value for s in TenantStatus)
-        raise InvalidRequestError(f"status must be one of: {choices}", param="status") from None
+        raise BadRequestError(f"status must be one of: {choices}", param="status") from None
 
 
 def _int_param(value: str | None, param: str, *, low: int, high: int | None = None) -> int | None:
@@ -317,8 +317,8 @@ def _int_param(value: str | None, param: str, *, low: int, high: int | None = No
     try:
         number = int(value)
     except ValueError:
-        raise InvalidRequestError(f"{param} must be an integer", param=param) from None
+        raise BadRequestError(f"{param} must be an integer", param=param) from None
     if number < low or (high is not None and number > high):
         bounds = f"between {low} and {high}" if high is not None else f"at least {low}"
-        raise InvalidRequestError(f"{param} must be {bounds}", param=param)
+        raise BadRequestError(f"{param} must be {bounds}", param=param)
     return number

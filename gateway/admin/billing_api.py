@@ -41,7 +41,7 @@ from billing import (
     parse_day,
 )
 from gateway.admin.auth import ADMIN_METHODS, AdminGuard, admin_disabled
-from gateway.http.errors import InvalidRequestError, ServiceUnavailableError
+from gateway.http.errors import BadRequestError, ServiceUnavailableError
 
 # Longest range /usage answers in one response, both days included: a year, leap or not.
 MAX_USAGE_DAYS = 366
@@ -78,7 +78,7 @@ class _BillingApi:
                 max_days=MAX_USAGE_DAYS,
             )
         except InvalidPeriodError as exc:
-            raise InvalidRequestError(str(exc), param=exc.param) from None
+            raise BadRequestError(str(exc), param=exc.param) from None
         tenant_id = _tenant_id(query)
         rows = await run_in_threadpool(self._daily_usage, start, end, tenant_id)
         return JSONResponse({"rows": [_usage_row(row) for row in rows]})
@@ -88,7 +88,7 @@ class _BillingApi:
         try:
             period = Period.parse(_required(query, "period"))
         except InvalidPeriodError as exc:
-            raise InvalidRequestError(str(exc), param=exc.param) from None
+            raise BadRequestError(str(exc), param=exc.param) from None
         export = ExportRequest(
             period=period,
             format=_export_format(query.get("format", "csv")),
@@ -149,7 +149,7 @@ def _usage_row(row: DailyUsage) -> dict[str, Any]:
 def _required(query: QueryParams, param: str) -> str:
     value = query.get(param)
     if value is None:
-        raise InvalidRequestError(f"missing query parameter {param!r}", param=param)
+        raise BadRequestError(f"missing query parameter {param!r}", param=param)
     return value
 
 
@@ -158,7 +158,7 @@ def _tenant_id(query: QueryParams) -> int | None:
     if value is None or value == "":
         return None
     if not value.isdigit() or int(value) < 1:
-        raise InvalidRequestError("tenant_id must be a positive integer", param="tenant_id")
+        raise BadRequestError("tenant_id must be a positive integer", param="tenant_id")
     return int(value)
 
 
@@ -167,7 +167,7 @@ def _export_format(value: str) -> ExportFormat:
         return ExportFormat(value)
     except ValueError:
         choices = ", ".join(f.value for f in ExportFormat)
-        raise InvalidRequestError(f"format must be one of: {choices}", param="format") from None
+        raise BadRequestError(f"format must be one of: {choices}", param="format") from None
 
 
 def _flag(value: str, param: str) -> bool:
@@ -175,4 +175,4 @@ def _flag(value: str, param: str) -> bool:
         return True
     if value.lower() in _FALSE:
         return False
-    raise InvalidRequestError(f"{param} must be true or false", param=param)
+    raise BadRequestError(f"{param} must be true or false", param=param)

@@ -4,7 +4,7 @@ Every error leaves the gateway as ``{"error": {"message", "type", "param", "code
 never an HTML page or a stack trace.
 
     GatewayError                      500 server_error
-    ├── InvalidRequestError           400 invalid_request_error (param names the field)
+    ├── BadRequestError               400 invalid_request_error (param names the field)
     ├── AuthenticationError           401 authentication_error
     ├── PermissionDeniedError         403 permission_error
     ├── NotFoundError                 404 not_found_error
@@ -98,7 +98,7 @@ class GatewayError(Exception):
         )
 
 
-class InvalidRequestError(GatewayError):
+class BadRequestError(GatewayError):
     """The body or query is malformed or out of range; param names the offending field."""
 
     status_code = 400

@@ -15,7 +15,7 @@ import json
 import re
 from typing import Any
 
-from gateway.http.errors import InvalidRequestError
+from gateway.http.errors import BadRequestError
 
 __all__ = ["parse_json_body"]
 
@@ -24,18 +24,18 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
 
 
 def parse_json_body(raw: bytes) -> Any:
-    """The body as JSON; InvalidRequestError when it is not JSON, nests too deeply, or holds
+    """The body as JSON; BadRequestError when it is not JSON, nests too deeply, or holds
     a string (or a key) that is not text."""
     try:
         body = json.loads(raw)
     except RecursionError:
-        raise InvalidRequestError("the request body nests too deeply") from None
+        raise BadRequestError("the request body nests too deeply") from None
     except (ValueError, UnicodeDecodeError) as exc:
-        raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from None
+        raise BadRequestError(f"the request body is not valid JSON: {exc}") from None
     if _SURROGATE_ESCAPE.search(raw):
         path = _first_non_text(body, "")
         if path is not None:
-            raise InvalidRequestError(
+            raise BadRequestError(
                 "the request body holds a lone UTF-16 surrogate (not text)",
                 param=path or None,
             )

@@ -53,7 +53,7 @@ DURATION_BUCKETS_S = (
 
 class RequestOutcome(enum.Enum):
     """How a request ended, the ``status`` label of tiergate_requests_total (the values of
-    gateway.openai.request_record.RequestStatus, plus INVALID)."""
+    gateway.openai.request_record.RequestEnd, plus INVALID)."""
 
     COMPLETED = "completed"  # every choice ended by a stop condition or max_tokens
     ABORTED = "aborted"  # the client went away before the end

@@ -19,14 +19,14 @@ from engine import (
     ContextLengthExceededError,
     EngineClient,
     EngineError,
+    InvalidRequestError,
     RequestMetrics,
     RequestOutput,
     SamplingParams,
     StructuredOutput,
     TenantContext,
 )
-from engine import InvalidRequestError as EngineInvalidRequestError
-from gateway.http.errors import InvalidRequestError
+from gateway.http.errors import BadRequestError
 from gateway.openai.requests import Endpoint, GenerationRequest
 from gateway.openai.tool_calls import render_messages, required_call_grammar
 from gateway.server.served_model import ServedModel
@@ -73,7 +73,7 @@ def _prepare(
             raise _translate(exc) from exc
         except (TypeError, ValueError, KeyError) as exc:
             # Message fields the template does not expect (e.g. tool_calls of odd shape).
-            raise InvalidRequestError(
+            raise BadRequestError(
                 f"the messages cannot be rendered with this model's chat template: {exc}",
                 param="messages",
             ) from exc
@@ -89,7 +89,7 @@ def _prepare(
             continue
         for token_id in prompt:
             if not 0 <= token_id < model.vocab_size:
-                raise InvalidRequestError(
+                raise BadRequestError(
                     f"token id {token_id} is outside this model's vocabulary "
                     f"(0..{model.vocab_size - 1})",
                     param=param,
@@ -102,7 +102,7 @@ def _check_not_too_long(text: str, model: ServedModel, param: str) -> None:
     """400 context_length_exceeded, without encoding, for a text that cannot fit."""
     num_tokens = model.tokenizer.min_num_tokens(text)
     if num_tokens >= model.max_model_len:
-        raise InvalidRequestError(
+        raise BadRequestError(
             f"the prompt has at least {num_tokens} tokens ({len(text)} characters); this "
             f"model's context is {model.max_model_len}",
             param=param,
@@ -118,7 +118,7 @@ def sampling_params(request: GenerationRequest, model: ServedModel) -> SamplingP
         stop_token_ids += [t for t in model.eos_token_ids[1:] if t not in stop_token_ids]
     for token_id in fields.stop_token_ids:
         if token_id >= model.vocab_size:
-            raise InvalidRequestError(
+            raise BadRequestError(
                 f"stop token id {token_id} is outside this model's vocabulary",
                 param="stop_token_ids",
             )
@@ -343,7 +343,7 @@ class GenerationJob:
             self._queue.put_nowait(None)
 
 
-def _translate(exc: EngineError) -> InvalidRequestError:
+def _translate(exc: EngineError) -> BadRequestError:
     code = "context_length_exceeded" if isinstance(exc, ContextLengthExceededError) else None
-    param = exc.param if isinstance(exc, EngineInvalidRequestError) else None
-    return InvalidRequestError(str(exc), param=param, code=code)
+    param = exc.param if isinstance(exc, InvalidRequestError) else None
+    return BadRequestError(str(exc), param=param, code=code)

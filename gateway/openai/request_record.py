@@ -10,7 +10,9 @@ from enum import Enum
 from gateway.openai.requests import Endpoint
 
 
-class RequestStatus(Enum):
+class RequestEnd(Enum):
+    """How a request ended (the engine's RequestStatus is where a request is while it runs)."""
+
     COMPLETED = "completed"  # every choice ended by a stop condition or max_tokens
     ABORTED = "aborted"  # the client went away before the end
     FAILED = "failed"  # the engine failed while running it
@@ -28,7 +30,7 @@ class RequestRecord:
     model: str
     tier: str
     endpoint: Endpoint
-    status: RequestStatus
+    status: RequestEnd
     # "stop" / "length" when every choice ended one way; the first other reason otherwise.
     finish_reason: str | None
     num_prompt_tokens: int

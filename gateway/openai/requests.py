@@ -1,7 +1,7 @@
 """Bodies of POST /v1/chat/completions and /v1/completions, checked against the OpenAI
 schema (shared/reference/openai-openapi.yaml) and turned into typed requests.
 
-Every problem raises gateway.http.errors.InvalidRequestError with ``param`` naming the field.
+Every problem raises gateway.http.errors.BadRequestError with ``param`` naming the field.
 Fields of the schema that this server cannot honour (audio, the deprecated functions, ...)
 are refused with code ``unsupported_parameter`` rather than silently ignored; fields that
 only label a request (user, metadata, store, ...) are accepted. Sampling parameters the
@@ -18,7 +18,7 @@ from enum import Enum
 from typing import Any
 
 from engine import MAX_STOP_STRING_CHARS, StructuredOutput
-from gateway.http.errors import InvalidRequestError
+from gateway.http.errors import BadRequestError
 from gateway.openai.structured import (
     NO_TOOLS,
     STRUCTURED_FIELDS,
@@ -142,18 +142,18 @@ def parse_chat_request(body: object, bounds: RequestBounds | None = None) -> Gen
     _refuse_chat_features(fields)
     raw_messages = fields.array("messages", required=True)
     if len(raw_messages) > bounds.max_messages:
-        raise InvalidRequestError(
+        raise BadRequestError(
             f"messages holds {len(raw_messages)} messages; this server takes at most "
             f"{bounds.max_messages}",
             param="messages",
         )
     messages = tuple(_message(m, i) for i, m in enumerate(raw_messages))
     if not messages:
-        raise InvalidRequestError("messages must hold at least one message", param="messages")
+        raise BadRequestError("messages must hold at least one message", param="messages")
     logprobs = fields.boolean("logprobs") or False
     top_logprobs = fields.integer("top_logprobs", 0, MAX_CHAT_TOP_LOGPROBS)
     if top_logprobs is not None and not logprobs:
-        raise InvalidRequestError(
+        raise BadRequestError(
             "top_logprobs needs logprobs set to true", param="top_logprobs"
         )
     max_tokens = fields.integer("max_tokens", 1, _INT64 - 1)
@@ -167,7 +167,7 @@ def parse_chat_request(body: object, bounds: RequestBounds | None = None) -> Gen
     tools = tool_request(fields.raw("tools"), fields.raw("tool_choice"),
                          fields.raw("parallel_tool_calls"))
     if structured is not None and tools.choice.mode in ("required", "function"):
-        raise InvalidRequestError(
+        raise BadRequestError(
             "a tool_choice that forces a call cannot be combined with a structured output",
             param="tool_choice",
         )
@@ -201,7 +201,7 @@ def parse_completion_request(
         _unsupported("echo", "echo together with logprobs (prompt logprobs) is not supported")
     max_tokens = fields.integer("max_tokens", 0, _INT64 - 1)
     if max_tokens == 0:
-        raise InvalidRequestError("max_tokens must be at least 1", param="max_tokens")
+        raise BadRequestError("max_tokens must be at least 1", param="max_tokens")
     sampling = _sampling(fields, max_tokens, num_logprobs)
     _check_choices(len(prompts), sampling.n, bounds)
     best_of = fields.integer("best_of", 0, 20)
@@ -233,11 +233,11 @@ def _sampling(fields: _Fields, max_tokens: int | None, num_logprobs: int | None)
     logit_bias = fields.raw("logit_bias")
     if logit_bias not in (None, {}):
         if not isinstance(logit_bias, dict):
-            raise InvalidRequestError("logit_bias must be an object", param="logit_bias")
+            raise BadRequestError("logit_bias must be an object", param="logit_bias")
         _unsupported("logit_bias", "logit_bias is not supported by this server")
     min_tokens = _default(fields.integer("min_tokens", 0, 2**31 - 1), 0)
     if max_tokens is not None and min_tokens > max_tokens:
-        raise InvalidRequestError("min_tokens must not exceed max_tokens", param="min_tokens")
+        raise BadRequestError("min_tokens must not exceed max_tokens", param="min_tokens")
     return SamplingFields(
         n=_default(fields.integer("n", 1, MAX_N), 1),
         temperature=_default(fields.number("temperature", 0.0, 2.0), 1.0),
@@ -265,7 +265,7 @@ def _structured(fields: _Fields) -> StructuredOutput | None:
         fields.raw("response_format"), {name: fields.raw(name) for name in STRUCTURED_FIELDS}
     )
     if constraint is not None and fields.boolean("ignore_eos"):
-        raise InvalidRequestError(
+        raise BadRequestError(
             "ignore_eos cannot be combined with a structured output: the grammar ends it",
             param="ignore_eos",
         )
@@ -278,14 +278,14 @@ def _stream(fields: _Fields) -> tuple[bool, bool]:
     if options is None:
         return stream, False
     if not isinstance(options, dict):
-        raise InvalidRequestError("stream_options must be an object", param="stream_options")
+        raise BadRequestError("stream_options must be an object", param="stream_options")
     include_usage = options.get("include_usage")
     if include_usage is not None and not isinstance(include_usage, bool):
-        raise InvalidRequestError(
+        raise BadRequestError(
             "stream_options.include_usage must be a boolean", param="stream_options.include_usage"
         )
     if not stream and options:
-        raise InvalidRequestError(
+        raise BadRequestError(
             "stream_options is only allowed when stream is true", param="stream_options"
         )
     return stream, bool(include_usage)
@@ -296,14 +296,14 @@ def _stop(value: object) -> tuple[str, ...]:
         return ()
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
-        raise InvalidRequestError("stop must be a string or an array of strings", param="stop")
+        raise BadRequestError("stop must be a string or an array of strings", param="stop")
     if len(items) > MAX_STOP_STRINGS:
-        raise InvalidRequestError(
+        raise BadRequestError(
             f"stop holds at most {MAX_STOP_STRINGS} strings", param="stop"
         )
     for index, item in enumerate(items):
         if len(item) > MAX_STOP_STRING_CHARS:
-            raise InvalidRequestError(
+            raise BadRequestError(
                 f"a stop string holds at most {MAX_STOP_STRING_CHARS} characters",
                 param=f"stop[{index}]" if isinstance(value, list) else "stop",
             )
@@ -313,7 +313,7 @@ def _stop(value: object) -> tuple[str, ...]:
 
 def _check_choices(num_prompts: int, n: int, bounds: RequestBounds) -> None:
     if num_prompts * n > bounds.max_choices:
-        raise InvalidRequestError(
+        raise BadRequestError(
             f"{num_prompts} prompt(s) x n={n} asks for {num_prompts * n} choices; this server "
             f"takes at most {bounds.max_choices} in one request",
             param="n" if num_prompts == 1 else "prompt",
@@ -322,17 +322,17 @@ def _check_choices(num_prompts: int, n: int, bounds: RequestBounds) -> None:
 
 def _prompts(value: object, max_prompts: int) -> tuple[str | tuple[int, ...], ...]:
     if value is None:
-        raise InvalidRequestError("prompt is required", param="prompt")
+        raise BadRequestError("prompt is required", param="prompt")
     if isinstance(value, str):
         return (value,)
     if not isinstance(value, list) or not value:
-        raise InvalidRequestError(
+        raise BadRequestError(
             "prompt must be a string, an array of strings, an array of token ids or an array "
             "of token id arrays",
             param="prompt",
         )
     if isinstance(value[0], str | list) and len(value) > max_prompts:
-        raise InvalidRequestError(
+        raise BadRequestError(
             f"prompt holds {len(value)} prompts; this server takes at most {max_prompts} "
             "choices (prompts x n) in one request",
             param="prompt",
@@ -343,36 +343,36 @@ def _prompts(value: object, max_prompts: int) -> tuple[str | tuple[int, ...], ..
         return (tuple(value),)
     if all(isinstance(p, list) for p in value):
         return tuple(tuple(_int_list(p, f"prompt[{i}]")) for i, p in enumerate(value))
-    raise InvalidRequestError("prompt mixes strings, token ids and arrays", param="prompt")
+    raise BadRequestError("prompt mixes strings, token ids and arrays", param="prompt")
 
 
 def _int_list(value: object, param: str) -> list[int]:
     if value is None:
         return []
     if not isinstance(value, list) or not all(_is_int(t) and t >= 0 for t in value):
-        raise InvalidRequestError(f"{param} must be an array of non-negative integers", param=param)
+        raise BadRequestError(f"{param} must be an array of non-negative integers", param=param)
     return list(value)
 
 
 def _message(value: object, index: int) -> dict[str, Any]:
     param = f"messages[{index}]"
     if not isinstance(value, dict):
-        raise InvalidRequestError("each message must be an object", param=param)
+        raise BadRequestError("each message must be an object", param=param)
     role = value.get("role")
     if role not in _CHAT_ROLES:
-        raise InvalidRequestError(
+        raise BadRequestError(
             f"role must be one of: {', '.join(sorted(_CHAT_ROLES))}", param=f"{param}.role"
         )
     content = value.get("content")
     if content is None and role not in ("assistant",):
-        raise InvalidRequestError("content is required", param=f"{param}.content")
+        raise BadRequestError("content is required", param=f"{param}.content")
     if role == "assistant" and value.get("tool_calls") is not None:
         _check_tool_calls(value["tool_calls"], f"{param}.tool_calls")
     elif content is None:
-        raise InvalidRequestError("content is required without tool_calls",
+        raise BadRequestError("content is required without tool_calls",
                                   param=f"{param}.content")
     if role == "tool" and not isinstance(value.get("tool_call_id"), str):
-        raise InvalidRequestError("a tool message needs tool_call_id",
+        raise BadRequestError("a tool message needs tool_call_id",
                                   param=f"{param}.tool_call_id")
     message = dict(value)
     # Chat templates know system, not OpenAI's newer name for it.
@@ -383,12 +383,12 @@ def _message(value: object, index: int) -> dict[str, Any]:
 
 def _check_tool_calls(calls: object, param: str) -> None:
     if not isinstance(calls, list):
-        raise InvalidRequestError("tool_calls must be an array", param=param)
+        raise BadRequestError("tool_calls must be an array", param=param)
     for index, call in enumerate(calls):
         function = call.get("function") if isinstance(call, dict) else None
         if (not isinstance(function, dict) or not isinstance(function.get("name"), str)
                 or not isinstance(function.get("arguments"), str)):
-            raise InvalidRequestError(
+            raise BadRequestError(
                 "each tool call needs function.name and function.arguments (strings)",
                 param=f"{param}[{index}].function",
             )
@@ -398,21 +398,21 @@ def _text_content(content: object, param: str) -> str | None:
     if content is None or isinstance(content, str):
         return content
     if not isinstance(content, list) or not content:
-        raise InvalidRequestError("content must be a string or an array of parts", param=param)
+        raise BadRequestError("content must be a string or an array of parts", param=param)
     texts = []
     for i, part in enumerate(content):
         if not isinstance(part, dict):
-            raise InvalidRequestError("each content part must be an object", param=f"{param}[{i}]")
+            raise BadRequestError("each content part must be an object", param=f"{param}[{i}]")
         kind = part.get("type")
         if kind == "text":
             text = part.get("text")
             if not isinstance(text, str):
-                raise InvalidRequestError("text must be a string", param=f"{param}[{i}].text")
+                raise BadRequestError("text must be a string", param=f"{param}[{i}].text")
             texts.append(text)
         elif kind == "refusal":
             refusal = part.get("refusal")
             if not isinstance(refusal, str):
-                raise InvalidRequestError(
+                raise BadRequestError(
                     "refusal must be a string", param=f"{param}[{i}].refusal"
                 )
             texts.append(refusal)
@@ -437,7 +437,7 @@ def _refuse_chat_features(fields: _Fields) -> None:
 
 
 def _unsupported(param: str, message: str) -> None:
-    raise InvalidRequestError(message, param=param, code="unsupported_parameter")
+    raise BadRequestError(message, param=param, code="unsupported_parameter")
 
 
 def _default(value: Any, default: Any) -> Any:
@@ -453,10 +453,10 @@ class _Fields:
 
     def __init__(self, body: object, known: frozenset[str]) -> None:
         if not isinstance(body, dict):
-            raise InvalidRequestError("the request body must be a JSON object")
+            raise BadRequestError("the request body must be a JSON object")
         for key in body:
             if key not in known:
-                raise InvalidRequestError(
+                raise BadRequestError(
                     f"Unrecognized request argument supplied: {key}", param=key
                 )
         self._body = body
@@ -467,13 +467,13 @@ class _Fields:
     def string(self, name: str, *, required: bool = False) -> str:
         value = self._body.get(name)
         if not isinstance(value, str) or (required and not value):
-            raise InvalidRequestError(f"{name} must be a non-empty string", param=name)
+            raise BadRequestError(f"{name} must be a non-empty string", param=name)
         return value
 
     def optional_string(self, name: str) -> str | None:
         value = self._body.get(name)
         if value is not None and not isinstance(value, str):
-            raise InvalidRequestError(f"{name} must be a string", param=name)
+            raise BadRequestError(f"{name} must be a string", param=name)
         return value
 
     def array(self, name: str, *, required: bool = False) -> list[Any]:
@@ -481,7 +481,7 @@ class _Fields:
         if value is None and not required:
             return []
         if not isinstance(value, list):
-            raise InvalidRequestError(f"{name} must be an array", param=name)
+            raise BadRequestError(f"{name} must be an array", param=name)
         return value
 
     def boolean(self, name: str) -> bool | None:
@@ -490,7 +490,7 @@ class _Fields:
     def integer(self, name: str, minimum: int, maximum: int) -> int | None:
         value = self._typed(name, _is_int, "an integer")
         if value is not None and not minimum <= value <= maximum:
-            raise InvalidRequestError(f"{name} must be between {minimum} and {maximum}", param=name)
+            raise BadRequestError(f"{name} must be between {minimum} and {maximum}", param=name)
         return value
 
     def number(
@@ -506,7 +506,7 @@ class _Fields:
         too_low = value <= minimum if exclusive_minimum else value < minimum
         if too_low or value > maximum:
             low = "(" if exclusive_minimum else "["
-            raise InvalidRequestError(
+            raise BadRequestError(
                 f"{name} must be in {low}{minimum:g}, {maximum:g}]", param=name
             )
         return float(value)
@@ -514,5 +514,5 @@ class _Fields:
     def _typed(self, name: str, check: Callable[[Any], bool], kind: str) -> Any:
         value = self._body.get(name)
         if value is not None and not check(value):
-            raise InvalidRequestError(f"{name} must be {kind}", param=name)
+            raise BadRequestError(f"{name} must be {kind}", param=name)
         return value

@@ -50,7 +50,7 @@ from gateway.openai.generation import (
     prepare_prompts,
     sampling_params,
 )
-from gateway.openai.request_record import RequestRecord, RequestStatus
+from gateway.openai.request_record import RequestEnd, RequestRecord
 from gateway.openai.requests import (
     Endpoint,
     GenerationRequest,
@@ -329,7 +329,7 @@ class _Run:
         if self.request.echo:
             for index, choice in enumerate(choices):
                 choice.text = self._prompt_text(index)
-        status, error = RequestStatus.ABORTED, None
+        status, error = RequestEnd.ABORTED, None
         try:
             async with anyio.create_task_group() as group:
                 group.start_soon(_cancel_on_disconnect, http_request, group.cancel_scope)
@@ -343,18 +343,18 @@ class _Run:
                 group.cancel_scope.cancel()
             status, error = self._outcome()
         except Exception as exc:  # the engine loop died
-            status, error = RequestStatus.FAILED, f"{type(exc).__name__}"
+            status, error = RequestEnd.FAILED, f"{type(exc).__name__}"
         finally:
             with anyio.CancelScope(shield=True):
                 await self.job.cancel()  # a disconnect: wait for the abort's metering
-                if status is RequestStatus.ABORTED:
+                if status is RequestEnd.ABORTED:
                     status, error = self._outcome()
                 is_recorded = await self._finalize(status)
-        if status is RequestStatus.ABORTED:
+        if status is RequestEnd.ABORTED:
             return Response(status_code=499)  # nobody is listening
         if not is_recorded:
             raise _record_lost_error()
-        if status is RequestStatus.FAILED:
+        if status is RequestEnd.FAILED:
             logger.error("request %s failed in the engine: %s", self.job.request_id, error)
             raise InternalServerError(
                 "the engine failed while generating this request", code="engine_error"
@@ -366,7 +366,7 @@ class _Run:
     # -- streamed --------------------------------------------------------------------------------
 
     async def stream(self) -> AsyncGenerator[str, None]:
-        status = RequestStatus.ABORTED
+        status = RequestEnd.ABORTED
         started = [False] * self.job.num_choices
         offsets = [0] * self.job.num_choices
         tool_streams = (
@@ -387,7 +387,7 @@ class _Run:
                     if not await self._finalize(status):
                         yield _sse(_record_lost_error().body())
                         return
-                    if status is RequestStatus.FAILED:
+                    if status is RequestEnd.FAILED:
                         yield _sse(error_body(
                             "the engine failed while generating this request",
                             "server_error", code="engine_error",
@@ -413,7 +413,7 @@ class _Run:
             yield "data: [DONE]\n\n"
         except Exception as exc:  # the engine loop died mid-stream
             logger.error("stream %s failed: %s", self.job.request_id, exc)
-            status = RequestStatus.FAILED
+            status = RequestEnd.FAILED
             with anyio.CancelScope(shield=True):
                 await self._finalize(status)
             yield _sse(error_body(
@@ -447,15 +447,15 @@ class _Run:
                 self.trace.first_token(now)
             self._token_times[index].append(now)
 
-    def _outcome(self) -> tuple[RequestStatus, str | None]:
+    def _outcome(self) -> tuple[RequestEnd, str | None]:
         errors = [c.error for c in self.job.choices if c.finish_reason == "error"]
         if errors:
-            return RequestStatus.FAILED, errors[0]
+            return RequestEnd.FAILED, errors[0]
         if self.job.is_complete:
-            return RequestStatus.COMPLETED, None
-        return RequestStatus.ABORTED, None
+            return RequestEnd.COMPLETED, None
+        return RequestEnd.ABORTED, None
 
-    async def _finalize(self, status: RequestStatus) -> bool:
+    async def _finalize(self, status: RequestEnd) -> bool:
         """Once per request: publish the record, release admission, end in-flight. Shielded:
         a client that goes away meanwhile cannot skip the record. The release comes after
         the record, whose usage is then in the ledger's monthly totals: the budget it held
@@ -483,14 +483,14 @@ class _Run:
                 runtime.request_ended()
         return is_recorded
 
-    def _http_status(self, status: RequestStatus) -> int:
-        if status is RequestStatus.ABORTED:
+    def _http_status(self, status: RequestEnd) -> int:
+        if status is RequestEnd.ABORTED:
             return 499  # the client closed the connection before the end (nginx's convention)
-        if status is RequestStatus.FAILED and not self.request.stream:
+        if status is RequestEnd.FAILED and not self.request.stream:
             return 500  # a stream that started stays 200; its error is an event
         return 200
 
-    def _record(self, status: RequestStatus) -> RequestRecord:
+    def _record(self, status: RequestEnd) -> RequestRecord:
         summary = self.job.summary()
         now = time.monotonic()
         metrics = [m for m in self.job.last_metrics if m is not None]
@@ -571,7 +571,7 @@ def refused_record(
         model=served.name,
         tier=principal.tier,
         endpoint=endpoint,
-        status=RequestStatus.REFUSED,
+        status=RequestEnd.REFUSED,
         finish_reason=None,
         num_prompt_tokens=num_prompt_tokens,
         num_cached_prompt_tokens=0,
@@ -605,12 +605,12 @@ def _most_charged_tenant(metrics: list[RequestMetrics]) -> int | None:
 
 def _trace_response(record: RequestRecord, served: ServedModel) -> GenAiResponse:
     error_type = {
-        RequestStatus.FAILED: "engine_error",
-        RequestStatus.ABORTED: "client_disconnected",
-        RequestStatus.REFUSED: record.refusal_reason or "refused",
+        RequestEnd.FAILED: "engine_error",
+        RequestEnd.ABORTED: "client_disconnected",
+        RequestEnd.REFUSED: record.refusal_reason or "refused",
     }.get(record.status)
     return GenAiResponse(
-        response_id=record.request_id if record.status is not RequestStatus.REFUSED else None,
+        response_id=record.request_id if record.status is not RequestEnd.REFUSED else None,
         response_model=served.name,
         finish_reasons=[record.finish_reason] if record.finish_reason else [],
         num_input_tokens=record.num_prompt_tokens,

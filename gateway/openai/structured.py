@@ -14,9 +14,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from engine import InvalidRequestError as EngineInvalidRequestError
-from engine import StructuredOutput
-from gateway.http.errors import InvalidRequestError
+from engine import InvalidRequestError, StructuredOutput
+from gateway.http.errors import BadRequestError
 from gateway.openai.tool_calls import FunctionTool, ToolChoice
 
 MAX_TOOLS = 128
@@ -51,8 +50,8 @@ class ToolRequest:
 NO_TOOLS = ToolRequest((), ToolChoice("none"), True)
 
 
-def _invalid(message: str, param: str) -> InvalidRequestError:
-    return InvalidRequestError(message, param=param)
+def _invalid(message: str, param: str) -> BadRequestError:
+    return BadRequestError(message, param=param)
 
 
 def _constraint(build: Any, *args: Any) -> StructuredOutput:
@@ -60,7 +59,7 @@ def _constraint(build: Any, *args: Any) -> StructuredOutput:
     try:
         constraint: StructuredOutput = build(*args)
         return constraint.check_size()
-    except EngineInvalidRequestError as exc:
+    except InvalidRequestError as exc:
         raise _invalid(str(exc), exc.param or "response_format") from exc
 
 

@@ -14,7 +14,7 @@ from billing import (
     UsageLedger,
     UsageRecord,
 )
-from gateway.openai.request_record import RequestRecord, RequestStatus
+from gateway.openai.request_record import RequestEnd, RequestRecord
 from policies import MonthlyUsage
 
 logger = logging.getLogger(__name__)
@@ -26,7 +26,7 @@ def usage_record(record: RequestRecord) -> UsageRecord:
     A refusal used nothing: its record carries no tokens, so it is neither priced nor
     counted against a monthly budget (the request's prompt size stays in the metrics).
     """
-    is_refused = record.status is RequestStatus.REFUSED
+    is_refused = record.status is RequestEnd.REFUSED
     return UsageRecord(
         request_id=record.request_id,
         tenant_id=record.tenant_id,

@@ -34,7 +34,7 @@ def create_demo_tenant_if_empty(
             )
             created = tenants.create_api_key(session, tenant, name="demo", actor=_ACTOR)
             return created.plaintext
-    except tenants.ConflictError:
+    except tenants.DuplicateError:
         return None
 
 

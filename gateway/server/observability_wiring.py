@@ -25,7 +25,7 @@ from gateway.observability.metrics import (
 )
 from gateway.observability.metrics_views import without_tenants
 from gateway.observability.telemetry import Telemetry, TelemetrySettings, setup_telemetry
-from gateway.openai.request_record import RequestRecord, RequestStatus
+from gateway.openai.request_record import RequestEnd, RequestRecord
 from policies import TierTable
 
 # The tier label of requests refused before admission: the caller may be unknown (401).
@@ -113,7 +113,7 @@ class Observability:
 
     async def record(self, record: RequestRecord) -> None:
         """RecordSink: one finished (or refused) request."""
-        if record.status is RequestStatus.REFUSED:
+        if record.status is RequestEnd.REFUSED:
             self.metrics.record_rejection(record.tier, record.refusal_reason or "unknown")
         self.metrics.observe_request(
             RequestObservation(

@@ -35,7 +35,7 @@ from gateway.observability.engine_health import (
     EngineHealth,
 )
 from gateway.observability.telemetry import Telemetry, TelemetrySettings, setup_telemetry
-from gateway.openai.request_record import RequestRecord, RequestStatus
+from gateway.openai.request_record import RequestEnd, RequestRecord
 from gateway.server.served_model import ServedModel, load_served_model
 from gateway.server.settings import GatewaySettings
 from policies import TierTable
@@ -282,7 +282,7 @@ class GatewayRuntime:
                 logger.error("the record of %s was not written: %s", record.request_id, exc)
                 lost = exc
                 record = dataclasses.replace(
-                    record, status=RequestStatus.FAILED, http_status=RECORD_LOST_STATUS
+                    record, status=RequestEnd.FAILED, http_status=RECORD_LOST_STATUS
                 )
         for sink in self.sinks:
             try:
