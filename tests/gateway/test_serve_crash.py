@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.billing.test_serve_harness import (
+from tests.gateway.serve_harness import (
     ClientRequest,
     Traffic,
     TrafficMix,

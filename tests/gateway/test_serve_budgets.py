@@ -17,7 +17,7 @@ import httpx2
 import openai
 import pytest
 
-from tests.billing.test_serve_harness import MODEL, admin_client, billing_periods, detail_export
+from tests.gateway.serve_harness import MODEL, admin_client, billing_periods, detail_export
 from tests.serve_process import ServeProcess
 
 BUDGET_TOKENS = 120

@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from tests.billing.test_serve_harness import (
+from tests.gateway.serve_harness import (
     Traffic,
     TrafficMix,
     admin_client,

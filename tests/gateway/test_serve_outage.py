@@ -23,7 +23,7 @@ import pytest
 from sqlalchemy.engine import make_url
 
 from tests.billing.conftest import DatabaseOutage
-from tests.billing.test_serve_harness import (
+from tests.gateway.serve_harness import (
     Traffic,
     TrafficMix,
     assert_billed_exactly_once,
