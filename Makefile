@@ -45,7 +45,7 @@ typecheck: $(STAMP)
 
 # Tiered vs FCFS scheduling on the simulated machine (fake runner), workload-serve-600.
 sim: $(STAMP)
-	$(PY) -m engine.simulation --workload ops/bench/inputs/workload-serve-600.json
+	$(PY) -m bench.simulation --workload ops/bench/inputs/workload-serve-600.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -17,6 +17,7 @@ from engine.errors import (
     EngineError,
     InvalidRequestError,
 )
+from engine.fcfs_policy import FCFSPolicy
 from engine.grammar_compiler import GrammarCompiler
 from engine.llm_engine import LLMEngine, TenantContext
 from engine.outputs import RequestMetrics, RequestOutput
@@ -41,10 +42,17 @@ if TYPE_CHECKING:
     from engine.gguf_checkpoint import GGUFCheckpoint
     from engine.model_runner import RunnerConfig, TorchModelRunner
     from engine.models.config import ModelConfig, ModelConfigError
+from engine.scheduling_policy import (
+    AdmissionGate,
+    SchedulingPolicy,
+    StepBuilder,
+    Verdict,
+)
 
 __all__ = [
     "JSON_OPTIONS",
     "MAX_STOP_STRING_CHARS",
+    "AdmissionGate",
     "CacheConfig",
     "ConfigError",
     "ContextLengthExceededError",
@@ -54,6 +62,7 @@ __all__ = [
     "EngineDeadError",
     "EngineError",
     "EngineProcess",
+    "FCFSPolicy",
     "FCFSQueue",
     "GGUFCheckpoint",
     "GrammarCompiler",
@@ -74,6 +83,8 @@ __all__ = [
     "SchedulerConfig",
     "SchedulerOutput",
     "SchedulerStats",
+    "SchedulingPolicy",
+    "StepBuilder",
     "StructuredOutput",
     "TenantContext",
     "TenantShare",
@@ -82,6 +93,7 @@ __all__ = [
     "Tokenizer",
     "TorchModelRunner",
     "Unseen",
+    "Verdict",
     "WaitingQueue",
     "bounded_numbers",
     "write_demo_model",

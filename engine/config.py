@@ -16,33 +16,12 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # token budget of one step (decodes + prefill chunks)
     max_num_seqs: int = 64  # requests running at once
     max_model_len: int = 4096  # prompt + output tokens of one request
-    # A more important tier may preempt running requests of less important tiers (tiered);
-    # off gives the single-class behaviour of a vLLM-style engine (FCFS baseline).
-    enable_priority_preemption: bool = True
-    # Inside a tier (with priority preemption on): a waiting request of a tenant holding under
-    # half its weighted share of the tier's running requests may preempt a request of a
-    # tenant holding more than its share, so a light tenant does not wait for a heavy one's
-    # requests to finish.
-    enable_fair_share_preemption: bool = True
-    # With fair sharing: a step in which the prompts of tenants under half their share (of the
-    # most important tier with work) leave budget over carries nothing else; the rest waits
-    # one step, so a light tenant's prompt does not run in, and pay for, a heavy tenant's full
-    # step. At most one such step in this many (0: never), so nobody else waits more often.
-    under_share_lane_every_steps: int = 4
-    # Thrash guard: a request admitted fewer than this many steps ago is not preempted to
-    # admit another request (growth pressure may still preempt it).
-    preemption_min_run_steps: int = 4
-    # Thrash guard: requests preempted this many times are the last victims of admission
-    # preemption.
-    max_preemptions_per_request: int = 3
 
     def validate(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ConfigError("max_num_batched_tokens and max_num_seqs must be >= 1")
         if self.max_model_len < 2:
             raise ConfigError("max_model_len must be >= 2")
-        if self.under_share_lane_every_steps < 0:
-            raise ConfigError("under_share_lane_every_steps must be >= 0")
 
 
 @dataclass

@@ -220,6 +220,15 @@ class KVCacheManager:
         held = self._tenants.num_blocks[request.tenant_id]
         return held + plan.num_new_tenant_blocks > request.kv_cap_blocks
 
+    def room_makers(
+        self, request: Request, num_new_tokens: int, running: Sequence[Request]
+    ) -> list[Request]:
+        """The running requests whose blocks could make room for request to grow: over its
+        tenant's KV cap, only the tenant's own."""
+        if self.exceeds_tenant_cap(request, num_new_tokens):
+            return [r for r in running if r.tenant_id == request.tenant_id]
+        return list(running)
+
     def can_allocate(
         self,
         request: Request,

@@ -12,11 +12,11 @@ from dataclasses import dataclass, replace
 
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
+from engine.fcfs_policy import FCFSPolicy
 from engine.grammar_compiler import GrammarCompiler, GrammarResult
 from engine.kv_manager import KVCacheManager
 from engine.metering import split_step_time
 from engine.outputs import RequestMetrics, RequestOutput
-from engine.queues import FCFSQueue, WaitingQueue
 from engine.request import Request, RequestStatus
 from engine.request_limits import RequestLimits
 from engine.runner import ModelRunner, ModelRunnerOutput
@@ -24,6 +24,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.scheduler_output import SchedulerOutput
 from engine.scheduler_stats import EngineCounters, SchedulerStats
+from engine.scheduling_policy import SchedulingPolicy
 from engine.text_output import TextOutputState, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -61,12 +62,13 @@ class LLMEngine:
         self,
         config: EngineConfig,
         runner: ModelRunner,
-        waiting_queue: WaitingQueue | None = None,
+        policy: SchedulingPolicy | None = None,
         tokenizer: Tokenizer | None = None,
         clock: Callable[[], float] = time.monotonic,
         grammars: GrammarCompiler | None = None,
     ) -> None:
-        """grammars: compiles structured outputs (None: requests with one are refused)."""
+        """policy: the scheduling policy (FCFS by default); grammars: compiles structured
+        outputs (None: requests with one are refused)."""
         config.validate()
         if runner.block_size != config.cache.block_size:
             raise InvalidRequestError("runner and cache config disagree on block_size")
@@ -82,7 +84,7 @@ class LLMEngine:
             config.cache.reserved_blocks(num_blocks),
         )
         self.scheduler = Scheduler(
-            config.scheduler, self.kv, waiting_queue if waiting_queue is not None else FCFSQueue()
+            config.scheduler, self.kv, policy if policy is not None else FCFSPolicy()
         )
         self._groups: dict[str, list[Request]] = {}  # caller's id -> its samples
         self._text: dict[str, TextOutputState] = {}  # sample request id -> text state
@@ -147,7 +149,7 @@ class LLMEngine:
         # n samples share one prompt: it is prefilled once
         now = self.clock()
         self.scheduler.arrivals.record(tenant.priority, len(prompt_token_ids), now)
-        self.scheduler.demand.record(
+        self.scheduler.policy.record_sent(
             tenant.priority, tenant.tenant_id, tenant.weight, len(prompt_token_ids), now
         )
         for sample in samples:
@@ -205,8 +207,9 @@ class LLMEngine:
 
     def record_refused(self, num_prompt_tokens: int, tenant: TenantContext) -> None:
         """A request turned away for overload before it reached the engine: its tenant sent it
-        all the same (`engine.demand`: a heavy tenant mostly shed is still heavy)."""
-        self.scheduler.demand.record(
+        all the same (a fair-sharing policy counts it: a heavy tenant mostly shed is still
+        heavy)."""
+        self.scheduler.policy.record_sent(
             tenant.priority, tenant.tenant_id, tenant.weight, num_prompt_tokens, self.clock()
         )
 
@@ -251,7 +254,7 @@ class LLMEngine:
         outputs += self._admit_compiled()
         scheduler_output = self.scheduler.schedule(self.clock())
         self.counters.num_preemptions = self.scheduler.num_preemptions_total
-        self.counters.num_lane_steps = self.scheduler.num_lane_steps_total
+        self.counters.num_lane_steps = self.scheduler.policy.num_lane_steps
         if scheduler_output.is_empty:
             return outputs
         started = self.clock()

@@ -33,7 +33,7 @@ class ModelRunner(Protocol):
     """Executes a scheduled step over the paged KV cache.
 
     Implementations: engine.model_runner.TorchModelRunner (real models),
-    engine.fake_runner.FakeModelRunner (a test and simulation tool, never a default).
+    engine.testing.fake_runner.FakeModelRunner (a test and simulation tool, never a default).
     """
 
     @property

@@ -9,8 +9,8 @@ One sub-package per concern:
 - ``observability``: Prometheus metrics, TTFT paging, OpenTelemetry, event-loop health.
 - ``server``: one replica: settings, runtime, served model, app, ``tiergate serve``.
 
-``cli`` and ``commands`` are the ``tiergate`` command line; ``bench_serve`` its ``bench
-serve``. No other project package imports the gateway: it has no public names.
+``cli`` and ``commands`` are the ``tiergate`` command line. No other project package imports
+the gateway: it has no public names.
 """
 
 __all__: list[str] = []

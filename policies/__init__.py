@@ -1,4 +1,4 @@
-"""Policies: tier table, fair-share ordering, admission and shedding decisions.
+"""Policies: tier table, tiered fair-share scheduling, admission and shedding decisions.
 
 Plain objects over plain inputs; they import only the engine's public types.
 """
@@ -44,6 +44,8 @@ from policies.rate_limits import (
     rate_limit_headers,
 )
 from policies.shedding import ShedConfig, SloShedder
+from policies.tenant_demand import TenantDemand
+from policies.tiered_policy import TieredPolicy, TieredPolicyConfig
 from policies.tiers import DEFAULT_TIERS, Tier, TierTable
 
 __all__ = [
@@ -81,11 +83,14 @@ __all__ = [
     "Shed",
     "ShedConfig",
     "SloShedder",
+    "TenantDemand",
     "TenantLimits",
     "Tier",
     "TierTable",
     "TierTableError",
     "TieredFairQueue",
+    "TieredPolicy",
+    "TieredPolicyConfig",
     "TtftAlertRule",
     "UnknownTierError",
     "check_budgets",

@@ -32,12 +32,6 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
 }
 PACKAGES = tuple(MAY_IMPORT)
 
-# Benchmark code, all of it leaving for a top-level bench/ package: the gateway's reaches the
-# engine's benchmark modules (workload, simulation, bench_*), the simulation runs the
-# policies' queue. Each entry must still excuse a violation, so the list cannot outlive the
-# move.
-BENCH_CODE = ("engine/simulation.py", "gateway/bench_serve/", "gateway/commands/bench.py")
-
 
 @dataclass(frozen=True)
 class Violation:
@@ -135,24 +129,12 @@ def violations(package: str) -> list[Violation]:
     ]
 
 
-def is_bench_code(violation: Violation) -> bool:
-    return violation.path.startswith(BENCH_CODE)
-
-
 @pytest.mark.parametrize("package", PACKAGES)
 def test_imports_stay_behind_public_surfaces(package: str) -> None:
-    found = [v for v in violations(package) if not is_bench_code(v)]
+    found = violations(package)
     assert not found, "imports past a package's public surface:\n" + "\n".join(
         str(v) for v in found
     )
-
-
-def test_bench_exemptions_are_still_needed() -> None:
-    found = [v for package in PACKAGES for v in violations(package) if is_bench_code(v)]
-    for prefix in BENCH_CODE:
-        assert any(v.path.startswith(prefix) for v in found), (
-            f"{prefix} imports nothing private any more: remove it from BENCH_CODE"
-        )
 
 
 @pytest.mark.parametrize(

@@ -208,7 +208,7 @@ class _OpenAIApi:
                     num_max_tokens=params.n * sum(max_tokens),
                 )
         except AdmissionRefusal as refusal:
-            if refusal.reason == RefusalReason.SHED:  # demand all the same (engine.demand)
+            if refusal.reason == RefusalReason.SHED:  # demand all the same (policies.tenant_demand)
                 for prompt in prompts:
                     engine.record_refused(len(prompt.token_ids), tenant)
             record = refused_record(

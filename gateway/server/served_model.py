@@ -17,7 +17,7 @@ from engine import (
     EngineClient,
     EngineConfig,
     EngineProcess,
-    FCFSQueue,
+    FCFSPolicy,
     GrammarCompiler,
     LLMEngine,
     ModelConfig,
@@ -25,15 +25,15 @@ from engine import (
     RequestLimits,
     RunnerConfig,
     SchedulerConfig,
+    SchedulingPolicy,
     TenantContext,
     Tokenizer,
     TorchModelRunner,
-    WaitingQueue,
 )
 from gateway.openai.tool_calls import ToolCallFormat, format_for_template
 from gateway.server.model_source import resolve_model
 from gateway.server.settings import GatewaySettings
-from policies import TieredFairQueue, TierTable
+from policies import TieredPolicy, TierTable
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +130,6 @@ def new_engine(
             max_num_batched_tokens=settings.max_num_batched_tokens,
             max_num_seqs=settings.max_num_seqs,
             max_model_len=context_length(settings, model_config),
-            enable_priority_preemption=tiered,
         ),
         cache=CacheConfig(
             block_size=runner.block_size,
@@ -138,9 +137,9 @@ def new_engine(
         ),
         eos_token_id=eos_ids[0] if eos_ids else None,
     )
-    queue: WaitingQueue = TieredFairQueue() if tiered else FCFSQueue()
+    policy: SchedulingPolicy = TieredPolicy() if tiered else FCFSPolicy()
     grammars = GrammarCompiler(tokenizer, model_config.vocab_size, list(eos_ids))
-    return LLMEngine(engine_config, runner, queue, tokenizer, grammars=grammars)
+    return LLMEngine(engine_config, runner, policy, tokenizer, grammars=grammars)
 
 
 def describe_model(

@@ -31,10 +31,10 @@ from typing import Any
 
 import httpx
 
-from gateway.bench_serve.engine_activity import read_engine_activity
-from gateway.bench_serve.provision import TENANT_PREFIX, provision_tenants
-from gateway.bench_serve.server import VARIANTS, BenchServer, EngineLimits
-from gateway.bench_serve.stats import Percentiles
+from bench.serve.engine_activity import read_engine_activity
+from bench.serve.provision import TENANT_PREFIX, provision_tenants
+from bench.serve.server import VARIANTS, BenchServer, EngineLimits
+from bench.stats import Percentiles
 from gateway.server.settings import GatewaySettings
 from policies import TierTable
 

@@ -10,15 +10,19 @@ from pathlib import Path
 from engine import (
     CacheConfig,
     EngineConfig,
+    FCFSPolicy,
+    FCFSQueue,
     LLMEngine,
     SamplingParams,
     SchedulerConfig,
+    SchedulingPolicy,
     TenantContext,
     WaitingQueue,
 )
-from engine.fake_runner import FakeModelRunner, fake_next_token
 from engine.request import RequestStatus
-from engine.simulation import SimulatedClock
+from engine.testing.clock import SimulatedClock
+from engine.testing.fake_runner import FakeModelRunner, fake_next_token
+from policies import TieredPolicy, TieredPolicyConfig
 
 VOCAB = 1000
 
@@ -45,8 +49,6 @@ def make_engine(
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,
-            enable_priority_preemption=priority_preemption,
-            under_share_lane_every_steps=under_share_lane_every_steps,
         ),
         cache=CacheConfig(block_size, prefix_caching, reserved or {}),
     )
@@ -55,7 +57,14 @@ def make_engine(
         runner = FakeModelRunner(num_blocks, block_size, VOCAB, advance_clock=clock.advance)
     else:
         runner = FakeModelRunner(num_blocks, block_size, VOCAB)
-    return LLMEngine(config, runner, queue, clock=clock)
+    waiting = queue if queue is not None else FCFSQueue()
+    lane_steps = under_share_lane_every_steps
+    policy: SchedulingPolicy = (
+        TieredPolicy(waiting, TieredPolicyConfig(under_share_lane_every_steps=lane_steps))
+        if priority_preemption
+        else FCFSPolicy(waiting)
+    )
+    return LLMEngine(config, runner, policy, clock=clock)
 
 
 def preempting_engine() -> LLMEngine:

@@ -21,8 +21,8 @@ from engine import (
     TenantShare,
 )
 from engine.async_engine import AsyncLLMEngine
-from engine.fake_runner import FakeModelRunner
 from engine.rates import Arrivals
+from engine.testing.fake_runner import FakeModelRunner
 from tests.engine.helpers import make_engine, reference_output, run_to_completion
 
 

@@ -21,14 +21,14 @@ from engine import (
     SchedulerConfig,
     TenantContext,
 )
-from engine.fake_runner import FakeModelRunner
 from engine.flops import FlopsCounter, forward_flops, linear_params_per_token
 from engine.metering import split_step_time
 from engine.model_runner import RunnerConfig, TorchModelRunner
 from engine.models.config import ModelConfig
 from engine.scheduler_output import ScheduledChunk
-from engine.simulation import SimulatedClock
-from policies import TieredFairQueue
+from engine.testing.clock import SimulatedClock
+from engine.testing.fake_runner import FakeModelRunner
+from policies import TieredFairQueue, TieredPolicy
 from tests.engine.helpers import VOCAB, check_invariants, make_engine
 
 PREMIUM = TenantContext(tenant_id="p", tier="premium", priority=0, cache_salt="p")
@@ -115,7 +115,7 @@ def _fake_clock_engine(
         ),
         cache=CacheConfig(4, prefix_caching, {}),
     )
-    return LLMEngine(config, runner, TieredFairQueue(), clock=clock), runner, clock
+    return LLMEngine(config, runner, TieredPolicy(), clock=clock), runner, clock
 
 
 def _charged_s(output: RequestOutput) -> float:

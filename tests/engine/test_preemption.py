@@ -7,8 +7,8 @@ from collections import Counter
 
 from engine import LLMEngine, SamplingParams, TenantContext
 from engine.request import RequestStatus
-from engine.simulation import SimulatedClock
-from policies import TieredFairQueue
+from engine.testing.clock import SimulatedClock
+from policies import TieredFairQueue, TieredPolicyConfig
 from tests.engine.helpers import check_invariants, make_engine, reference_output, run_to_completion
 
 PREMIUM = TenantContext(tenant_id="p", tier="premium", priority=0, cache_salt="p")
@@ -99,7 +99,7 @@ def test_thrash_guard_protects_a_just_resumed_request() -> None:
     # Admitted within preemption_min_run_steps: not a victim yet, so prem2 waits.
     assert std.status == RequestStatus.RUNNING
     assert (
-        engine.scheduler.num_steps - resumed_at < engine.config.scheduler.preemption_min_run_steps
+        engine.scheduler.num_steps - resumed_at < TieredPolicyConfig().preemption_min_run_steps
     )
     run_to_completion(engine)
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from engine import ContextLengthExceededError, SamplingParams, TenantContext
 from engine.request import RequestStatus
-from engine.simulation import SimulatedClock
+from engine.testing.clock import SimulatedClock
 from policies import TieredFairQueue
 from tests.engine.helpers import check_invariants, make_engine, reference_output
 
@@ -40,8 +40,8 @@ scenario = st.fixed_dictionaries(
         "cap": st.sampled_from([None, 20]),
         "prefix_caching": st.booleans(),
         "seed": st.integers(0, 2**16),
-        # Seconds the engine's clock moves per step: what tenants sent lately (engine.demand)
-        # is forgotten after 5 s, within a run (0.5) or never (0.0).
+        # Seconds the engine's clock moves per step: what tenants sent lately
+        # (policies.tenant_demand) is forgotten after 5 s, within a run (0.5) or never (0.0).
         "step_s": st.sampled_from([0.0, 0.01, 0.1, 0.5]),
     }
 )

@@ -8,7 +8,7 @@ import pytest
 
 from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 from engine.demo_model import write_demo_model
-from engine.fake_runner import FakeModelRunner
+from engine.testing.fake_runner import FakeModelRunner
 from engine.tokenizer import Tokenizer
 
 

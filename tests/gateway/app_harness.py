@@ -25,8 +25,8 @@ from starlette.types import ASGIApp
 import migrations
 import tenants
 from engine.async_engine import AsyncLLMEngine
-from engine.fake_runner import FakeModelRunner
 from engine.models.config import ModelConfig
+from engine.testing.fake_runner import FakeModelRunner
 from engine.tokenizer import Tokenizer
 from gateway.observability.telemetry import Telemetry
 from gateway.server.model_source import DEMO_MODEL_NAME

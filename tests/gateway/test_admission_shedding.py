@@ -32,8 +32,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.serve.loadgen import collector_paused
 from gateway.access.admission import AdmissionSettings
-from gateway.bench_serve.loadgen import collector_paused
 from policies import TierTable
 from tests.gateway.admission_support import (
     RATE_LIMIT_HEADERS,

@@ -1,6 +1,6 @@
 """A request shed for overload still counts as its tenant's demand in the engine
-(`engine.demand`): the scheduler's light-sender rule must see a heavy tenant as heavy however
-much of it the gateway sheds.
+(`policies.tenant_demand`): the tiered policy's light-sender rule must see a heavy tenant as
+heavy however much of it the gateway sheds.
 
 The replica runs in this process (tests/gateway/app_harness.py) with its engine slowed to
 0.2 s a step and every objective scaled to a twentieth, so a burst of long prompts overloads
@@ -19,7 +19,7 @@ import openai
 from engine.async_engine import AsyncLLMEngine
 from engine.llm_engine import TenantContext
 from gateway.server.model_source import DEMO_MODEL_NAME
-from policies import TierTable
+from policies import TieredPolicy, TierTable
 from tests.gateway.app_harness import start_gateway
 
 NUM_BURST = 6
@@ -68,7 +68,9 @@ def test_shed_requests_count_as_their_tenants_demand(tmp_path: Path) -> None:
         assert len(applied) == admitted.count(False), (applied, admitted)
         # The admitted requests have finished and the refusals are applied: the engine's
         # thread takes no step and applies no command now, so its demand can be read here.
-        sent = engine.engine.scheduler.demand.sent(engine.engine.clock())
+        policy = engine.engine.scheduler.policy
+        assert isinstance(policy, TieredPolicy)
+        sent = policy.demand.sent(engine.engine.clock())
         # Every burst request is in the tenant's demand, shed or not (the warm-up too, unless
         # this host took over 5 s since it).
         burst = NUM_BURST * len(BURST_PROMPT)

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from engine import bench_offline
+from bench import offline as bench_offline
+from bench.serve import command
+from bench.workload import BENCH_INPUTS, Workload
 from engine.models.config import ModelConfig
-from engine.workload import BENCH_INPUTS, Workload
-from gateway.bench_serve import command
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import pytest
 
-from engine import Request, SamplingParams
-from engine.simulation import (
+from bench.simulation import (
     Policy,
     SimulatedMachine,
     SimulationResult,
     fcfs_policy,
     measure_capacity_rps,
-    percentile,
     premium_slo_scale,
     simulate,
 )
-from engine.workload import BENCH_INPUTS, Workload, WorkloadRequest
-from policies import TieredFairQueue, TierTable
+from bench.stats import percentile
+from bench.workload import BENCH_INPUTS, Workload, WorkloadRequest
+from engine import Request, SamplingParams
+from policies import TieredFairQueue, TieredPolicy, TierTable
 
 
 def _request(rid: str, tenant: str, priority: int = 1, arrival: float = 0.0) -> Request:
@@ -82,7 +82,7 @@ def test_vtc_keeps_two_backlogged_tenants_within_the_bound() -> None:
     w_out * M) (Sheng et al., Theorem 4.4); under FCFS it grows with time."""
     machine = SimulatedMachine(num_kv_blocks=128, max_num_seqs=8, max_num_batched_tokens=512)
     workload = _two_tenant_workload(num_heavy=400, num_light=40, gap_s=0.01)
-    tiered = Policy("vtc", TieredFairQueue, {}, priority_preemption=True)
+    tiered = Policy("vtc", TieredPolicy, {})
     max_input = 200
     kv_tokens = machine.num_kv_blocks * machine.block_size
     bound = 2 * max(1.0 * max_input, 2.0 * kv_tokens)
@@ -106,7 +106,7 @@ def test_premium_meets_its_slo_at_twice_capacity() -> None:
     gpu_slo = tiers["premium"].ttft_slo_s
     assert gpu_slo is not None
     premium_slo = gpu_slo * premium_slo_scale(machine, gpu_slo)
-    tiered = Policy("tiered", TieredFairQueue, tiers.reserved_fractions(), True)
+    tiered = Policy("tiered", TieredPolicy, tiers.reserved_fractions())
     results = {p.name: simulate(workload, p, machine, time_scale) for p in (tiered, fcfs_policy())}
     attainment = {}
     for name, result in results.items():

@@ -1,0 +1,166 @@
+"""The device half of `tiergate bench engine --device DEV`: a real model's steps on DEV.
+
+For a model config (random weights, the given dtype) and each batch of running decodes:
+- the whole engine step (scheduling, inputs, forward, sampling, outputs; the device
+  synchronised at its end) against the forward alone on the same inputs (the captured CUDA
+  graph where the runner has one), median milliseconds of --steps steps each;
+- the bytes a decode step must read (every weight once, plus the KV of every context) against
+  the device's measured copy rate: the fraction of that rate the step and the forward reach.
+The offline comparison with HF transformers `generate` is `bench.offline` on the same
+device (`--compare-hf`). Built for CUDA; runs anywhere (CPU for a quick check on tiny sizes).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from bench.engine import step_until_decoding
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.flops import linear_params_per_token
+from engine.llm_engine import LLMEngine
+from engine.model_runner import RunnerConfig, TorchModelRunner, kv_bytes_per_block
+from engine.models.config import ModelConfig
+from engine.sampling_params import SamplingParams
+from engine.scheduler_output import ScheduledChunk
+
+__all__ = [
+    "DeviceRow",
+    "copy_rate",
+    "format_device_table",
+    "measure_device",
+    "weight_bytes_per_step",
+]
+
+_BLOCK_SIZE = 16
+
+
+@dataclass
+class DeviceRow:
+    num_running: int
+    step_ms: float  # median engine step
+    forward_ms: float  # median forward alone, same inputs
+    bytes_read: int  # weights + the KV the step attends to
+    step_fraction_of_copy_rate: float  # bytes_read / step time, over the copy rate
+    forward_fraction_of_copy_rate: float
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_rate(device: torch.device, num_bytes: int, repeats: int = 10) -> float:
+    """Bytes per second a device-to-device copy moves (read plus write), best of repeats."""
+    source = torch.empty(num_bytes // 4, dtype=torch.float32, device=device).fill_(1.0)
+    target = torch.empty_like(source)
+    target.copy_(source)
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        started = time.perf_counter()
+        target.copy_(source)
+        _sync(device)
+        best = min(best, time.perf_counter() - started)
+    return 2 * source.numel() * 4 / best
+
+
+def weight_bytes_per_step(config: ModelConfig, dtype: torch.dtype) -> int:
+    """Weight bytes a decode step must read: every linear layer's and the lm_head's weights
+    once (the embedding table only at the batch's rows, left out, as are the norms)."""
+    element_size = torch.empty(0, dtype=dtype).element_size()
+    num_params = linear_params_per_token(config) + config.vocab_size * config.hidden_size
+    return num_params * element_size
+
+
+def measure_device(
+    config: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    num_running: int,
+    context: int,
+    num_steps: int,
+    rate: float,
+    seed: int = 0,
+) -> DeviceRow:
+    """One row: num_running decodes at about `context` tokens of context on the device."""
+    max_model_len = context + num_steps + 32
+    blocks = num_running * -(-max_model_len // _BLOCK_SIZE) + 16
+    runner = TorchModelRunner.from_random(
+        config, seed,
+        RunnerConfig(block_size=_BLOCK_SIZE, num_kv_blocks=blocks,
+                     max_num_batched_tokens=max(2048, num_running),
+                     max_num_seqs=max(num_running, 1), max_model_len=max_model_len),
+        dtype=dtype, device=device,
+    )
+    engine = LLMEngine(
+        EngineConfig(
+            SchedulerConfig(max_num_batched_tokens=max(2048, num_running),
+                            max_num_seqs=num_running, max_model_len=max_model_len),
+            CacheConfig(block_size=_BLOCK_SIZE),
+        ),
+        runner,
+    )
+    generator = torch.Generator().manual_seed(seed)
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=num_steps + 16)
+    for index in range(num_running):
+        prompt = torch.randint(3, config.vocab_size, (context - 1,), generator=generator)
+        engine.add_request(f"d{index}", prompt.tolist(), params)
+    running = step_until_decoding(engine, num_running)
+    for _ in range(3):  # warm-up: CUDA graph capture, allocator
+        engine.step()
+    step_times = []
+    for _ in range(num_steps // 2):
+        started = time.perf_counter()
+        engine.step()  # the runner synchronises the device at the end of the step
+        step_times.append(time.perf_counter() - started)
+    # The forward alone on the inputs of the next decode step (its KV writes may land in a
+    # block the scheduler has not handed out yet: the engine is not stepped again after).
+    chunks = [ScheduledChunk(r.request_id, r.num_tokens - 1, 1, True, False) for r in running]
+    batch = runner.input_batch.prepare(chunks).to_device(runner.device)
+    forward_times = []
+    with torch.inference_mode():
+        for _ in range(num_steps // 2 + 2):
+            _sync(device)
+            started = time.perf_counter()
+            if runner.graphs is not None and runner.graphs.can_run(chunks, batch):
+                runner.graphs.run(batch)
+            else:
+                runner.attention.prepare(batch.block_tables, batch.query_start_loc,
+                                         batch.context_lens)
+                runner.model(batch, runner.kv_caches, runner.attention)
+            _sync(device)
+            forward_times.append(time.perf_counter() - started)
+    forward_times = forward_times[2:]
+    kv_per_token = kv_bytes_per_block(config, _BLOCK_SIZE, dtype) // _BLOCK_SIZE
+    bytes_read = weight_bytes_per_step(config, dtype) + kv_per_token * sum(
+        r.num_tokens for r in running
+    )
+    step_s, forward_s = statistics.median(step_times), statistics.median(forward_times)
+    return DeviceRow(
+        num_running, step_s * 1e3, forward_s * 1e3, bytes_read,
+        bytes_read / step_s / rate, bytes_read / forward_s / rate,
+    )
+
+
+def format_device_table(rows: list[DeviceRow], device: str, dtype: str, context: int,
+                        rate: float) -> str:
+    lines = [
+        f"Engine step against the forward alone on {device} ({dtype}), contexts of about "
+        f"{context} tokens; copy rate {rate / 1e9:.1f} GB/s (read + write)",
+        "",
+        "| running decodes | step ms | forward ms | step / forward | MB read per step |"
+        " step: % of copy rate | forward: % of copy rate |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row.num_running} | {row.step_ms:.3f} | {row.forward_ms:.3f} | "
+            f"{row.step_ms / row.forward_ms:.2f} | {row.bytes_read / 1e6:.1f} | "
+            f"{100 * row.step_fraction_of_copy_rate:.1f} | "
+            f"{100 * row.forward_fraction_of_copy_rate:.1f} |"
+        )
+    return "\n".join(lines)
