@@ -30,6 +30,7 @@ from billing.monthly import MonthlyUsage
 from billing.period import Period, day_range, parse_day
 from billing.pricing import (
     DEFAULT_TIER_PRICES,
+    MICROS_PER_USD,
     PRICE_KEYS,
     Pricing,
     TierPrice,
@@ -44,6 +45,7 @@ __all__ = [
     "DAILY_COLUMNS",
     "DEFAULT_TIER_PRICES",
     "DETAIL_COLUMNS",
+    "MICROS_PER_USD",
     "PRICE_KEYS",
     "BillingError",
     "DailyUsage",

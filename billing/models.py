@@ -26,7 +26,7 @@ from billing.records import (
     RecordStatus,
     UsageRecord,
 )
-from tenants.models import Base, UtcDateTime
+from tenants import Base, UtcDateTime
 
 
 class UsageRecordRow(Base):

@@ -24,7 +24,7 @@ from sqlalchemy.sql.functions import FunctionElement
 
 from billing.models import UsageRecordRow as Row
 from billing.records import UsageRecord
-from tenants.models import Tenant
+from tenants import Tenant
 
 
 @dataclass(frozen=True)

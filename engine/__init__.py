@@ -1,9 +1,16 @@
 """tiergate's engine: paged KV cache, tier-aware continuous batching, model execution.
 
-Usable on its own: no database, no HTTP, nothing else of the project.
+Usable on its own: no database, no HTTP, nothing else of the project. These names are its
+public surface; its modules are private to it. The names that need torch (model runner,
+model configs, checkpoints) are imported on first use, so `import engine` stays light.
 """
 
+import importlib
+from typing import TYPE_CHECKING
+
 from engine.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
+from engine.engine_client import EngineClient
+from engine.engine_process import EngineProcess
 from engine.errors import (
     ContextLengthExceededError,
     EngineDeadError,
@@ -11,10 +18,12 @@ from engine.errors import (
     InvalidRequestError,
 )
 from engine.fcfs_policy import FCFSPolicy
+from engine.grammar_compiler import GrammarCompiler
 from engine.llm_engine import LLMEngine, TenantContext
 from engine.outputs import RequestMetrics, RequestOutput
 from engine.queues import FCFSQueue, WaitingQueue
 from engine.request import Request, RequestStatus
+from engine.request_limits import RequestLimits
 from engine.runner import ModelRunner, ModelRunnerOutput, TokenLogprobs
 from engine.sampling_params import MAX_STOP_STRING_CHARS, SamplingParams
 from engine.scheduler_output import ScheduledChunk, SchedulerOutput
@@ -25,6 +34,14 @@ from engine.scheduler_stats import (
     TierStats,
     Unseen,
 )
+from engine.structured_output import JSON_OPTIONS, StructuredOutput, bounded_numbers
+from engine.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from engine.demo_model import write_demo_model
+    from engine.gguf_checkpoint import GGUFCheckpoint
+    from engine.model_runner import RunnerConfig, TorchModelRunner
+    from engine.models.config import ModelConfig, ModelConfigError
 from engine.scheduling_policy import (
     AdmissionGate,
     SchedulingPolicy,
@@ -33,25 +50,34 @@ from engine.scheduling_policy import (
 )
 
 __all__ = [
+    "JSON_OPTIONS",
     "MAX_STOP_STRING_CHARS",
     "AdmissionGate",
     "CacheConfig",
     "ConfigError",
     "ContextLengthExceededError",
+    "EngineClient",
     "EngineConfig",
     "EngineCounters",
     "EngineDeadError",
     "EngineError",
+    "EngineProcess",
     "FCFSPolicy",
     "FCFSQueue",
+    "GGUFCheckpoint",
+    "GrammarCompiler",
     "InvalidRequestError",
     "LLMEngine",
+    "ModelConfig",
+    "ModelConfigError",
     "ModelRunner",
     "ModelRunnerOutput",
     "Request",
+    "RequestLimits",
     "RequestMetrics",
     "RequestOutput",
     "RequestStatus",
+    "RunnerConfig",
     "SamplingParams",
     "ScheduledChunk",
     "SchedulerConfig",
@@ -59,11 +85,35 @@ __all__ = [
     "SchedulerStats",
     "SchedulingPolicy",
     "StepBuilder",
+    "StructuredOutput",
     "TenantContext",
     "TenantShare",
     "TierStats",
     "TokenLogprobs",
+    "Tokenizer",
+    "TorchModelRunner",
     "Unseen",
     "Verdict",
     "WaitingQueue",
+    "bounded_numbers",
+    "write_demo_model",
 ]
+
+# Public names whose modules import torch: each is imported by its first lookup.
+_LAZY_MODULES: dict[str, str] = {
+    "GGUFCheckpoint": "engine.gguf_checkpoint",
+    "ModelConfig": "engine.models.config",
+    "ModelConfigError": "engine.models.config",
+    "RunnerConfig": "engine.model_runner",
+    "TorchModelRunner": "engine.model_runner",
+    "write_demo_model": "engine.demo_model",
+}
+
+
+def __getattr__(name: str) -> object:
+    module_name = _LAZY_MODULES.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module_name), name)
+    globals()[name] = value  # later lookups skip this function
+    return value

@@ -16,8 +16,7 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, func, select
 
-from tenants.db import create_db_engine
-from tenants.settings import DatabaseSettings
+from tenants import DatabaseSettings, create_db_engine
 
 __all__ = ["current_revision", "downgrade_base", "head_revision", "upgrade_head"]
 

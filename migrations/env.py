@@ -9,10 +9,8 @@ from logging.config import fileConfig
 from alembic import context
 from sqlalchemy import Connection
 
-import billing.models  # noqa: F401  (puts usage_records on Base.metadata)
-from tenants.db import create_db_engine
-from tenants.models import Base
-from tenants.settings import DatabaseSettings
+import billing  # noqa: F401  (its models put usage_records on Base.metadata)
+from tenants import Base, DatabaseSettings, create_db_engine
 
 config = context.config
 if config.config_file_name is not None and config.attributes.get("connection") is None:

@@ -43,7 +43,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 import migrations
-from gateway.errors import error_body
+from gateway.http.errors import error_body
 
 __all__ = ["LocalCluster", "LocalClusterError", "RoundRobinProxy", "main"]
 

@@ -6,14 +6,21 @@ Imports nothing of the project; the schema itself lives in migrations/.
 from tenants.db import create_db_engine, create_session_factory, session_scope
 from tenants.errors import (
     ApiKeyNotFoundError,
-    ConflictError,
+    DuplicateError,
     InvalidFieldError,
-    NotFoundError,
+    RowNotFoundError,
     TenantNotFoundError,
     TenantsError,
 )
-from tenants.keys import GeneratedKey, generate_key, hash_key, looks_like_key, verify_key
-from tenants.models import ApiKey, AuditEntry, Base, Quota, Tenant, TenantStatus
+from tenants.keys import (
+    GeneratedKey,
+    generate_key,
+    hash_key,
+    looks_like_key,
+    lookup_prefix,
+    verify_key,
+)
+from tenants.models import ApiKey, AuditEntry, Base, Quota, Tenant, TenantStatus, UtcDateTime
 from tenants.repository import (
     TENANT_UPDATE_FIELDS,
     CreatedApiKey,
@@ -51,17 +58,18 @@ __all__ = [
     "ApiKeyNotFoundError",
     "AuditEntry",
     "Base",
-    "ConflictError",
     "CreatedApiKey",
     "DatabaseSettings",
+    "DuplicateError",
     "GeneratedKey",
     "InvalidFieldError",
-    "NotFoundError",
     "Quota",
+    "RowNotFoundError",
     "Tenant",
     "TenantNotFoundError",
     "TenantStatus",
     "TenantsError",
+    "UtcDateTime",
     "api_key_snapshot",
     "audit_entry_snapshot",
     "create_api_key",
@@ -78,6 +86,7 @@ __all__ = [
     "list_audit_entries",
     "list_tenants",
     "looks_like_key",
+    "lookup_prefix",
     "mark_api_key_used",
     "quota_snapshot",
     "record_audit",

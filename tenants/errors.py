@@ -2,10 +2,10 @@
 
 TenantsError
 ├── InvalidFieldError      a value a caller supplied is not acceptable (names the field)
-├── NotFoundError
+├── RowNotFoundError
 │   ├── TenantNotFoundError
 │   └── ApiKeyNotFoundError
-└── ConflictError          the change would break a uniqueness rule (duplicate name)
+└── DuplicateError         the change would break a uniqueness rule (duplicate name)
 """
 
 from __future__ import annotations
@@ -23,20 +23,20 @@ class InvalidFieldError(TenantsError):
         self.param = param
 
 
-class NotFoundError(TenantsError):
+class RowNotFoundError(TenantsError):
     """The referenced row does not exist."""
 
 
-class TenantNotFoundError(NotFoundError):
+class TenantNotFoundError(RowNotFoundError):
     """No tenant with this id or name."""
 
 
-class ApiKeyNotFoundError(NotFoundError):
+class ApiKeyNotFoundError(RowNotFoundError):
     """No API key with this id."""
 
 
-class ConflictError(TenantsError):
-    """The change conflicts with existing data, e.g. a tenant name already taken."""
+class DuplicateError(TenantsError):
+    """The change would duplicate what must be unique, e.g. a tenant name already taken."""
 
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)

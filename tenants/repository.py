@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session, joinedload
 
 from tenants.errors import (
     ApiKeyNotFoundError,
-    ConflictError,
+    DuplicateError,
     InvalidFieldError,
     TenantNotFoundError,
 )
@@ -155,7 +155,7 @@ def set_tenant_status(
 
 def _ensure_name_free(session: Session, name: str) -> None:
     if session.scalars(select(Tenant.id).where(Tenant.name == name)).first() is not None:
-        raise ConflictError(f"a tenant named {name!r} already exists", "name")
+        raise DuplicateError(f"a tenant named {name!r} already exists", "name")
 
 
 def _flush(session: Session, conflict_message: str) -> None:
@@ -163,7 +163,7 @@ def _flush(session: Session, conflict_message: str) -> None:
     try:
         session.flush()
     except IntegrityError as exc:
-        raise ConflictError(conflict_message, "name") from exc
+        raise DuplicateError(conflict_message, "name") from exc
 
 
 # --- API keys ------------------------------------------------------------------------------

@@ -50,7 +50,7 @@ _QUICK_SWEEP: dict[str, Any] = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from gateway.settings import GatewaySettings
+    from gateway.server.settings import GatewaySettings
 
     defaults = GatewaySettings()
     sweep = _sweep_defaults()
@@ -260,7 +260,7 @@ def _with_tiers(document: dict[str, Any], tiers: TierTable) -> dict[str, Any]:
 def _model_dir(args: argparse.Namespace) -> Path:
     if args.model is not None:
         return Path(args.model)
-    from gateway.model_source import demo_model_dir
+    from gateway.server.model_source import demo_model_dir
 
     return demo_model_dir(args.demo_model_dir)
 

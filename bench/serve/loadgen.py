@@ -27,7 +27,7 @@ import aiohttp
 from bench.serve.errors import BenchConfigError
 from bench.serve.plan import PlannedRequest
 from bench.serve.progress import ProgressBar
-from gateway.loop_lag import LoopLagWatch, LoopStall
+from gateway.observability.loop_lag import LoopLagWatch, LoopStall
 
 __all__ = ["CANCELLED", "CLIENT_LATE_S", "ClientLoopLag", "LoadGenerator", "RequestResult"]
 
@@ -100,16 +100,17 @@ class RequestResult:
 @dataclass
 class ClientLoopLag:
     """This generator's own event loop over a run, timed by a heartbeat due every 10 ms
-    (gateway.loop_lag): a response that arrived while the loop was held is timed late by as
-    much, on the client's side only."""
+    (gateway.observability.loop_lag): a response that arrived while the loop was held is
+    timed late by as much, on the client's side only."""
 
     num_beats: int = 0
     # (when the beat woke, seconds after the run's start; how late) of every beat late by
     # more than CLIENT_LATE_S
     late_beats: list[tuple[float, float]] = field(default_factory=list)
     # (when the beat woke, what held the loop) of every beat late by the stall bound
-    # (gateway.loop_lag.DEFAULT_STALL_S) or more: the loop thread's CPU time, its wait for a
-    # CPU, the process's CPU time and the collector's pauses over it, where the threads were
+    # (gateway.observability.loop_lag.DEFAULT_STALL_S) or more: the loop thread's CPU time,
+    # its wait for a CPU, the process's CPU time and the collector's pauses over it, where
+    # the threads were
     stalls: list[tuple[float, LoopStall]] = field(default_factory=list)
 
     def observe(self, at_s: float, late_s: float) -> None:

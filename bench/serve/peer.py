@@ -416,8 +416,8 @@ def run_peer(config: PeerConfig, command: str) -> PeerReport:
     from bench.serve.peer_prompts import PromptBuilder
     from bench.workload import Workload
     from engine.gguf_checkpoint import GGUFCheckpoint
-    from gateway.model_source import default_model_file
-    from gateway.settings import GatewaySettings
+    from gateway.server.model_source import default_model_file
+    from gateway.server.settings import GatewaySettings
 
     started = time.monotonic()
     try:
@@ -501,7 +501,7 @@ def _tiergate_server(config: PeerConfig, checkpoint: Any, dtype: str, max_seq_le
         kv_bytes_per_token,
         tiergate_kv_cache_bytes,
     )
-    from gateway.settings import GatewaySettings
+    from gateway.server.settings import GatewaySettings
     from policies import DEFAULT_TIERS
 
     # Enough for every sequence of the largest level at once, within the share of blocks the

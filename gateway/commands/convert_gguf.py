@@ -9,8 +9,7 @@ from pathlib import Path
 
 import torch
 
-from engine.gguf_checkpoint import GGUFCheckpoint
-from engine.models.config import ModelConfigError
+from engine import GGUFCheckpoint, ModelConfigError
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

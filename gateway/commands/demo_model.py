@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from engine.demo_model import write_demo_model
+from engine import write_demo_model
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

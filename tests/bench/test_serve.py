@@ -62,8 +62,8 @@ from bench.serve.sweep_config import (
 )
 from bench.workload import Workload, WorkloadRequest
 from gateway import cli
-from gateway.loop_lag import LoopStall
-from gateway.metrics import GatewayMetrics
+from gateway.observability.loop_lag import LoopStall
+from gateway.observability.metrics import GatewayMetrics
 from policies import DEFAULT_TIERS, TierTable
 from tests.engine.helpers import preempting_engine
 from tests.serve_process import shared_demo_model_dir

@@ -30,11 +30,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 import migrations
-from gateway.admin_api import admin_routes
-from gateway.admin_auth import AdminGuard
-from gateway.auth import TenantKeyResolver
-from gateway.console_routes import console_routes
-from gateway.errors import exception_handlers
+from gateway.access.auth import TenantKeyResolver
+from gateway.admin.api import admin_routes
+from gateway.admin.auth import AdminGuard
+from gateway.admin.console_routes import console_routes
+from gateway.http.errors import exception_handlers
 from tenants import DatabaseSettings, create_db_engine, create_session_factory
 from tests.e2e.conftest import ADMIN_TOKEN, ConsolePage, console_page, serve_in_thread
 from tests.tenants.conftest import scratch_database

@@ -28,13 +28,13 @@ from engine.async_engine import AsyncLLMEngine
 from engine.models.config import ModelConfig
 from engine.testing.fake_runner import FakeModelRunner
 from engine.tokenizer import Tokenizer
-from gateway.model_source import DEMO_MODEL_NAME
-from gateway.observability import Observability
-from gateway.replica import compose_replica
-from gateway.runtime import GatewayRuntime
-from gateway.served_model import ServedModel, describe_model, new_engine
-from gateway.settings import GatewaySettings
-from gateway.telemetry import Telemetry
+from gateway.observability.telemetry import Telemetry
+from gateway.server.model_source import DEMO_MODEL_NAME
+from gateway.server.observability_wiring import Observability
+from gateway.server.replica import compose_replica
+from gateway.server.runtime import GatewayRuntime
+from gateway.server.served_model import ServedModel, describe_model, new_engine
+from gateway.server.settings import GatewaySettings
 from policies import TierTable
 from tests.serve_process import ADMIN_TOKEN, shared_demo_model_dir
 

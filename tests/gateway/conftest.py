@@ -19,9 +19,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from gateway.admin_api import admin_routes
-from gateway.auth import TenantKeyResolver
-from gateway.errors import exception_handlers
+from gateway.access.auth import TenantKeyResolver
+from gateway.admin.api import admin_routes
+from gateway.http.errors import exception_handlers
 from tenants import DEFAULT_TIERS
 from tests.tenants.conftest import (
     database_url,

@@ -14,14 +14,14 @@ from sqlalchemy.orm import Session, sessionmaker
 from starlette.requests import Request
 from starlette.testclient import TestClient
 
-from gateway.admin_api import admin_routes
-from gateway.admin_auth import (
+from gateway.admin.api import admin_routes
+from gateway.admin.auth import (
     MAX_FAILURE_LOG_LINES_PER_S,
     AdminGuard,
     InvalidAdminTokenError,
     validate_admin_token,
 )
-from gateway.errors import AuthenticationError
+from gateway.http.errors import AuthenticationError
 from tenants.keys import PREFIX_LENGTH
 
 if TYPE_CHECKING:
@@ -92,7 +92,7 @@ def test_admin_api_off_without_token_answers_404(
     caplog: pytest.LogCaptureFixture,
     harness_factory: Callable[..., GatewayHarness],
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="gateway.admin_api"):
+    with caplog.at_level(logging.WARNING, logger="gateway.admin.api"):
         harness = harness_factory(admin_token=None)
     assert "admin API disabled" in caplog.text
     with TestClient(harness.app) as client:
@@ -117,10 +117,10 @@ def test_failed_admin_logins_are_logged_without_the_token(
     client: TestClient, caplog: pytest.LogCaptureFixture
 ) -> None:
     presented = "wrong-admin-token-" + secrets.token_hex(8)
-    with caplog.at_level(logging.WARNING, logger="gateway.admin_auth"):
+    with caplog.at_level(logging.WARNING, logger="gateway.admin.auth"):
         client.get("/admin/v1/tenants", headers={"x-admin-token": presented})
         client.post("/admin/v1/tenants", json={"name": "x"})
-    lines = [r.getMessage() for r in caplog.records if r.name == "gateway.admin_auth"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "gateway.admin.auth"]
     assert len(lines) == 2
     assert "invalid_admin_token" in lines[0] and "GET /admin/v1/tenants" in lines[0]
     assert "missing_admin_token" in lines[1] and "POST /admin/v1/tenants" in lines[1]
@@ -135,14 +135,14 @@ def test_a_flood_of_failures_is_counted_not_logged_line_by_line(
     request = Request({"type": "http", "method": "GET", "path": "/admin/v1/tenants",
                        "headers": [(b"x-admin-token", b"nope")], "client": ("10.0.0.9", 5),
                        "query_string": b"", "server": ("test", 80), "scheme": "http"})
-    with caplog.at_level(logging.WARNING, logger="gateway.admin_auth"):
+    with caplog.at_level(logging.WARNING, logger="gateway.admin.auth"):
         for _ in range(MAX_FAILURE_LOG_LINES_PER_S + 7):
             with pytest.raises(AuthenticationError):
                 guard.check(request)
         now[0] += 1.0
         with pytest.raises(AuthenticationError):
             guard.check(request)
-    lines = [r.getMessage() for r in caplog.records if r.name == "gateway.admin_auth"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "gateway.admin.auth"]
     assert len(lines) == MAX_FAILURE_LOG_LINES_PER_S + 1
     assert "from 10.0.0.9" in lines[0] and lines[-1].endswith("(7 more failures not logged)")
 

@@ -33,7 +33,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.serve.loadgen import collector_paused
-from gateway.admission import AdmissionSettings
+from gateway.access.admission import AdmissionSettings
 from policies import TierTable
 from tests.gateway.admission_support import (
     RATE_LIMIT_HEADERS,

@@ -16,8 +16,10 @@ from starlette.applications import Starlette
 from starlette.testclient import TestClient
 
 from engine import SamplingParams, TenantContext
-from gateway.admin_auth import AdminGuard
-from gateway.alerting import (
+from gateway.admin.auth import AdminGuard
+from gateway.admin.live_api import alerts_routes, live_route
+from gateway.http.errors import exception_handlers
+from gateway.observability.alerting import (
     AlertingConfigError,
     AlertingSettings,
     AlertMonitor,
@@ -25,9 +27,7 @@ from gateway.alerting import (
     WebhookFormat,
     WebhookTarget,
 )
-from gateway.errors import exception_handlers
-from gateway.live_api import alerts_routes, live_route
-from gateway.metrics import GatewayMetrics
+from gateway.observability.metrics import GatewayMetrics
 from policies import DEFAULT_TIERS
 from policies.alerts import ALERT_NAME, AlertEvaluator, AlertEvent, AlertEventKind, TtftAlertRule
 from tests.engine.helpers import make_engine

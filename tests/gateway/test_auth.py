@@ -23,13 +23,13 @@ from starlette.requests import Request
 from starlette.testclient import TestClient
 
 import tenants
-from gateway.auth import (
+from gateway.access.auth import (
     InvalidApiKeyError,
     RevokedApiKeyError,
     TenantKeyResolver,
     bearer_token,
 )
-from gateway.errors import ServiceUnavailableError
+from gateway.http.errors import ServiceUnavailableError
 from tenants import DatabaseSettings, create_db_engine, create_session_factory
 from tenants.keys import PREFIX_LENGTH
 
@@ -235,7 +235,7 @@ def test_keys_seen_for_the_first_time_wait_for_a_few_lookups(
         return statuses
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("gateway.auth.find_api_key", slow_find)
+        patch.setattr("gateway.access.auth.find_api_key", slow_find)
         statuses = anyio.run(flood)
     assert sorted(statuses) == [401] * 3 + [503] * 7
     assert len(lookups) == 3
@@ -258,7 +258,7 @@ def test_invalidate_during_a_load_keeps_the_stale_result_out(
         return found
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("gateway.auth.find_api_key", slow_find)
+        patch.setattr("gateway.access.auth.find_api_key", slow_find)
         resolver.resolve(f"Bearer {key}")
     assert loaded.is_set()
     tenants.revoke_api_key(session, tenants.get_api_key(session, key_id), actor="test")
@@ -369,7 +369,7 @@ def test_a_known_key_keeps_its_answer_through_a_database_outage(
     now, resolver = _resolver_on_a_clock(session_factory)
     principal = resolver.resolve(f"Bearer {key}")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("gateway.auth.find_api_key", _database_down)
+        patch.setattr("gateway.access.auth.find_api_key", _database_down)
         now[0] = 6.0
         assert resolver.resolve(f"Bearer {key}") == principal
         now[0] = 61.0
@@ -386,7 +386,7 @@ def test_last_used_that_cannot_be_written_does_not_fail_authentication(
     _, key = _tenant_key(session)
     resolver = TenantKeyResolver(session_factory)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("gateway.auth.mark_api_key_used", _database_down)
+        patch.setattr("gateway.access.auth.mark_api_key_used", _database_down)
         assert resolver.resolve(f"Bearer {key}").tenant_name == "acme"
 
 
@@ -410,7 +410,7 @@ def test_a_key_in_use_is_reloaded_in_the_background_before_it_expires(
 
     try:
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr("gateway.auth.find_api_key", held_find)
+            patch.setattr("gateway.access.auth.find_api_key", held_find)
             now[0] = 3.9  # before the last fifth of the entry's life: no reload
             assert resolver.resolve(f"Bearer {key}") == principal
             resolver.wait_for_refreshes()
@@ -445,7 +445,7 @@ def test_a_background_reload_during_an_outage_keeps_the_entry(
             _database_down(*args, **kwargs)
 
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr("gateway.auth.find_api_key", database_down)
+            patch.setattr("gateway.access.auth.find_api_key", database_down)
             # Each request near its entry's end tries the database in the background; the
             # failed try keeps the entry and gives it another ttl_s (up to max_stale_s).
             for at_s in (4.5, 9.0, 13.6):

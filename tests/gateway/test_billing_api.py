@@ -24,8 +24,8 @@ from billing import (
     UsageRecord,
     export_lines,
 )
-from gateway.billing_api import billing_routes
-from gateway.errors import exception_handlers
+from gateway.admin.billing_api import billing_routes
+from gateway.http.errors import exception_handlers
 from tenants import DatabaseSettings, create_db_engine, create_session_factory
 from tests.billing.factories import SeededMonth, bulk_insert, make_record, seed_month
 from tests.gateway.conftest import ADMIN_TOKEN

@@ -16,7 +16,7 @@ import openai
 from sqlalchemy import func, select
 
 from billing import RecordStatus, UsageRecordRow
-from gateway.model_source import DEMO_MODEL_NAME
+from gateway.server.model_source import DEMO_MODEL_NAME
 from tests.gateway.app_harness import start_gateway
 
 NUM_REQUESTS = 24

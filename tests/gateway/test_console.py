@@ -12,8 +12,8 @@ import pytest
 from starlette.applications import Starlette
 from starlette.testclient import TestClient
 
-from gateway.console_routes import CONSOLE_CSP, CONSOLE_DIR, console_routes
-from gateway.errors import exception_handlers
+from gateway.admin.console_routes import CONSOLE_CSP, CONSOLE_DIR, console_routes
+from gateway.http.errors import exception_handlers
 
 ASSETS = sorted(p.name for p in CONSOLE_DIR.iterdir() if p.name != "index.html")
 EXPECTED_TYPES = {

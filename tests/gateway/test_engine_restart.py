@@ -20,11 +20,11 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-import gateway.engine_health as engine_health
+import gateway.observability.engine_health as engine_health
 from engine.async_engine import AsyncLLMEngine
-from gateway.model_source import DEMO_MODEL_NAME
-from tests.billing.test_serve_harness import billing_periods, detail_export
+from gateway.server.model_source import DEMO_MODEL_NAME
 from tests.gateway.app_harness import start_gateway
+from tests.gateway.serve_harness import billing_periods, detail_export
 from tests.serve_process import ServeProcess, start_long_streams
 
 NUM_STREAMS = 3

@@ -7,8 +7,8 @@ import itertools
 
 import pytest
 
-from gateway.gc_pauses import GcPauses, process_gc_pauses
-from gateway.metrics import GatewayMetrics
+from gateway.observability.gc_pauses import GcPauses, process_gc_pauses
+from gateway.observability.metrics import GatewayMetrics
 from policies.tiers import TierTable
 
 

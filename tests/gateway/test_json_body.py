@@ -1,11 +1,11 @@
-"""gateway.json_body: what JSON allows and the server must refuse, as a 400 naming the field."""
+"""gateway.http.json_body: what JSON allows and the server must refuse, a 400 naming the field."""
 
 from __future__ import annotations
 
 import pytest
 
-from gateway.errors import InvalidRequestError
-from gateway.json_body import parse_json_body
+from gateway.http.errors import BadRequestError
+from gateway.http.json_body import parse_json_body
 
 
 @pytest.mark.parametrize(
@@ -19,7 +19,7 @@ from gateway.json_body import parse_json_body
     ],
 )
 def test_lone_surrogates_are_refused_with_their_field(raw: bytes, param: str | None) -> None:
-    with pytest.raises(InvalidRequestError, match="surrogate") as caught:
+    with pytest.raises(BadRequestError, match="surrogate") as caught:
         parse_json_body(raw)
     assert caught.value.param == param and caught.value.status_code == 400
 
@@ -30,18 +30,18 @@ def test_surrogate_pairs_and_plain_text_pass() -> None:
 
 
 def test_deep_nesting_is_a_400() -> None:
-    with pytest.raises(InvalidRequestError, match="nests too deeply"):
+    with pytest.raises(BadRequestError, match="nests too deeply"):
         parse_json_body(b"[" * 100_000 + b"]" * 100_000)
 
 
 def test_a_deep_but_parseable_body_is_walked_without_recursion() -> None:
     depth = 900  # under the parser's limit, deep enough to matter for a recursive walk
     raw = b'{"prompt": ' + b"[" * depth + b'"\\ud800"' + b"]" * depth + b"}"
-    with pytest.raises(InvalidRequestError) as caught:
+    with pytest.raises(BadRequestError) as caught:
         parse_json_body(raw)
     assert caught.value.param == "prompt" + "[0]" * depth
 
 
 def test_not_json_is_a_400() -> None:
-    with pytest.raises(InvalidRequestError, match="not valid JSON"):
+    with pytest.raises(BadRequestError, match="not valid JSON"):
         parse_json_body(b"{not json")

@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from gateway.gc_pauses import GcPauses
-from gateway.loop_lag import LoopLagWatch, LoopStall, StallLog
-from gateway.metrics import GatewayMetrics
+from gateway.observability.gc_pauses import GcPauses
+from gateway.observability.loop_lag import LoopLagWatch, LoopStall, StallLog
+from gateway.observability.metrics import GatewayMetrics
 from policies.tiers import TierTable
 
 BLOCK_S = 0.3
@@ -215,7 +215,7 @@ def test_stalls_are_logged_at_most_once_per_interval(caplog: pytest.LogCaptureFi
         stacks={"event loop": ("base_events.py:1922 _run_once", "selectors.py:468 select"),
                 "tiergate-engine": ("llm_engine.py:210 step",)},
     )  # fmt: skip
-    with caplog.at_level(logging.WARNING, logger="gateway.loop_lag"):
+    with caplog.at_level(logging.WARNING, logger="gateway.observability.loop_lag"):
         log(stall)
         now[0] += 4.0
         log(stall)  # within 10 s of the last record: counted, not logged

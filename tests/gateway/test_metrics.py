@@ -19,8 +19,8 @@ from starlette.applications import Starlette
 from starlette.testclient import TestClient
 
 from engine import SamplingParams, TenantContext
-from gateway.dependency_health import DependencyHealth
-from gateway.metrics import (
+from gateway.observability.dependency_health import DependencyHealth
+from gateway.observability.metrics import (
     OTHER_TENANT,
     TTFT_BUCKETS_S,
     GatewayMetrics,
@@ -29,7 +29,7 @@ from gateway.metrics import (
     TenantLabeler,
     metrics_route,
 )
-from gateway.metrics_views import without_tenants
+from gateway.observability.metrics_views import without_tenants
 from policies import DEFAULT_TIERS
 from policies.alerts import ALERT_NAME, AlertState, AlertStatus, TtftAlertRule
 from tests.engine.helpers import make_engine, preempting_engine

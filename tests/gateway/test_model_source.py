@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from engine.demo_model import write_demo_model
 from engine.loader import load_model
-from gateway.model_source import (
+from gateway.server.model_source import (
     DEFAULT_MODEL_NAME,
     DEMO_MODEL_NAME,
     ModelSourceError,

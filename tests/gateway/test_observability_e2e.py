@@ -30,10 +30,10 @@ from opentelemetry.semconv._incubating.attributes import gen_ai_attributes as ge
 from opentelemetry.trace import SpanKind, StatusCode
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.metrics import TTFT_BUCKETS_S
-from gateway.model_source import DEMO_MODEL_NAME
-from gateway.observability import UNKNOWN_TIER
-from gateway.telemetry import TelemetrySettings, setup_telemetry
+from gateway.observability.metrics import TTFT_BUCKETS_S
+from gateway.observability.telemetry import TelemetrySettings, setup_telemetry
+from gateway.server.model_source import DEMO_MODEL_NAME
+from gateway.server.observability_wiring import UNKNOWN_TIER
 from policies.alerts import ALERT_NAME
 from tests.gateway.app_harness import InProcessGateway, start_gateway
 from tests.gateway.loopback_receiver import LoopbackReceiver

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from gateway.errors import InvalidRequestError
-from gateway.openai_requests import Endpoint, parse_chat_request, parse_completion_request
+from gateway.http.errors import BadRequestError
+from gateway.openai.requests import Endpoint, parse_chat_request, parse_completion_request
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 COMPLETION = {"model": "m", "prompt": "hi"}
@@ -172,7 +172,7 @@ def test_completion_prompt_forms(prompt: Any, expected: tuple[Any, ...]) -> None
 )
 def test_invalid_bodies_name_the_field(body: dict[str, Any], param: str, code: str | None) -> None:
     parse = parse_chat_request if "messages" in body else parse_completion_request
-    with pytest.raises(InvalidRequestError) as raised:
+    with pytest.raises(BadRequestError) as raised:
         parse(body)
     assert raised.value.param == param
     assert raised.value.code == code
@@ -180,5 +180,5 @@ def test_invalid_bodies_name_the_field(body: dict[str, Any], param: str, code: s
 
 
 def test_a_body_that_is_not_an_object_is_refused() -> None:
-    with pytest.raises(InvalidRequestError):
+    with pytest.raises(BadRequestError):
         parse_chat_request([CHAT])

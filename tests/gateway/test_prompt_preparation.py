@@ -24,15 +24,15 @@ import httpx
 import openai
 import pytest
 
-import gateway.generation as generation
+import gateway.openai.generation as generation
 from engine.tokenizer import Tokenizer
-from gateway.model_source import DEMO_MODEL_NAME
-from gateway.openai_routes import LARGE_BODY_BYTES
+from gateway.openai.routes import LARGE_BODY_BYTES
+from gateway.server.model_source import DEMO_MODEL_NAME
 from tests.gateway.app_harness import InProcessGateway, start_gateway
 
 
 class _PrepareSpy:
-    """Wraps gateway.generation._prepare: where each call ran, and events around the first.
+    """Wraps gateway.openai.generation._prepare: where each call ran, and events around the first.
     With hold, the first call waits for it before it prepares (as a long encode would)."""
 
     def __init__(

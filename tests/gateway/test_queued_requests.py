@@ -18,7 +18,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.model_source import DEMO_MODEL_NAME
+from gateway.server.model_source import DEMO_MODEL_NAME
 from tests.gateway.app_harness import start_gateway
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 from sqlalchemy import event
 
-from gateway.health import DATABASE_PROBE_INTERVAL_S
+from gateway.server.health import DATABASE_PROBE_INTERVAL_S
 from tests.billing.conftest import DatabaseOutage
 from tests.gateway.app_harness import start_gateway
 from tests.tenants.conftest import scratch_database

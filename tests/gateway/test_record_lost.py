@@ -28,10 +28,10 @@ from sqlalchemy import select
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from billing import UsageRecordRow
-from gateway.billing_wiring import LedgerSink
-from gateway.model_source import DEMO_MODEL_NAME
-from tests.billing.test_serve_outage import SqliteWriteLock
+from gateway.server.billing_wiring import LedgerSink
+from gateway.server.model_source import DEMO_MODEL_NAME
 from tests.gateway.app_harness import InProcessGateway, start_gateway
+from tests.gateway.test_serve_outage import SqliteWriteLock
 
 
 def _stored_ids(gateway: InProcessGateway) -> set[str]:

@@ -15,7 +15,7 @@ import httpx
 from sqlalchemy import func, select
 
 from billing import RecordStatus, UsageRecordRow
-from gateway.model_source import DEMO_MODEL_NAME
+from gateway.server.model_source import DEMO_MODEL_NAME
 from tests.gateway.app_harness import InProcessGateway, start_gateway
 
 NUM_THREADS = 4

@@ -18,7 +18,7 @@ import openai
 
 from engine.async_engine import AsyncLLMEngine
 from engine.llm_engine import TenantContext
-from gateway.model_source import DEMO_MODEL_NAME
+from gateway.server.model_source import DEMO_MODEL_NAME
 from policies import TieredPolicy, TierTable
 from tests.gateway.app_harness import start_gateway
 

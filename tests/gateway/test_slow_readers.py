@@ -17,7 +17,7 @@ from pathlib import Path
 from sqlalchemy import select
 
 from billing import RecordStatus, UsageRecordRow
-from gateway.model_source import DEMO_MODEL_NAME
+from gateway.server.model_source import DEMO_MODEL_NAME
 from tests.gateway.app_harness import start_gateway
 
 NUM_SILENT = 4

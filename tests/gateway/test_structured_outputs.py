@@ -19,7 +19,7 @@ import pytest
 import torch
 from pydantic import BaseModel
 
-from gateway.model_source import DEFAULT_MODEL_NAME, default_model_file, gguf_model_dir
+from gateway.server.model_source import DEFAULT_MODEL_NAME, default_model_file, gguf_model_dir
 from tests.serve_process import ServeProcess, default_model_server
 
 pytestmark = pytest.mark.slow

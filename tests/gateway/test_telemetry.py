@@ -18,7 +18,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.semconv._incubating.attributes import gen_ai_attributes as gen_ai
 from opentelemetry.trace import NoOpTracer, SpanKind, StatusCode
 
-from gateway.telemetry import (
+from gateway.observability.telemetry import (
     GenAiRequest,
     GenAiResponse,
     Telemetry,

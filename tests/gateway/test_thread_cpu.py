@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from gateway.thread_cpu import ThreadCpuClocks, cpu_by_thread
+from gateway.observability.thread_cpu import ThreadCpuClocks, cpu_by_thread
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="per-thread CPU clocks are POSIX's"

@@ -9,7 +9,7 @@ import llguidance
 import pytest
 
 from engine.tokenizer import compile_chat_template
-from gateway.tool_calls import (
+from gateway.openai.tool_calls import (
     FORMATS,
     MAX_PARALLEL_CALLS,
     FunctionTool,

@@ -25,7 +25,7 @@ import yaml
 
 import migrations
 from gateway.cli import build_parser
-from gateway.settings import GatewaySettings
+from gateway.server.settings import GatewaySettings
 from policies import TierTable
 from tests.tenants.conftest import scratch_database
 

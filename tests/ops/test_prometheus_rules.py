@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
-from gateway.metrics import GatewayMetrics
+from gateway.observability.metrics import GatewayMetrics
 from policies.alerts import ALERT_NAME, DEFAULT_FOR_S, DEFAULT_MIN_SAMPLES, DEFAULT_WINDOW_S
 from tests.gateway.test_metrics import populated_metrics
 

@@ -9,7 +9,7 @@ The tests then check what the clients saw:
 
 - rate limits hold across the replicas within 2 % (one Redis bucket per tenant);
 - each admin change holds at once on replica 0 and on replicas 1 and 2 within the key cache
-  TTL (gateway.auth.DEFAULT_KEY_CACHE_TTL_S), the bound ops/README.md states;
+  TTL (gateway.access.auth.DEFAULT_KEY_CACHE_TTL_S), the bound ops/README.md states;
 - the billing export holds every response a client saw exactly once, with the usage the
   client saw, and one refused record per 429: nothing lost, nothing twice.
 
@@ -39,8 +39,8 @@ from sqlalchemy import Engine, create_engine, func, inspect, select, text
 
 import migrations
 from billing.models import USAGE_RECORDS
-from gateway.auth import DEFAULT_KEY_CACHE_TTL_S
-from gateway.bootstrap import DEMO_TENANT_NAME, create_demo_tenant_if_empty
+from gateway.access.auth import DEFAULT_KEY_CACHE_TTL_S
+from gateway.server.bootstrap import DEMO_TENANT_NAME, create_demo_tenant_if_empty
 from ops.local_cluster import UPSTREAM_HEADER, LocalCluster, RoundRobinProxy
 from tenants import (
     DEFAULT_TIERS,

@@ -13,7 +13,7 @@ import tenants
 from tenants import (
     ApiKey,
     AuditEntry,
-    ConflictError,
+    DuplicateError,
     InvalidFieldError,
     Quota,
     Tenant,
@@ -75,7 +75,7 @@ def test_create_tenant_with_quota(session: Session) -> None:
 
 def test_tenant_names_are_unique(session: Session) -> None:
     _tenant(session)
-    with pytest.raises(ConflictError) as caught:
+    with pytest.raises(DuplicateError) as caught:
         _tenant(session)
     assert caught.value.param == "name"
 
@@ -143,7 +143,7 @@ def test_update_rejects_unknown_and_invalid_fields(session: Session) -> None:
 def test_rename_to_a_taken_name_conflicts(session: Session) -> None:
     _tenant(session, "a")
     b = _tenant(session, "b")
-    with pytest.raises(ConflictError):
+    with pytest.raises(DuplicateError):
         tenants.update_tenant(session, b, {"name": "a"}, actor=ACTOR)
 
 

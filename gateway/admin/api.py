@@ -1,0 +1,324 @@
+"""The admin HTTP API under /admin/v1: tenants and their quotas, API keys, the audit log.
+
+Authenticated by one admin token (TIERGATE_ADMIN_TOKEN), sent as ``x-admin-token: <token>``
+or ``Authorization: Bearer <token>`` and compared in constant time. Tenant keys never open
+these routes: one presented here gets 403. With no token configured the API is off and
+every /admin/v1 route answers 404 with code ``admin_api_disabled``.
+
+Every write goes through tenants.repository, which records an audit entry (before/after)
+in the same transaction; changes that affect authentication are pushed to this process's
+key cache at once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Collection, Mapping
+from typing import Any, TypeVar
+
+from sqlalchemy.orm import Session, sessionmaker
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import BaseRoute, Mount, Route
+
+import tenants
+from gateway.access.auth import TenantKeyResolver
+from gateway.admin.auth import ADMIN_METHODS, ADMIN_TOKEN_ENV, AdminGuard, admin_disabled
+from gateway.http.errors import (
+    BadRequestError,
+    ConflictError,
+    GatewayError,
+    NotFoundError,
+    PayloadTooLargeError,
+)
+from gateway.http.json_body import parse_json_body
+from tenants import DEFAULT_TIERS, TenantStatus
+
+logger = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 64 * 1024
+DEFAULT_AUDIT_PAGE = 100
+MAX_AUDIT_PAGE = 1000
+_CREATE_TENANT_FIELDS = ("name", "tier", "weight", "cache_salt", "quota")
+
+T = TypeVar("T")
+
+
+def admin_routes(
+    *,
+    session_factory: sessionmaker[Session],
+    admin_token: str | None,
+    key_resolver: TenantKeyResolver | None = None,
+    known_tiers: Collection[str] = DEFAULT_TIERS,
+) -> list[BaseRoute]:
+    """Routes to add to the app; with no (or an empty) admin token, routes that answer 404.
+
+    key_resolver, when given, is the resolver the app authenticates tenants with: revoking a
+    key or changing a tenant here invalidates its cache entries immediately.
+    """
+    if not admin_token:
+        logger.warning("admin API disabled: %s is not set", ADMIN_TOKEN_ENV)
+        return [
+            Route("/admin/v1", admin_disabled, methods=ADMIN_METHODS),
+            Route("/admin/v1/{path:path}", admin_disabled, methods=ADMIN_METHODS),
+        ]
+    api = _AdminApi(session_factory, key_resolver, known_tiers)
+    guard = AdminGuard(admin_token)
+    return [
+        Mount(
+            "/admin/v1",
+            routes=[
+                Route("/tenants", guard(api.list_tenants), methods=["GET"]),
+                Route("/tenants", guard(api.create_tenant), methods=["POST"]),
+                Route("/tenants/{tenant}", guard(api.get_tenant), methods=["GET"]),
+                Route("/tenants/{tenant}", guard(api.update_tenant), methods=["PATCH"]),
+                Route("/tenants/{tenant}/disable", guard(api.disable_tenant), methods=["POST"]),
+                Route("/tenants/{tenant}/enable", guard(api.enable_tenant), methods=["POST"]),
+                Route("/tenants/{tenant}/keys", guard(api.list_keys), methods=["GET"]),
+                Route("/tenants/{tenant}/keys", guard(api.create_key), methods=["POST"]),
+                Route("/keys/{key_id:int}", guard(api.get_key), methods=["GET"]),
+                Route("/keys/{key_id:int}", guard(api.revoke_key), methods=["DELETE"]),
+                Route("/keys/{key_id:int}/revoke", guard(api.revoke_key), methods=["POST"]),
+                Route("/audit", guard(api.list_audit), methods=["GET"]),
+            ],
+        )
+    ]
+
+
+class _AdminApi:
+    def __init__(
+        self,
+        session_factory: sessionmaker[Session],
+        key_resolver: TenantKeyResolver | None,
+        known_tiers: Collection[str],
+    ) -> None:
+        self._session_factory = session_factory
+        self._key_resolver = key_resolver
+        self._known_tiers = tuple(known_tiers)
+
+    async def _in_session(self, work: Callable[[Session], T]) -> T:
+        """Run work in one transaction off the event loop, translating tenants errors."""
+
+        def run() -> T:
+            try:
+                with self._session_factory.begin() as session:
+                    return work(session)
+            except tenants.TenantsError as exc:
+                raise _translate(exc) from exc
+
+        return await run_in_threadpool(run)
+
+    def _forget(self, *, tenant_id: int | None = None, api_key_id: int | None = None) -> None:
+        if self._key_resolver is not None:
+            self._key_resolver.invalidate(tenant_id=tenant_id, api_key_id=api_key_id)
+
+    # --- tenants ---------------------------------------------------------------------------
+
+    async def list_tenants(self, request: Request) -> Response:
+        status = _status_param(request.query_params.get("status"))
+        data = await self._in_session(
+            lambda s: [tenants.tenant_snapshot(t) for t in tenants.list_tenants(s, status=status)]
+        )
+        return _list_response(data)
+
+    async def create_tenant(self, request: Request) -> Response:
+        body = await _json_object(request)
+        _reject_unknown(body, _CREATE_TENANT_FIELDS)
+        if "name" not in body:
+            raise BadRequestError("missing required field 'name'", param="name")
+        quota = body.get("quota")
+        if quota is None:
+            quota = {}
+        elif not isinstance(quota, Mapping):
+            raise BadRequestError("quota must be an object", param="quota")
+        actor = _actor(request)
+
+        def work(session: Session) -> dict[str, Any]:
+            tenant = tenants.create_tenant(
+                session,
+                name=body["name"],
+                tier=body.get("tier", "standard"),
+                weight=body.get("weight", 1.0),
+                quota=quota,
+                cache_salt=body.get("cache_salt"),
+                actor=actor,
+                known_tiers=self._known_tiers,
+            )
+            return tenants.tenant_snapshot(tenant)
+
+        return JSONResponse(await self._in_session(work), status_code=201)
+
+    async def get_tenant(self, request: Request) -> Response:
+        ref = request.path_params["tenant"]
+        return JSONResponse(
+            await self._in_session(lambda s: tenants.tenant_snapshot(tenants.find_tenant(s, ref)))
+        )
+
+    async def update_tenant(self, request: Request) -> Response:
+        ref, actor = request.path_params["tenant"], _actor(request)
+        body = await _json_object(request)
+
+        def work(session: Session) -> dict[str, Any]:
+            tenant = tenants.find_tenant(session, ref)
+            tenants.update_tenant(session, tenant, body, actor=actor, known_tiers=self._known_tiers)
+            return tenants.tenant_snapshot(tenant)
+
+        snapshot = await self._in_session(work)
+        self._forget(tenant_id=snapshot["id"])
+        return JSONResponse(snapshot)
+
+    async def disable_tenant(self, request: Request) -> Response:
+        return await self._set_status(request, TenantStatus.DISABLED)
+
+    async def enable_tenant(self, request: Request) -> Response:
+        return await self._set_status(request, TenantStatus.ACTIVE)
+
+    async def _set_status(self, request: Request, status: TenantStatus) -> Response:
+        ref, actor = request.path_params["tenant"], _actor(request)
+
+        def work(session: Session) -> dict[str, Any]:
+            tenant = tenants.find_tenant(session, ref)
+            tenants.set_tenant_status(session, tenant, status, actor=actor)
+            return tenants.tenant_snapshot(tenant)
+
+        snapshot = await self._in_session(work)
+        self._forget(tenant_id=snapshot["id"])
+        return JSONResponse(snapshot)
+
+    # --- keys ------------------------------------------------------------------------------
+
+    async def list_keys(self, request: Request) -> Response:
+        ref = request.path_params["tenant"]
+
+        def work(session: Session) -> list[dict[str, Any]]:
+            tenant = tenants.find_tenant(session, ref)
+            return [
+                tenants.api_key_snapshot(k)
+                for k in tenants.list_api_keys(session, tenant_id=tenant.id)
+            ]
+
+        return _list_response(await self._in_session(work))
+
+    async def create_key(self, request: Request) -> Response:
+        ref, actor = request.path_params["tenant"], _actor(request)
+        body = await _json_object(request, allow_empty=True)
+        _reject_unknown(body, ("name",))
+
+        def work(session: Session) -> dict[str, Any]:
+            tenant = tenants.find_tenant(session, ref)
+            created = tenants.create_api_key(
+                session, tenant, name=body.get("name", "default"), actor=actor
+            )
+            # The only time the plaintext leaves the server.
+            return {**tenants.api_key_snapshot(created.api_key), "key": created.plaintext}
+
+        return JSONResponse(await self._in_session(work), status_code=201)
+
+    async def get_key(self, request: Request) -> Response:
+        key_id: int = request.path_params["key_id"]
+        return JSONResponse(
+            await self._in_session(
+                lambda s: tenants.api_key_snapshot(tenants.get_api_key(s, key_id))
+            )
+        )
+
+    async def revoke_key(self, request: Request) -> Response:
+        key_id: int = request.path_params["key_id"]
+        actor = _actor(request)
+
+        def work(session: Session) -> dict[str, Any]:
+            api_key = tenants.revoke_api_key(
+                session, tenants.get_api_key(session, key_id), actor=actor
+            )
+            return tenants.api_key_snapshot(api_key)
+
+        snapshot = await self._in_session(work)
+        self._forget(api_key_id=key_id)
+        return JSONResponse(snapshot)
+
+    # --- audit -----------------------------------------------------------------------------
+
+    async def list_audit(self, request: Request) -> Response:
+        query = request.query_params
+        limit = _int_param(query.get("limit"), "limit", low=1, high=MAX_AUDIT_PAGE)
+        before_id = _int_param(query.get("before"), "before", low=1)
+        target_type, target_id = query.get("target_type"), query.get("target_id")
+        data = await self._in_session(
+            lambda s: [
+                tenants.audit_entry_snapshot(e)
+                for e in tenants.list_audit_entries(
+                    s,
+                    limit=DEFAULT_AUDIT_PAGE if limit is None else limit,
+                    before_id=before_id,
+                    target_type=target_type,
+                    target_id=target_id,
+                )
+            ]
+        )
+        return _list_response(data)
+
+
+def _translate(exc: tenants.TenantsError) -> GatewayError:
+    if isinstance(exc, tenants.InvalidFieldError):
+        return BadRequestError(str(exc), param=exc.param)
+    if isinstance(exc, tenants.RowNotFoundError):
+        return NotFoundError(str(exc), code="not_found")
+    if isinstance(exc, tenants.DuplicateError):
+        return ConflictError(str(exc), param=exc.param, code="conflict")
+    raise AssertionError(f"untranslated tenants error {type(exc).__name__}") from exc
+
+
+def _actor(request: Request) -> str:
+    return f"admin-api:{request.client.host if request.client else 'unknown'}"
+
+
+def _list_response(data: list[dict[str, Any]]) -> JSONResponse:
+    return JSONResponse({"object": "list", "data": data})
+
+
+async def _json_object(request: Request, *, allow_empty: bool = False) -> dict[str, Any]:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise PayloadTooLargeError(f"request body is larger than {MAX_BODY_BYTES} bytes")
+    raw = await request.body()
+    if len(raw) > MAX_BODY_BYTES:
+        raise PayloadTooLargeError(f"request body is larger than {MAX_BODY_BYTES} bytes")
+    if allow_empty and not raw.strip():
+        return {}
+    body = parse_json_body(raw)
+    if not isinstance(body, dict):
+        raise BadRequestError("request body must be a JSON object")
+    return body
+
+
+def _reject_unknown(body: Mapping[str, object], allowed: Collection[str]) -> None:
+    for field in body:
+        if field not in allowed:
+            raise BadRequestError(
+                f"unknown field {field!r}; expected some of: {', '.join(allowed)}", param=field
+            )
+
+
+def _status_param(value: str | None) -> TenantStatus | None:
+    if value is None:
+        return None
+    try:
+        return TenantStatus(value)
+    except ValueError:
+        choices = ", ".join(s.value for s in TenantStatus)
+        raise BadRequestError(f"status must be one of: {choices}", param="status") from None
+
+
+def _int_param(value: str | None, param: str, *, low: int, high: int | None = None) -> int | None:
+    """A query parameter as an int in [low, high], or None when absent."""
+    if value is None:
+        return None
+    try:
+        number = int(value)
+    except ValueError:
+        raise BadRequestError(f"{param} must be an integer", param=param) from None
+    if number < low or (high is not None and number > high):
+        bounds = f"between {low} and {high}" if high is not None else f"at least {low}"
+        raise BadRequestError(f"{param} must be {bounds}", param=param)
+    return number

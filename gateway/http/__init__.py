@@ -1,0 +1,3 @@
+"""What every route of the gateway shares: the OpenAI-shaped exception tree and its handlers
+(errors), request bodies parsed as JSON (json_body), and the middleware that gives every
+request an id and a processing time (request_context)."""

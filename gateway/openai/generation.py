@@ -1,0 +1,349 @@
+"""From a validated OpenAI request to engine requests and back: tokenization, sampling
+parameters, and one job that runs every prompt of a request and merges their outputs.
+
+A completions request may carry several prompts; each becomes one engine request (with n
+samples), and choice i of the response is sample i % n of prompt i // n, as OpenAI numbers
+them. Leaving the job early (client gone) aborts every engine request it started, which
+frees their KV blocks before the engine's next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import anyio
+
+from engine import (
+    ContextLengthExceededError,
+    EngineClient,
+    EngineError,
+    InvalidRequestError,
+    RequestMetrics,
+    RequestOutput,
+    SamplingParams,
+    StructuredOutput,
+    TenantContext,
+)
+from gateway.http.errors import BadRequestError
+from gateway.openai.requests import Endpoint, GenerationRequest
+from gateway.openai.tool_calls import render_messages, required_call_grammar
+from gateway.server.served_model import ServedModel
+
+# Longest a cancelled job waits for the engine's final (abort) outputs.
+_ABORT_WAIT_S = 2.0
+
+
+@dataclass(frozen=True)
+class PreparedPrompt:
+    """One prompt as the engine takes it."""
+
+    token_ids: list[int]
+    # The prompt as text (for echo); None until decoded for token-id prompts.
+    text: str | None
+
+
+async def prepare_prompts(
+    request: GenerationRequest, model: ServedModel, off_loop: anyio.CapacityLimiter | None
+) -> list[PreparedPrompt]:
+    """Render the chat template or take the prompts as given, and tokenize.
+
+    off_loop: in a worker thread under this limiter, with an encoder that releases the GIL,
+    so the event loop serves other tenants meanwhile (a 1 MiB prompt takes about a second to
+    encode). None: on the loop, for small prompts, which a hand-over to a thread only delays.
+    """
+    if off_loop is None:
+        return _prepare(request, model, model.tokenizer.encode)
+    return await anyio.to_thread.run_sync(
+        _prepare, request, model, model.tokenizer.encode_unlocked, limiter=off_loop
+    )
+
+
+def _prepare(
+    request: GenerationRequest, model: ServedModel, encode: Callable[[str, bool], list[int]]
+) -> list[PreparedPrompt]:
+    tokenizer = model.tokenizer
+    if request.endpoint is Endpoint.CHAT:
+        offered = request.tools.tools if request.tools.is_active else ()
+        messages, tools = render_messages(request.messages, offered, tokenizer.chat_template)
+        try:
+            text = tokenizer.apply_chat_template(messages, tools=tools)
+        except EngineError as exc:
+            raise _translate(exc) from exc
+        except (TypeError, ValueError, KeyError) as exc:
+            # Message fields the template does not expect (e.g. tool_calls of odd shape).
+            raise BadRequestError(
+                f"the messages cannot be rendered with this model's chat template: {exc}",
+                param="messages",
+            ) from exc
+        _check_not_too_long(text, model, "messages")
+        # The template already holds the special tokens it wants (BOS included).
+        return [PreparedPrompt(encode(text, False), text)]
+    prompts = []
+    for index, prompt in enumerate(request.prompts):
+        param = "prompt" if len(request.prompts) == 1 else f"prompt[{index}]"
+        if isinstance(prompt, str):
+            _check_not_too_long(prompt, model, param)
+            prompts.append(PreparedPrompt(encode(prompt, True), prompt))
+            continue
+        for token_id in prompt:
+            if not 0 <= token_id < model.vocab_size:
+                raise BadRequestError(
+                    f"token id {token_id} is outside this model's vocabulary "
+                    f"(0..{model.vocab_size - 1})",
+                    param=param,
+                )
+        prompts.append(PreparedPrompt(list(prompt), None))
+    return prompts
+
+
+def _check_not_too_long(text: str, model: ServedModel, param: str) -> None:
+    """400 context_length_exceeded, without encoding, for a text that cannot fit."""
+    num_tokens = model.tokenizer.min_num_tokens(text)
+    if num_tokens >= model.max_model_len:
+        raise BadRequestError(
+            f"the prompt has at least {num_tokens} tokens ({len(text)} characters); this "
+            f"model's context is {model.max_model_len}",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+
+def sampling_params(request: GenerationRequest, model: ServedModel) -> SamplingParams:
+    fields = request.sampling
+    stop_token_ids = list(fields.stop_token_ids)
+    if not fields.ignore_eos:
+        # The engine knows one EOS id; a model may end turns with others too.
+        stop_token_ids += [t for t in model.eos_token_ids[1:] if t not in stop_token_ids]
+    for token_id in fields.stop_token_ids:
+        if token_id >= model.vocab_size:
+            raise BadRequestError(
+                f"stop token id {token_id} is outside this model's vocabulary",
+                param="stop_token_ids",
+            )
+    try:
+        return SamplingParams(
+            structured=_constraint(request, model),
+            n=fields.n,
+            temperature=fields.temperature,
+            top_p=fields.top_p,
+            top_k=fields.top_k,
+            min_p=fields.min_p,
+            repetition_penalty=fields.repetition_penalty,
+            presence_penalty=fields.presence_penalty,
+            frequency_penalty=fields.frequency_penalty,
+            seed=fields.seed,
+            max_tokens=fields.max_tokens,
+            min_tokens=fields.min_tokens,
+            stop=list(fields.stop),
+            stop_token_ids=stop_token_ids,
+            ignore_eos=fields.ignore_eos,
+            logprobs=fields.num_logprobs,
+            skip_special_tokens=fields.skip_special_tokens,
+        )
+    except EngineError as exc:
+        raise _translate(exc) from exc
+
+
+def _constraint(request: GenerationRequest, model: ServedModel) -> StructuredOutput | None:
+    """The request's structured output, or the grammar of the call its tool_choice forces."""
+    tools = request.tools
+    if tools.choice.mode not in ("required", "function"):
+        return request.structured
+    grammar = required_call_grammar(model.tool_format, tools.tools, tools.choice, tools.parallel)
+    return StructuredOutput("grammar", grammar, "tool_choice")
+
+
+async def check_constraints(
+    request: GenerationRequest,
+    params: SamplingParams,
+    model: ServedModel,
+    limiter: anyio.CapacityLimiter,
+) -> None:
+    """400 naming the field for a schema or grammar llguidance does not take with this
+    model's tokenizer (checked in a worker thread: a large schema takes up to ~20 ms)."""
+    constraints = request.constraints()
+    if params.structured is not None and params.structured not in constraints:
+        constraints.append(params.structured)  # a forced tool call's grammar
+    if not constraints:
+        return
+
+    def check_all() -> None:
+        for constraint in constraints:
+            model.grammars.check(constraint)
+
+    try:
+        await anyio.to_thread.run_sync(check_all, limiter=limiter)
+    except EngineError as exc:
+        raise _translate(exc) from exc
+
+
+def check_fits(
+    engine: EngineClient,
+    prompts: list[PreparedPrompt],
+    params: SamplingParams,
+    tenant: TenantContext,
+    endpoint: Endpoint,
+) -> list[int]:
+    """Raise 400 (context_length_exceeded) unless every prompt can ever run; returns the
+    resolved max_tokens of each prompt."""
+    resolved = []
+    for prompt in prompts:
+        try:
+            resolved.append(engine.validate_request(prompt.token_ids, params, tenant))
+        except EngineError as exc:
+            error = _translate(exc)
+            if error.param == "messages" and endpoint is Endpoint.COMPLETIONS:
+                error.param = "prompt"
+            raise error from exc
+    return resolved
+
+
+@dataclass
+class ChoiceState:
+    """What one choice has produced so far."""
+
+    num_output_tokens: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class JobSummary:
+    """Token counts of a whole request once it is over (or as far as it got)."""
+
+    num_prompt_tokens: int
+    num_cached_prompt_tokens: int
+    num_completion_tokens: int
+    # Sums over every sample of every prompt (engine metering).
+    num_preemptions: int = 0
+    finish_reasons: list[str | None] = field(default_factory=list)
+
+
+class GenerationJob:
+    """Runs the engine requests of one HTTP request and yields (choice index, output)."""
+
+    def __init__(
+        self,
+        engine: EngineClient,
+        request_id: str,
+        prompts: list[PreparedPrompt],
+        params: SamplingParams,
+        tenant: TenantContext,
+    ) -> None:
+        self.request_id = request_id
+        self.prompts = prompts
+        self.params = params
+        self.num_choices = len(prompts) * params.n
+        self.choices = [ChoiceState() for _ in range(self.num_choices)]
+        # Latest output of each choice: its counters and metrics describe the sample.
+        self.last_outputs: list[RequestOutput | None] = [None] * self.num_choices
+        # The latest metering of each choice (outputs carry it now and then, always at the end).
+        self.last_metrics: list[RequestMetrics | None] = [None] * self.num_choices
+        self._engine = engine
+        self._tenant = tenant
+        self._queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = (
+            asyncio.Queue()
+        )
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def engine_request_id(self, prompt_index: int) -> str:
+        return self.request_id if len(self.prompts) == 1 else f"{self.request_id}-{prompt_index}"
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Every output of every choice, in arrival order; ends when all have finished.
+        An engine failure arrives as an output with finish_reason "error"."""
+        for index, prompt in enumerate(self.prompts):
+            self._tasks.append(asyncio.create_task(self._pump(index, prompt)))
+        num_running = len(self._tasks)
+        try:
+            while num_running:
+                item = await self._queue.get()
+                if item is None:
+                    num_running -= 1
+                    continue
+                if isinstance(item, BaseException):
+                    raise item
+                self._apply(*item)
+                yield item
+        finally:
+            await self.cancel()
+
+    async def cancel(self) -> None:
+        """Abort whatever still runs: the engine frees its blocks before its next step and
+        sends each sample's final output, whose metering (the GPU time spent so far) this
+        waits for, briefly, so an aborted request is billed for what it used."""
+        pending = [task for task in self._tasks if not task.done()]
+        if pending:
+            for index in range(len(self.prompts)):
+                self._engine.abort(self.engine_request_id(index))
+            _, late = await asyncio.wait(pending, timeout=_ABORT_WAIT_S)
+            for task in late:
+                task.cancel()
+            if late:
+                await asyncio.gather(*late, return_exceptions=True)
+        # Outputs that arrived after the consumer left.
+        while not self._queue.empty():
+            item = self._queue.get_nowait()
+            if isinstance(item, tuple):
+                self._apply(*item)
+
+    def _apply(self, choice: int, output: RequestOutput) -> None:
+        state = self.choices[choice]
+        state.num_output_tokens = output.num_output_tokens
+        self.last_outputs[choice] = output
+        if output.metrics is not None:
+            self.last_metrics[choice] = output.metrics
+        if output.finished:
+            state.finish_reason = output.finish_reason
+            state.error = output.error
+
+    @property
+    def is_finished(self) -> bool:
+        """Every choice has ended, whatever the reason."""
+        return all(choice.finish_reason is not None for choice in self.choices)
+
+    @property
+    def is_complete(self) -> bool:
+        """Every choice ended by a stop condition or its length limit."""
+        return all(choice.finish_reason in ("stop", "length") for choice in self.choices)
+
+    def summary(self) -> JobSummary:
+        num_prompt = sum(len(p.token_ids) for p in self.prompts)
+        num_cached = 0
+        num_preemptions = 0
+        for index in range(len(self.prompts)):
+            first = self.last_outputs[index * self.params.n]
+            if first is not None:
+                num_cached += first.num_cached_tokens
+        for metrics in self.last_metrics:
+            if metrics is not None:
+                num_preemptions += metrics.num_preemptions
+        return JobSummary(
+            num_prompt_tokens=num_prompt,
+            num_cached_prompt_tokens=num_cached,
+            num_completion_tokens=sum(c.num_output_tokens for c in self.choices),
+            num_preemptions=num_preemptions,
+            finish_reasons=[c.finish_reason for c in self.choices],
+        )
+
+    async def _pump(self, prompt_index: int, prompt: PreparedPrompt) -> None:
+        base = prompt_index * self.params.n
+        try:
+            async for output in self._engine.generate(
+                self.engine_request_id(prompt_index), prompt.token_ids, self.params, self._tenant
+            ):
+                self._queue.put_nowait((base + output.sample_index, output))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # the engine loop died: the consumer reports it
+            self._queue.put_nowait(exc)
+        finally:
+            self._queue.put_nowait(None)
+
+
+def _translate(exc: EngineError) -> BadRequestError:
+    code = "context_length_exceeded" if isinstance(exc, ContextLengthExceededError) else None
+    param = exc.param if isinstance(exc, InvalidRequestError) else None
+    return BadRequestError(str(exc), param=param, code=code)

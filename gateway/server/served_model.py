@@ -1,0 +1,202 @@
+"""The model this replica serves: checkpoint, tokenizer and the engine running it (in a
+process of its own). What --model names is resolved by `gateway.server.model_source` (with none, the
+default model, SmolLM2-135M-Instruct, converted once from its GGUF file).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine import (
+    CacheConfig,
+    EngineClient,
+    EngineConfig,
+    EngineProcess,
+    FCFSPolicy,
+    GrammarCompiler,
+    LLMEngine,
+    ModelConfig,
+    ModelRunner,
+    RequestLimits,
+    RunnerConfig,
+    SchedulerConfig,
+    SchedulingPolicy,
+    TenantContext,
+    Tokenizer,
+    TorchModelRunner,
+)
+from gateway.openai.tool_calls import ToolCallFormat, format_for_template
+from gateway.server.model_source import resolve_model
+from gateway.server.settings import GatewaySettings
+from policies import TieredPolicy, TierTable
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What the HTTP layer needs to know about the model, besides the engine itself."""
+
+    # The id of /v1/models and of the `model` field clients send.
+    name: str
+    tokenizer: Tokenizer
+    # Token ids that end a generation (config eos ids and the tokenizer's eos).
+    eos_token_ids: tuple[int, ...]
+    vocab_size: int
+    # Longest prompt + output one request may have.
+    max_model_len: int
+    # Unix time the model was loaded (the `created` of /v1/models).
+    created: int
+    num_kv_blocks: int
+    kv_block_size: int
+    # How the model writes tool calls (--tool-call-parser, or guessed from its template).
+    tool_format: ToolCallFormat
+    # Checks structured outputs against the tokenizer before any engine work (its own
+    # compiler: the engine's is in the engine's process).
+    grammars: GrammarCompiler
+
+
+def context_length(settings: GatewaySettings, model_config: ModelConfig) -> int:
+    """Longest prompt + output: --max-model-len, at most what the model was trained for."""
+    return min(
+        settings.max_model_len or model_config.max_position_embeddings,
+        model_config.max_position_embeddings,
+    )
+
+
+def load_served_model(
+    settings: GatewaySettings, tiers: TierTable, created: int
+) -> tuple[ServedModel, EngineClient]:
+    """Start the engine in a process of its own (`EngineProcess`), which loads the
+    checkpoint; returns once it is loaded."""
+    source = resolve_model(
+        settings.model, settings.model_cache_dir, settings.demo_model_dir, _DTYPES[settings.dtype]
+    )
+    model_dir = source.model_dir
+    model_config = ModelConfig.from_file(model_dir)
+    tokenizer = Tokenizer.from_dir(model_dir)
+    engine = EngineProcess(functools.partial(build_engine, settings, tiers, model_dir))
+    name = settings.served_model_name or source.default_name
+    served = describe_model(model_config, tokenizer, name, created, engine.limits,
+                            tool_call_parser=settings.tool_call_parser)
+    served.grammars.warm_up()  # the tokenizer's index, before the first structured request
+    logger.info(
+        "serving %s from %s on %s: %d KV blocks of %d tokens, context %d (engine process %s)",
+        name, model_dir, settings.device, served.num_kv_blocks, served.kv_block_size,
+        served.max_model_len, engine.pid,
+    )
+    return served, engine
+
+
+def build_engine(settings: GatewaySettings, tiers: TierTable, model_dir: Path) -> LLMEngine:
+    """The engine over the checkpoint in model_dir (what the engine's process runs)."""
+    model_config = ModelConfig.from_file(model_dir)
+    runner = TorchModelRunner.from_model_dir(
+        model_dir,
+        RunnerConfig(
+            kv_cache_bytes=settings.kv_cache_bytes,
+            max_num_batched_tokens=settings.max_num_batched_tokens,
+            max_num_seqs=settings.max_num_seqs,
+            max_model_len=context_length(settings, model_config),
+        ),
+        dtype=_DTYPES[settings.dtype],
+        device=settings.device,
+    )
+    engine = new_engine(settings, tiers, runner, model_config, Tokenizer.from_dir(model_dir))
+    if engine.grammars is not None:
+        engine.grammars.warm_up()  # while the server starts, not on the first request
+    return engine
+
+
+def new_engine(
+    settings: GatewaySettings,
+    tiers: TierTable,
+    runner: ModelRunner,
+    model_config: ModelConfig,
+    tokenizer: Tokenizer,
+) -> LLMEngine:
+    """The engine over runner with the replica's scheduling policy."""
+    eos_ids = eos_token_ids(model_config, tokenizer)
+    tiered = settings.scheduling == "tiered"
+    engine_config = EngineConfig(
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=settings.max_num_batched_tokens,
+            max_num_seqs=settings.max_num_seqs,
+            max_model_len=context_length(settings, model_config),
+        ),
+        cache=CacheConfig(
+            block_size=runner.block_size,
+            reserved_fractions=tiers.reserved_fractions() if tiered else {},
+        ),
+        eos_token_id=eos_ids[0] if eos_ids else None,
+    )
+    policy: SchedulingPolicy = TieredPolicy() if tiered else FCFSPolicy()
+    grammars = GrammarCompiler(tokenizer, model_config.vocab_size, list(eos_ids))
+    return LLMEngine(engine_config, runner, policy, tokenizer, grammars=grammars)
+
+
+def describe_model(
+    model_config: ModelConfig,
+    tokenizer: Tokenizer,
+    name: str,
+    created: int,
+    limits: RequestLimits,
+    vocab_size: int | None = None,
+    tool_call_parser: str = "auto",
+) -> ServedModel:
+    """What the HTTP layer is told of the model. vocab_size: the ids clients may send
+    (default: the model's vocabulary)."""
+    _ = tokenizer.max_token_bytes  # read the vocabulary now, not on the first large prompt
+    return ServedModel(
+        name=name,
+        tokenizer=tokenizer,
+        eos_token_ids=eos_token_ids(model_config, tokenizer),
+        vocab_size=vocab_size or model_config.vocab_size,
+        max_model_len=limits.max_model_len,
+        created=created,
+        num_kv_blocks=limits.num_kv_blocks,
+        kv_block_size=limits.block_size,
+        tool_format=format_for_template(tokenizer.chat_template, tool_call_parser),
+        grammars=GrammarCompiler(tokenizer, vocab_size or model_config.vocab_size,
+                                 list(eos_token_ids(model_config, tokenizer))),
+    )
+
+
+def eos_token_ids(model_config: ModelConfig, tokenizer: Tokenizer) -> tuple[int, ...]:
+    """The config's eos ids, and the tokenizer's after them if it is not among them."""
+    eos_ids = list(model_config.eos_token_ids)
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos_ids:
+        eos_ids.append(tokenizer.eos_token_id)
+    return tuple(eos_ids)
+
+
+def tenant_context(
+    served: ServedModel,
+    tiers: TierTable,
+    *,
+    tenant_id: int,
+    tier: str,
+    weight: float,
+    cache_salt: str,
+    kv_cap_share: float | None,
+    scheduling: str,
+) -> TenantContext:
+    """What the engine is told about a request's tenant. Under FCFS every tenant is one
+    class: same priority, no reservations (the vLLM-style baseline)."""
+    priority = tiers[tier].priority if scheduling == "tiered" else 1
+    kv_cap = None if kv_cap_share is None else max(1, int(kv_cap_share * served.num_kv_blocks))
+    return TenantContext(
+        tenant_id=str(tenant_id),
+        tier=tier,
+        priority=priority,
+        weight=weight,
+        cache_salt=cache_salt,
+        kv_cap_blocks=kv_cap,
+    )

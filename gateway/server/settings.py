@@ -1,0 +1,240 @@
+"""The gateway's settings: command-line flags over TIERGATE_* environment variables over
+defaults, read once at start into one typed object and validated there.
+
+The optional YAML/JSON config file (``--config``) holds what is structured rather than a
+single value: the tier table, pricing, admission, alerting and engine sections.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from gateway.admin.auth import ADMIN_TOKEN_ENV
+from tenants import DEFAULT_DATABASE_URL
+
+
+class SettingsError(ValueError):
+    """A setting is malformed; the message names the flag and its variable."""
+
+
+@dataclass(frozen=True)
+class _Option:
+    flag: str
+    env: str
+    help: str
+
+
+# Field name -> its flag and environment variable; every field of GatewaySettings that is
+# settable from the outside appears here once.
+_OPTIONS: dict[str, _Option] = {
+    "host": _Option("--host", "TIERGATE_HOST", "address to listen on"),
+    "port": _Option("--port", "TIERGATE_PORT", "port to listen on"),
+    "model": _Option(
+        "--model",
+        "TIERGATE_MODEL",
+        "HF checkpoint directory, .gguf file, or 'demo' (default: SmolLM2-135M-Instruct)",
+    ),
+    "served_model_name": _Option(
+        "--served-model-name", "TIERGATE_SERVED_MODEL_NAME", "model id clients send"
+    ),
+    "database_url": _Option("--database-url", "TIERGATE_DATABASE_URL", "SQLAlchemy URL"),
+    "redis_url": _Option(
+        "--redis-url", "TIERGATE_REDIS_URL", "Redis URL for limits shared across replicas"
+    ),
+    "device": _Option("--device", "TIERGATE_DEVICE", "cpu or cuda"),
+    "dtype": _Option("--dtype", "TIERGATE_DTYPE", "float32, bfloat16 or float16"),
+    "config": _Option("--config", "TIERGATE_CONFIG", "YAML/JSON file: tiers, pricing, ..."),
+    "run_migrations": _Option(
+        "--migrate", "TIERGATE_RUN_MIGRATIONS", "run Alembic upgrade head at start"
+    ),
+    "kv_cache_bytes": _Option("--kv-cache-bytes", "TIERGATE_KV_CACHE_BYTES", "KV cache size"),
+    "max_model_len": _Option(
+        "--max-model-len", "TIERGATE_MAX_MODEL_LEN", "longest prompt + output in tokens"
+    ),
+    "max_num_seqs": _Option("--max-num-seqs", "TIERGATE_MAX_NUM_SEQS", "requests per step"),
+    "max_num_batched_tokens": _Option(
+        "--max-num-batched-tokens", "TIERGATE_MAX_NUM_BATCHED_TOKENS", "tokens per step"
+    ),
+    "scheduling": _Option(
+        "--scheduling", "TIERGATE_SCHEDULING", "tiered (default) or fcfs (baseline)"
+    ),
+    "max_body_bytes": _Option(
+        "--max-body-bytes", "TIERGATE_MAX_BODY_BYTES", "largest request body (413 above)"
+    ),
+    "max_messages": _Option(
+        "--max-messages", "TIERGATE_MAX_MESSAGES", "most messages in one chat request"
+    ),
+    "max_choices": _Option(
+        "--max-choices", "TIERGATE_MAX_CHOICES", "most prompts x n in one request"
+    ),
+    "drain_timeout_s": _Option(
+        "--drain-timeout", "TIERGATE_DRAIN_TIMEOUT_S", "seconds SIGTERM waits for requests"
+    ),
+    "stream_write_timeout_s": _Option(
+        "--stream-write-timeout",
+        "TIERGATE_STREAM_WRITE_TIMEOUT_S",
+        "seconds a stream's client may leave a chunk unread before the request is aborted",
+    ),
+    "demo_model_dir": _Option(
+        "--demo-model-dir", "TIERGATE_DEMO_MODEL_DIR", "where the demo model is written"
+    ),
+    "model_cache_dir": _Option(
+        "--model-cache-dir",
+        "TIERGATE_MODEL_CACHE_DIR",
+        "where converted GGUF models (and the fetched default model) are kept",
+    ),
+    "data_dir": _Option("--data-dir", "TIERGATE_DATA_DIR", "local state: usage spool"),
+    "tool_call_parser": _Option(
+        "--tool-call-parser",
+        "TIERGATE_TOOL_CALL_PARSER",
+        "how the model writes tool calls: auto (from its chat template), hermes, llama3_json "
+        "or mistral",
+    ),
+}
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    """Everything `tiergate serve` needs to start; see _OPTIONS for flags and variables."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # A checkpoint directory, a .gguf file or "demo" (gateway.server.model_source); None serves
+    # the default model.
+    model: str | None = None
+    # The id in /v1/models and the `model` field clients send; None: derived from the model.
+    served_model_name: str | None = None
+    database_url: str = DEFAULT_DATABASE_URL
+    # None: rate limits are kept in this process only.
+    redis_url: str | None = None
+    device: str = "cpu"
+    dtype: str = "float32"
+    config: Path | None = None
+    run_migrations: bool = True
+    kv_cache_bytes: int = 256 << 20
+    # None: the model's own context length.
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    scheduling: str = "tiered"
+    max_body_bytes: int = 4 << 20
+    max_messages: int = 2048
+    max_choices: int = 256
+    drain_timeout_s: float = 30.0
+    stream_write_timeout_s: float = 30.0
+    demo_model_dir: Path = Path.home() / ".cache" / "tiergate" / "demo-model"
+    model_cache_dir: Path = Path.home() / ".cache" / "tiergate" / "models"
+    data_dir: Path = Path("./tiergate-data")
+    tool_call_parser: str = "auto"
+    # Never from a flag (it would show in `ps`): only TIERGATE_ADMIN_TOKEN.
+    admin_token: str | None = field(default=None, repr=False)
+    # The parsed --config file (empty when none).
+    file_config: Mapping[str, Any] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise SettingsError("--port must be in 0..65535")
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise SettingsError("--device must be cpu, cuda or cuda:N")
+        if self.dtype not in _DTYPES:
+            raise SettingsError(f"--dtype must be one of {', '.join(_DTYPES)}")
+        if self.scheduling not in ("tiered", "fcfs"):
+            raise SettingsError("--scheduling must be tiered or fcfs")
+        if self.tool_call_parser not in ("auto", "hermes", "llama3_json", "mistral"):
+            raise SettingsError("--tool-call-parser must be auto, hermes, llama3_json or mistral")
+        for name in (
+            "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens", "max_body_bytes",
+            "max_messages", "max_choices",
+        ):
+            if getattr(self, name) < 1:
+                raise SettingsError(f"{_OPTIONS[name].flag} must be >= 1")
+        if self.drain_timeout_s < 0:
+            raise SettingsError("--drain-timeout must be >= 0")
+        if not self.stream_write_timeout_s > 0:
+            raise SettingsError("--stream-write-timeout must be > 0")
+
+    @classmethod
+    def from_sources(
+        cls, args: argparse.Namespace | None = None, environ: Mapping[str, str] | None = None
+    ) -> GatewaySettings:
+        """Flags (non-None attributes of args) win over the environment, which wins over
+        the defaults."""
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        types = {f.name: f.type for f in fields(cls)}
+        for name, option in _OPTIONS.items():
+            raw = getattr(args, name, None) if args is not None else None
+            if raw is None and env.get(option.env, "") != "":
+                raw = env[option.env]
+            if raw is not None:
+                values[name] = _convert(raw, str(types[name]), option)
+        values["admin_token"] = env.get(ADMIN_TOKEN_ENV) or None
+        config_path = values.get("config")
+        if config_path is not None:
+            values["file_config"] = load_config_file(config_path)
+        return cls(**values)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The serve flags; each defaults to None so from_sources can tell it was not given."""
+    for name, option in _OPTIONS.items():
+        if name == "run_migrations":
+            parser.add_argument(
+                "--migrate",
+                dest=name,
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help=f"{option.help} (default: yes; env {option.env}=0 turns it off)",
+            )
+            continue
+        parser.add_argument(option.flag, dest=name, default=None, help=f"{option.help} "
+                            f"(env {option.env})")
+
+
+def load_config_file(path: Path) -> dict[str, Any]:
+    """The config file as a mapping; JSON by suffix, YAML otherwise."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise SettingsError(f"--config: cannot read {path}: {exc}") from None
+    try:
+        data = json.loads(text) if Path(path).suffix == ".json" else yaml.safe_load(text)
+    except (ValueError, yaml.YAMLError) as exc:
+        raise SettingsError(f"--config: {path} is not valid: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise SettingsError(f"--config: {path} must hold a mapping at the top level")
+    return data
+
+
+def _convert(raw: object, type_name: str, option: _Option) -> Any:
+    if not isinstance(raw, str):
+        return raw
+    try:
+        if "bool" in type_name:
+            lowered = raw.strip().lower()
+            if lowered in ("1", "true", "yes", "on"):
+                return True
+            if lowered in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        if "Path" in type_name:
+            return Path(raw).expanduser()
+        if type_name.startswith("int"):
+            return int(raw)
+        if type_name.startswith("float"):
+            return float(raw)
+    except ValueError:
+        raise SettingsError(f"{option.flag} ({option.env}): cannot read {raw!r}") from None
+    return raw
