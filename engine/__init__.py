@@ -19,9 +19,11 @@ from engine.errors import (
 )
 from engine.fcfs_policy import FCFSPolicy
 from engine.grammar_compiler import GrammarCompiler
+from engine.kv_manager import tier_allowance
 from engine.llm_engine import LLMEngine, TenantContext
 from engine.outputs import RequestMetrics, RequestOutput
 from engine.queues import FCFSQueue, WaitingQueue
+from engine.rates import Arrivals
 from engine.request import Request, RequestStatus
 from engine.request_limits import RequestLimits
 from engine.runner import ModelRunner, ModelRunnerOutput, TokenLogprobs
@@ -30,9 +32,7 @@ from engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from engine.scheduler_stats import (
     EngineCounters,
     SchedulerStats,
-    TenantShare,
     TierStats,
-    Unseen,
 )
 from engine.structured_output import JSON_OPTIONS, StructuredOutput, bounded_numbers
 from engine.tokenizer import Tokenizer
@@ -53,6 +53,7 @@ __all__ = [
     "JSON_OPTIONS",
     "MAX_STOP_STRING_CHARS",
     "AdmissionGate",
+    "Arrivals",
     "CacheConfig",
     "ConfigError",
     "ContextLengthExceededError",
@@ -87,15 +88,14 @@ __all__ = [
     "StepBuilder",
     "StructuredOutput",
     "TenantContext",
-    "TenantShare",
     "TierStats",
     "TokenLogprobs",
     "Tokenizer",
     "TorchModelRunner",
-    "Unseen",
     "Verdict",
     "WaitingQueue",
     "bounded_numbers",
+    "tier_allowance",
     "write_demo_model",
 ]
 

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine import SchedulerStats, TenantShare, TierStats
+from engine import SchedulerStats, TierStats
 from policies.budgets import (
     MonthlyUsage,
     MonthlyUsageSource,
@@ -36,6 +36,7 @@ from policies.budgets import (
     check_token_reservation,
 )
 from policies.errors import AdmissionRefused, QueueFull
+from policies.queue_wait import TenantShare, estimate_queue_wait_s
 from policies.rate_limiter_memory import MemoryRateLimiter
 from policies.rate_limits import (
     RateLimiter,
@@ -135,7 +136,7 @@ class AdmissionController:
         num_queued = self.num_queued(request.tenant_id)
         if limits.max_queued_requests is not None and num_queued >= limits.max_queued_requests:
             tier = self._tiers[request.tier]
-            wait_s = self._stats().estimate_queue_wait_s(tier.priority, 0)
+            wait_s = estimate_queue_wait_s(self._stats(), tier.priority, 0)
             raise QueueFull(
                 f"{num_queued} of your requests are already waiting for the engine on this "
                 f"replica (your limit is {limits.max_queued_requests}); retry once they start",

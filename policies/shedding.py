@@ -1,6 +1,6 @@
 """SLO-derived load shedding: refuse a request whose tier's queue wait would already miss.
 
-A new request's wait (`SchedulerStats.estimate_queue_wait_s`) is the longer of the time
+A new request's wait (`policies.queue_wait.estimate_queue_wait_s`) is the longer of the time
 until its prompt is computed (the prefill backlog ahead of it plus its own prompt, over the
 engine's measured drain rate) and the time until it has a place in the batch (the requests
 waiting ahead of it beyond the free places, over the rate requests leave the batch). Both
@@ -39,8 +39,16 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine import SchedulerStats, TenantShare, Unseen
+from engine import SchedulerStats
 from policies.errors import AdmissionConfigError, Shed
+from policies.queue_wait import (
+    TenantShare,
+    Unseen,
+    estimate_queue_wait_s,
+    free_places,
+    place_service_rate,
+    prefill_service_rate,
+)
 from policies.rate_limits import format_duration
 from policies.tiers import Tier, TierTable
 
@@ -103,13 +111,14 @@ class SloShedder:
         if threshold_s is None:
             return None
         self._unseen.observe(stats, self._clock())
-        wait_s = stats.estimate_queue_wait_s(
+        wait_s = estimate_queue_wait_s(
+            stats,
             tier.priority,
             num_prompt_tokens,
             tenant,
             Unseen(self._unseen.tokens, self._unseen.requests),
         )
-        rate = stats.prefill_service_rate(tier.priority)
+        rate = prefill_service_rate(stats, tier.priority)
         own_s = num_prompt_tokens / rate if rate else 0.0
         if wait_s <= threshold_s or (own_s >= threshold_s and wait_s <= own_s):
             return None
@@ -117,8 +126,8 @@ class SloShedder:
             return None
         # What the request itself takes of the resource that binds: its prompt's time, or
         # with no place free in the batch, the time for one to free up.
-        place_rate = stats.place_service_rate(tier.priority)
-        place_s = 1 / place_rate if place_rate and not stats.free_places(tier.priority) else 0.0
+        place_rate = place_service_rate(stats, tier.priority)
+        place_s = 1 / place_rate if place_rate and not free_places(stats, tier.priority) else 0.0
         share_s = max(own_s, place_s)
         # How long until little enough is ahead of it to be admitted with its own share to
         # spare (promised the moment its estimate reaches the threshold, a retry is as likely

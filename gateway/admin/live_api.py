@@ -18,7 +18,7 @@ from starlette.routing import Route
 from engine import SchedulerStats
 from gateway.admin.auth import AdminGuard
 from gateway.observability.alerting import AlertMonitor
-from policies import AlertStatus, Tier
+from policies import AlertStatus, Tier, estimate_queue_wait_s
 
 
 def alert_json(status: AlertStatus) -> dict[str, Any]:
@@ -73,7 +73,7 @@ def live_route(
                     "ttft_p99_s": monitor.p99_s(tier.name),
                     "ttft_slo_s": tier.ttft_slo_s,
                     "alert_threshold_s": rule.threshold_s if rule else None,
-                    "estimated_wait_s": stats.estimate_queue_wait_s(tier.priority, 0),
+                    "estimated_wait_s": estimate_queue_wait_s(stats, tier.priority, 0),
                 }
             )
         return JSONResponse(

@@ -26,7 +26,7 @@ from gateway.observability.metrics import (
 from gateway.observability.metrics_views import without_tenants
 from gateway.observability.telemetry import Telemetry, TelemetrySettings, setup_telemetry
 from gateway.openai.request_record import RequestEnd, RequestRecord
-from policies import TierTable
+from policies import TierTable, estimate_queue_wait_s
 
 # The tier label of requests refused before admission: the caller may be unknown (401).
 UNKNOWN_TIER = "unknown"
@@ -108,7 +108,7 @@ class Observability:
         self.metrics.update_dependencies(self.dependencies())
         self.metrics.update_engine_health(self.engine_health())
         stats = self.engine_stats()
-        waits = {tier.name: stats.estimate_queue_wait_s(tier.priority, 0) for tier in self.tiers}
+        waits = {tier.name: estimate_queue_wait_s(stats, tier.priority, 0) for tier in self.tiers}
         self.metrics.update_engine(stats, waits)
 
     async def record(self, record: RequestRecord) -> None:

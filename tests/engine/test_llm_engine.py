@@ -18,11 +18,16 @@ from engine import (
     SamplingParams,
     SchedulerOutput,
     TenantContext,
-    TenantShare,
 )
 from engine.async_engine import AsyncLLMEngine
 from engine.rates import Arrivals
 from engine.testing.fake_runner import FakeModelRunner
+from policies.queue_wait import (
+    TenantShare,
+    estimate_queue_wait_s,
+    free_places,
+    prefill_service_rate,
+)
 from tests.engine.helpers import make_engine, reference_output, run_to_completion
 
 
@@ -114,7 +119,7 @@ def test_stats_show_a_full_batch_and_the_rate_places_free_up() -> None:
         engine.add_request(f"r{i}", [5] * 8, params)
     engine.step()  # two get the two places; the others wait for one
     stats = engine.stats()
-    assert stats.blocked_priority == 1 and stats.free_places(1) == 0
+    assert stats.blocked_priority == 1 and free_places(stats, 1) == 0
     assert stats.max_num_seqs == 2 and stats.finished_requests_per_s is None
     # the only step so far was held back by places: it says nothing of the prefill rate
     assert stats.prefill_tokens_per_s is None
@@ -124,7 +129,7 @@ def test_stats_show_a_full_batch_and_the_rate_places_free_up() -> None:
     assert stats.finished_requests_per_s is not None and stats.finished_requests_per_s > 0
     # the place estimate: the two waiting and a new one behind them, no place free
     assert stats.tiers[1].num_waiting == 2 and stats.blocked_priority == 1
-    assert stats.estimate_queue_wait_s(1, 8) >= 3 / stats.finished_requests_per_s
+    assert estimate_queue_wait_s(stats, 1, 8) >= 3 / stats.finished_requests_per_s
 
 
 def test_rates_count_the_loops_time_between_steps_but_not_idle_time() -> None:
@@ -186,14 +191,14 @@ def test_stats_report_tiers_and_estimate_a_queue_wait() -> None:
     stats = engine.stats()
     assert stats.tiers[1].num_waiting >= 2 and stats.tiers[1].num_pending_prefill_tokens > 0
     assert stats.prefill_tokens_per_s is not None and stats.prefill_tokens_per_s > 0
-    standard_wait = stats.estimate_queue_wait_s(1, 40)
-    premium_wait = stats.estimate_queue_wait_s(0, 40)
+    standard_wait = estimate_queue_wait_s(stats, 1, 40)
+    premium_wait = estimate_queue_wait_s(stats, 0, 40)
     assert standard_wait > premium_wait > 0
     # Arrivals within the first second are counted over one second: 4 x 40 and 20 tokens.
     assert stats.arrivals == {1: Arrivals(4.0, 160.0), 0: Arrivals(1.0, 20.0)}
     # Standard is served with what premium's arrivals leave of the drain rate.
-    assert stats.prefill_service_rate(1) == pytest.approx(stats.prefill_tokens_per_s - 20.0)
-    assert stats.prefill_service_rate(0) == stats.prefill_tokens_per_s
+    assert prefill_service_rate(stats, 1) == pytest.approx(stats.prefill_tokens_per_s - 20.0)
+    assert prefill_service_rate(stats, 0) == stats.prefill_tokens_per_s
     # Nobody has finished yet: no rate for places in the batch, the prefill wait is all.
     assert stats.finished_requests_per_s is None and stats.max_num_seqs == 2
     expected = (sum(t.num_pending_prefill_tokens for t in stats.tiers.values()) + 40) / (
@@ -207,7 +212,7 @@ def test_stats_report_tiers_and_estimate_a_queue_wait() -> None:
         "default": standard.num_pending_prefill_tokens
     }
     assert stats.tiers[0].pending_prefill_tokens_by_tenant.keys() <= {"p"}
-    assert stats.estimate_queue_wait_s(1, 40, TenantShare("default")) == pytest.approx(expected)
+    assert estimate_queue_wait_s(stats, 1, 40, TenantShare("default")) == pytest.approx(expected)
 
 
 def test_async_engine_streams_outputs_and_aborts_on_early_exit() -> None:

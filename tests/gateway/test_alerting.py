@@ -28,7 +28,7 @@ from gateway.observability.alerting import (
     WebhookTarget,
 )
 from gateway.observability.metrics import GatewayMetrics
-from policies import DEFAULT_TIERS
+from policies import DEFAULT_TIERS, estimate_queue_wait_s
 from policies.alerts import ALERT_NAME, AlertEvaluator, AlertEvent, AlertEventKind, TtftAlertRule
 from tests.engine.helpers import make_engine
 from tests.gateway.conftest import ADMIN_TOKEN
@@ -382,6 +382,6 @@ def test_alerts_and_live_routes() -> None:
     assert tiers["standard"]["num_running"] + tiers["standard"]["num_waiting"] == 3
     assert tiers["standard"]["num_waiting"] == standard_stats.num_waiting
     assert tiers["standard"]["alert_threshold_s"] is None
-    assert tiers["standard"]["estimated_wait_s"] == stats.estimate_queue_wait_s(1, 0)
+    assert tiers["standard"]["estimated_wait_s"] == estimate_queue_wait_s(stats, 1, 0)
     assert tiers["batch"]["num_running"] == tiers["batch"]["num_waiting"] == 0
     assert tiers["batch"]["ttft_p99_s"] is None and tiers["batch"]["ttft_slo_s"] is None

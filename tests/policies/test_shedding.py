@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine import SchedulerStats, TenantShare, TierStats
+from engine import SchedulerStats, TierStats
 from engine.rates import Arrivals
 from policies import AdmissionConfigError, RefusalReason, ShedConfig, SloShedder, TierTable
+from policies.queue_wait import TenantShare, estimate_queue_wait_s
 
 RATE = 1000.0  # prefill tokens per second the engine drains
 
@@ -49,7 +50,7 @@ def test_standard_is_shed_until_the_backlog_ahead_drains_to_the_threshold() -> N
     # the backlog drained for that long leaves it a 1.4 s wait: admitted
     drained_tokens = round(shed.retry_after_s * RATE)
     drained = _stats({0: 0, 1: 400 + 2600 - drained_tokens, 2: 50_000})
-    assert drained.estimate_queue_wait_s(1, 200) == pytest.approx(1.4)
+    assert estimate_queue_wait_s(drained, 1, 200) == pytest.approx(1.4)
     assert shedder.check(drained, "standard", 200) is None
     # while 10 tokens over the threshold are still ahead, it is shed
     almost = _stats({0: 0, 1: 400 + 2600 - drained_tokens + 200 + 10, 2: 50_000})
@@ -107,7 +108,7 @@ def test_the_tenant_over_its_share_is_shed_not_the_light_one_beside_it() -> None
     shedder = SloShedder(TierTable(), ShedConfig(slo_fraction=0.8))  # standard: 1.6 s
     stats = _standard_tenants({"heavy": 5000, "light": 100})
     # light: its own 100 + this 200, and as much of heavy's backlog -> 600 tokens, 0.6 s
-    assert stats.estimate_queue_wait_s(1, 200, TenantShare("light")) == pytest.approx(0.6)
+    assert estimate_queue_wait_s(stats, 1, 200, TenantShare("light")) == pytest.approx(0.6)
     assert shedder.check(stats, "standard", 200, TenantShare("light")) is None
     # heavy: all of its own 5000, and light's 100 -> 5.3 s
     shed = shedder.check(stats, "standard", 200, TenantShare("heavy"))
@@ -117,12 +118,12 @@ def test_the_tenant_over_its_share_is_shed_not_the_light_one_beside_it() -> None
     assert shedder.check(stats, "standard", 200) is not None
     # Weights scale the share: with weight 10, heavy gets 10x the service while light waits.
     weighted = _standard_tenants({"heavy": 5000, "light": 100}, {"heavy": 10.0, "light": 1.0})
-    wait_s = weighted.estimate_queue_wait_s(1, 200, TenantShare("light", 1.0))
+    wait_s = estimate_queue_wait_s(weighted, 1, 200, TenantShare("light", 1.0))
     assert wait_s == pytest.approx((100 + 3000 + 200) / RATE)
     # Under FCFS there is no sharing: everything queued is ahead of everyone.
     fcfs = _standard_tenants({"heavy": 5000, "light": 100})
     fcfs.priority_preemption = False
-    assert fcfs.estimate_queue_wait_s(1, 200, TenantShare("light")) == pytest.approx(5.3)
+    assert estimate_queue_wait_s(fcfs, 1, 200, TenantShare("light")) == pytest.approx(5.3)
 
 
 def test_admitted_prompts_count_for_their_tenant_until_the_engine_shows_them() -> None:

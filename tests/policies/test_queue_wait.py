@@ -4,8 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from engine import SchedulerStats, TenantShare, TierStats, Unseen
+from engine import SchedulerStats, TierStats
 from engine.rates import ArrivalRates, Arrivals, StepRates
+from policies.queue_wait import (
+    TenantShare,
+    Unseen,
+    estimate_queue_wait_s,
+    free_places,
+    kv_places,
+    place_service_rate,
+    prefill_service_rate,
+)
 
 
 def test_arrivals_are_counted_over_the_window_and_then_forgotten() -> None:
@@ -48,23 +57,23 @@ def test_a_tier_is_served_with_what_the_tiers_above_leave() -> None:
         max_num_seqs=8,
         arrivals={0: Arrivals(6.0, 600.0), 1: Arrivals(3.0, 300.0), 2: Arrivals(50.0, 5000.0)},
     )
-    assert stats.prefill_service_rate(0) == 1000.0  # nothing above premium
-    assert stats.place_service_rate(0) == 10.0
-    assert stats.prefill_service_rate(1) == pytest.approx(400.0)  # premium's 600 come first
-    assert stats.place_service_rate(1) == pytest.approx(4.0)
+    assert prefill_service_rate(stats, 0) == 1000.0  # nothing above premium
+    assert place_service_rate(stats, 0) == 10.0
+    assert prefill_service_rate(stats, 1) == pytest.approx(400.0)  # premium's 600 come first
+    assert place_service_rate(stats, 1) == pytest.approx(4.0)
     # premium and standard bring in 900 of the 1000: batch keeps the 5 % floor, not less
-    assert stats.prefill_service_rate(2) == pytest.approx(100.0)
-    assert stats.place_service_rate(2) == pytest.approx(1.0)  # 9 of 10 places, floored at 0.5
+    assert prefill_service_rate(stats, 2) == pytest.approx(100.0)
+    assert place_service_rate(stats, 2) == pytest.approx(1.0)  # 9 of 10 places, floored at 0.5
     stats.arrivals = {0: Arrivals(20.0, 2000.0)}
-    assert stats.prefill_service_rate(1) == pytest.approx(50.0)
-    assert stats.place_service_rate(1) == pytest.approx(0.5)
+    assert prefill_service_rate(stats, 1) == pytest.approx(50.0)
+    assert place_service_rate(stats, 1) == pytest.approx(0.5)
     # under FCFS later arrivals are behind a queued request whatever their tier
     stats.priority_preemption = False
-    assert stats.prefill_service_rate(2) == 1000.0 and stats.place_service_rate(2) == 10.0
-    assert SchedulerStats(arrivals={0: Arrivals(1.0, 10.0)}).prefill_service_rate(1) is None
+    assert prefill_service_rate(stats, 2) == 1000.0 and place_service_rate(stats, 2) == 10.0
+    assert prefill_service_rate(SchedulerStats(arrivals={0: Arrivals(1.0, 10.0)}), 1) is None
     # an unknown batch size or no request ever finished: no place rate
-    assert _stats(finished_requests_per_s=10.0).place_service_rate(1) is None
-    assert _stats(max_num_seqs=8).place_service_rate(1) is None
+    assert place_service_rate(_stats(finished_requests_per_s=10.0), 1) is None
+    assert place_service_rate(_stats(max_num_seqs=8), 1) is None
 
 
 def _full_batch(num_premium: int, num_standard: int, **fields: object) -> SchedulerStats:
@@ -81,19 +90,19 @@ def _full_batch(num_premium: int, num_standard: int, **fields: object) -> Schedu
 
 def test_free_places_are_those_not_held_by_its_own_tier_or_above() -> None:
     stats = _full_batch(20, 40)
-    assert stats.free_places(1) == 4
-    assert stats.free_places(0) == 44  # premium preempts standard for a place
+    assert free_places(stats, 1) == 4
+    assert free_places(stats, 0) == 44  # premium preempts standard for a place
     # a standard request could not get in (no KV blocks, say): standard has no place,
     # premium still takes standard's
     stats.blocked_priority = 1
-    assert stats.free_places(1) == 0 and stats.free_places(0) == 44
+    assert free_places(stats, 1) == 0 and free_places(stats, 0) == 44
     stats.blocked_priority = 0
-    assert stats.free_places(1) == stats.free_places(0) == 0
+    assert free_places(stats, 1) == free_places(stats, 0) == 0
     stats.blocked_priority = None
     stats.priority_preemption = False  # FCFS: every running request holds its place
-    assert stats.free_places(0) == stats.free_places(1) == 4
+    assert free_places(stats, 0) == free_places(stats, 1) == 4
     stats.blocked_priority = 1  # and whoever is blocked blocks everyone behind
-    assert stats.free_places(0) == 0
+    assert free_places(stats, 0) == 0
 
 
 def test_places_are_no_more_than_the_kv_blocks_it_may_take_would_hold() -> None:
@@ -112,17 +121,17 @@ def test_places_are_no_more_than_the_kv_blocks_it_may_take_would_hold() -> None:
     # standard: 100 - premium's 30 reserved - its own 54 = 16 blocks, 2 requests, of the 56
     # places the batch has free; no step needs to have been blocked for it to count
     assert stats.blocked_priority is None
-    assert stats.kv_places(1) == 2 and stats.free_places(1) == 2
+    assert kv_places(stats, 1) == 2 and free_places(stats, 1) == 2
     # 10 waiting ahead and itself, 2 places: 9 wait for places freeing at 16/s
-    assert stats.estimate_queue_wait_s(1, 50) == pytest.approx(9 / 16)
+    assert estimate_queue_wait_s(stats, 1, 50) == pytest.approx(9 / 16)
     # premium may take standard's blocks too: 90 blocks, 11 requests
-    assert stats.kv_places(0) == stats.free_places(0) == 11
+    assert kv_places(stats, 0) == free_places(stats, 0) == 11
     # under FCFS everything held stays held (and there are no reservations)
     stats.priority_preemption = False
     stats.kv_reserved_blocks = {}
-    assert stats.kv_places(0) == stats.kv_places(1) == 4
+    assert kv_places(stats, 0) == kv_places(stats, 1) == 4
     # nothing running: no footprint to go by, only the batch's places count
-    assert _stats(max_num_seqs=64, num_kv_blocks_total=100).kv_places(1) is None
+    assert kv_places(_stats(max_num_seqs=64, num_kv_blocks_total=100), 1) is None
 
 
 def test_a_full_batch_makes_short_prompts_wait_for_places_not_for_prefill() -> None:
@@ -132,17 +141,17 @@ def test_a_full_batch_makes_short_prompts_wait_for_places_not_for_prefill() -> N
     # prefill: (1500 + 50) tokens at 1000 - 1200 -> the 5 % floor, 50 tokens/s: 31 s;
     # without premium arrivals: 1.55 s for the prompts, but 31 requests for places freeing
     # at 16/s: 1.94 s
-    assert stats.estimate_queue_wait_s(1, 50) == pytest.approx(1550 / 50)
+    assert estimate_queue_wait_s(stats, 1, 50) == pytest.approx(1550 / 50)
     stats.arrivals = {}
-    assert stats.estimate_queue_wait_s(1, 50) == pytest.approx(31 / 16)
+    assert estimate_queue_wait_s(stats, 1, 50) == pytest.approx(31 / 16)
     # premium arriving at 12 req/s (and few tokens) leaves standard 4 places a second
     stats.arrivals = {0: Arrivals(12.0, 100.0)}
-    assert stats.estimate_queue_wait_s(1, 50) == pytest.approx(31 / 4)
+    assert estimate_queue_wait_s(stats, 1, 50) == pytest.approx(31 / 4)
     # premium itself preempts standard: 40 places are there for it
-    assert stats.estimate_queue_wait_s(0, 50) == pytest.approx(50 / 1000)
+    assert estimate_queue_wait_s(stats, 0, 50) == pytest.approx(50 / 1000)
     # requests admitted since the snapshot queue too
     unseen = Unseen(tokens={(1, "a"): 100}, requests={(1, "a"): 2})
-    assert stats.estimate_queue_wait_s(1, 50, unseen=unseen) == pytest.approx(33 / 4)
+    assert estimate_queue_wait_s(stats, 1, 50, unseen=unseen) == pytest.approx(33 / 4)
 
 
 def test_fair_sharing_splits_the_requests_ahead_by_tenant() -> None:
@@ -153,7 +162,7 @@ def test_fair_sharing_splits_the_requests_ahead_by_tenant() -> None:
     standard.num_pending_prefill_tokens = 41 * 10
     standard.pending_prefill_tokens_by_tenant = {"heavy": 400, "light": 10}
     # light: its own 1, this one, and as many of heavy's: 4 requests for places at 16/s
-    assert stats.estimate_queue_wait_s(1, 10, TenantShare("light")) == pytest.approx(4 / 16)
+    assert estimate_queue_wait_s(stats, 1, 10, TenantShare("light")) == pytest.approx(4 / 16)
     # heavy: its 40, light's 1 and this one
-    assert stats.estimate_queue_wait_s(1, 10, TenantShare("heavy")) == pytest.approx(42 / 16)
-    assert stats.estimate_queue_wait_s(1, 10) == pytest.approx(42 / 16)  # no tenant: all ahead
+    assert estimate_queue_wait_s(stats, 1, 10, TenantShare("heavy")) == pytest.approx(42 / 16)
+    assert estimate_queue_wait_s(stats, 1, 10) == pytest.approx(42 / 16)  # no tenant: all ahead
