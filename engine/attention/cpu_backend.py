@@ -14,7 +14,7 @@ import torch
 
 from engine.attention import cpu_kernel, torch_paged
 from engine.attention.metadata import AttentionMetadata
-from engine.attention.torch_paged import AttentionPlan
+from engine.attention.torch_paged import AttentionPlan, TorchPagedAttention
 
 __all__ = ["KERNEL_MAX_ROWS", "CpuPagedAttention", "plan"]
 
@@ -33,35 +33,24 @@ def plan(metadata: AttentionMetadata, k_cache: torch.Tensor) -> AttentionPlan:
     return torch_paged.plan_attention(metadata, k_cache, KERNEL_MAX_ROWS if uses_kernel else 0)
 
 
-class CpuPagedAttention:
+class CpuPagedAttention(TorchPagedAttention):
+    """The PyTorch path with its plan's decode rows set apart for the kernel."""
+
     name = "cpu"
 
     def __init__(self) -> None:
+        super().__init__()
         cpu_kernel.load()  # build now rather than in the first step (a fresh machine compiles)
-        self._metadata: AttentionMetadata | None = None
-        self._plan: AttentionPlan | None = None
-
-    @property
-    def metadata(self) -> AttentionMetadata:
-        assert self._metadata is not None, "prepare() must come before the layers"
-        return self._metadata
-
-    def prepare(self, metadata: AttentionMetadata) -> None:
-        self._metadata = metadata
-        self._plan = None  # planned at the first attend, when the cache is known
-
-    def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor) -> None:
-        torch_paged.write_kv(key, value, k_cache, v_cache, self.metadata.slot_mapping)
 
     def attend(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                scale: float, sliding_window: int | None) -> torch.Tensor:
-        if self._plan is None:
-            self._plan = plan(self.metadata, k_cache)
+        step_plan = self.plan(k_cache)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-        if self._plan.kernel_seq_ids is not None:
+        if step_plan.kernel_seq_ids is not None:
             cpu_kernel.paged_attention(query, k_cache, v_cache, self.metadata, scale,
-                                       sliding_window, seq_ids=self._plan.kernel_seq_ids,
-                                       out=out)
-        return torch_paged.paged_attention_planned(query, k_cache, v_cache, self._plan, scale,
+                                       sliding_window, seq_ids=step_plan.kernel_seq_ids, out=out)
+        return torch_paged.paged_attention_planned(query, k_cache, v_cache, step_plan, scale,
                                                    sliding_window, out)
+
+    def _make_plan(self, k_cache: torch.Tensor) -> AttentionPlan:
+        return plan(self.metadata, k_cache)

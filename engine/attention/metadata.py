@@ -52,3 +52,18 @@ class AttentionMetadata:
     def is_decode_only(self) -> bool:
         """One query row per sequence."""
         return self.num_tokens == self.num_seqs
+
+
+class StepBinding:
+    """What every backend keeps between prepare() and the layers' calls: the bound step."""
+
+    def __init__(self) -> None:
+        self._metadata: AttentionMetadata | None = None
+
+    @property
+    def metadata(self) -> AttentionMetadata:
+        assert self._metadata is not None, "prepare() must come before the layers"
+        return self._metadata
+
+    def prepare(self, metadata: AttentionMetadata) -> None:
+        self._metadata = metadata

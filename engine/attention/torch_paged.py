@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from engine.attention.metadata import AttentionMetadata
+from engine.attention.metadata import AttentionMetadata, StepBinding
 
 __all__ = [
     "AttentionPlan",
@@ -339,24 +339,18 @@ def _prefill_mask(
     return mask
 
 
-class TorchPagedAttention:
+class TorchPagedAttention(StepBinding):
     """The PyTorch path as an attention backend: one plan per step, made at the first layer's
     attend (it needs the cache's layout) and shared by the others."""
 
     name = "torch"
 
-    def __init__(self, kernel_max_rows: int = 0) -> None:
-        self._metadata: AttentionMetadata | None = None
+    def __init__(self) -> None:
+        super().__init__()
         self._plan: AttentionPlan | None = None
-        self._kernel_max_rows = kernel_max_rows
-
-    @property
-    def metadata(self) -> AttentionMetadata:
-        assert self._metadata is not None, "prepare() must come before the layers"
-        return self._metadata
 
     def prepare(self, metadata: AttentionMetadata) -> None:
-        self._metadata = metadata
+        super().prepare(metadata)
         self._plan = None
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
@@ -371,5 +365,8 @@ class TorchPagedAttention:
     def plan(self, k_cache: torch.Tensor) -> AttentionPlan:
         """The bound step's plan (made once)."""
         if self._plan is None:
-            self._plan = plan_attention(self.metadata, k_cache, self._kernel_max_rows)
+            self._plan = self._make_plan(k_cache)
         return self._plan
+
+    def _make_plan(self, k_cache: torch.Tensor) -> AttentionPlan:
+        return plan_attention(self.metadata, k_cache)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention import triton_kv_write
-from engine.attention.metadata import AttentionMetadata
+from engine.attention.metadata import StepBinding
 from engine.attention.triton_decode import paged_decode
 from engine.attention.triton_paged_tile import is_interpreting
 from engine.attention.triton_prefill import paged_prefill
@@ -43,19 +43,8 @@ def _check_inputs(query: torch.Tensor, k_cache: torch.Tensor) -> None:
         raise TypeError(f"unsupported dtypes: query {query.dtype}, cache {k_cache.dtype}")
 
 
-class TritonPagedAttention:
+class TritonPagedAttention(StepBinding):
     name = "triton"
-
-    def __init__(self) -> None:
-        self._metadata: AttentionMetadata | None = None
-
-    @property
-    def metadata(self) -> AttentionMetadata:
-        assert self._metadata is not None, "prepare() must come before the layers"
-        return self._metadata
-
-    def prepare(self, metadata: AttentionMetadata) -> None:
-        self._metadata = metadata
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor) -> None:
