@@ -34,6 +34,12 @@ from engine.scheduler_stats import (
     SchedulerStats,
     TierStats,
 )
+from engine.scheduling_policy import (
+    AdmissionGate,
+    SchedulingPolicy,
+    StepBuilder,
+    Verdict,
+)
 from engine.structured_output import JSON_OPTIONS, StructuredOutput, bounded_numbers
 from engine.tokenizer import Tokenizer
 
@@ -42,12 +48,6 @@ if TYPE_CHECKING:
     from engine.gguf_checkpoint import GGUFCheckpoint
     from engine.model_runner import RunnerConfig, TorchModelRunner
     from engine.models.config import ModelConfig, ModelConfigError
-from engine.scheduling_policy import (
-    AdmissionGate,
-    SchedulingPolicy,
-    StepBuilder,
-    Verdict,
-)
 
 __all__ = [
     "JSON_OPTIONS",

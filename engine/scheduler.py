@@ -248,7 +248,6 @@ class Scheduler:
         victim.num_preemptions += 1
         # Who pays for the recompute; a request that gave way to its own growth pays itself.
         victim.preempted_by_tenant_id = preempted_by.tenant_id
-        plan.preempted.append(victim)
         self.num_preemptions_total += 1
         self._wait(victim, at_head=True)
 

@@ -20,7 +20,6 @@ class StepPlan:
     _run: Callable[[Iterable[Request], StepPlan], None]
     _admit: Callable[[StepPlan, AdmissionGate | None], None]
     num_new_tokens: dict[str, int] = field(default_factory=dict)  # request id -> chunk length
-    preempted: list[Request] = field(default_factory=list)
     # A running request could not grow and a request gave up its blocks for it.
     short_of_blocks: bool = False
     # Most important class whose waiting head found no place in the batch or no KV blocks.

@@ -31,15 +31,7 @@ from policies.errors import (
     UnknownTierError,
 )
 from policies.fair_queue import TieredFairQueue
-from policies.queue_wait import (
-    TenantShare,
-    Unseen,
-    estimate_queue_wait_s,
-    free_places,
-    kv_places,
-    place_service_rate,
-    prefill_service_rate,
-)
+from policies.queue_wait import TenantShare, estimate_queue_wait_s
 from policies.rate_limiter_memory import MemoryRateLimiter
 from policies.rate_limiter_redis import FailurePolicy, RedisLimiterConfig, RedisRateLimiter
 from policies.rate_limits import (
@@ -103,14 +95,9 @@ __all__ = [
     "TieredPolicyConfig",
     "TtftAlertRule",
     "UnknownTierError",
-    "Unseen",
     "check_budgets",
     "estimate_queue_wait_s",
     "format_duration",
-    "free_places",
-    "kv_places",
-    "place_service_rate",
-    "prefill_service_rate",
     "rate_limit_headers",
     "rules_from_tiers",
 ]

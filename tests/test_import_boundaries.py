@@ -1,5 +1,5 @@
-"""The import boundaries between the project's packages (DESIGN.md, "Packages and who may
-import whom"), checked on the source with `ast`.
+"""The import boundaries between the project's packages (docs/ARCHITECTURE.md, "Packages"),
+checked on the source with `ast`.
 
 A package's modules are private to it: another package imports only the names of its
 `__all__`, from the package itself (`from engine import SchedulerStats`, `tenants.hash_key`

@@ -16,8 +16,6 @@ from engine.attention.metadata import AttentionMetadata
 
 
 class AttentionBackend(Protocol):
-    name: str
-
     @property
     def metadata(self) -> AttentionMetadata:
         """The bound step's layout (prepare() first)."""

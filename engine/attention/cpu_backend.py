@@ -36,8 +36,6 @@ def plan(metadata: AttentionMetadata, k_cache: torch.Tensor) -> AttentionPlan:
 class CpuPagedAttention(TorchPagedAttention):
     """The PyTorch path with its plan's decode rows set apart for the kernel."""
 
-    name = "cpu"
-
     def __init__(self) -> None:
         super().__init__()
         cpu_kernel.load()  # build now rather than in the first step (a fresh machine compiles)

@@ -343,8 +343,6 @@ class TorchPagedAttention(StepBinding):
     """The PyTorch path as an attention backend: one plan per step, made at the first layer's
     attend (it needs the cache's layout) and shared by the others."""
 
-    name = "torch"
-
     def __init__(self) -> None:
         super().__init__()
         self._plan: AttentionPlan | None = None

@@ -44,7 +44,7 @@ def _check_inputs(query: torch.Tensor, k_cache: torch.Tensor) -> None:
 
 
 class TritonPagedAttention(StepBinding):
-    name = "triton"
+    """Triton kernels over a bound step: decode-only batches to the split-KV kernels."""
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor) -> None:

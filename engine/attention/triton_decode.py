@@ -101,7 +101,7 @@ def _decode_partition_kernel(
                             n_mask, offs_d, d_mask, stride_bt, stride_cb, stride_cs, stride_ch,
                             BLOCK_SIZE, UPCAST)
         m_i, l_i, acc = online_softmax_step(q, k, v, n_mask[None, :], m_i, l_i, acc,
-                                            scale_log2e)
+                                            scale_log2e, False)
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     store_mask = g_mask[:, None] & d_mask[None, :]

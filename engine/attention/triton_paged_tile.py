@@ -73,14 +73,18 @@ def load_kv_tile(
 
 
 @triton.jit
-def online_softmax_step(q, k, v, visible, m_i, l_i, acc, scale_log2e):
+def online_softmax_step(q, k, v, visible, m_i, l_i, acc, scale_log2e,
+                        ROWS_MAY_SEE_NOTHING: tl.constexpr):
     """Fold one K/V tile into rows' running max m_i, sum of exponentials l_i and unnormalised
-    output acc; visible: which (row, key) scores count. A row that sees no key of the tile
-    (a window, a padding row) keeps a finite max."""
+    output acc; visible: which (row, key) scores count. ROWS_MAY_SEE_NOTHING: a row may see no
+    key of the tile (a window, a padding row) and must keep a finite max; the decode kernel
+    visits only tiles with a visible key and skips that guard."""
     s = tl.dot(q, k, input_precision="ieee") * scale_log2e  # [rows, BLOCK_N]
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    m_safe = m_new
+    if ROWS_MAY_SEE_NOTHING:
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)

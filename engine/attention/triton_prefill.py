@@ -116,7 +116,8 @@ def _prefill_kernel(
         visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
         if USE_WINDOW:
             visible = visible & (offs_n[None, :] > q_pos[:, None] - sliding_window)
-        m_i, l_i, acc = online_softmax_step(q, k, v, visible, m_i, l_i, acc, scale_log2e)
+        m_i, l_i, acc = online_softmax_step(q, k, v, visible, m_i, l_i, acc, scale_log2e,
+                                            True)
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(
