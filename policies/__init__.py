@@ -14,6 +14,7 @@ from policies.alerts import (
     TtftAlertRule,
     rules_from_tiers,
 )
+from policies.budget_hold import BudgetHold
 from policies.budgets import MonthlyUsage, MonthlyUsageSource, check_budgets
 from policies.errors import (
     AdmissionConfigError,
@@ -65,6 +66,7 @@ __all__ = [
     "BucketSnapshot",
     "BudgetExhausted",
     "BudgetHeld",
+    "BudgetHold",
     "FailurePolicy",
     "LimitName",
     "LimiterBackend",

@@ -1,7 +1,8 @@
 """Admission: who gets in, checked in order budget (what is used, and the tokens this request
 may use within what is left, less what the tenant's requests in flight here hold), SLO
 shedding, the tenant's queue on this replica (max_queued_requests: admitted, not yet started
-by the engine), rate limits.
+by the engine), rate limits (with Redis, the budget again, less what the tenant's requests on
+every replica hold: policies/budget_hold.py).
 
 Shedding is decided before the rate limiter charges anything, not after with a rollback.
 Both keep a shed request off the tenant's quota, but a charge-then-refund holds the quota
@@ -29,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine import SchedulerStats, TierStats
+from policies.budget_hold import BudgetHold, budget_period
 from policies.budgets import (
     MonthlyUsage,
     MonthlyUsageSource,
@@ -113,7 +115,7 @@ class AdmissionController:
             limits.monthly_token_budget is not None
             or limits.monthly_spend_budget_usd_micros is not None
         )
-        holds_budget = False
+        budget: BudgetHold | None = None
         if self._usage is not None and has_budget:
             usage = await self._usage.monthly_usage(request.tenant_id)
             exhausted = check_budgets(request.tenant_id, limits, usage)
@@ -125,7 +127,8 @@ class AdmissionController:
             )
             if short is not None:
                 raise short
-            holds_budget = limits.monthly_token_budget is not None
+            if limits.monthly_token_budget is not None:
+                budget = BudgetHold(budget_period(), usage.num_tokens)
         if not self._shedder.is_exempt(request.tier):
             shed = self._shedder.check(
                 self._stats(), request.tier, request.num_prompt_tokens,
@@ -145,13 +148,13 @@ class AdmissionController:
             )
         # This replica's holds are taken before the limiter's await (admissions of the same
         # tenant run meanwhile and must see them), and given back if it refuses.
-        budget_tokens = request.num_tokens_reserved if holds_budget else 0
+        budget_tokens = 0 if budget is None else request.num_tokens_reserved
         is_queue_counted = limits.max_queued_requests is not None
         _add(self._budget_held, request.tenant_id, budget_tokens)
         _add(self._num_queued, request.tenant_id, int(is_queue_counted))
         try:
             lease = await self._limiter.acquire(
-                request.tenant_id, limits, request.num_tokens_reserved
+                request.tenant_id, limits, request.num_tokens_reserved, budget
             )
         except BaseException:
             _add(self._budget_held, request.tenant_id, -budget_tokens)

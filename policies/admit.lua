@@ -1,46 +1,72 @@
--- One tenant's rate limits in one atomic step: admit, release or renew.
+-- One tenant's rate limits and shared budget holds in one atomic step.
 -- Called by policies/rate_limiter_redis.py (EVALSHA; loaded again on NOSCRIPT).
 --
 -- KEYS[1] requests bucket, KEYS[2] tokens bucket: hashes {level, ts_us}; a missing bucket is full.
 -- KEYS[3] leases: sorted set of lease id -> expiry (ms); a lease not renewed in time frees its slot.
--- KEYS[4] cancelled: sorted set of lease id -> expiry (ms) of admissions cancelled before they ran.
--- All four keys share the tenant's hash tag, so they live on one node.
+-- KEYS[4] cancelled: sorted set of lease id -> expiry (ms) of admissions cancelled before they ran
+--   (and of adopted leases dropped before their adoption arrived).
+-- KEYS[5] budget: hash {period, used}: the tokens the tenant used in its budget's month, as the
+--   replicas' releases and their ledgers' totals report them.
+-- KEYS[6] holds: hash of lease id -> monthly budget tokens the lease holds while it runs.
+-- All six keys share the tenant's hash tag, so they live on one node.
 --
--- ARGV[1] op: "admit" | "release" | "peek" | "charge" | "renew" | "cancel"
+-- ARGV[1] op: "admit" | "release" | "peek" | "charge" | "renew" | "cancel" | "adopt" | "drop"
 -- admit/release: ARGV[2] requests capacity, ARGV[3] requests per second, ARGV[4] tokens capacity,
 --   ARGV[5] tokens per second (capacity -1: no such limit), ARGV[6] tokens to charge (admit) or to
---   refund (release), ARGV[7] max concurrent (-1: none), ARGV[8] lease id, ARGV[9] lease ttl ms.
+--   refund (release), ARGV[7] max concurrent (-1: none), ARGV[8] lease id, ARGV[9] lease ttl ms,
+--   ARGV[10] monthly token budget (-1: none held), ARGV[11] the budget's period ("2026-11"),
+--   ARGV[12] admit: the month's tokens used as the calling replica knows them (its ledger's
+--   totals; the shared count never goes below them); release: the tokens the request used.
+--   An admission under a budget also needs ARGV[6] tokens within budget - used - held, and holds
+--   them until its release (or its lease's expiry); the release adds what it used.
 -- renew: ARGV[2] lease ttl ms, ARGV[3..] lease ids; replies how many were still held.
+-- adopt: ARGV[2] lease ttl ms, ARGV[3..] lease ids: leases a replica admitted on its local share
+--   while Redis was away, still running: they take slots here (never refused, nothing charged)
+--   so the other replicas see them; an id already dropped is skipped. Replies the slots held.
+-- drop: ARGV[2] lease ttl ms, ARGV[3] lease id: an adopted lease ended: its slot is freed, or its
+--   adoption, not arrived yet, will skip it. Replies 1 if a slot was freed.
 --
 -- peek: the admit arguments; charges nothing.
 -- charge: the admit arguments; takes 1 request and ARGV[6] tokens as far as the buckets hold them
 --   (never below empty), no lease, never refused.
 -- cancel: the admit arguments of an admission whose caller stopped waiting for the reply (its
---   client timed out): if it ran, its lease is removed and its request and ARGV[6] tokens are
---   given back (replies 1); if not, its lease id is remembered for ARGV[9] ms so that it does
---   nothing when it arrives (replies 0). A slow Redis then leaves no ghost slot or charge.
--- admit, release, peek and charge reply {admitted or released (0/1), leases held, requests level, tokens
--- level}, levels as strings ("-1": no such limit), taken before the charge (admit) or after
--- (release, charge):
--- Python applies the same rules (rate_limits.check_limits) to explain a refusal.
+--   client timed out): if it ran, its lease and budget hold are removed and its request and ARGV[6]
+--   tokens are given back (replies 1); if not, its lease id is remembered for ARGV[9] ms so that
+--   it does nothing when it arrives (replies 0). A slow Redis then leaves no ghost slot or charge.
+-- admit, release, peek and charge reply {admitted or released (0/1), leases held, requests level,
+-- tokens level, budget used, budget held}, levels as strings ("-1": no such limit), taken before
+-- the charge (admit) or after (release, charge); budget figures "-1" without a budget:
+-- Python applies the same rules (rate_limits.check_limits, budgets.check_token_reservation) to
+-- explain a refusal.
 -- Time comes from Redis, so replicas with skewed clocks agree.
 
 local time = redis.call('TIME')
 local now_us = tonumber(time[1]) * 1000000 + tonumber(time[2])
 local now_ms = math.floor(now_us / 1000)
 local op = ARGV[1]
+local BUDGET_KEY_TTL_MS = 40 * 24 * 3600 * 1000  -- a month's count outlives its month
 
--- the leases key lives as long as its latest lease
+-- the leases key, and the holds of its leases, live as long as its latest lease
 local function expire_leases()
   local latest = redis.call('ZRANGE', KEYS[3], -1, -1, 'WITHSCORES')[2]
   if latest ~= nil then
-    redis.call('PEXPIRE', KEYS[3], math.max(1, tonumber(latest) - now_ms))
+    local ttl_ms = math.max(1, tonumber(latest) - now_ms)
+    redis.call('PEXPIRE', KEYS[3], ttl_ms)
+    redis.call('PEXPIRE', KEYS[6], ttl_ms)
   end
 end
 
+local function tombstone(lease_id, ttl_ms)
+  redis.call('ZADD', KEYS[4], now_ms + ttl_ms, lease_id)
+  local latest = redis.call('ZRANGE', KEYS[4], -1, -1, 'WITHSCORES')[2]
+  redis.call('PEXPIRE', KEYS[4], math.max(1, tonumber(latest) - now_ms))
+end
+
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now_ms)
+redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now_ms)
+
 if op == 'renew' then
   local ttl_ms, num_renewed = tonumber(ARGV[2]), 0
-  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now_ms)
   for i = 3, #ARGV do
     if redis.call('ZSCORE', KEYS[3], ARGV[i]) then
       redis.call('ZADD', KEYS[3], now_ms + ttl_ms, ARGV[i])
@@ -49,6 +75,26 @@ if op == 'renew' then
   end
   expire_leases()
   return num_renewed
+end
+
+if op == 'adopt' then
+  local ttl_ms = tonumber(ARGV[2])
+  for i = 3, #ARGV do
+    if redis.call('ZREM', KEYS[4], ARGV[i]) == 0 then
+      redis.call('ZADD', KEYS[3], 'NX', now_ms + ttl_ms, ARGV[i])
+    end
+  end
+  expire_leases()
+  return redis.call('ZCARD', KEYS[3])
+end
+
+if op == 'drop' then
+  if redis.call('ZREM', KEYS[3], ARGV[3]) == 1 then
+    redis.call('HDEL', KEYS[6], ARGV[3])
+    return 1
+  end
+  tombstone(ARGV[3], tonumber(ARGV[2]))
+  return 0
 end
 
 local function read(key, capacity, rate)
@@ -72,18 +118,42 @@ local function show(level)
   return string.format('%.17g', level)
 end
 
+-- The month's tokens used (never below what the caller's ledger knows; a new month starts from
+-- it) and the tokens held by running leases (holds of expired leases are dropped).
+local function budget_state(period, known_used)
+  local state = redis.call('HMGET', KEYS[5], 'period', 'used')
+  local used = known_used
+  if state[1] == period then used = math.max(used, tonumber(state[2])) end
+  if state[1] ~= period or used ~= tonumber(state[2]) then
+    redis.call('HSET', KEYS[5], 'period', period, 'used', string.format('%.0f', used))
+    redis.call('PEXPIRE', KEYS[5], BUDGET_KEY_TTL_MS)
+  end
+  local held, holds = 0, redis.call('HGETALL', KEYS[6])
+  for i = 1, #holds, 2 do
+    if redis.call('ZSCORE', KEYS[3], holds[i]) then
+      held = held + tonumber(holds[i + 1])
+    else
+      redis.call('HDEL', KEYS[6], holds[i])
+    end
+  end
+  return used, held
+end
+
 local req_cap, req_rate = tonumber(ARGV[2]), tonumber(ARGV[3])
 local tok_cap, tok_rate = tonumber(ARGV[4]), tonumber(ARGV[5])
 local num_tokens, max_concurrent = tonumber(ARGV[6]), tonumber(ARGV[7])
 local lease_id, lease_ttl_ms = ARGV[8], tonumber(ARGV[9])
+local budget, period = tonumber(ARGV[10]), ARGV[11]
 
-redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now_ms)
-redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now_ms)
 local req_level = read(KEYS[1], req_cap, req_rate)
 local tok_level = read(KEYS[2], tok_cap, tok_rate)
 
+local function reply(flag, used, held)
+  return {flag, redis.call('ZCARD', KEYS[3]), show(req_level), show(tok_level), show(used), show(held)}
+end
+
 if op == 'peek' then
-  return {0, redis.call('ZCARD', KEYS[3]), show(req_level), show(tok_level)}
+  return reply(0)
 end
 
 if op == 'charge' then
@@ -95,7 +165,7 @@ if op == 'charge' then
     tok_level = tok_level - math.min(num_tokens, tok_level)
     write(KEYS[2], tok_cap, tok_rate, tok_level)
   end
-  return {0, redis.call('ZCARD', KEYS[3]), show(req_level), show(tok_level)}
+  return reply(0)
 end
 
 if op == 'release' then
@@ -104,37 +174,45 @@ if op == 'release' then
     tok_level = math.min(tok_cap, tok_level + num_tokens)
     write(KEYS[2], tok_cap, tok_rate, tok_level)
   end
-  return {released, redis.call('ZCARD', KEYS[3]), show(req_level), show(tok_level)}
+  -- the tokens used count once: while the hold is there (a second release finds none)
+  if redis.call('HDEL', KEYS[6], lease_id) == 1 and redis.call('HGET', KEYS[5], 'period') == period then
+    redis.call('HINCRBY', KEYS[5], 'used', tonumber(ARGV[12]))
+    redis.call('PEXPIRE', KEYS[5], BUDGET_KEY_TTL_MS)
+  end
+  return reply(released)
 end
 
 if op == 'cancel' then
   if redis.call('ZREM', KEYS[3], lease_id) == 1 then
+    redis.call('HDEL', KEYS[6], lease_id)
     if req_level ~= nil then write(KEYS[1], req_cap, req_rate, math.min(req_cap, req_level + 1)) end
     if tok_level ~= nil then
       tok_level = math.min(tok_cap, tok_level + num_tokens)
       write(KEYS[2], tok_cap, tok_rate, tok_level)
     end
-    return {1, redis.call('ZCARD', KEYS[3]), show(req_level), show(tok_level)}
+    return reply(1)
   end
-  redis.call('ZADD', KEYS[4], now_ms + lease_ttl_ms, lease_id)
-  local latest = redis.call('ZRANGE', KEYS[4], -1, -1, 'WITHSCORES')[2]
-  redis.call('PEXPIRE', KEYS[4], math.max(1, tonumber(latest) - now_ms))
-  return {0, redis.call('ZCARD', KEYS[3]), show(req_level), show(tok_level)}
+  tombstone(lease_id, lease_ttl_ms)
+  return reply(0)
 end
 
 -- admit: all or nothing (nothing at all for an admission already cancelled)
 local num_leases = redis.call('ZCARD', KEYS[3])
 if redis.call('ZREM', KEYS[4], lease_id) == 1 then
-  return {0, num_leases, show(req_level), show(tok_level)}
+  return reply(0)
 end
+local used, held
+if budget >= 0 then used, held = budget_state(period, tonumber(ARGV[12])) end
 local fits = (req_level == nil or req_level >= 1)
   and (tok_level == nil or tok_level >= num_tokens)
   and (max_concurrent < 0 or num_leases < max_concurrent)
+  and (budget < 0 or num_tokens <= budget - used - held)
 if not fits then
-  return {0, num_leases, show(req_level), show(tok_level)}
+  return reply(0, used, held)
 end
 if req_level ~= nil then write(KEYS[1], req_cap, req_rate, req_level - 1) end
 if tok_level ~= nil then write(KEYS[2], tok_cap, tok_rate, tok_level - num_tokens) end
 redis.call('ZADD', KEYS[3], now_ms + lease_ttl_ms, lease_id)
+if budget >= 0 then redis.call('HSET', KEYS[6], lease_id, num_tokens) end
 expire_leases()
-return {1, num_leases, show(req_level), show(tok_level)}
+return {1, num_leases, show(req_level), show(tok_level), show(used), show(held)}

@@ -70,7 +70,8 @@ def check_token_reservation(
     """The refusal for a request whose tokens (prompt + max_tokens x n, as the rate limiter
     reserves them) the monthly token budget cannot cover, or None.
 
-    num_tokens_held: what the tenant's requests in flight on this replica reserved. A request
+    num_tokens_held: what the tenant's requests in flight reserved (on this replica, or on
+    every replica as Redis counts them: policies/budget_hold.py). A request
     larger than what is left at all is refused for good (lower max_tokens); one that fits
     only once those in flight end is told to retry.
     """

@@ -110,8 +110,8 @@ class BudgetExhausted(AdmissionRefused):
 
 
 class BudgetHeld(AdmissionRefused):
-    """The monthly token budget left is held by the tenant's requests in flight on this
-    replica (429, retry when they end)."""
+    """The monthly token budget left is held by the tenant's requests in flight (on this
+    replica; with Redis, on every replica) (429, retry when they end)."""
 
     reason = RefusalReason.BUDGET
 

@@ -13,6 +13,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from policies.budget_hold import BudgetHold
 from policies.rate_limits import (
     LimiterBackend,
     LimitLevels,
@@ -49,8 +50,13 @@ class MemoryRateLimiter:
         self._tenants: dict[str, _TenantState] = {}
 
     async def acquire(
-        self, tenant_id: str, limits: TenantLimits, num_tokens: int
+        self,
+        tenant_id: str,
+        limits: TenantLimits,
+        num_tokens: int,
+        budget: BudgetHold | None = None,
     ) -> RateLimitLease:
+        # One process: the admission controller's budget holds already see every request.
         return self.acquire_now(tenant_id, limits, num_tokens)
 
     async def release(self, lease: RateLimitLease, num_tokens_used: int) -> RateLimitSnapshot:
@@ -107,6 +113,10 @@ class MemoryRateLimiter:
             if state.tokens is not None and levels.tokens is not None and refund:
                 state.tokens.give_back(refund)
         return self._levels(state, lease.limits).snapshot(lease.limits)
+
+    def lease_ids(self) -> dict[str, set[str]]:
+        """The leases held now, per tenant (copies)."""
+        return {tenant: set(s.lease_ids) for tenant, s in self._tenants.items() if s.lease_ids}
 
     def peek_now(self, tenant_id: str, limits: TenantLimits) -> LimitLevels:
         """peek() without the coroutine; a tenant not seen yet has full buckets."""

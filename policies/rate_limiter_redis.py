@@ -16,10 +16,29 @@ a slow or flapping Redis leaves no ghost slots holding the tenant's concurrency.
 
 When Redis cannot be reached within `timeout_s`, the limiter either falls back to local
 buckets holding each replica's share of the limits (fail_open) or refuses with
-LimiterUnavailable (fail_closed). It then leaves Redis alone except for one probe per
-`probe_interval_s`; the first probe that succeeds brings every request back to Redis. Leases
-taken on the fallback are released there. A Redis that restarts empty has forgotten the
-buckets and leases: limits start afresh, and requests already running no longer hold slots.
+LimiterUnavailable (fail_closed). It then leaves Redis alone except for one probe (an
+admission sent to Redis) at a time, the first `first_probe_s` after the failure and each
+next one twice as late, up to `probe_interval_s`: a stall of a fraction of a second keeps a
+replica off Redis about as long, an outage costs a probe a second. The first probe that
+succeeds brings every request back to Redis.
+
+Leases taken on the fallback are released there. Once Redis answers again, those still
+running are adopted into it (admit.lua's "adopt": slots taken, nothing charged), so the
+other replicas count them instead of filling the whole limit beside them; each is dropped
+from Redis when it ends. For `fallback_view_s` after its last answer from Redis about a
+tenant, a replica on its share also leaves the slots the other replicas held then, so a
+stall of a fraction of a second does not let every replica add its share to a limit already
+full. What fail_open may still over-admit is the shares of the replicas off Redis, for as
+long as they are. A Redis that restarts empty has forgotten the buckets and leases: limits
+start afresh, and requests already running no longer hold slots.
+
+Monthly token budgets are held here too (policies/budget_hold.py): an admission that holds
+budget tokens is refused unless they fit within the budget less the month's tokens used and
+the tokens every replica's running requests hold, all kept in Redis. The count of tokens
+used grows by each release and never falls below what the admitting replica's ledger knows;
+a Redis that restarts empty starts it again from there. While Redis is away, each replica
+holds budgets on its own (the admission controller's holds): a tenant may then overshoot by
+what the other replicas admit meanwhile.
 """
 
 from __future__ import annotations
@@ -41,7 +60,13 @@ from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from policies.errors import AdmissionConfigError, LimiterUnavailable
+from policies.budget_hold import BudgetHold
+from policies.budgets import MonthlyUsage, check_token_reservation
+from policies.errors import (
+    AdmissionConfigError,
+    AdmissionRefused,
+    LimiterUnavailable,
+)
 from policies.rate_limiter_memory import DEFAULT_CONCURRENCY_RETRY_AFTER_S, MemoryRateLimiter
 from policies.rate_limits import (
     EMPTY_SNAPSHOT,
@@ -82,20 +107,28 @@ class FailurePolicy(StrEnum):
 
 @dataclass(frozen=True)
 class RedisLimiterConfig:
-    key_prefix: str = "tiergate"  # keys: <prefix>:{<tenant_id>}:requests|tokens|leases|cancelled
+    # keys: <prefix>:{<tenant_id>}:requests|tokens|leases|cancelled|budget|holds
+    key_prefix: str = "tiergate"
     on_failure: FailurePolicy = FailurePolicy.FAIL_OPEN
     num_replicas: int = 1  # fail_open: each replica enforces limits / num_replicas
     timeout_s: float = 0.1  # longest one admission waits on Redis (socket and overall)
-    probe_interval_s: float = 1.0  # while unreachable, try Redis at most this often
+    first_probe_s: float = 0.1  # while unreachable, the first probe this long after the failure
+    probe_interval_s: float = 1.0  # and each next one twice as late, up to this
     lease_ttl_s: float = 30.0  # a concurrency slot not renewed for this long frees itself
+    # fail_open: how long the slots other replicas held at the last answer still count
+    fallback_view_s: float = 5.0
     concurrency_retry_after_s: float = DEFAULT_CONCURRENCY_RETRY_AFTER_S
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
             raise AdmissionConfigError(f"num_replicas must be >= 1, got {self.num_replicas}")
-        for name in ("timeout_s", "probe_interval_s", "lease_ttl_s"):
+        for name in ("timeout_s", "first_probe_s", "probe_interval_s", "lease_ttl_s"):
             if getattr(self, name) <= 0:
                 raise AdmissionConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.fallback_view_s < 0:
+            raise AdmissionConfigError(
+                f"fallback_view_s must not be negative, got {self.fallback_view_s}"
+            )
 
 
 class RedisRateLimiter:
@@ -116,6 +149,10 @@ class RedisRateLimiter:
             clock, self._config.concurrency_retry_after_s, LimiterBackend.FALLBACK
         )
         self._held: dict[str, set[str]] = {}  # tenant -> Redis lease ids this process holds
+        # tenant -> fallback lease ids adopted into Redis (or on their way), until they end
+        self._adopted: dict[str, set[str]] = {}
+        # tenant -> (when, slots the other replicas held) at the last Redis answer
+        self._others_seen: dict[str, tuple[float, int]] = {}
         self._renewal: asyncio.Task[None] | None = None
         # Cancellations of timed-out admissions and releases Redis did not take, until each
         # reaches it.
@@ -123,6 +160,7 @@ class RedisRateLimiter:
         self.num_cancelled_leases = 0  # of those, admissions that had run (a slot given back)
         self._is_down = False
         self._next_probe_s = 0.0  # while down: when Redis may be tried again
+        self._probe_delay_s = self._config.first_probe_s  # while down: from a probe to the next
         self.num_script_loads = 0  # NOSCRIPT answers (first use, Redis restarted)
 
     @classmethod
@@ -148,11 +186,20 @@ class RedisRateLimiter:
         return not self._is_down
 
     async def acquire(
-        self, tenant_id: str, limits: TenantLimits, num_tokens: int
+        self,
+        tenant_id: str,
+        limits: TenantLimits,
+        num_tokens: int,
+        budget: BudgetHold | None = None,
     ) -> RateLimitLease:
+        if limits.monthly_token_budget is None:
+            budget = None
         if self._may_try_redis():
             lease_id = uuid.uuid4().hex
-            args = self._args("admit", limits, num_tokens, lease_id)
+            args = self._args(
+                "admit", limits, num_tokens, lease_id,
+                budget, 0 if budget is None else budget.num_tokens_used,
+            )
             try:
                 reply = await self._run(tenant_id, args)
             except _UNAVAILABLE as exc:
@@ -161,7 +208,7 @@ class RedisRateLimiter:
                     self._settle_soon(tenant_id, ["cancel", *args[1:]])
             else:
                 self._mark_up()
-                return self._admitted(tenant_id, limits, num_tokens, lease_id, reply)
+                return self._admitted(tenant_id, limits, num_tokens, lease_id, budget, reply)
         if self._config.on_failure is FailurePolicy.FAIL_CLOSED:
             raise LimiterUnavailable(
                 "The rate limiter is unavailable; please retry shortly.",
@@ -169,22 +216,27 @@ class RedisRateLimiter:
             )
         # The replica's share, its Redis leases still running counted in it: a replica
         # that goes back and forth between Redis and its share does not hold both.
+        share = limits.divided(self._config.num_replicas)
         return self._fallback.acquire_now(
-            tenant_id, limits.divided(self._config.num_replicas), num_tokens,
-            num_held_elsewhere=self._held_count(tenant_id),
+            tenant_id, share, num_tokens,
+            num_held_elsewhere=self._held_count(tenant_id)
+            + self._others_over_share(tenant_id, limits, share),
         )
 
     async def release(self, lease: RateLimitLease, num_tokens_used: int) -> RateLimitSnapshot:
         """Free the slot and refund; when Redis is away the lease simply expires there."""
         if lease.backend is not LimiterBackend.REDIS:
+            adopted = self._adopted.get(lease.tenant_id)
+            if adopted is not None and lease.lease_id in adopted:
+                _discard(self._adopted, lease.tenant_id, lease.lease_id)
+                ttl_ms = round(self._config.lease_ttl_s * 1000)
+                self._settle_soon(lease.tenant_id, ["drop", ttl_ms, lease.lease_id])
             return self._fallback.release_now(lease, num_tokens_used)
-        held = self._held.get(lease.tenant_id)
-        if held is not None:
-            held.discard(lease.lease_id)
-            if not held:
-                del self._held[lease.tenant_id]
+        _discard(self._held, lease.tenant_id, lease.lease_id)
         refund = max(0, lease.num_tokens_reserved - num_tokens_used)
-        args = self._args("release", lease.limits, refund, lease.lease_id)
+        args = self._args(
+            "release", lease.limits, refund, lease.lease_id, lease.budget, num_tokens_used
+        )
         if not self._may_try_redis():
             self._settle_soon(lease.tenant_id, args)
             return EMPTY_SNAPSHOT
@@ -195,6 +247,7 @@ class RedisRateLimiter:
             self._settle_soon(lease.tenant_id, args)  # a second release does nothing more
             return EMPTY_SNAPSHOT
         self._mark_up()
+        self._saw(lease.tenant_id, int(reply[1]))
         return _levels(reply).snapshot(lease.limits)
 
     async def peek(self, tenant_id: str, limits: TenantLimits) -> LimitLevels | None:
@@ -227,11 +280,15 @@ class RedisRateLimiter:
         return _levels(reply)
 
     async def renew_leases(self) -> int:
-        """Extend every Redis lease this process holds; returns how many were still held."""
-        if self._is_down or not self._held:
+        """Extend every Redis lease this process holds (its adopted ones too); returns how
+        many were still held."""
+        held = {tenant: set(ids) for tenant, ids in self._held.items()}
+        for tenant, ids in self._adopted.items():
+            held.setdefault(tenant, set()).update(ids)
+        if self._is_down or not held:
             return 0
         ttl_ms = round(self._config.lease_ttl_s * 1000)
-        tenants = list(self._held.items())
+        tenants = list(held.items())
         replies = await asyncio.gather(
             *(self._run(tenant, ["renew", ttl_ms, *ids]) for tenant, ids in tenants),
             return_exceptions=True,
@@ -249,6 +306,27 @@ class RedisRateLimiter:
     def _held_count(self, tenant_id: str) -> int:
         """The tenant's Redis leases this replica holds (requests still running)."""
         return len(self._held.get(tenant_id, ()))
+
+    def _saw(self, tenant_id: str, num_in_redis: int) -> None:
+        """Redis answered that num_in_redis of the tenant's slots are held."""
+        own = self._held_count(tenant_id) + len(self._adopted.get(tenant_id, ()))
+        self._others_seen[tenant_id] = (self._clock(), max(0, num_in_redis - own))
+
+    def _others_over_share(
+        self, tenant_id: str, limits: TenantLimits, share: TenantLimits
+    ) -> int:
+        """Slots to count against the replica's share beyond its own: what the other
+        replicas held at the last Redis answer, past what the limit leaves beside the share
+        (the share then holds at most limit - theirs), while that answer is recent."""
+        seen = self._others_seen.get(tenant_id)
+        limit, own_share = limits.max_concurrent_requests, share.max_concurrent_requests
+        if seen is None or limit is None or own_share is None:
+            return 0
+        seen_at_s, num_others = seen
+        if self._clock() - seen_at_s > self._config.fallback_view_s:
+            del self._others_seen[tenant_id]
+            return 0
+        return max(0, num_others - (limit - own_share))
 
     def _settle_soon(self, tenant_id: str, args: list[str | int | float]) -> None:
         """Run a cancel or release that has not reached Redis, in the background: tried
@@ -271,6 +349,15 @@ class RedisRateLimiter:
                 self.num_cancelled_leases += int(reply[0])
             return
 
+    def _adopt_soon(self) -> None:
+        """Register the fallback's running leases in Redis, in the background (Redis has
+        just answered again)."""
+        leases = self._fallback.lease_ids()
+        for tenant_id, ids in leases.items():
+            self._adopted.setdefault(tenant_id, set()).update(ids)
+            ttl_ms = round(self._config.lease_ttl_s * 1000)
+            self._settle_soon(tenant_id, ["adopt", ttl_ms, *sorted(ids)])
+
     async def aclose(self) -> None:
         for task in list(self._settlements):
             task.cancel()
@@ -287,9 +374,7 @@ class RedisRateLimiter:
     async def _run(self, tenant_id: str, args: Sequence[str | int | float]) -> Any:
         """The script on the tenant's keys, loading it first if Redis does not know it."""
         prefix = f"{self._config.key_prefix}:{{{tenant_id}}}"
-        keys = (
-            f"{prefix}:requests", f"{prefix}:tokens", f"{prefix}:leases", f"{prefix}:cancelled"
-        )
+        keys = tuple(f"{prefix}:{name}" for name in _KEY_NAMES)
         async with asyncio.timeout(self._config.timeout_s):
             try:
                 return await self._client.evalsha(_SCRIPT_SHA, len(keys), *keys, *args)
@@ -299,10 +384,19 @@ class RedisRateLimiter:
                 return await self._client.evalsha(_SCRIPT_SHA, len(keys), *keys, *args)
 
     def _args(
-        self, op: str, limits: TenantLimits, num_tokens: int, lease_id: str
+        self,
+        op: str,
+        limits: TenantLimits,
+        num_tokens: int,
+        lease_id: str,
+        budget: BudgetHold | None = None,
+        budget_tokens: int = 0,
     ) -> list[str | int | float]:
+        """admit.lua's arguments; budget_tokens: the month's tokens used as this replica
+        knows them (admit) or the tokens the request used (release)."""
         requests, tokens = limits.requests_bucket, limits.tokens_bucket
         max_concurrent = limits.max_concurrent_requests
+        budget_limit = limits.monthly_token_budget
         return [
             op,
             -1 if requests is None else requests.capacity,
@@ -313,17 +407,33 @@ class RedisRateLimiter:
             -1 if max_concurrent is None else max_concurrent,
             lease_id,
             round(self._config.lease_ttl_s * 1000),
+            -1 if budget is None or budget_limit is None else budget_limit,
+            "" if budget is None else budget.period,
+            budget_tokens,
         ]
 
     def _admitted(
-        self, tenant_id: str, limits: TenantLimits, num_tokens: int, lease_id: str, reply: Any
+        self,
+        tenant_id: str,
+        limits: TenantLimits,
+        num_tokens: int,
+        lease_id: str,
+        budget: BudgetHold | None,
+        reply: Any,
     ) -> RateLimitLease:
         levels = _levels(reply)
+        self._saw(tenant_id, int(reply[1]))  # taken before any lease of this admission
         if not int(reply[0]):
-            refusal = check_limits(
+            refusal: AdmissionRefused | None = None
+            if budget is not None and float(reply[4]) >= 0:  # the budget was read
+                used = int(float(reply[4]))
+                refusal = check_token_reservation(
+                    tenant_id, limits, MonthlyUsage(used, 0), int(float(reply[5])), num_tokens
+                )
+            refusal = refusal or check_limits(
                 limits, levels, num_tokens, self._config.concurrency_retry_after_s
             )
-            assert refusal is not None, "admit.lua and check_limits disagree"
+            assert refusal is not None, "admit.lua and the Python rules disagree"
             raise refusal
         self._held.setdefault(tenant_id, set()).add(lease_id)
         if self._renewal is None:
@@ -335,6 +445,7 @@ class RedisRateLimiter:
             limits=limits,
             backend=LimiterBackend.REDIS,
             snapshot=levels.charged(num_tokens).snapshot(limits),
+            budget=budget,
         )
 
     async def _renew_forever(self) -> None:
@@ -354,7 +465,7 @@ class RedisRateLimiter:
         now_s = self._clock()
         if now_s < self._next_probe_s:
             return False
-        self._next_probe_s = now_s + self._config.probe_interval_s
+        self._next_probe_s = now_s + self._probe_delay_s
         return True
 
     def _mark_down(self, exc: BaseException) -> None:
@@ -365,17 +476,34 @@ class RedisRateLimiter:
                 exc,
                 self._config.on_failure.value,
             )
+            self._probe_delay_s = self._config.first_probe_s
+        else:  # a probe failed
+            self._probe_delay_s *= 2
+        self._probe_delay_s = min(self._probe_delay_s, self._config.probe_interval_s)
         self._is_down = True
-        self._next_probe_s = self._clock() + self._config.probe_interval_s
+        self._next_probe_s = self._clock() + self._probe_delay_s
 
     def _mark_up(self) -> None:
         if self._is_down:
             logger.warning("Redis rate limiter reachable again")
-        self._is_down = False
+            self._is_down = False
+            self._adopt_soon()
+
+
+_KEY_NAMES = ("requests", "tokens", "leases", "cancelled", "budget", "holds")
+
+
+def _discard(ids_by_tenant: dict[str, set[str]], tenant_id: str, lease_id: str) -> None:
+    ids = ids_by_tenant.get(tenant_id)
+    if ids is not None:
+        ids.discard(lease_id)
+        if not ids:
+            del ids_by_tenant[tenant_id]
 
 
 def _levels(reply: Any) -> LimitLevels:
-    """LimitLevels from the script's reply {flag, leases held, requests level, tokens level}."""
+    """LimitLevels from the script's reply {flag, leases held, requests level, tokens level,
+    budget used, budget held}."""
 
     def level(raw: bytes | str) -> float | None:
         value = float(raw)

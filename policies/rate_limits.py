@@ -16,6 +16,7 @@ from enum import StrEnum
 from functools import cached_property, partial
 from typing import Protocol
 
+from policies.budget_hold import BudgetHold
 from policies.errors import AdmissionConfigError, LimitName, RateLimited
 
 
@@ -283,17 +284,26 @@ class RateLimitLease:
     limits: TenantLimits  # as charged (the fallback charges each replica's share)
     backend: LimiterBackend
     snapshot: RateLimitSnapshot  # right after the charge
+    budget: BudgetHold | None = None  # the budget tokens it holds in Redis until its release
 
 
 class RateLimiter(Protocol):
     """The limiter interface both backends implement."""
 
     async def acquire(
-        self, tenant_id: str, limits: TenantLimits, num_tokens: int
+        self,
+        tenant_id: str,
+        limits: TenantLimits,
+        num_tokens: int,
+        budget: BudgetHold | None = None,
     ) -> RateLimitLease:
         """Charge one request and num_tokens and take a concurrency slot, all or nothing.
 
-        Raises RateLimited (nothing charged) or LimiterUnavailable (fail_closed).
+        budget: the request holds num_tokens of limits.monthly_token_budget as well, where
+        the backend shares budgets between replicas (Redis); a backend local to the process
+        leaves budgets to the admission controller's own holds.
+        Raises RateLimited, BudgetExhausted or BudgetHeld (nothing charged), or
+        LimiterUnavailable (fail_closed).
         """
         ...
 

@@ -18,8 +18,12 @@ from tests.gateway.admission_support import (
     SHARED_REDIS_URL,
     admit_n_of_3n,
     check_token_limit_under_concurrency,
+    completion_body,
+    create_tenant,
     delete_redis_prefix,
     new_key_prefix,
+    report,
+    send_all,
     start_all,
     stop_all,
     write_config,
@@ -84,3 +88,23 @@ def test_concurrent_requests_on_replicas_never_overshoot_a_token_limit(
     replicas: list[ServeProcess],
 ) -> None:
     check_token_limit_under_concurrency(replicas, capacity=3000, concurrency_per_server=16)
+
+
+def test_requests_together_on_replicas_never_spend_past_a_monthly_budget(
+    replicas: list[ServeProcess],
+) -> None:
+    """Each request holds prompt + max_tokens (120) of the budget in Redis until its usage is
+    counted, so the replicas together admit what one budget holds; with holds kept by each
+    replica alone, each would admit 16 of its 16 requests."""
+    budget = 2_000
+    key = create_tenant(replicas[0], {"monthly_token_budget": budget})
+    bodies = [completion_body(20, 100) for _ in range(16 * NUM_REPLICAS)]
+    outcomes = send_all(replicas, key, bodies, concurrency_per_server=16)
+    served = [o.payload["usage"]["total_tokens"] for o in outcomes if o.status_code == 200]
+    refused = [o.payload["error"]["code"] for o in outcomes if o.status_code != 200]
+    report(
+        f"{len(bodies)} requests of up to 120 tokens at once on {NUM_REPLICAS} replicas, "
+        f"budget {budget}: {len(served)} served, {sum(served)} tokens; {len(refused)} refused"
+    )
+    assert 0 < len(served) <= budget // 120 and sum(served) <= budget
+    assert set(refused) <= {"rate_limit_exceeded", "insufficient_quota"}
