@@ -15,12 +15,23 @@ replay's commit and the spool's truncation, never duplicates a record. A chunk t
 refuses for what a record holds (not for being away) is inserted record by record, and the
 refused ones are set aside in ``<spool>.rejected``: one bad record cannot hold up the rest.
 
+The writer never waits on the database longer than ``call_timeout_s`` (``probe_timeout_s``
+for the probe that asks whether an unhealthy database is back): each database call runs on a
+thread of its own, and one that outlives its deadline (a database that accepts connections
+and never answers: SIGSTOPped, partitioned, a lock past the server's own limits) is left to
+finish there while its batch goes to the spool, exactly as for a refused connection. An
+insert that returns after its deadline rolls back instead of committing (the spool has its
+records, or its waiters were told they were not written); only one held up inside its
+commit may still land, and the spool's replay then skips its records. While
+MAX_STUCK_CALLS such calls are still running, the database is not called at all.
+
 ``close()`` (the SIGTERM path) writes everything queued, then tries to empty the spool.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import queue
@@ -30,6 +41,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any, TypeVar
 
 from sqlalchemy import select
 from sqlalchemy.exc import DataError, IntegrityError, SQLAlchemyError
@@ -45,14 +57,25 @@ from billing.models import USAGE_RECORDS
 from billing.monthly import MonthlyTotals, MonthlyUsage
 from billing.period import Period
 from billing.records import UsageRecord
-from billing.rollups import interval_totals
+from billing.rollups import UsageTotals, interval_totals
 from billing.spool import Spool, encode_record
 from billing.store import insert_records
 
 logger = logging.getLogger(__name__)
 
+_T = TypeVar("_T")
+
 # Called from the writer thread with None (done) or the error to raise in the waiter.
 _Settle = Callable[[BaseException | None], None]
+
+# Database calls past their deadline that may still be running before the writer stops
+# calling the database (until one of them returns).
+MAX_STUCK_CALLS = 2
+
+
+class DatabaseCallTimeout(SQLAlchemyError):
+    """A database call of the ledger got no answer within its deadline: handled as the
+    database being away (the batch spooled, retried later)."""
 
 
 @dataclass(frozen=True)
@@ -102,6 +125,8 @@ class UsageLedger:
         flush_interval_s: float = 0.005,
         max_batch: int = 500,
         retry_interval_s: float = 1.0,
+        call_timeout_s: float = 2.0,
+        probe_timeout_s: float = 0.5,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> None:
         if not flush_interval_s >= 0:
@@ -110,11 +135,23 @@ class UsageLedger:
             raise InvalidSettingError("max_batch must be at least 1", "max_batch")
         if not retry_interval_s > 0:
             raise InvalidSettingError("retry_interval_s must be positive", "retry_interval_s")
+        for name, value in (("call_timeout_s", call_timeout_s),
+                            ("probe_timeout_s", probe_timeout_s)):
+            if not value > 0:
+                raise InvalidSettingError(f"{name} must be positive", name)
         self._session_factory = session_factory
         self._spool = Spool(Path(spool_path))
         self._flush_interval_s = flush_interval_s
         self._max_batch = max_batch
         self._retry_interval_s = retry_interval_s
+        self._call_timeout_s = call_timeout_s
+        self._probe_timeout_s = probe_timeout_s
+        # Database calls run here, so that the writer can stop waiting for one.
+        self._db_threads = concurrent.futures.ThreadPoolExecutor(
+            MAX_STUCK_CALLS + 1, thread_name_prefix="usage-ledger-db"
+        )
+        self._calls_lock = threading.Lock()
+        self._num_calls_running = 0  # the writer's, and those it stopped waiting for
         self._clock = clock  # wall clock: which month monthly_usage() means
         self._queue: queue.SimpleQueue[_Item] = queue.SimpleQueue()
         # Held while checking is_accepting and queueing, so nothing is queued after _Stop.
@@ -311,10 +348,9 @@ class UsageLedger:
                     # The spool first, so the database sum includes what only the spool holds.
                     if self._spool_has_records:
                         self._replay_all()
-                    with self._session_factory() as session:
-                        totals = interval_totals(
-                            session, load.period.start, load.period.end, load.tenant_id
-                        )
+                    totals = self._call(
+                        lambda _abandoned: self._interval_totals(load), self._call_timeout_s
+                    )
             except SQLAlchemyError as exc:
                 self._mark_down(exc)
                 load.settle(LedgerUnavailableError(f"cannot read monthly usage: {exc}"))
@@ -336,10 +372,10 @@ class UsageLedger:
             return
         try:
             with self._io_lock:
+                if not self._is_database_healthy:
+                    self._probe()  # quick to fail: the writer is not held by a dead database
                 if self._spool_has_records:
                     self._replay_step(self._max_batch)
-                else:
-                    self._probe()
         except SQLAlchemyError as exc:
             self._mark_down(exc)
         except OSError as exc:  # the spool stays; replaying it again later is harmless
@@ -367,16 +403,57 @@ class UsageLedger:
                 )
             except OSError as exc:
                 logger.error("usage ledger: cannot replay %s: %s", self._spool.path, exc)
+        self._db_threads.shutdown(wait=False)  # a call stuck there ends with the process
 
     # --- database and spool (hold _io_lock) ------------------------------------------------
 
     def _insert(self, records: Sequence[UsageRecord]) -> set[str]:
-        with self._session_factory.begin() as session:
-            return insert_records(session, records)
+        def insert(abandoned: threading.Event) -> set[str]:
+            with self._session_factory() as session:
+                inserted = insert_records(session, records)
+                if abandoned.is_set():  # the writer has spooled them, or given up on them
+                    session.rollback()
+                    return set()
+                session.commit()
+                return inserted
+
+        return self._call(insert, self._call_timeout_s)
 
     def _probe(self) -> None:
+        def probe(_abandoned: threading.Event) -> None:
+            with self._session_factory() as session:
+                session.execute(select(USAGE_RECORDS.c.request_id).limit(1))
+
+        self._call(probe, self._probe_timeout_s)
+
+    def _call(self, call: Callable[[threading.Event], _T], timeout_s: float) -> _T:
+        """call(abandoned) on a database thread; DatabaseCallTimeout when it has not
+        returned within timeout_s (it goes on there, abandoned set) or when MAX_STUCK_CALLS
+        earlier ones still run."""
+        with self._calls_lock:
+            if self._num_calls_running >= MAX_STUCK_CALLS:
+                raise DatabaseCallTimeout(
+                    f"{self._num_calls_running} earlier database calls have not returned"
+                )
+            self._num_calls_running += 1
+        abandoned = threading.Event()
+        future = self._db_threads.submit(call, abandoned)
+        future.add_done_callback(self._call_returned)
+        try:
+            return future.result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError:
+            abandoned.set()
+            raise DatabaseCallTimeout(
+                f"no answer from the database within {timeout_s} s"
+            ) from None
+
+    def _call_returned(self, _future: concurrent.futures.Future[Any]) -> None:
+        with self._calls_lock:
+            self._num_calls_running -= 1
+
+    def _interval_totals(self, load: _Load) -> UsageTotals:
         with self._session_factory() as session:
-            session.execute(select(USAGE_RECORDS.c.request_id).limit(1))
+            return interval_totals(session, load.period.start, load.period.end, load.tenant_id)
 
     def _replay_all(self) -> ReplayReport:
         report = ReplayReport(0, 0, 0)

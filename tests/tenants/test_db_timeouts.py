@@ -1,7 +1,8 @@
 """Every PostgreSQL call of a serving process ends within its limit: a locked table, a
 statement that runs too long, a server that never answers the connection, an exhausted pool.
-And what the ledger does with a locked usage_records table: it spools after the lock timeout
-instead of waiting for ever, and the spool is replayed once the lock is gone.
+And what the ledger does with a locked usage_records table, or a server that stops answering
+on an open connection: it spools after the lock timeout, or its own deadline, instead of
+waiting for ever, and the spool is replayed once the database is back.
 
 Against the local PostgreSQL server, each test on a scratch database of its own.
 """
@@ -9,6 +10,9 @@ Against the local PostgreSQL server, each test on a scratch database of its own.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import os
+import signal
 import socket
 import time
 from collections.abc import Iterator
@@ -171,3 +175,53 @@ def test_the_ledger_spools_past_a_locked_usage_table_and_replays_after(
           f"(lock timeout {LIMIT_S} s), all replayed once the lock was gone")
     assert stored == {f"r{i}" for i in range(20)}
     assert durable_s < LIMIT_S + 2.0
+
+
+def test_the_ledger_spools_past_a_database_that_never_answers(
+    postgresql_url: str, tmp_path: Path
+) -> None:
+    """The backend of the ledger's pooled connection SIGSTOPped, as a stopped or partitioned
+    server looks to it: a commit waits for no server-side limit, only for the ledger's own
+    deadline, then spools; the call left waiting rolls back when the backend resumes, and
+    the spool is replayed once (each record stored once)."""
+    settings = dataclasses.replace(_settings(postgresql_url), pool_size=1, max_overflow=4)
+    engine = create_db_engine(settings)
+    session_factory = create_session_factory(engine)
+    spool = tmp_path / "spool.jsonl"
+    call_timeout_s = 1.0
+    with session_factory() as session:  # the pool's one connection, and its backend
+        backend_pid = int(session.scalar(text("SELECT pg_backend_pid()")))
+
+    async def scenario() -> float:
+        ledger = UsageLedger(session_factory, spool, retry_interval_s=0.2,
+                             call_timeout_s=call_timeout_s)
+        await ledger.start()
+        os.kill(backend_pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            # without a deadline of its own the ledger would wait until SIGCONT
+            await asyncio.wait_for(
+                asyncio.gather(*(ledger.record(make_record(f"r{i}")) for i in range(20))),
+                timeout=call_timeout_s + 10,
+            )
+            durable_s = time.monotonic() - started
+            assert spool.stat().st_size > 0  # spooled, not committed
+        finally:
+            os.kill(backend_pid, signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        while spool.stat().st_size:
+            assert time.monotonic() < deadline, "the spool was not replayed"
+            await asyncio.sleep(0.05)
+        await ledger.close()
+        return durable_s
+
+    try:
+        durable_s = asyncio.run(scenario())
+        with session_factory() as session:
+            stored = list(session.scalars(select(UsageRecordRow.request_id)))
+    finally:
+        engine.dispose()
+    print(f"\n20 records with the ledger's database backend stopped: durable (spooled) after "
+          f"{durable_s:.2f} s (the ledger's deadline {call_timeout_s} s), replayed after")
+    assert sorted(stored) == sorted(f"r{i}" for i in range(20))  # each once
+    assert durable_s < call_timeout_s + 1.0
