@@ -11,6 +11,7 @@ whomever, unauthenticated) readiness is polled.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 from collections.abc import Callable
@@ -27,7 +28,8 @@ DATABASE_PROBE_INTERVAL_S = 2.0
 
 class DatabaseProbe:
     """The database's last answer, asked again in the background once it is interval_s old
-    (one probe at a time; only the first caller waits for one)."""
+    (one probe at a time; only the first caller waits for one). A probe still waiting after
+    interval_s (a database that accepts and never answers) counts as no answer."""
 
     def __init__(
         self,
@@ -42,16 +44,21 @@ class DatabaseProbe:
         self._checked_at = -math.inf
         self._answer: bool | None = None
         self._probe: asyncio.Task[None] | None = None
+        self._probe_started_at = -math.inf
 
     async def answers(self) -> bool:
-        is_stale = self._clock() - self._checked_at >= self._interval_s
+        now = self._clock()
+        is_stale = now - self._checked_at >= self._interval_s
         if is_stale and self._probe is None:
+            self._probe_started_at = now
             self._probe = asyncio.get_running_loop().create_task(self._run())
         if self._answer is None:
             assert self._probe is not None
-            await asyncio.shield(self._probe)
-        assert self._answer is not None
-        return self._answer
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._probe), self._interval_s)
+        if self._probe is not None and self._clock() - self._probe_started_at >= self._interval_s:
+            return False  # the probe waits on a database that does not answer
+        return bool(self._answer)
 
     async def _run(self) -> None:
         try:

@@ -8,6 +8,8 @@ PostgreSQL database of the test's that stops accepting connections.
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -15,7 +17,7 @@ from typing import Any
 import httpx
 from sqlalchemy import event
 
-from gateway.server.health import DATABASE_PROBE_INTERVAL_S
+from gateway.server.health import DATABASE_PROBE_INTERVAL_S, DatabaseProbe
 from tests.billing.conftest import DatabaseOutage
 from tests.gateway.app_harness import start_gateway
 from tests.tenants.conftest import scratch_database
@@ -73,3 +75,28 @@ def test_a_database_that_stops_answering_is_reported_but_keeps_the_replica_ready
             assert max(polls) < 1.0, polls  # the probe runs in the background
         finally:
             gateway.stop()
+
+
+def test_a_probe_that_never_returns_reads_as_no_answer() -> None:
+    """A database that accepts and never answers (SIGSTOPped, partitioned) holds the probe's
+    thread: past the probe interval readiness says the database does not answer, no poll
+    waits longer than the interval, and the next answer after it returns is the truth."""
+    released = threading.Event()
+
+    def answers() -> bool:
+        released.wait(30)
+        return True
+
+    async def scenario() -> tuple[list[bool], float, bool]:
+        probe = DatabaseProbe(answers, interval_s=0.2)
+        started = time.monotonic()
+        during = [await probe.answers() for _ in range(3)]
+        waited_s = time.monotonic() - started
+        released.set()
+        await asyncio.sleep(0.1)
+        return during, waited_s, await probe.answers()
+
+    during, waited_s, after = asyncio.run(scenario())
+    assert during == [False, False, False]
+    assert waited_s < 0.2 + 0.5  # the first poll waited out one interval, the others nothing
+    assert after is True
