@@ -12,8 +12,12 @@ answer older than that is served while the database answers.
 While the database is unreachable, a key this process resolved within the last
 ``max_stale_s`` seconds keeps its last answer (and the database is tried again every
 ``ttl_s``), so a database outage does not turn away tenants already known here; an unknown
-or long-unseen key gets 503. Recording ``last_used_at`` is best effort: a database that
-answers reads but refuses writes (a locked SQLite file) does not fail authentication.
+or long-unseen key gets 503. A lookup a request waits for is waited for at most
+``lookup_timeout_s``: a database that accepts and never answers (stopped, partitioned) is an
+outage like any other, the lookup left to finish on its thread (its answer still fills the
+cache); while MAX_STUCK_LOOKUPS such lookups run, no new one starts. Recording
+``last_used_at`` is best effort: a database that answers reads but refuses writes (a locked
+SQLite file) does not fail authentication.
 
 Unknown keys cost the database at most one query each per ``ttl_s``: a key that cannot be
 one of ours (wrong shape) is refused without a query; a well-formed key the database does
@@ -36,6 +40,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
+import anyio
 import anyio.to_thread
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
@@ -56,6 +61,10 @@ DEFAULT_KEY_CACHE_MAX_ENTRIES = 10_000
 # requests may wait for one before the rest get 503.
 DEFAULT_FIRST_SIGHT_LOOKUPS = 4
 DEFAULT_FIRST_SIGHT_WAITING = 256
+# Longest a request waits for a key lookup, and how many lookups past it may still run
+# before requests stop starting new ones.
+DEFAULT_LOOKUP_TIMEOUT_S = 1.0
+MAX_STUCK_LOOKUPS = 4
 # The last part of an entry's life (a fraction of ttl_s) in which the next request using it
 # reloads it in the background.
 _REFRESH_AHEAD_FRACTION_OF_TTL = 0.2
@@ -122,6 +131,14 @@ class _CacheEntry:
     loaded_at: float
 
 
+@dataclass
+class _LookupState:
+    """One key lookup a request waits for (guarded by the resolver's lock)."""
+
+    is_done: bool = False
+    is_abandoned: bool = False  # its request stopped waiting: it counts as stuck
+
+
 def bearer_token(authorization: str | None) -> str | None:
     """The token of an ``Authorization: Bearer <token>`` header, or None."""
     if not authorization:
@@ -146,8 +163,11 @@ class TenantKeyResolver:
         clock: Callable[[], float] = time.monotonic,
         first_sight_lookups: int = DEFAULT_FIRST_SIGHT_LOOKUPS,
         first_sight_waiting: int = DEFAULT_FIRST_SIGHT_WAITING,
+        lookup_timeout_s: float = DEFAULT_LOOKUP_TIMEOUT_S,
     ) -> None:
         self._session_factory = session_factory
+        self._lookup_timeout_s = lookup_timeout_s
+        self._num_lookups_stuck = 0  # lookups past lookup_timeout_s still running
         self.ttl_s = ttl_s
         self.max_stale_s = max_stale_s
         self._max_entries = max_entries
@@ -168,6 +188,12 @@ class TenantKeyResolver:
         self._first_sight_limiter: anyio.CapacityLimiter | None = None  # made in the loop
         self._num_first_sight_waiting = 0  # touched on the event loop only
 
+    @property
+    def num_lookups_stuck(self) -> int:
+        """Key lookups still running after their request stopped waiting for them."""
+        with self._lock:
+            return self._num_lookups_stuck
+
     async def authenticate(self, request: Request) -> TenantPrincipal:
         """The caller of request; a cache miss queries the database off the event loop."""
         plaintext, key_hash = _presented_key(request.headers.get("authorization"))
@@ -177,7 +203,7 @@ class TenantKeyResolver:
             with self._lock:
                 seen = key_hash in self._entries  # expired: a key known here, reloaded
             if seen:
-                entry = await anyio.to_thread.run_sync(self._load, plaintext, key_hash)
+                entry = await self._load_in_time(plaintext, key_hash)
             else:
                 entry = await self._first_sight(plaintext, key_hash)
         return _admit(entry)
@@ -199,9 +225,42 @@ class TenantKeyResolver:
                 if entry is not None:
                     return entry
                 self._refuse_known_unknown(plaintext, key_hash)
-                return await anyio.to_thread.run_sync(self._load, plaintext, key_hash)
+                return await self._load_in_time(plaintext, key_hash)
         finally:
             self._num_first_sight_waiting -= 1
+
+    async def _load_in_time(self, plaintext: str, key_hash: str) -> _CacheEntry:
+        """_load on a worker thread, waited for at most lookup_timeout_s; past it, the key's
+        last answer or 503 (the lookup goes on, counted stuck until it returns)."""
+        with self._lock:
+            num_stuck = self._num_lookups_stuck
+        if num_stuck >= MAX_STUCK_LOOKUPS:
+            return self._stale_fallback(
+                key_hash, TimeoutError(f"{num_stuck} key lookups have not returned")
+            )
+        lookup = _LookupState()
+
+        def load() -> _CacheEntry:
+            try:
+                return self._load(plaintext, key_hash)
+            finally:
+                with self._lock:
+                    lookup.is_done = True
+                    if lookup.is_abandoned:
+                        self._num_lookups_stuck -= 1
+
+        with anyio.move_on_after(self._lookup_timeout_s):
+            return await anyio.to_thread.run_sync(load, abandon_on_cancel=True)
+        with self._lock:
+            if not lookup.is_done:
+                lookup.is_abandoned = True
+                self._num_lookups_stuck += 1
+        entry = self._cached(plaintext, key_hash)  # it may have ended as the wait did
+        if entry is not None:
+            return entry
+        return self._stale_fallback(
+            key_hash, TimeoutError(f"no answer within {self._lookup_timeout_s} s")
+        )
 
     def _refuse_known_unknown(self, plaintext: str, key_hash: str) -> None:
         """401 without a query for a key that cannot be ours or that the database did not
@@ -338,7 +397,7 @@ class TenantKeyResolver:
                     )
         return entry
 
-    def _stale_fallback(self, key_hash: str, error: DBAPIError) -> _CacheEntry:
+    def _stale_fallback(self, key_hash: str, error: Exception) -> _CacheEntry:
         """The key's last answer while the database cannot give one, or 503."""
         now = self._clock()
         with self._lock:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
@@ -24,6 +25,7 @@ from starlette.testclient import TestClient
 
 import tenants
 from gateway.access.auth import (
+    MAX_STUCK_LOOKUPS,
     InvalidApiKeyError,
     RevokedApiKeyError,
     TenantKeyResolver,
@@ -458,3 +460,57 @@ def test_a_background_reload_during_an_outage_keeps_the_entry(
                 resolver.resolve(f"Bearer {key}")
     finally:
         resolver.close()
+
+
+def test_a_database_that_never_answers_is_waited_for_at_most_the_lookup_timeout(
+    session: Session, session_factory: sessionmaker[Session]
+) -> None:
+    """Lookups that hang (a SIGSTOPped or partitioned database: no error, no answer): a
+    request waits lookup_timeout_s, then a known key keeps its last answer and an unseen one
+    gets 503; past MAX_STUCK_LOOKUPS hung lookups no new one starts."""
+    _, key = _tenant_key(session)
+    now = [0.0]
+    resolver = TenantKeyResolver(session_factory, ttl_s=5.0, clock=lambda: now[0],
+                                 lookup_timeout_s=0.2)
+    principal = resolver.resolve(f"Bearer {key}")
+    release = threading.Event()
+    lookups: list[str] = []
+    original = tenants.find_api_key
+
+    def hung_find(session: Session, plaintext: str) -> object:
+        lookups.append(plaintext)
+        release.wait(30)
+        return original(session, plaintext)
+
+    def request(plaintext: str) -> Request:
+        return Request({"type": "http",
+                        "headers": [(b"authorization", f"Bearer {plaintext}".encode())]})
+
+    async def scenario() -> list[float]:
+        waits = []
+        for _ in range(6):  # the known key: its answer from before, after the timeout
+            started = time.monotonic()
+            assert (await resolver.authenticate(request(key))) == principal
+            waits.append(time.monotonic() - started)
+            now[0] += 5.0  # expired again: the next request looks it up
+        started = time.monotonic()
+        with pytest.raises(ServiceUnavailableError):
+            await resolver.authenticate(request("tg-abcdefgh_" + "x" * 43))
+        waits.append(time.monotonic() - started)
+        return waits
+
+    now[0] = 6.0
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("gateway.access.auth.find_api_key", hung_find)
+        try:
+            waits = anyio.run(scenario)
+            assert len(lookups) == MAX_STUCK_LOOKUPS  # the rest did not start a lookup
+        finally:
+            release.set()
+            deadline_s = time.monotonic() + 30
+            while resolver.num_lookups_stuck:  # they end, closing their connections
+                assert time.monotonic() < deadline_s, "the hung lookups did not end"
+                time.sleep(0.01)
+    assert all(w < 0.2 + 0.5 for w in waits[:MAX_STUCK_LOOKUPS]), waits
+    assert all(w < 0.1 for w in waits[MAX_STUCK_LOOKUPS:]), waits
+    resolver.close()
