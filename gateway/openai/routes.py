@@ -28,11 +28,12 @@ import anyio
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
-from starlette.types import Message, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from engine import RequestMetrics, RequestOutput
 from gateway.access.admission import AdmissionGrant, AdmissionRefusal, GatewayAdmission
 from gateway.access.auth import TenantPrincipal
+from gateway.http.connection_abort import abort_connection
 from gateway.http.errors import (
     GatewayError,
     InternalServerError,
@@ -268,6 +269,11 @@ class _EventStream(StreamingResponse):
         super().__init__(events, media_type="text/event-stream", headers=headers)
         self._events = events
         self._write_timeout_s = write_timeout_s
+        self._scope: Scope = {}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self._scope = scope
+        await super().__call__(scope, receive, send)
 
     async def stream_response(self, send: Send) -> None:
         async def send_in_time(message: Message) -> None:
@@ -280,7 +286,10 @@ class _EventStream(StreamingResponse):
             logger.warning("a stream's client left a chunk unread for %.0f s: aborting it",
                            self._write_timeout_s)
             await self._events.aclose()  # the request ends (and is recorded) here
-            # Returning without the response's end makes the server drop the connection.
+            # Reset, not closed: a close would wait for the unread buffers to drain.
+            if not await abort_connection(self._scope):
+                logger.warning("the server cannot reset a connection: it stays open until "
+                               "its client reads or leaves")
 
 
 class _Run:

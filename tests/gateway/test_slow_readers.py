@@ -1,7 +1,8 @@
 """Streams whose clients never read: each write the server cannot finish within
 --stream-write-timeout ends the request as a disconnect would (cancelled in the engine,
-recorded as aborted, its connection dropped), so such clients hold no engine slot, no
-memory and no drain past the timeout; a client that reads is served meanwhile.
+recorded as aborted, its connection reset), so such clients hold no engine slot, no
+memory, no connection and no drain past the timeout; a client that reads is served
+meanwhile.
 
 The replica runs in this process (tests/gateway/app_harness.py) with small socket send
 buffers; the silent clients are raw sockets with small receive buffers.
@@ -22,6 +23,11 @@ from tests.gateway.app_harness import start_gateway
 
 NUM_SILENT = 4
 WRITE_TIMEOUT_S = 1.0
+_TCP_ESTABLISHED = 1  # tcpi_state, the first byte of Linux's struct tcp_info
+
+
+def _is_established(sock: socket.socket) -> bool:
+    return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] == _TCP_ESTABLISHED
 
 
 def _silent_stream(port: int, key: str) -> socket.socket:
@@ -67,6 +73,11 @@ def test_streams_that_are_never_read_are_aborted_after_the_write_timeout(
         assert sum(tier.num_running for tier in stats.tiers.values()) == 0
         with gateway.runtime.session_factory() as session:
             statuses = list(session.scalars(select(UsageRecordRow.status)))
+        # The server reset each connection (a close would wait for the unread buffers to
+        # drain, which a client that never reads never lets happen).
+        while any(_is_established(sock) for sock in silent):
+            assert time.monotonic() < deadline, "the server kept the silent connections"
+            time.sleep(0.05)
     finally:
         for sock in silent:
             sock.close()
