@@ -17,7 +17,8 @@ one up to net.ipv4.tcp_wmem's maximum). Printed: each figure before, at its peak
 streams were held and after they were drained and the server had settled; the growth per
 stream; the drain time (from the first stream sent to the last one's ledger row); the
 victim's TTFT alone and while the streams were held; the tokens generated for the silent
-streams; and what their clients found in their buffers once drained.
+streams; how many of the server's connections were still established after each drain; and
+what the silent clients found in their buffers once drained.
 
     python ops/bench/silent_streams.py [--seed 0]
 """
@@ -51,7 +52,8 @@ _MODEL = "tiergate-demo"
 _SAMPLE_EVERY_S = 0.05
 _SETTLE_S = 5.0
 _DRAIN_WAIT_S = 1800.0
-_LISTEN = "0A"  # a listening socket's state in /proc/net/tcp
+_LISTEN = "0A"  # socket states in /proc/net/tcp
+_ESTABLISHED = "01"
 _WORDS = ["tell", "me", "a", "long", "story", "about", "the", "sea", "and", "its", "ships"]
 
 
@@ -118,7 +120,9 @@ def main() -> None:
           f"{TENANT_PREFIX}silent: " + ", ".join(
               f"{count} x {status} ({tokens / count:,.0f} tokens generated each)"
               for status, (count, tokens) in sorted(statuses.items()))
-          + f"; requests running + waiting after: {running}")
+          + f"; requests running + waiting after: {running}; server connections still "
+          f"established {_SETTLE_S:g} s after each drain: "
+          + ", ".join(str(held.num_open_after) for held in rounds))
     left = [item for held in rounds for item in held.left]
     num_bytes = Percentiles.of([float(size) for _, size in left])
     print(f"what the silent clients found once drained: "
@@ -134,6 +138,7 @@ class _Round:
     after: _Usage  # _SETTLE_S after the last one's ledger row
     ttfts_s: list[float]  # the victim's, meanwhile
     drain_s: float | None  # first stream sent to the last ledger row; None: not within wait
+    num_open_after: int  # the server's connections still established at `after`
     left: list[tuple[str, int]]  # per silent client, _read_what_is_left
 
 
@@ -168,8 +173,9 @@ def _round(
     time.sleep(_SETTLE_S)
     peak = sampler.stop()
     after = sampler.sample()
+    num_open = _num_established(server.port)
     left = [_read_what_is_left(sock) for sock in silent]
-    return _Round(peak, after, ttfts_s, drain_s[0] if drain_s else None, left)
+    return _Round(peak, after, ttfts_s, drain_s[0] if drain_s else None, num_open, left)
 
 
 def _print_row(name: str, usage: _Usage, ttfts_s: list[float] | None,
@@ -223,16 +229,23 @@ class _Sampler:
             time.sleep(_SAMPLE_EVERY_S)
 
 
+def _num_established(port: int) -> int:
+    """The server's established connections (the victim's are closed by then)."""
+    return sum(1 for fields in _tcp_connections(port) if fields[3] == _ESTABLISHED)
+
+
 def _send_queue_bytes(port: int) -> int:
     """tx_queue summed over the IPv4 TCP connections whose local port is port (proc(5),
     /proc/net/tcp), those the server has closed included: the kernel keeps their unsent
     bytes until the client reads them or the connection is reset."""
-    total = 0
-    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
-        fields = line.split()
-        if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] != _LISTEN:
-            total += int(fields[4].split(":")[0], 16)
-    return total
+    return sum(int(fields[4].split(":")[0], 16) for fields in _tcp_connections(port))
+
+
+def _tcp_connections(port: int) -> list[list[str]]:
+    """The /proc/net/tcp rows, split, of the non-listening sockets whose local port is port."""
+    rows = [line.split() for line in Path("/proc/net/tcp").read_text().splitlines()[1:]]
+    return [fields for fields in rows
+            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] != _LISTEN]
 
 
 def _engine_pid(gateway_pid: int) -> int:
