@@ -33,7 +33,6 @@ from starlette.types import Message, Receive, Scope, Send
 from engine import RequestMetrics, RequestOutput
 from gateway.access.admission import AdmissionGrant, AdmissionRefusal, GatewayAdmission
 from gateway.access.auth import TenantPrincipal
-from gateway.http.connection_abort import abort_connection
 from gateway.http.errors import (
     GatewayError,
     InternalServerError,
@@ -43,6 +42,7 @@ from gateway.http.errors import (
     error_body,
 )
 from gateway.http.json_body import parse_json_body
+from gateway.http.protocol import abort_connection
 from gateway.observability.telemetry import GenAiRequest, GenAiResponse, RequestTrace
 from gateway.openai.generation import (
     GenerationJob,

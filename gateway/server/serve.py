@@ -15,7 +15,7 @@ import uvicorn
 import migrations
 import tenants
 from gateway.admin.auth import ADMIN_TOKEN_ENV, InvalidAdminTokenError, validate_admin_token
-from gateway.http.connection_abort import AbortableHttpToolsProtocol
+from gateway.http.protocol import GatewayHttpProtocol
 from gateway.server.bootstrap import create_demo_tenant_if_empty, first_run_message
 from gateway.server.replica import ReplicaConfigError, compose_replica
 from gateway.server.runtime import GatewayRuntime
@@ -94,7 +94,7 @@ def serve(settings: GatewaySettings, *, log_level: str = "info") -> int:
         # request 0.53-0.61 ms of server CPU against 0.45-0.49 ms, CPU the engine's steps
         # share (ops/bench/README.md, "The server's HTTP parser and event loop").
         loop="uvloop",
-        http=AbortableHttpToolsProtocol,  # httptools; streams can reset their connection
+        http=GatewayHttpProtocol,  # httptools, bounded send buffers, resets
         timeout_graceful_shutdown=int(_GRACEFUL_SHUTDOWN_S),
     )
     server = _DrainingServer(config, runtime, settings.drain_timeout_s)

@@ -28,7 +28,7 @@ from engine.async_engine import AsyncLLMEngine
 from engine.models.config import ModelConfig
 from engine.testing.fake_runner import FakeModelRunner
 from engine.tokenizer import Tokenizer
-from gateway.http.connection_abort import AbortableHttpToolsProtocol
+from gateway.http.protocol import GatewayHttpProtocol
 from gateway.observability.telemetry import Telemetry
 from gateway.server.model_source import DEMO_MODEL_NAME
 from gateway.server.observability_wiring import Observability
@@ -170,7 +170,7 @@ def start_gateway(
     served_app: ASGIApp = app if wrap_app is None else wrap_app(app)
     server = uvicorn.Server(
         uvicorn.Config(served_app, host="127.0.0.1", port=port, log_level="warning",
-                       lifespan="on", http=AbortableHttpToolsProtocol)
+                       lifespan="on", http=GatewayHttpProtocol)
     )
     thread = threading.Thread(
         target=server.run, kwargs={"sockets": [listener]}, name="uvicorn-e2e", daemon=True
