@@ -33,6 +33,10 @@ from gateway.server.served_model import ServedModel
 
 # Longest a cancelled job waits for the engine's final (abort) outputs.
 _ABORT_WAIT_S = 2.0
+# Outputs per choice that may wait unread (the client's socket and the server's send buffer
+# full) before the job stops its engine requests: the engine does not generate for a client
+# that has stopped reading, and what waits for one is bounded.
+MAX_UNREAD_OUTPUTS_PER_CHOICE = 256
 
 
 @dataclass(frozen=True)
@@ -247,6 +251,9 @@ class GenerationJob:
             asyncio.Queue()
         )
         self._tasks: list[asyncio.Task[None]] = []
+        self._max_unread = MAX_UNREAD_OUTPUTS_PER_CHOICE * self.num_choices
+        # Stopped because its consumer fell MAX_UNREAD_OUTPUTS_PER_CHOICE outputs behind.
+        self.is_stopped_unread = False
 
     def engine_request_id(self, prompt_index: int) -> str:
         return self.request_id if len(self.prompts) == 1 else f"{self.request_id}-{prompt_index}"
@@ -288,6 +295,13 @@ class GenerationJob:
             item = self._queue.get_nowait()
             if isinstance(item, tuple):
                 self._apply(*item)
+
+    def _stop_unread(self) -> None:
+        """Abort the engine requests of a consumer that does not read: the engine frees
+        their blocks and sends their final outputs (metering), which end the job."""
+        self.is_stopped_unread = True
+        for index in range(len(self.prompts)):
+            self._engine.abort(self.engine_request_id(index))
 
     def _apply(self, choice: int, output: RequestOutput) -> None:
         state = self.choices[choice]
@@ -335,6 +349,8 @@ class GenerationJob:
                 self.engine_request_id(prompt_index), prompt.token_ids, self.params, self._tenant
             ):
                 self._queue.put_nowait((base + output.sample_index, output))
+                if self._queue.qsize() > self._max_unread and not self.is_stopped_unread:
+                    self._stop_unread()
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # the engine loop died: the consumer reports it

@@ -45,6 +45,7 @@ from gateway.http.json_body import parse_json_body
 from gateway.http.protocol import abort_connection
 from gateway.observability.telemetry import GenAiRequest, GenAiResponse, RequestTrace
 from gateway.openai.generation import (
+    MAX_UNREAD_OUTPUTS_PER_CHOICE,
     GenerationJob,
     check_constraints,
     check_fits,
@@ -400,6 +401,13 @@ class _Run:
                         yield _sse(error_body(
                             "the engine failed while generating this request",
                             "server_error", code="engine_error",
+                        ))
+                        return
+                    if self.job.is_stopped_unread:
+                        yield _sse(error_body(
+                            f"this stream was stopped: its client left more than "
+                            f"{MAX_UNREAD_OUTPUTS_PER_CHOICE} chunks a choice unread",
+                            "invalid_request_error", code="stream_not_read",
                         ))
                         return
                 if output.finished and output.finish_reason not in ("stop", "length"):

@@ -18,6 +18,7 @@ from pathlib import Path
 from sqlalchemy import select
 
 from billing import RecordStatus, UsageRecordRow
+from gateway.openai.generation import MAX_UNREAD_OUTPUTS_PER_CHOICE
 from gateway.server.model_source import DEMO_MODEL_NAME
 from tests.gateway.app_harness import start_gateway
 
@@ -89,3 +90,37 @@ def test_streams_that_are_never_read_are_aborted_after_the_write_timeout(
     )
     # Each silent one was aborted, not served to the end (1,500 tokens take far longer).
     assert freed_s < 15
+
+
+def test_the_engine_stops_generating_for_a_stream_left_unread(tmp_path: Path) -> None:
+    """Long before its write timeout, a stream whose client does not read stops costing the
+    engine: once MAX_UNREAD_OUTPUTS_PER_CHOICE outputs wait unread, its engine request is
+    aborted (what waits for the client is bounded); the request ends, recorded as aborted,
+    when the client goes."""
+    gateway = start_gateway(tmp_path, send_buffer_bytes=4096, stream_write_timeout_s=600.0)
+    try:
+        _, key = gateway.create_tenant("silent", "standard")
+        port = int(gateway.base_url.rsplit(":", 1)[1])
+        sock = _silent_stream(port, key)
+        deadline = time.monotonic() + 30
+        running = 1
+        while running or not gateway.runtime.num_in_flight:
+            assert time.monotonic() < deadline, "the engine kept generating"
+            time.sleep(0.05)
+            stats = gateway.runtime.engine_stats()
+            running = sum(t.num_running + t.num_waiting for t in stats.tiers.values())
+        assert gateway.runtime.num_in_flight == 1  # held by its connection, not the engine
+        sock.close()
+        while gateway.runtime.num_in_flight:
+            assert time.monotonic() < deadline, "the request outlived its client"
+            time.sleep(0.05)
+        with gateway.runtime.session_factory() as session:
+            rows = list(session.execute(
+                select(UsageRecordRow.status, UsageRecordRow.num_completion_tokens)
+            ))
+    finally:
+        gateway.stop()
+    print(f"\na stream never read: its engine request stopped after {rows[0][1]} of 1,500 "
+          f"tokens (at most {MAX_UNREAD_OUTPUTS_PER_CHOICE} unread outputs)")
+    assert len(rows) == 1 and rows[0][0] == RecordStatus.ABORTED
+    assert rows[0][1] < 1500
