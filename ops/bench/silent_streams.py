@@ -12,8 +12,9 @@ victim keeps sending until the server has aborted and recorded every silent stre
 usage-ledger row, written once the engine has dropped the request); `--rounds` such batches,
 one after another. Sampled every 50 ms: the resident memory (VmRSS) of the gateway process and
 of the engine's process, and the bytes the kernel holds in the send queues of the server's
-connections (outside both RSS figures: the server sets no SO_SNDBUF, so the kernel grows each
-one up to net.ipv4.tcp_wmem's maximum). Printed: each figure before, at its peak while the
+connections (outside both RSS figures; the server holds each connection's SO_SNDBUF to
+gateway/http/protocol.py's SEND_BUFFER_BYTES, where the kernel would grow it up to
+net.ipv4.tcp_wmem's maximum). Printed: each figure before, at its peak while the
 streams were held and after they were drained and the server had settled; the growth per
 stream; the drain time (from the first stream sent to the last one's ledger row); the
 victim's TTFT alone and while the streams were held; the tokens generated for the silent
