@@ -52,6 +52,11 @@ def _bearer(key: str) -> dict[str, str]:
     return {"authorization": f"Bearer {key}"}
 
 
+def _request(key: str) -> Request:
+    """A bare HTTP request presenting key."""
+    return Request({"type": "http", "headers": [(b"authorization", f"Bearer {key}".encode())]})
+
+
 def _assert_error(response: httpx2.Response, status: int, code: str | None) -> None:
     assert response.status_code == status
     error = response.json()["error"]
@@ -216,15 +221,12 @@ def test_keys_seen_for_the_first_time_wait_for_a_few_lookups(
         release.wait(10)
         return original(session, plaintext)
 
-    def request(key: str) -> Request:
-        return Request({"type": "http", "headers": [(b"authorization", f"Bearer {key}".encode())]})
-
     async def flood() -> list[int]:
         statuses: list[int] = []
 
         async def one(index: int) -> None:
             try:
-                await resolver.authenticate(request(f"tg-{index:08d}_" + "x" * 43))
+                await resolver.authenticate(_request(f"tg-{index:08d}_" + "x" * 43))
             except (InvalidApiKeyError, ServiceUnavailableError) as exc:
                 statuses.append(exc.status_code)
 
@@ -482,20 +484,16 @@ def test_a_database_that_never_answers_is_waited_for_at_most_the_lookup_timeout(
         release.wait(30)
         return original(session, plaintext)
 
-    def request(plaintext: str) -> Request:
-        return Request({"type": "http",
-                        "headers": [(b"authorization", f"Bearer {plaintext}".encode())]})
-
     async def scenario() -> list[float]:
         waits = []
         for _ in range(6):  # the known key: its answer from before, after the timeout
             started = time.monotonic()
-            assert (await resolver.authenticate(request(key))) == principal
+            assert (await resolver.authenticate(_request(key))) == principal
             waits.append(time.monotonic() - started)
             now[0] += 5.0  # expired again: the next request looks it up
         started = time.monotonic()
         with pytest.raises(ServiceUnavailableError):
-            await resolver.authenticate(request("tg-abcdefgh_" + "x" * 43))
+            await resolver.authenticate(_request("tg-abcdefgh_" + "x" * 43))
         waits.append(time.monotonic() - started)
         return waits
 

@@ -48,6 +48,15 @@ def _settings(url: str) -> DatabaseSettings:
     )
 
 
+async def _replayed_and_closed(ledger: UsageLedger, spool: Path) -> None:
+    """Wait until the ledger has replayed its spool (30 s at most), then close it."""
+    deadline = time.monotonic() + 30
+    while spool.stat().st_size:
+        assert time.monotonic() < deadline, "the spool was not replayed"
+        await asyncio.sleep(0.05)
+    await ledger.close()
+
+
 def _timed_failure(call: object) -> float:
     assert callable(call)
     started = time.monotonic()
@@ -157,11 +166,7 @@ def test_the_ledger_spools_past_a_locked_usage_table_and_replays_after(
             durable_s = time.monotonic() - started
             assert spool.stat().st_size > 0  # spooled, not committed
             locking.rollback()
-        deadline = time.monotonic() + 30
-        while spool.stat().st_size:
-            assert time.monotonic() < deadline, "the spool was not replayed"
-            await asyncio.sleep(0.05)
-        await ledger.close()
+        await _replayed_and_closed(ledger, spool)
         return durable_s
 
     try:
@@ -208,11 +213,7 @@ def test_the_ledger_spools_past_a_database_that_never_answers(
             assert spool.stat().st_size > 0  # spooled, not committed
         finally:
             os.kill(backend_pid, signal.SIGCONT)
-        deadline = time.monotonic() + 30
-        while spool.stat().st_size:
-            assert time.monotonic() < deadline, "the spool was not replayed"
-            await asyncio.sleep(0.05)
-        await ledger.close()
+        await _replayed_and_closed(ledger, spool)
         return durable_s
 
     try:
