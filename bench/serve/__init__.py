@@ -15,4 +15,7 @@ command's options stays cheap):
 - command: the command line; errors: BenchServeError and its subclasses
 - peer, peer_client, peer_prompts, peer_servers, llamacpp_build: `tiergate bench peer`, the
   default model against llama.cpp's llama-server
+- process_memory, peak_sampler, victim: for ops/bench's hostile-tenant scripts, a server's
+  VmRSS (ServerRssReader), its peak over a span (PeakSampler), another tenant's timed chat
+  (victim_chat)
 """

@@ -23,7 +23,6 @@ import json
 import multiprocessing
 import random
 import sqlite3
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -31,12 +30,11 @@ from typing import Any
 
 import httpx
 
+from bench.serve.demo_server import demo_server
 from bench.serve.engine_activity import read_engine_activity
 from bench.serve.provision import TENANT_PREFIX, provision_tenants
-from bench.serve.server import VARIANTS, BenchServer, EngineLimits
+from bench.serve.victim import victim_chat
 from bench.stats import Percentiles
-from gateway.server.settings import GatewaySettings
-from policies import TierTable
 
 _WORDS = [
     "the", "of", "and", "to", "in", "a", "is", "that", "for", "it", "as", "was", "with", "be",
@@ -62,10 +60,7 @@ def main() -> None:
         "model": _MODEL, "max_tokens": 1,
         "messages": [{"role": "user", "content": " ".join(words)[: args.prompt_chars]}],
     }).encode()
-    limits = EngineLimits(model_dir=None, demo_model_dir=GatewaySettings().demo_model_dir)
-    with tempfile.TemporaryDirectory() as work, BenchServer(
-        VARIANTS["tiered"], TierTable(), limits, Path(work)
-    ) as server:
+    with demo_server("tiered") as server:
         keys = provision_tenants(
             server.base_url, server.admin_token,
             {"attacker": "standard", "victim": "standard"},
@@ -163,20 +158,7 @@ def _ledger_rows(database: Path) -> tuple[int, int]:
 
 def _victim_ttft(base_url: str, key: str, index: int) -> float:
     """Seconds from sending one short streamed chat to its first content chunk."""
-    body = {"model": _MODEL, "max_tokens": 8, "stream": True,
-            "messages": [{"role": "user", "content": f"question {index}: hello"}]}
-    with httpx.Client(base_url=base_url, timeout=120) as client:
-        start = time.perf_counter()
-        with client.stream("POST", "/v1/chat/completions", json=body,
-                           headers={"authorization": f"Bearer {key}"}) as response:
-            response.raise_for_status()
-            lines = response.iter_lines()
-            ttft = None
-            for line in lines:
-                if ttft is None and line.startswith("data: ") and '"content"' in line:
-                    ttft = time.perf_counter() - start
-    assert ttft is not None, "no content chunk"
-    return ttft
+    return victim_chat(base_url, key, index, model=_MODEL, timeout_s=120).ttft_s
 
 
 def _attack(

@@ -27,24 +27,27 @@ import argparse
 import contextlib
 import itertools
 import json
+import math
 import multiprocessing
 import random
 import socket
 import sqlite3
-import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from bench.serve.demo_server import demo_server
+from bench.serve.peak_sampler import PeakSampler
+from bench.serve.process_memory import ServerRss, ServerRssReader
 from bench.serve.provision import TENANT_PREFIX, provision_tenants
-from bench.serve.server import VARIANTS, BenchServer, EngineLimits
+from bench.serve.server import BenchServer
+from bench.serve.victim import VictimChat, victim_chat
 from bench.stats import Percentiles
 from gateway.server.settings import GatewaySettings
-from policies import TierTable
 
 _MODEL = "tiergate-demo"
 _SAMPLE_EVERY_S = 0.05
@@ -53,22 +56,6 @@ _WORDS = [
     "the", "of", "and", "to", "in", "a", "is", "that", "for", "it", "as", "was", "with", "be",
     "by", "on", "not", "he", "this", "are", "or", "his", "from", "at", "which", "but", "have",
 ]
-
-
-@dataclass
-class _Rss:
-    """Resident KiB of the server's two processes."""
-
-    gateway_kib: int
-    engine_kib: int
-
-
-@dataclass
-class _Victim:
-    """One victim chat: seconds to its first token, and its largest gap between two."""
-
-    ttft_s: float
-    max_gap_s: float
 
 
 def main() -> None:
@@ -91,21 +78,18 @@ def main() -> None:
                for _ in range(num_prompts)]
     body = {"model": _MODEL, "prompt": prompts, "n": args.n, "max_tokens": args.max_tokens,
             "ignore_eos": True, "stream": True}
-    limits = EngineLimits(model_dir=None, demo_model_dir=GatewaySettings().demo_model_dir)
-    with tempfile.TemporaryDirectory() as work, BenchServer(
-        VARIANTS["tiered-noshed"], TierTable(), limits, Path(work)
-    ) as server:
+    with demo_server("tiered-noshed") as server:
         assert server.process is not None
         keys = provision_tenants(server.base_url, server.admin_token,
                                  {"attacker": "standard", "victim": "standard"})
         over_cap = _status_of(server.base_url, keys["attacker"],
                               {**body, "prompt": [*prompts, prompts[0]], "stream": False})
-        victim = _VictimClient(server.base_url, keys["victim"], args.victim_tokens)
-        victim.chat()  # warm-up
-        sampler = _RssSampler(server.process.pid)
-        rows: list[tuple[str, _Rss, list[_Victim]]] = []
+        victim = _victim_client(server.base_url, keys["victim"], args.victim_tokens)
+        victim()  # warm-up
+        sampler = PeakSampler(ServerRssReader(server.process.pid).read, _SAMPLE_EVERY_S)
+        rows: list[tuple[str, ServerRss, list[VictimChat]]] = []
         rows.append(("alone", sampler.sample(),
-                     [victim.chat() for _ in range(args.victim_requests)]))
+                     [victim() for _ in range(args.victim_requests)]))
         first_event_s: list[float] = []
         for index in range(args.rounds):
             sampler.start()
@@ -115,7 +99,7 @@ def main() -> None:
             rows.append((f"round {index + 1}: attack (peak RSS)", sampler.stop(), attack_s))
             time.sleep(_SETTLE_S)
             rows.append((f"round {index + 1}: after, +{_SETTLE_S:g} s", sampler.sample(),
-                         [victim.chat() for _ in range(args.victim_requests)]))
+                         [victim() for _ in range(args.victim_requests)]))
         time.sleep(2.0)  # the last records written
         ledger = _attacker_rows(server.work_dir / "tiergate.db")
     print(f"attack: {args.rounds} x {args.repeats} streamed completions one after another, "
@@ -144,8 +128,8 @@ def main() -> None:
 
 def _attack_phase(
     server: BenchServer, key: str, body: dict[str, Any], args: argparse.Namespace,
-    victim: _VictimClient,
-) -> tuple[list[_Victim], list[float]]:
+    victim: Callable[[], VictimChat],
+) -> tuple[list[VictimChat], list[float]]:
     """The victim's chats while the attacker runs (at least --victim-requests), and the
     seconds each attacking request took to its first event."""
     # The attacker in a process of its own, so that it does not take the GIL from the victim.
@@ -154,12 +138,12 @@ def _attack_phase(
     attacker = context.Process(target=_attack, args=(
         server.port, key, body, args.repeats, args.close_after, results))
     attacker.start()
-    chats: list[_Victim] = []
+    chats: list[VictimChat] = []
     finished: list[float] = []
     waiter = threading.Thread(target=lambda: finished.extend(results.get(timeout=1200)))
     waiter.start()
     while waiter.is_alive() or len(chats) < args.victim_requests:
-        chats.append(victim.chat())
+        chats.append(victim())
     waiter.join()
     attacker.join()
     return chats, finished
@@ -190,81 +174,17 @@ def _attack(port: int, key: str, body: dict[str, Any], num_repeats: int, close_a
     results.put(first_event_s)
 
 
-class _VictimClient:
-    """Streamed chats of one tenant, one after another."""
+def _victim_client(base_url: str, key: str, num_tokens: int) -> Callable[[], VictimChat]:
+    """Streamed chats of one tenant, one after another, numbered from 0."""
+    numbers = itertools.count()
 
-    def __init__(self, base_url: str, key: str, num_tokens: int) -> None:
-        self._base_url = base_url
-        self._key = key
-        self._num_tokens = num_tokens
-        self._num_sent = 0
+    def chat() -> VictimChat:
+        result = victim_chat(base_url, key, next(numbers), model=_MODEL, max_tokens=num_tokens,
+                             ignore_eos=True, timeout_s=600)
+        assert not math.isnan(result.max_gap_s), "fewer than two content chunks"
+        return result
 
-    def chat(self) -> _Victim:
-        body = {"model": _MODEL, "max_tokens": self._num_tokens, "stream": True,
-                "ignore_eos": True,
-                "messages": [{"role": "user", "content": f"question {self._num_sent}: hello"}]}
-        self._num_sent += 1
-        times: list[float] = []
-        with httpx.Client(base_url=self._base_url, timeout=600) as client:
-            start = time.perf_counter()
-            with client.stream("POST", "/v1/chat/completions", json=body,
-                               headers={"authorization": f"Bearer {self._key}"}) as response:
-                response.raise_for_status()
-                for line in response.iter_lines():
-                    if line.startswith("data: ") and '"content"' in line:
-                        times.append(time.perf_counter())
-        assert len(times) >= 2, "fewer than two content chunks"
-        return _Victim(times[0] - start, max(b - a for a, b in itertools.pairwise(times)))
-
-
-class _RssSampler:
-    """Samples VmRSS of the gateway process and of the engine's (its child that runs
-    multiprocessing's spawn_main) every _SAMPLE_EVERY_S in a thread between start() and
-    stop(), which returns each one's peak."""
-
-    def __init__(self, gateway_pid: int) -> None:
-        self._gateway_pid = gateway_pid
-        self._engine_pid = _engine_pid(gateway_pid)
-        self._peak = _Rss(0, 0)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def sample(self) -> _Rss:
-        return _Rss(_vm_rss_kib(self._gateway_pid), _vm_rss_kib(self._engine_pid))
-
-    def start(self) -> None:
-        self._peak = _Rss(0, 0)
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run)
-        self._thread.start()
-
-    def stop(self) -> _Rss:
-        assert self._thread is not None
-        self._stop.set()
-        self._thread.join()
-        return self._peak
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            rss = self.sample()
-            self._peak = _Rss(max(self._peak.gateway_kib, rss.gateway_kib),
-                              max(self._peak.engine_kib, rss.engine_kib))
-            time.sleep(_SAMPLE_EVERY_S)
-
-
-def _engine_pid(gateway_pid: int) -> int:
-    for path in Path(f"/proc/{gateway_pid}/task").glob("*/children"):
-        for child in path.read_text().split():
-            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
-                return int(child)
-    raise RuntimeError(f"no engine process under the server (pid {gateway_pid})")
-
-
-def _vm_rss_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no VmRSS for pid {pid}")
+    return chat
 
 
 def _status_of(base_url: str, key: str, body: dict[str, Any]) -> int:

@@ -28,13 +28,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import os
 import random
 import socket
 import sqlite3
-import tempfile
 import threading
 import time
 from collections import Counter
@@ -43,11 +41,14 @@ from pathlib import Path
 
 import httpx
 
+from bench.serve.demo_server import demo_server
+from bench.serve.peak_sampler import PeakSampler
+from bench.serve.process_memory import ServerRssReader
 from bench.serve.provision import TENANT_PREFIX, provision_tenants
-from bench.serve.server import VARIANTS, BenchServer, EngineLimits
+from bench.serve.server import BenchServer
+from bench.serve.victim import victim_chat
 from bench.stats import Percentiles
 from gateway.server.settings import GatewaySettings
-from policies import TierTable
 
 _MODEL = "tiergate-demo"
 _SAMPLE_EVERY_S = 0.05
@@ -60,7 +61,7 @@ _WORDS = ["tell", "me", "a", "long", "story", "about", "the", "sea", "and", "its
 
 @dataclass(frozen=True)
 class _Usage:
-    """The server's memory at one time (or each figure's peak), sampled by _Sampler."""
+    """The server's memory at one time (or each figure's peak), read by _read_usage."""
 
     gateway_kib: int  # VmRSS of the gateway process
     engine_kib: int  # VmRSS of the engine's process
@@ -83,15 +84,13 @@ def main() -> None:
     write_timeout_s = (GatewaySettings().stream_write_timeout_s if args.write_timeout is None
                        else args.write_timeout)
     os.environ["TIERGATE_STREAM_WRITE_TIMEOUT_S"] = str(write_timeout_s)  # the server's env
-    limits = EngineLimits(model_dir=None, demo_model_dir=GatewaySettings().demo_model_dir)
-    with tempfile.TemporaryDirectory() as work, BenchServer(
-        VARIANTS["tiered-noshed"], TierTable(), limits, Path(work)
-    ) as server:
+    with demo_server("tiered-noshed") as server:
         assert server.process is not None
         keys = provision_tenants(server.base_url, server.admin_token,
                                  {"silent": "standard", "victim": "standard"})
         _victim_ttft(server.base_url, keys["victim"], -1)  # warm-up
-        sampler = _Sampler(server.process.pid, server.port)
+        rss = ServerRssReader(server.process.pid)
+        sampler = PeakSampler(lambda: _read_usage(rss, server.port), _SAMPLE_EVERY_S)
         before = sampler.sample()
         alone = [_victim_ttft(server.base_url, keys["victim"], i)
                  for i in range(args.victim_requests)]
@@ -144,8 +143,8 @@ class _Round:
 
 
 def _round(
-    server: BenchServer, keys: dict[str, str], prompts: list[str], sampler: _Sampler,
-    index: int, args: argparse.Namespace,
+    server: BenchServer, keys: dict[str, str], prompts: list[str],
+    sampler: PeakSampler[_Usage], index: int, args: argparse.Namespace,
 ) -> _Round:
     database = server.work_dir / "tiergate.db"
     num_recorded = index * len(prompts)  # the silent tenant's rows from earlier rounds
@@ -192,42 +191,11 @@ def _print_row(name: str, usage: _Usage, ttfts_s: list[float] | None,
     print(f"| {name} | " + " | ".join(cells) + " |")
 
 
-class _Sampler:
-    """Samples the server's memory every _SAMPLE_EVERY_S in a thread between start() and
-    stop(), which returns each figure's peak: VmRSS of the gateway process and of the
-    engine's (its child that runs multiprocessing's spawn_main), and the bytes its sockets
-    on port hold in their kernel send queues (sent and not acknowledged, or not sent)."""
-
-    def __init__(self, gateway_pid: int, port: int) -> None:
-        self._gateway_pid = gateway_pid
-        self._engine_pid = _engine_pid(gateway_pid)
-        self._port = port
-        self._peak = _Usage(0, 0, 0)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def sample(self) -> _Usage:
-        return _Usage(_vm_rss_kib(self._gateway_pid), _vm_rss_kib(self._engine_pid),
-                      _send_queue_bytes(self._port))
-
-    def start(self) -> None:
-        self._peak = _Usage(0, 0, 0)
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run)
-        self._thread.start()
-
-    def stop(self) -> _Usage:
-        assert self._thread is not None
-        self._stop.set()
-        self._thread.join()
-        return self._peak
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            usage = self.sample()
-            self._peak = _Usage(*(max(a, b) for a, b in zip(
-                dataclasses.astuple(self._peak), dataclasses.astuple(usage), strict=True)))
-            time.sleep(_SAMPLE_EVERY_S)
+def _read_usage(rss: ServerRssReader, port: int) -> _Usage:
+    """VmRSS of the server's two processes, and the bytes its sockets on port hold in their
+    kernel send queues (sent and not acknowledged, or not sent)."""
+    memory = rss.read()
+    return _Usage(memory.gateway_kib, memory.engine_kib, _send_queue_bytes(port))
 
 
 def _num_established(port: int) -> int:
@@ -247,21 +215,6 @@ def _tcp_connections(port: int) -> list[list[str]]:
     rows = [line.split() for line in Path("/proc/net/tcp").read_text().splitlines()[1:]]
     return [fields for fields in rows
             if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] != _LISTEN]
-
-
-def _engine_pid(gateway_pid: int) -> int:
-    for path in Path(f"/proc/{gateway_pid}/task").glob("*/children"):
-        for child in path.read_text().split():
-            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
-                return int(child)
-    raise RuntimeError(f"no engine process under the server (pid {gateway_pid})")
-
-
-def _vm_rss_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
 def _silent_stream(port: int, key: str, prompt: str, args: argparse.Namespace) -> socket.socket:
@@ -318,19 +271,7 @@ def _running_and_waiting(base_url: str) -> int:
 
 def _victim_ttft(base_url: str, key: str, index: int) -> float:
     """Seconds from sending one short streamed chat to its first content chunk."""
-    body = {"model": _MODEL, "max_tokens": 8, "stream": True,
-            "messages": [{"role": "user", "content": f"question {index}: hello"}]}
-    with httpx.Client(base_url=base_url, timeout=300) as client:
-        start = time.perf_counter()
-        with client.stream("POST", "/v1/chat/completions", json=body,
-                           headers={"authorization": f"Bearer {key}"}) as response:
-            response.raise_for_status()
-            ttft = None
-            for line in response.iter_lines():
-                if ttft is None and line.startswith("data: ") and '"content"' in line:
-                    ttft = time.perf_counter() - start
-    assert ttft is not None, "no content chunk"
-    return ttft
+    return victim_chat(base_url, key, index, model=_MODEL).ttft_s
 
 
 def _counts(counter: Counter[str]) -> str:
