@@ -21,6 +21,7 @@ import collections
 import contextlib
 import json
 import multiprocessing
+import os
 import random
 import sqlite3
 import threading
@@ -49,6 +50,10 @@ def main() -> None:
     parser.add_argument("--attackers", type=int, default=3)
     parser.add_argument("--prompt-chars", type=int, default=4_000_000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--attacker-nice", type=int, default=0,
+                        help="niceness of the attacking processes: 19 leaves the cores to the "
+                             "server first, separating what the attack costs the server from "
+                             "the CPU the attacking clients take on a host they share")
     args = parser.parse_args()
     rng = random.Random(args.seed)
     words: list[str] = []
@@ -68,12 +73,14 @@ def main() -> None:
         )
         rows = [
             _phase(server.base_url, phase, keys["victim"], keys["attacker"], attack_body,
-                   num_attackers, args.victim_requests, server.work_dir / "tiergate.db")
+                   num_attackers, args.victim_requests, server.work_dir / "tiergate.db",
+                   args.attacker_nice)
             for phase, num_attackers in (("alone", 0), ("under attack", args.attackers))
         ]
     print(f"attack: {args.attackers} processes x {len(attack_body):,}-byte chat bodies, "
           f"1-RPM key ({TENANT_PREFIX}attacker); victim: {args.victim_requests} streamed chats "
-          f"one after another, max_tokens 8 (demo model, seed {args.seed})")
+          f"one after another, max_tokens 8 (demo model, seed {args.seed}); attackers at "
+          f"nice {args.attacker_nice}")
     header = ("phase", "victim TTFT p50 ms", "p99 ms", "max ms", "/health/live max ms",
               "loop beats > 50 ms late", "attacker answers", "ledger rows (requests)")
     print("| " + " | ".join(header) + " |")
@@ -84,7 +91,7 @@ def main() -> None:
 
 def _phase(
     base_url: str, name: str, victim_key: str, attacker_key: str, attack_body: bytes,
-    num_attackers: int, num_requests: int, database: Path,
+    num_attackers: int, num_requests: int, database: Path, attacker_nice: int = 0,
 ) -> tuple[str, ...]:
     ledger_before = _ledger_rows(database)
     stop = threading.Event()
@@ -108,7 +115,8 @@ def _phase(
     attackers = [
         context.Process(
             target=_attack,
-            args=(base_url, attacker_key, attack_body, stop_attack, sending, answers_queue),
+            args=(base_url, attacker_key, attack_body, stop_attack, sending, answers_queue,
+                  attacker_nice),
         )
         for _ in range(num_attackers)
     ]
@@ -162,9 +170,11 @@ def _victim_ttft(base_url: str, key: str, index: int) -> float:
 
 
 def _attack(
-    base_url: str, key: str, body: bytes, stop: Any, sending: Any, answers_queue: Any
+    base_url: str, key: str, body: bytes, stop: Any, sending: Any, answers_queue: Any,
+    nice: int,
 ) -> None:
     """One attacker connection sending the body back to back until stop is set."""
+    os.nice(nice)
     answers: collections.Counter[str] = collections.Counter()
     headers = {"authorization": f"Bearer {key}", "content-type": "application/json"}
     with httpx.Client(base_url=base_url, timeout=120) as client:

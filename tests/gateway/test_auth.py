@@ -510,5 +510,5 @@ def test_a_database_that_never_answers_is_waited_for_at_most_the_lookup_timeout(
                 assert time.monotonic() < deadline_s, "the hung lookups did not end"
                 time.sleep(0.01)
     assert all(w < 0.2 + 0.5 for w in waits[:MAX_STUCK_LOOKUPS]), waits
-    assert all(w < 0.1 for w in waits[MAX_STUCK_LOOKUPS:]), waits
+    assert all(w < 0.2 for w in waits[MAX_STUCK_LOOKUPS:]), waits  # no lookup waited for
     resolver.close()
