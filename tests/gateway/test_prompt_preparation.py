@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ import pytest
 
 import gateway.openai.generation as generation
 from engine.tokenizer import Tokenizer
-from gateway.openai.routes import LARGE_BODY_BYTES
+from gateway.openai.routes import LARGE_BODY_BYTES, SCREEN_HOLD_MAX_S
 from gateway.server.model_source import DEMO_MODEL_NAME
 from tests.gateway.app_harness import InProcessGateway, start_gateway
 
@@ -179,9 +180,12 @@ def test_a_spent_tenant_is_refused_a_large_body_before_it_is_read(
     assert "at least" in too_long.value.message
     assert encodes.num_calls == 0  # refused from its size
     # The refusal cost the one request a minute: the next large body is refused before it is
-    # read (chunked, no content-length: found while reading) and prepared.
+    # read (chunked, no content-length: found while reading) and prepared, and answered once
+    # its retry delay (a minute) or SCREEN_HOLD_MAX_S has passed, so a client sending such
+    # bodies back to back gets about one refusal a second.
     for chunked in (False, True):
         content: Any = _chunks(huge, messages) if chunked else None
+        started = time.monotonic()
         response = httpx.post(
             f"{gateway.base_url}/v1/chat/completions",
             headers={"authorization": f"Bearer {key}", "content-type": "application/json"},
@@ -193,6 +197,7 @@ def test_a_spent_tenant_is_refused_a_large_body_before_it_is_read(
         assert response.json()["error"]["code"] == "rate_limit_exceeded"
         assert "RPM" in response.json()["error"]["message"]
         assert int(response.headers["retry-after"]) > 0
+        assert time.monotonic() - started >= SCREEN_HOLD_MAX_S
     assert len(spy.on_loop) == 1 and encodes.num_calls == 0
 
 
