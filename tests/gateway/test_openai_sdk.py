@@ -251,3 +251,33 @@ def test_readme_curl_line_is_printed(server: ServeProcess, api_key: str) -> None
     assert f"Authorization: Bearer {api_key}" in output
     assert f"{server.base_url}/v1/chat/completions" in output
     assert Path(server.log_path).exists()
+
+
+def test_odd_unicode_names_are_answered_never_crashed(server: ServeProcess, api_key: str) -> None:
+    """Names in odd Unicode (control characters, a right-to-left override, zero-width
+    characters, emoji, very long) in the places a request may carry one: each gets an
+    answer (served, or a 4xx in the OpenAI shape), never a 500 or a dropped connection."""
+    headers = {"authorization": f"Bearer {api_key}"}
+    odd = ["\u202eevil\u0000", "\u200b\u200d\ufeff", "😀" * 2000, "a\u0301\u0301\u0301",
+           "\U0010ffff", "\x7f\x1b[31m"]
+    tool = {"type": "function", "function": {"name": "", "parameters": {"type": "object"}}}
+    bodies: list[tuple[str, dict[str, object]]] = []
+    for name in odd:
+        chat = {"model": "tiergate-demo", "max_tokens": 2,
+                "messages": [{"role": "user", "content": "hi", "name": name}]}
+        bodies.append(("/v1/chat/completions", chat))
+        bodies.append(("/v1/chat/completions", {
+            **chat, "tools": [{**tool, "function": {**tool["function"], "name": name}}],
+        }))
+        bodies.append(("/v1/completions", {"model": name, "prompt": "x", "max_tokens": 1}))
+        bodies.append(("/v1/completions", {"model": "tiergate-demo", "prompt": "x",
+                                           "max_tokens": 1, "user": name}))
+    statuses = []
+    for path, body in bodies:
+        response = httpx.post(f"{server.base_url}{path}", json=body, headers=headers)
+        statuses.append(response.status_code)
+        assert response.status_code in (200, 400, 404), (body, response.text[:300])
+        if response.status_code != 200:
+            assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+    print(f"\n{len(bodies)} requests with odd Unicode names: "
+          f"{', '.join(f'{statuses.count(c)} x {c}' for c in sorted(set(statuses)))}")
