@@ -41,7 +41,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from sqlalchemy import select
 from sqlalchemy.exc import DataError, IntegrityError, SQLAlchemyError
@@ -146,10 +146,6 @@ class UsageLedger:
         self._retry_interval_s = retry_interval_s
         self._call_timeout_s = call_timeout_s
         self._probe_timeout_s = probe_timeout_s
-        # Database calls run here, so that the writer can stop waiting for one.
-        self._db_threads = concurrent.futures.ThreadPoolExecutor(
-            MAX_STUCK_CALLS + 1, thread_name_prefix="usage-ledger-db"
-        )
         self._calls_lock = threading.Lock()
         self._num_calls_running = 0  # the writer's, and those it stopped waiting for
         self._clock = clock  # wall clock: which month monthly_usage() means
@@ -403,7 +399,6 @@ class UsageLedger:
                 )
             except OSError as exc:
                 logger.error("usage ledger: cannot replay %s: %s", self._spool.path, exc)
-        self._db_threads.shutdown(wait=False)  # a call stuck there ends with the process
 
     # --- database and spool (hold _io_lock) ------------------------------------------------
 
@@ -427,9 +422,10 @@ class UsageLedger:
         self._call(probe, self._probe_timeout_s)
 
     def _call(self, call: Callable[[threading.Event], _T], timeout_s: float) -> _T:
-        """call(abandoned) on a database thread; DatabaseCallTimeout when it has not
+        """call(abandoned) on a thread of its own; DatabaseCallTimeout when it has not
         returned within timeout_s (it goes on there, abandoned set) or when MAX_STUCK_CALLS
-        earlier ones still run."""
+        earlier ones still run. The thread is a daemon: one stuck on a database that never
+        answers does not keep the process from exiting."""
         with self._calls_lock:
             if self._num_calls_running >= MAX_STUCK_CALLS:
                 raise DatabaseCallTimeout(
@@ -437,8 +433,19 @@ class UsageLedger:
                 )
             self._num_calls_running += 1
         abandoned = threading.Event()
-        future = self._db_threads.submit(call, abandoned)
-        future.add_done_callback(self._call_returned)
+        future: concurrent.futures.Future[_T] = concurrent.futures.Future()
+        future.set_running_or_notify_cancel()
+
+        def run() -> None:
+            try:
+                future.set_result(call(abandoned))
+            except BaseException as exc:
+                future.set_exception(exc)
+            finally:
+                with self._calls_lock:
+                    self._num_calls_running -= 1
+
+        threading.Thread(target=run, name="usage-ledger-db", daemon=True).start()
         try:
             return future.result(timeout=timeout_s)
         except concurrent.futures.TimeoutError:
@@ -446,10 +453,6 @@ class UsageLedger:
             raise DatabaseCallTimeout(
                 f"no answer from the database within {timeout_s} s"
             ) from None
-
-    def _call_returned(self, _future: concurrent.futures.Future[Any]) -> None:
-        with self._calls_lock:
-            self._num_calls_running -= 1
 
     def _interval_totals(self, load: _Load) -> UsageTotals:
         with self._session_factory() as session:

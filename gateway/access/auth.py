@@ -32,6 +32,7 @@ holds a few database connections, not the pool every tenant's reloads need.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -239,18 +240,26 @@ class TenantKeyResolver:
                 key_hash, TimeoutError(f"{num_stuck} key lookups have not returned")
             )
         lookup = _LookupState()
+        future: Future[_CacheEntry] = Future()
 
-        def load() -> _CacheEntry:
+        future.set_running_or_notify_cancel()  # a waiter's cancel cannot cancel it now
+
+        def load() -> None:
             try:
-                return self._load(plaintext, key_hash)
+                future.set_result(self._load(plaintext, key_hash))
+            except BaseException as exc:
+                future.set_exception(exc)
             finally:
                 with self._lock:
                     lookup.is_done = True
                     if lookup.is_abandoned:
                         self._num_lookups_stuck -= 1
 
+        # A daemon thread of its own: one stuck on a database that never answers does not
+        # keep the process from exiting (anyio's worker threads would).
+        threading.Thread(target=load, name="key-lookup", daemon=True).start()
         with anyio.move_on_after(self._lookup_timeout_s):
-            return await anyio.to_thread.run_sync(load, abandon_on_cancel=True)
+            return await asyncio.wrap_future(future)
         with self._lock:
             if not lookup.is_done:
                 lookup.is_abandoned = True
