@@ -31,7 +31,6 @@ MAX_STUCK_CALLS such calls are still running, the database is not called at all.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import logging
 import queue
@@ -60,6 +59,7 @@ from billing.records import UsageRecord
 from billing.rollups import UsageTotals, interval_totals
 from billing.spool import Spool, encode_record
 from billing.store import insert_records
+from tenants import CallTimedOut, DeadlineCall, DeadlineCalls
 
 logger = logging.getLogger(__name__)
 
@@ -146,8 +146,7 @@ class UsageLedger:
         self._retry_interval_s = retry_interval_s
         self._call_timeout_s = call_timeout_s
         self._probe_timeout_s = probe_timeout_s
-        self._calls_lock = threading.Lock()
-        self._num_calls_running = 0  # the writer's, and those it stopped waiting for
+        self._db_calls = DeadlineCalls("usage-ledger-db", MAX_STUCK_CALLS)
         self._clock = clock  # wall clock: which month monthly_usage() means
         self._queue: queue.SimpleQueue[_Item] = queue.SimpleQueue()
         # Held while checking is_accepting and queueing, so nothing is queued after _Stop.
@@ -421,38 +420,12 @@ class UsageLedger:
 
         self._call(probe, self._probe_timeout_s)
 
-    def _call(self, call: Callable[[threading.Event], _T], timeout_s: float) -> _T:
-        """call(abandoned) on a thread of its own; DatabaseCallTimeout when it has not
-        returned within timeout_s (it goes on there, abandoned set) or when MAX_STUCK_CALLS
-        earlier ones still run. The thread is a daemon: one stuck on a database that never
-        answers does not keep the process from exiting."""
-        with self._calls_lock:
-            if self._num_calls_running >= MAX_STUCK_CALLS:
-                raise DatabaseCallTimeout(
-                    f"{self._num_calls_running} earlier database calls have not returned"
-                )
-            self._num_calls_running += 1
-        abandoned = threading.Event()
-        future: concurrent.futures.Future[_T] = concurrent.futures.Future()
-        future.set_running_or_notify_cancel()
-
-        def run() -> None:
-            try:
-                future.set_result(call(abandoned))
-            except BaseException as exc:
-                future.set_exception(exc)
-            finally:
-                with self._calls_lock:
-                    self._num_calls_running -= 1
-
-        threading.Thread(target=run, name="usage-ledger-db", daemon=True).start()
+    def _call(self, call: DeadlineCall[_T], timeout_s: float) -> _T:
+        """call(abandoned) within timeout_s (tenants.DeadlineCalls), its timeout an outage."""
         try:
-            return future.result(timeout=timeout_s)
-        except concurrent.futures.TimeoutError:
-            abandoned.set()
-            raise DatabaseCallTimeout(
-                f"no answer from the database within {timeout_s} s"
-            ) from None
+            return self._db_calls.call(call, timeout_s)
+        except CallTimedOut as exc:
+            raise DatabaseCallTimeout(str(exc)) from None
 
     def _interval_totals(self, load: _Load) -> UsageTotals:
         with self._session_factory() as session:

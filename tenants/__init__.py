@@ -4,6 +4,7 @@ Imports nothing of the project; the schema itself lives in migrations/.
 """
 
 from tenants.db import create_db_engine, create_session_factory, session_scope
+from tenants.deadline_calls import CallTimedOut, DeadlineCall, DeadlineCalls
 from tenants.errors import (
     ApiKeyNotFoundError,
     DuplicateError,
@@ -58,8 +59,11 @@ __all__ = [
     "ApiKeyNotFoundError",
     "AuditEntry",
     "Base",
+    "CallTimedOut",
     "CreatedApiKey",
     "DatabaseSettings",
+    "DeadlineCall",
+    "DeadlineCalls",
     "DuplicateError",
     "GeneratedKey",
     "InvalidFieldError",

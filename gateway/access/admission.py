@@ -55,6 +55,7 @@ class AdmissionRefusal(GatewayError):
     """Raised when admission says no; reason is the tiergate_rejections_total label."""
 
     reason: str = ""
+    retry_after_s: float | None = None  # the retry-after headers' delay, unrounded
 
 
 class RateLimitRefusal(AdmissionRefusal, RateLimitError):
@@ -225,4 +226,5 @@ def _translate(refused: AdmissionRefused) -> AdmissionRefusal:
     else:
         error = RateLimitRefusal(refused.message, headers=headers)
     error.reason = str(refused.reason)
+    error.retry_after_s = refused.retry_after_s
     return error

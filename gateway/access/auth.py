@@ -32,7 +32,6 @@ holds a few database connections, not the pool every tenant's reloads need.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time
@@ -52,7 +51,15 @@ from gateway.http.errors import (
     PermissionDeniedError,
     ServiceUnavailableError,
 )
-from tenants import ApiKey, find_api_key, hash_key, lookup_prefix, mark_api_key_used
+from tenants import (
+    ApiKey,
+    CallTimedOut,
+    DeadlineCalls,
+    find_api_key,
+    hash_key,
+    lookup_prefix,
+    mark_api_key_used,
+)
 
 DEFAULT_KEY_CACHE_TTL_S = 5.0
 # How long after its last successful lookup a key is still served while the database is down.
@@ -132,14 +139,6 @@ class _CacheEntry:
     loaded_at: float
 
 
-@dataclass
-class _LookupState:
-    """One key lookup a request waits for (guarded by the resolver's lock)."""
-
-    is_done: bool = False
-    is_abandoned: bool = False  # its request stopped waiting: it counts as stuck
-
-
 def bearer_token(authorization: str | None) -> str | None:
     """The token of an ``Authorization: Bearer <token>`` header, or None."""
     if not authorization:
@@ -168,7 +167,7 @@ class TenantKeyResolver:
     ) -> None:
         self._session_factory = session_factory
         self._lookup_timeout_s = lookup_timeout_s
-        self._num_lookups_stuck = 0  # lookups past lookup_timeout_s still running
+        self._lookups = DeadlineCalls("key-lookup", MAX_STUCK_LOOKUPS)
         self.ttl_s = ttl_s
         self.max_stale_s = max_stale_s
         self._max_entries = max_entries
@@ -192,8 +191,7 @@ class TenantKeyResolver:
     @property
     def num_lookups_stuck(self) -> int:
         """Key lookups still running after their request stopped waiting for them."""
-        with self._lock:
-            return self._num_lookups_stuck
+        return self._lookups.num_stuck
 
     async def authenticate(self, request: Request) -> TenantPrincipal:
         """The caller of request; a cache miss queries the database off the event loop."""
@@ -231,45 +229,15 @@ class TenantKeyResolver:
             self._num_first_sight_waiting -= 1
 
     async def _load_in_time(self, plaintext: str, key_hash: str) -> _CacheEntry:
-        """_load on a worker thread, waited for at most lookup_timeout_s; past it, the key's
-        last answer or 503 (the lookup goes on, counted stuck until it returns)."""
-        with self._lock:
-            num_stuck = self._num_lookups_stuck
-        if num_stuck >= MAX_STUCK_LOOKUPS:
-            return self._stale_fallback(
-                key_hash, TimeoutError(f"{num_stuck} key lookups have not returned")
+        """_load waited for at most lookup_timeout_s (tenants.DeadlineCalls); past it, the
+        key's last answer or 503 (the lookup goes on, counted stuck until it returns)."""
+        try:
+            return await self._lookups.acall(
+                lambda _abandoned: self._load(plaintext, key_hash), self._lookup_timeout_s
             )
-        lookup = _LookupState()
-        future: Future[_CacheEntry] = Future()
-
-        future.set_running_or_notify_cancel()  # a waiter's cancel cannot cancel it now
-
-        def load() -> None:
-            try:
-                future.set_result(self._load(plaintext, key_hash))
-            except BaseException as exc:
-                future.set_exception(exc)
-            finally:
-                with self._lock:
-                    lookup.is_done = True
-                    if lookup.is_abandoned:
-                        self._num_lookups_stuck -= 1
-
-        # A daemon thread of its own: one stuck on a database that never answers does not
-        # keep the process from exiting (anyio's worker threads would).
-        threading.Thread(target=load, name="key-lookup", daemon=True).start()
-        with anyio.move_on_after(self._lookup_timeout_s):
-            return await asyncio.wrap_future(future)
-        with self._lock:
-            if not lookup.is_done:
-                lookup.is_abandoned = True
-                self._num_lookups_stuck += 1
-        entry = self._cached(plaintext, key_hash)  # it may have ended as the wait did
-        if entry is not None:
-            return entry
-        return self._stale_fallback(
-            key_hash, TimeoutError(f"no answer within {self._lookup_timeout_s} s")
-        )
+        except CallTimedOut as timed_out:
+            entry = self._cached(plaintext, key_hash)  # it may have ended as the wait did
+            return entry if entry is not None else self._stale_fallback(key_hash, timed_out)
 
     def _refuse_known_unknown(self, plaintext: str, key_hash: str) -> None:
         """401 without a query for a key that cannot be ours or that the database did not

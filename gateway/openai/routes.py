@@ -260,9 +260,7 @@ class _OpenAIApi:
     async def _hold(self, refusal: AdmissionRefusal) -> None:
         """Wait out the refusal's retry delay (SCREEN_HOLD_MAX_S at most) before it is
         answered, unless MAX_HELD_REFUSALS are waiting already."""
-        retry_after_ms = refusal.headers.get("retry-after-ms", "0")
-        delay_s = min(int(retry_after_ms) / 1000 if retry_after_ms.isdigit() else 0.0,
-                      SCREEN_HOLD_MAX_S)
+        delay_s = min(refusal.retry_after_s or 0.0, SCREEN_HOLD_MAX_S)
         if delay_s <= 0 or self._num_held_refusals >= MAX_HELD_REFUSALS:
             return
         self._num_held_refusals += 1
