@@ -8,8 +8,9 @@ garbage). In a process of its own each has its own interpreter: the loop's work 
 engine CPU time only, not turns.
 
 The process is started with the spawn method (forking a process that runs torch's threads or
-holds a CUDA context is not safe) and builds its engine with ``build``, a picklable callable
-(a module-level function, or a functools.partial of one). Commands go down one pipe, read by
+holds a CUDA context is not safe), its OpenMP workers' wait bounded (`engine.openmp_wait`), and
+builds its engine with ``build``, a picklable callable (a module-level function, or a
+functools.partial of one). Commands go down one pipe, read by
 a thread of the engine's process so the pipe never fills while a step runs; each step's
 outputs, then its statistics, come up another, read by a thread of the caller's
 (``tiergate-engine-reader``) that hands them to the callers' event loops.
@@ -35,6 +36,7 @@ from engine.engine_client import EngineClient
 from engine.engine_loop import EngineCommand, EngineLoop, Stop
 from engine.errors import EngineDeadError, EngineError
 from engine.llm_engine import LLMEngine
+from engine.openmp_wait import engine_openmp_environment, spawn_environment
 from engine.output_batch import OutputBatch
 from engine.request_limits import RequestLimits
 from engine.scheduler_stats import SchedulerStats
@@ -95,7 +97,8 @@ class EngineProcess(EngineClient):
             name=name,
             daemon=True,
         )
-        self._process.start()
+        with spawn_environment(engine_openmp_environment(os.environ)):
+            self._process.start()
         # Before multiprocessing's own exit handler, which would wait for the process (it
         # ignores the SIGTERM that handler sends), should this process exit without shutdown.
         atexit.register(self._leave)

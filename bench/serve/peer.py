@@ -22,6 +22,7 @@ import asyncio
 import dataclasses
 import json
 import math
+import os
 import shlex
 import subprocess
 import sys
@@ -212,6 +213,7 @@ class PeerReport:
     llamacpp_version: Any = None  # llamacpp_build.LlamaCppVersion
     tiergate_flags: dict[str, str] = field(default_factory=dict)  # per dtype
     llamacpp_flags: str = ""
+    openmp_wait: str = "each server's default"  # peer_servers.openmp_wait_label
     rows: list[LevelRow] = field(default_factory=list)
     # "<system> <dtype>: why" for each server that could not be measured (the run goes on)
     failures: list[str] = field(default_factory=list)
@@ -265,7 +267,7 @@ def format_table(report: PeerReport) -> str:
                      + (f"; {version.server_version}" if version.server_version else ""))
     lines += [
         f"model: SmolLM2-135M-Instruct from {report.model_file}; {config.threads} threads per "
-        f"server, one server at a time",
+        f"server, one server at a time; OpenMP wait: {report.openmp_wait}",
     ]
     for dtype, flags in report.tiergate_flags.items():
         lines.append(f"tiergate serve --dtype {dtype} {flags}")
@@ -360,6 +362,7 @@ def report_json(report: PeerReport) -> dict[str, Any]:
             "label": report.llamacpp_version.label}
             if report.llamacpp_version is not None else None),
         "tiergate_flags": report.tiergate_flags,
+        "openmp_wait": report.openmp_wait,
         "llamacpp_flags": report.llamacpp_flags,
         "rows": [
             {
@@ -414,6 +417,7 @@ def run_peer(config: PeerConfig, command: str) -> PeerReport:
     from bench.serve.machine import MachineInfo
     from bench.serve.peer_client import PeerRequest
     from bench.serve.peer_prompts import PromptBuilder
+    from bench.serve.peer_servers import openmp_wait_label
     from bench.workload import Workload
     from engine.gguf_checkpoint import GGUFCheckpoint
     from gateway.server.model_source import default_model_file
@@ -451,7 +455,8 @@ def run_peer(config: PeerConfig, command: str) -> PeerReport:
     max_seq_len = max(r.num_prompt_tokens + r.max_tokens for rs in level_requests for r in rs)
 
     report = PeerReport(config=config, command=command, machine=MachineInfo.current(),
-                        tiergate_commit=_git_commit(), model_file=model_file.name)
+                        tiergate_commit=_git_commit(), model_file=model_file.name,
+                        openmp_wait=openmp_wait_label(os.environ))
     work_root = Path(tempfile.mkdtemp(prefix="tiergate-peer-"))
     _say(f"{sum(map(len, level_requests))} prompts built; longest sequence {max_seq_len} "
          f"tokens; servers' files in {work_root}")

@@ -2,10 +2,11 @@
 `tiergate serve` (the default model, SmolLM2-135M-Instruct, in a dtype) and llama.cpp's
 `llama-server` (the same model as a GGUF of a type).
 
-Both get the same environment for their threads: OMP_WAIT_POLICY=PASSIVE unless the caller
-set it (as `tiergate bench serve` does: spinning OpenMP threads take the cores from the
-engine on a small machine) and OMP_NUM_THREADS=<threads>; llama-server also gets
-`-t <threads>` (its own thread count; -tb follows -t).
+Both get the same environment for their threads: OMP_NUM_THREADS=<threads>, and how OpenMP
+workers wait as the caller's environment says (OMP_WAIT_POLICY, GOMP_SPINCOUNT) or else each
+server's own default: tiergate's engine process spins a bounded while (`engine.openmp_wait`),
+llama-server keeps libgomp's default. llama-server also gets `-t <threads>` (its own thread
+count; -tb follows -t).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ __all__ = [
     "PeerServer",
     "TiergateServer",
     "kv_bytes_per_token",
+    "openmp_wait_label",
     "thread_env",
     "tiergate_kv_cache_bytes",
 ]
@@ -39,10 +41,15 @@ def thread_env(threads: int, base: Mapping[str, str] | None = None) -> dict[str,
     """The environment both servers get (TIERGATE_* variables dropped: flags say it all)."""
     env = {k: v for k, v in (os.environ if base is None else base).items()
            if not k.startswith("TIERGATE_")}
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     env["OMP_NUM_THREADS"] = str(threads)
     env["PYTHONUNBUFFERED"] = "1"
     return env
+
+
+def openmp_wait_label(env: Mapping[str, str]) -> str:
+    """How the servers' OpenMP workers wait, for the table's header."""
+    given = [f"{name}={env[name]}" for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if name in env]
+    return " ".join(given) + " for both" if given else "each server's default"
 
 
 def kv_bytes_per_token(hf_config: Mapping[str, object], dtype: str) -> int:

@@ -40,6 +40,7 @@ from bench.serve.peer_prompts import CORPUS, PromptBuilder, PromptBuildError
 from bench.serve.peer_servers import (
     LlamaServer,
     kv_bytes_per_token,
+    openmp_wait_label,
     thread_env,
     tiergate_kv_cache_bytes,
 )
@@ -389,7 +390,9 @@ def test_both_servers_get_the_same_thread_environment() -> None:
     env = thread_env(2, {"PATH": "/bin", "TIERGATE_MODEL": "demo", "OMP_WAIT_POLICY": "ACTIVE"})
     assert env == {"PATH": "/bin", "OMP_WAIT_POLICY": "ACTIVE", "OMP_NUM_THREADS": "2",
                    "PYTHONUNBUFFERED": "1"}
-    assert thread_env(3, {})["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert "OMP_WAIT_POLICY" not in thread_env(3, {})  # each server's own default
+    assert openmp_wait_label({}) == "each server's default"
+    assert openmp_wait_label({"OMP_WAIT_POLICY": "PASSIVE"}) == "OMP_WAIT_POLICY=PASSIVE for both"
     server = LlamaServer(Path("/tmp/x"), 2, binary=Path("/b/llama-server"),
                          model_file=Path("/m.gguf"), parallel=32, ctx_size=32 * 1024,
                          alias="SmolLM2-135M-Instruct")
