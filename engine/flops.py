@@ -59,9 +59,8 @@ class FlopsCounter:
     ) -> float:
         if num_new_tokens <= 0:
             return 0.0
-        keys = sum(
-            num_layers * _visible_keys(num_new_tokens, num_context_tokens, window)
-            for window, num_layers in self._layers_by_window
-        )
+        keys = 0  # a loop, not sum() over a generator: this runs for every chunk of every step
+        for window, num_layers in self._layers_by_window:
+            keys += num_layers * _visible_keys(num_new_tokens, num_context_tokens, window)
         linear = self._linear * num_new_tokens + self._lm_head * num_sampled_tokens
         return float(linear + self._per_key * keys)

@@ -349,7 +349,7 @@ class LLMEngine:
             if grammar_errors and request.status is RequestStatus.FINISHED_ERROR:
                 output.error = grammar_errors.get(request.request_id)
             outputs.append(output)
-            if request.is_finished:
+            if output.finished:
                 self._forget(request)
         return outputs
 
@@ -383,19 +383,22 @@ class LLMEngine:
         metrics = None
         if finished or num_outputs == 1 or num_outputs % METRICS_EVERY_TOKENS == 0:
             metrics = self._metrics(request)
+        # Positional, in field order: one output per running request per step, and keyword
+        # arguments cost a dataclass __init__ 0.5 us against 0.2.
         return RequestOutput(
-            request_id=request.group_id,
-            sample_index=request.sample_index,
-            new_token_ids=new_tokens,
-            new_text=text_state.take_delta() if text_state else "",
-            finished=finished,
-            finish_reason=_FINISH_REASONS.get(request.status) if finished else None,
-            stop_reason=request.stop_reason,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_cached_tokens=max(request.num_cached_tokens, 0),
-            num_output_tokens=num_outputs,
-            logprobs=logprobs,
-            metrics=metrics,
+            request.group_id,  # request_id
+            request.sample_index,  # sample_index
+            new_tokens,  # new_token_ids
+            text_state.take_delta() if text_state else "",  # new_text
+            finished,  # finished
+            _FINISH_REASONS.get(request.status) if finished else None,  # finish_reason
+            request.stop_reason,  # stop_reason
+            request.num_prompt_tokens,  # num_prompt_tokens
+            max(request.num_cached_tokens, 0),  # num_cached_tokens
+            num_outputs,  # num_output_tokens
+            logprobs,  # logprobs
+            None,  # error
+            metrics,  # metrics
         )
 
     @staticmethod

@@ -113,7 +113,8 @@ class Request:
     @property
     def is_prefill_done(self) -> bool:
         """True once only the newest sampled token is left to compute (decode phase)."""
-        return self.num_uncomputed_tokens <= 1 and self.num_output_tokens > 0
+        # Asked of every running request every step: one property hop, not four.
+        return bool(self.output_token_ids) and self.num_tokens - self.num_computed_tokens <= 1
 
     @property
     def is_finished(self) -> bool:

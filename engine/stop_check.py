@@ -9,7 +9,7 @@ def check_token_stop(request: Request, max_model_len: int) -> RequestStatus | No
     """The finished status the newest token puts the request in, or None to keep going."""
     params = request.sampling_params
     token_id = request.output_token_ids[-1]
-    num_outputs = request.num_output_tokens
+    num_outputs = len(request.output_token_ids)  # per token: no property hop
     if num_outputs >= params.min_tokens:
         if token_id == request.eos_token_id and not params.ignore_eos:
             request.stop_reason = None
