@@ -202,18 +202,22 @@ class GGUFCheckpoint:
             value = self._field(f"tokenizer.ggml.{key}")
             return None if value is None else int(value)
 
+        model = str(self._field("tokenizer.ggml.model", ""))
         return GGUFTokenizerFields(
-            model=str(self._field("tokenizer.ggml.model", "")),
+            model=model,
             pre=self._field("tokenizer.ggml.pre"),
             tokens=self._field("tokenizer.ggml.tokens") or [],
             token_types=self._field("tokenizer.ggml.token_type") or [],
             merges=self._field("tokenizer.ggml.merges") or [],
+            scores=self._field("tokenizer.ggml.scores") or [],
             bos_token_id=optional_id("bos_token_id"),
             eos_token_id=optional_id("eos_token_id"),
             unk_token_id=optional_id("unknown_token_id"),
             pad_token_id=optional_id("padding_token_id"),
-            add_bos_token=bool(self._field("tokenizer.ggml.add_bos_token", False)),
+            # llama.cpp puts BOS in front of a SentencePiece vocabulary's text unless told not to
+            add_bos_token=bool(self._field("tokenizer.ggml.add_bos_token", model == "llama")),
             add_eos_token=bool(self._field("tokenizer.ggml.add_eos_token", False)),
+            add_space_prefix=bool(self._field("tokenizer.ggml.add_space_prefix", True)),
             chat_template=self._field("tokenizer.chat_template"),
         )
 

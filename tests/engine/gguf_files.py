@@ -2,9 +2,9 @@
 
 `write_gguf` takes HF-named tensors and a HF config and writes GGUF names, llama.cpp's q/k row
 permutation for Llama (the inverse of what engine.gguf_checkpoint undoes), metadata and a
-byte-level BPE tokenizer; each tensor in the type asked for (norms stay F32, as llama.cpp keeps
-them). Written independently of the code under test: only the `gguf` package's writer and
-quantizers are shared.
+byte-level BPE or SentencePiece tokenizer; each tensor in the type asked for (norms stay F32,
+as llama.cpp keeps them). Written independently of the code under test: only the `gguf`
+package's writer and quantizers are shared.
 """
 
 from __future__ import annotations
@@ -58,9 +58,12 @@ class TokenizerFields:
     token_types: list[int]
     merges: list[str]
     pre: str = "gpt-2"
+    model: str = "gpt2"  # "llama": SentencePiece (scores, no merges)
+    scores: list[float] | None = None
+    add_space_prefix: bool | None = None
     bos_token_id: int | None = None
     eos_token_id: int | None = None
-    add_bos_token: bool = False
+    add_bos_token: bool | None = False  # None: not written
     chat_template: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -133,16 +136,22 @@ def write_gguf(
     writer.add_rope_freq_base(config.get("rope_theta", 10000.0))
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
-    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_model(tokenizer.model)
     writer.add_tokenizer_pre(tokenizer.pre)
     writer.add_token_list(tokenizer.tokens)
     writer.add_token_types(tokenizer.token_types)
-    writer.add_token_merges(tokenizer.merges)
+    if tokenizer.merges:
+        writer.add_token_merges(tokenizer.merges)
+    if tokenizer.scores is not None:
+        writer.add_token_scores(tokenizer.scores)
+    if tokenizer.add_space_prefix is not None:
+        writer.add_add_space_prefix(tokenizer.add_space_prefix)
     if tokenizer.bos_token_id is not None:
         writer.add_bos_token_id(tokenizer.bos_token_id)
     if tokenizer.eos_token_id is not None:
         writer.add_eos_token_id(tokenizer.eos_token_id)
-    writer.add_add_bos_token(tokenizer.add_bos_token)
+    if tokenizer.add_bos_token is not None:
+        writer.add_add_bos_token(tokenizer.add_bos_token)
     if tokenizer.chat_template is not None:
         writer.add_chat_template(tokenizer.chat_template)
     for key, value in tokenizer.extra.items():

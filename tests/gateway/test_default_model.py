@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import random
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine.tokenizer import Tokenizer
 from gateway.server.model_source import DEFAULT_MODEL_NAME, default_model_file, gguf_model_dir
+from tests.engine.tokenizer_strings import tokenizer_strings
 from tests.serve_process import ServeProcess, default_model_server
 
 pytestmark = pytest.mark.slow
@@ -68,30 +68,6 @@ def hf_tokenizer(model_file: Path) -> Any:
     return AutoTokenizer.from_pretrained(model_file.parent, gguf_file=model_file.name)
 
 
-def _strings(count: int, seed: int) -> list[str]:
-    """ASCII prose, Unicode, emoji, code, numbers, whitespace runs and special-token text,
-    alone and mixed."""
-    pieces = [
-        "The quick brown fox jumps over the lazy dog.", "Hello, world!", "it's", "they'll",
-        "don't", "I'm", "café", "naïve", "Ünïcödé", "straße", "ĳ", "日本語のテキスト", "你好，世界",
-        "Привет, мир", "مرحبا بالعالم", "שלום", "नमस्ते", "😀", "🚀🚀", "👩‍💻", "🇫🇷", "❤️",
-        "def f(x):\n    return x ** 2", "for (int i = 0; i < n; ++i) { sum += a[i]; }",
-        "SELECT * FROM t WHERE id = 42;", "<div class=\"a\">x</div>", "$ ls -la | grep py",
-        "3.14159", "1,000,000", "2024-11-27", "0x1F", "-42", "1e-5", "12345678901234567890",
-        " ", "  ", "\t", "\n", "\n\n", "\r\n", "   \t  \n", "        ",
-        "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|im_start|>user\nhi<|im_end|>",
-        "ALL CAPS TEXT", "MiXeD cAsE", "snake_case_name", "camelCaseName", "kebab-case",
-        "a.b.c", "...", "?!", "—", "–", "«quotes»", "“curly”", "'single'", "\\n", "~`^",
-    ]
-    rng = random.Random(seed)
-    strings = list(pieces)
-    while len(strings) < count:
-        parts = rng.sample(pieces, rng.randint(2, 6))
-        glue = rng.choice(["", " ", "  ", "\n", "\t", " \n "])
-        strings.append(glue.join(parts))
-    return strings[:count]
-
-
 def test_the_tokenizer_matches_hf_on_200_strings(model_dir: Path, hf_tokenizer: Any) -> None:
     """transformers' GGUF reader ignores the file's `smollm` split (each digit on its own
     before GPT-2's split: llama.cpp's, and SmolLM2's own tokenizer.json), so its ids differ
@@ -107,7 +83,7 @@ def test_the_tokenizer_matches_hf_on_200_strings(model_dir: Path, hf_tokenizer: 
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
         ]
     )
-    strings = _strings(200, seed=0)
+    strings = tokenizer_strings(200, seed=0)
     assert len(strings) == 200
     num_unsplit_differ = 0
     for text in strings:
