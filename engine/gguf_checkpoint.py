@@ -11,6 +11,8 @@ checkpoint.
 llama.cpp stores Llama-architecture q/k projections with their rows permuted for its rotary
 kernel (the rows of each head interleaved); they are permuted back here. Qwen2/3 use the
 rotate-half layout as stored. Weights tied to the embedding are kept tied (no output.weight).
+Llama 3.1+'s per-frequency rope divisors become config.json's llama3 rope_scaling
+(`engine.gguf_rope`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from safetensors.torch import save_file
 
+from engine.gguf_rope import llama3_scaling
 from engine.gguf_tokenizer import GGUFTokenizerFields, build_backend_tokenizer, tokenizer_config
 from engine.models.config import ModelConfigError
 from engine.tokenizer import Tokenizer
@@ -87,6 +90,7 @@ _GLOBAL_TENSORS = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+_ROPE_FREQS = "rope_freqs.weight"  # per-frequency rope divisors (Llama 3.1+), engine.gguf_rope
 _LAYER_NAME = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 _SHARD_BYTES = 2 << 30  # safetensors shard size convert() aims at
@@ -181,12 +185,22 @@ class GGUFCheckpoint:
         return config
 
     def _rope_scaling(self) -> dict[str, Any] | None:
-        if "rope_freqs.weight" in self._tensor_names:
+        if _ROPE_FREQS in self._tensor_names:
             # Llama 3.1+ keep their rope scaling as a per-frequency tensor, not as parameters.
-            raise ModelConfigError(
-                f"{self.path.name}: per-frequency rope factors (rope_freqs.weight, Llama 3.1 "
-                "style) are not supported yet"
+            num_heads = int(self._required("attention.head_count"))
+            head_dim = int(
+                self._arch_field("attention.key_length")
+                or int(self._required("embedding_length")) // num_heads
             )
+            (tensor,) = (t for t in self._reader.tensors if t.name == _ROPE_FREQS)
+            try:
+                return llama3_scaling(
+                    dequantize(tensor.data, tensor.tensor_type),
+                    float(self._arch_field("rope.freq_base", 10000.0)),
+                    head_dim,
+                )
+            except ModelConfigError as exc:
+                raise ModelConfigError(f"{self.path.name}: {exc}") from None
         kind = self._arch_field("rope.scaling.type")
         if kind in (None, "none"):
             return None
@@ -234,6 +248,8 @@ class GGUFCheckpoint:
         num_heads = int(self._required("attention.head_count"))
         num_kv_heads = int(self._arch_field("attention.head_count_kv") or num_heads)
         for tensor in self._reader.tensors:
+            if tensor.name == _ROPE_FREQS:
+                continue  # in config.json as rope_scaling (hf_config)
             hf_name, layer_part = self._hf_name(tensor.name)
             values = dequantize(tensor.data, tensor.tensor_type)
             # ne is GGML's order (fastest first): numpy's shape is its reverse.

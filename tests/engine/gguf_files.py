@@ -119,6 +119,7 @@ def write_gguf(
     tensors: dict[str, torch.Tensor],
     tokenizer: TokenizerFields,
     tensor_type: GGMLQuantizationType = GGMLQuantizationType.F32,
+    extra_tensors: dict[str, np.ndarray] | None = None,
 ) -> dict[str, np.ndarray]:
     """Write a GGUF file; returns what was stored per GGUF name (quantized bytes or floats)."""
     writer = GGUFWriter(path, arch)
@@ -169,6 +170,9 @@ def write_gguf(
         stored[name] = data
         raw_dtype = None if qtype == GGMLQuantizationType.F32 else qtype
         writer.add_tensor(name, data, raw_dtype=raw_dtype)
+    for name, values in (extra_tensors or {}).items():  # GGUF-named, written as given
+        stored[name] = values
+        writer.add_tensor(name, values)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
