@@ -165,7 +165,7 @@ class GGUFCheckpoint:
             "num_hidden_layers": int(self._required("block_count")),
             "num_attention_heads": num_heads,
             "num_key_value_heads": int(self._arch_field("attention.head_count_kv") or num_heads),
-            "head_dim": int(self._arch_field("attention.key_length") or hidden_size // num_heads),
+            "head_dim": self._head_dim(),
             "rms_norm_eps": float(self._arch_field("attention.layer_norm_rms_epsilon", 1e-6)),
             "rope_theta": float(self._arch_field("rope.freq_base", 10000.0)),
             "max_position_embeddings": int(self._arch_field("context_length", 4096)),
@@ -184,20 +184,20 @@ class GGUFCheckpoint:
             config["mlp_bias"] = "blk.0.ffn_up.bias" in names
         return config
 
+    def _head_dim(self) -> int:
+        num_heads = int(self._required("attention.head_count"))
+        hidden_size = int(self._required("embedding_length"))
+        return int(self._arch_field("attention.key_length") or hidden_size // num_heads)
+
     def _rope_scaling(self) -> dict[str, Any] | None:
         if _ROPE_FREQS in self._tensor_names:
             # Llama 3.1+ keep their rope scaling as a per-frequency tensor, not as parameters.
-            num_heads = int(self._required("attention.head_count"))
-            head_dim = int(
-                self._arch_field("attention.key_length")
-                or int(self._required("embedding_length")) // num_heads
-            )
             (tensor,) = (t for t in self._reader.tensors if t.name == _ROPE_FREQS)
             try:
                 return llama3_scaling(
                     dequantize(tensor.data, tensor.tensor_type),
                     float(self._arch_field("rope.freq_base", 10000.0)),
-                    head_dim,
+                    self._head_dim(),
                 )
             except ModelConfigError as exc:
                 raise ModelConfigError(f"{self.path.name}: {exc}") from None

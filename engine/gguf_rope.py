@@ -41,9 +41,9 @@ def llama3_scaling(divisors: np.ndarray, theta: float, head_dim: int) -> dict[st
             f"rope_freqs.weight holds {divisors.shape[0]} factors for {head_dim // 2} rotary "
             "frequencies"
         )
-    factor = float(divisors.max())
     if not (np.all(np.isfinite(divisors)) and divisors.min() > 0):
         raise ModelConfigError("rope_freqs.weight holds factors that are not positive numbers")
+    factor = float(divisors.max())
     if factor <= 1 + _SAME:
         return None
     base = inverse_frequencies(RopeConfig(theta=theta), head_dim).double().numpy()
