@@ -8,7 +8,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
@@ -55,6 +55,22 @@ def _bearer(key: str) -> dict[str, str]:
 def _request(key: str) -> Request:
     """A bare HTTP request presenting key."""
     return Request({"type": "http", "headers": [(b"authorization", f"Bearer {key}".encode())]})
+
+
+def _held_lookups(
+    release: threading.Event, wait_s: float
+) -> tuple[list[str], Callable[[Session, str], object]]:
+    """A stand-in for tenants.find_api_key that records each key looked up, then holds the
+    lookup until release is set (wait_s at most) before the real lookup runs."""
+    lookups: list[str] = []
+    original = tenants.find_api_key
+
+    def find(session: Session, plaintext: str) -> object:
+        lookups.append(plaintext)
+        release.wait(wait_s)
+        return original(session, plaintext)
+
+    return lookups, find
 
 
 def _assert_error(response: httpx2.Response, status: int, code: str | None) -> None:
@@ -213,13 +229,7 @@ def test_keys_seen_for_the_first_time_wait_for_a_few_lookups(
     first_sight_waiting requests waiting, the rest get 503 without touching the database."""
     resolver = TenantKeyResolver(session_factory, first_sight_lookups=1, first_sight_waiting=3)
     release = threading.Event()
-    lookups: list[str] = []
-    original = tenants.find_api_key
-
-    def slow_find(session: Session, plaintext: str) -> object:
-        lookups.append(plaintext)
-        release.wait(10)
-        return original(session, plaintext)
+    lookups, slow_find = _held_lookups(release, 10)
 
     async def flood() -> list[int]:
         statuses: list[int] = []
@@ -476,13 +486,7 @@ def test_a_database_that_never_answers_is_waited_for_at_most_the_lookup_timeout(
                                  lookup_timeout_s=0.2)
     principal = resolver.resolve(f"Bearer {key}")
     release = threading.Event()
-    lookups: list[str] = []
-    original = tenants.find_api_key
-
-    def hung_find(session: Session, plaintext: str) -> object:
-        lookups.append(plaintext)
-        release.wait(30)
-        return original(session, plaintext)
+    lookups, hung_find = _held_lookups(release, 30)
 
     async def scenario() -> list[float]:
         waits = []
