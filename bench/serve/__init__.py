@@ -17,5 +17,6 @@ command's options stays cheap):
   default model against llama.cpp's llama-server
 - process_memory, peak_sampler, victim: for ops/bench's hostile-tenant scripts, a server's
   VmRSS (ServerRssReader), its peak over a span (PeakSampler), another tenant's timed chat
-  (victim_chat)
+  (victim_chat), raw_client (requests on a raw socket: a stream left unread, a connection
+  dropped after its first bytes)
 """

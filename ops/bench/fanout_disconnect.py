@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
-import json
 import math
 import multiprocessing
 import random
@@ -44,6 +43,7 @@ from bench.serve.demo_server import demo_server
 from bench.serve.peak_sampler import PeakSampler
 from bench.serve.process_memory import ServerRss, ServerRssReader
 from bench.serve.provision import TENANT_PREFIX, provision_tenants
+from bench.serve.raw_client import post_request
 from bench.serve.server import BenchServer
 from bench.serve.victim import VictimChat, victim_chat
 from bench.stats import Percentiles
@@ -152,12 +152,7 @@ def _attack_phase(
 def _attack(port: int, key: str, body: dict[str, Any], num_repeats: int, close_after: str,
             results: Any) -> None:
     """num_repeats attacking requests, each closed after its first event (or status line)."""
-    payload = json.dumps(body).encode()
-    request = (
-        b"POST /v1/completions HTTP/1.1\r\nhost: tiergate\r\n"
-        + f"authorization: Bearer {key}\r\ncontent-type: application/json\r\n".encode()
-        + f"content-length: {len(payload)}\r\n\r\n".encode() + payload
-    )
+    request = post_request("/v1/completions", key, body)
     first_event_s: list[float] = []
     for _ in range(num_repeats):
         with socket.create_connection(("127.0.0.1", port)) as sock:

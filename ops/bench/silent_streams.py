@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import random
 import socket
@@ -45,6 +44,7 @@ from bench.serve.demo_server import demo_server
 from bench.serve.peak_sampler import PeakSampler
 from bench.serve.process_memory import ServerRssReader
 from bench.serve.provision import TENANT_PREFIX, provision_tenants
+from bench.serve.raw_client import post_request, unread_stream
 from bench.serve.server import BenchServer
 from bench.serve.victim import victim_chat
 from bench.stats import Percentiles
@@ -219,19 +219,11 @@ def _tcp_connections(port: int) -> list[list[str]]:
 
 def _silent_stream(port: int, key: str, prompt: str, args: argparse.Namespace) -> socket.socket:
     """A streamed chat sent from a socket that will not read its answer until drained."""
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, args.rcvbuf)  # before connect
-    sock.connect(("127.0.0.1", port))
-    body = json.dumps({
+    body = {
         "model": _MODEL, "max_tokens": args.max_tokens, "stream": True, "ignore_eos": True,
         "logprobs": True, "top_logprobs": 20, "messages": [{"role": "user", "content": prompt}],
-    }).encode()
-    sock.sendall(
-        b"POST /v1/chat/completions HTTP/1.1\r\nhost: tiergate\r\n"
-        + f"authorization: Bearer {key}\r\ncontent-type: application/json\r\n".encode()
-        + f"content-length: {len(body)}\r\n\r\n".encode() + body
-    )
-    return sock
+    }
+    return unread_stream(port, post_request("/v1/chat/completions", key, body), args.rcvbuf)
 
 
 def _read_what_is_left(sock: socket.socket) -> tuple[str, int]:

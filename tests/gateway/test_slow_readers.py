@@ -10,13 +10,13 @@ buffers; the silent clients are raw sockets with small receive buffers.
 
 from __future__ import annotations
 
-import json
 import socket
 import time
 from pathlib import Path
 
 from sqlalchemy import select
 
+from bench.serve.raw_client import post_request, unread_stream
 from billing import RecordStatus, UsageRecordRow
 from gateway.openai.generation import MAX_UNREAD_OUTPUTS_PER_CHOICE
 from gateway.server.model_source import DEMO_MODEL_NAME
@@ -33,19 +33,11 @@ def _is_established(sock: socket.socket) -> bool:
 
 def _silent_stream(port: int, key: str) -> socket.socket:
     """A streamed chat sent from a socket that will never read its answer."""
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.connect(("127.0.0.1", port))
-    body = json.dumps({
+    body = {
         "model": DEMO_MODEL_NAME, "max_tokens": 1500, "stream": True, "ignore_eos": True,
         "messages": [{"role": "user", "content": "talk"}],
-    }).encode()
-    sock.sendall(
-        b"POST /v1/chat/completions HTTP/1.1\r\nhost: gateway\r\n"
-        + f"authorization: Bearer {key}\r\ncontent-type: application/json\r\n".encode()
-        + f"content-length: {len(body)}\r\n\r\n".encode() + body
-    )
-    return sock
+    }
+    return unread_stream(port, post_request("/v1/chat/completions", key, body), 4096)
 
 
 def test_streams_that_are_never_read_are_aborted_after_the_write_timeout(
