@@ -5,9 +5,9 @@ decode step runs about 121 matrix products, each waking the worker threads and p
 again. libgomp (torch's OpenMP) parks a worker by spinning ``GOMP_SPINCOUNT`` times and then
 sleeping on a futex; with ``OMP_WAIT_POLICY=PASSIVE`` it sleeps at once, and each of the 121
 regions pays a futex wake-up (a batch-1 step of that model: 22-23 ms passive, 16 ms with
-spinning workers, on a 2-core AMD EPYC). libgomp's default (300,000 spins, about 15 ms on that
-host) keeps a worker spinning long after a step, taking a core from the gateway's process on a
-small machine.
+spinning workers, on a 2-core AMD EPYC). libgomp's default (300,000 spins) kept a worker
+spinning through a whole 5 ms pause between regions on that host, taking a core from the
+gateway's process on a small machine.
 
 The engine's process therefore gets a bounded spin, ``ENGINE_SPIN_COUNT``: about 0.5 ms on that
 host, long enough to bridge the gaps between the regions of one forward (the whole gain: the
@@ -25,18 +25,19 @@ import contextlib
 import os
 from collections.abc import Iterator, Mapping
 
-__all__ = ["ENGINE_SPIN_COUNT", "engine_openmp_environment", "spawn_environment"]
+__all__ = ["ENGINE_SPIN_COUNT", "WAIT_VARIABLES", "engine_openmp_environment", "spawn_environment"]
 
 # Spins before an idle worker sleeps: ~0.5 ms on a 2-core AMD EPYC (measured: a region every
 # 5 ms cost 136 us of CPU passive, 635 us at 10,000 spins, 5,311 us at the 300,000 default).
 ENGINE_SPIN_COUNT = 10_000
-_WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+# The environment variables that say how libgomp's idle workers wait.
+WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 
 def engine_openmp_environment(environ: Mapping[str, str]) -> dict[str, str]:
     """The variables to add to environ for the engine's process: the bounded spin, unless
     environ already says how OpenMP workers wait."""
-    if any(name in environ for name in _WAIT_VARIABLES):
+    if any(name in environ for name in WAIT_VARIABLES):
         return {}
     return {"GOMP_SPINCOUNT": str(ENGINE_SPIN_COUNT)}
 

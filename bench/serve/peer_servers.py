@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from bench.serve.server_process import ServerProcess
+from engine.openmp_wait import WAIT_VARIABLES
 
 __all__ = [
     "PEER_TENANT_TIER",
@@ -48,7 +49,7 @@ def thread_env(threads: int, base: Mapping[str, str] | None = None) -> dict[str,
 
 def openmp_wait_label(env: Mapping[str, str]) -> str:
     """How the servers' OpenMP workers wait, for the table's header."""
-    given = [f"{name}={env[name]}" for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if name in env]
+    given = [f"{name}={env[name]}" for name in WAIT_VARIABLES if name in env]
     return " ".join(given) + " for both" if given else "each server's default"
 
 
