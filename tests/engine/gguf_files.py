@@ -63,6 +63,7 @@ class TokenizerFields:
     add_space_prefix: bool | None = None
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    unk_token_id: int | None = None
     add_bos_token: bool | None = False  # None: not written
     chat_template: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -151,6 +152,8 @@ def write_gguf(
         writer.add_bos_token_id(tokenizer.bos_token_id)
     if tokenizer.eos_token_id is not None:
         writer.add_eos_token_id(tokenizer.eos_token_id)
+    if tokenizer.unk_token_id is not None:
+        writer.add_unk_token_id(tokenizer.unk_token_id)
     if tokenizer.add_bos_token is not None:
         writer.add_add_bos_token(tokenizer.add_bos_token)
     if tokenizer.chat_template is not None:

@@ -68,8 +68,8 @@ def _write(path: Path, processor: spm.SentencePieceProcessor, **fields: Any) -> 
         merges=[], pre="default", model="llama",
         scores=[processor.get_score(i) for i in range(size)],
         bos_token_id=processor.bos_id(), eos_token_id=processor.eos_id(),
+        unk_token_id=processor.unk_id(),
         add_bos_token=None,  # older files say nothing: llama.cpp adds BOS
-        extra={"tokenizer.ggml.unknown_token_id": processor.unk_id()},
     )  # fmt: skip
     for key, value in fields.items():
         setattr(tokenizer, key, value)
