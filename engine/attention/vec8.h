@@ -1,5 +1,5 @@
-// 8-float vectors and the helpers the engine's C++ CPU kernels share (cpu_paged_attention.cpp,
-// engine/models/cpu_ops.cpp). engine/attention/native.py builds every kernel with this
+// 8-float vectors and the helpers the engine's C++ CPU kernels share (the attention kernel,
+// the row ops, the decode forward). engine/attention/cpp_build.py builds every kernel with this
 // directory on the include path and keys its cache on this file too.
 
 #pragma once

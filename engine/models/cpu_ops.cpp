@@ -1,16 +1,15 @@
 // Fused element-wise steps of the decoder for the CPU, float32: RMSNorm (with the residual add
 // before it), RoPE with the KV-cache write, SiLU-and-multiply.
 //
-// Built at first use by engine/attention/native.py and called through engine/models/cpu_ops.py.
+// Built at first use by engine/attention/cpp_build.py and called through engine/models/cpu_ops.py.
 // Each replaces several torch ops (and their passes over memory) by one pass; on few rows (decode
 // steps) it runs on the calling thread, on many it spreads rows over torch's OpenMP threads.
 
-#include <cmath>
 #include <cstdint>
 
-#include "vec8.h"
+#include "row_ops.h"
 
-using namespace tiergate;  // NOLINT: the shared vector helpers
+using namespace tiergate;  // NOLINT: the shared row helpers
 
 namespace {
 
@@ -27,18 +26,8 @@ void tiergate_rms_norm_f32(const float* x, float* residual, const float* weight,
                            int64_t num_rows, int64_t dim, float* out) {
 #pragma omp parallel for if (num_rows * dim >= kParallelElements)
   for (int64_t t = 0; t < num_rows; ++t) {
-    const float* in = x + t * dim;
-    if (residual != nullptr) {
-      float* res = residual + t * dim;
-      for (int64_t c = 0; c < dim; c += 8) store8(res + c, load8(res + c) + load8(in + c));
-      in = res;
-    }
-    vec8 squares = {};
-    for (int64_t c = 0; c < dim; c += 8) squares += load8(in + c) * load8(in + c);
-    const float inverse_rms = 1.0f / std::sqrt(sum8(squares) / static_cast<float>(dim) + eps);
-    for (int64_t c = 0; c < dim; c += 8) {
-      store8(out + t * dim + c, load8(weight + c) * (load8(in + c) * inverse_rms));
-    }
+    rms_norm_row(x + t * dim, residual == nullptr ? nullptr : residual + t * dim, weight, eps,
+                 dim, out + t * dim);
   }
 }
 
@@ -51,28 +40,15 @@ void tiergate_rope_write_kv_f32(float* qkv, int64_t qkv_row_stride, int64_t num_
                                 const int64_t* positions, const float* cos_table,
                                 const float* sin_table, const int64_t* slot_mapping,
                                 float* k_cache, float* v_cache) {
-  const int64_t half = head_dim / 2, kv_size = num_kv_heads * head_dim;
-  const int64_t rotated_heads = num_heads + num_kv_heads;
+  const int64_t kv_size = num_kv_heads * head_dim;
 #pragma omp parallel for if (num_tokens * qkv_row_stride >= kParallelElements)
   for (int64_t t = 0; t < num_tokens; ++t) {
     float* row = qkv + t * qkv_row_stride;
-    const float* cos = cos_table + positions[t] * head_dim;
-    const float* sin = sin_table + positions[t] * head_dim;
-    for (int64_t h = 0; h < rotated_heads; ++h) {
-      float* x = row + h * head_dim;
-      for (int64_t c = 0; c < half; c += 8) {
-        const vec8 x1 = load8(x + c), x2 = load8(x + half + c);
-        store8(x + c, x1 * load8(cos + c) + x2 * load8(sin + c));
-        store8(x + half + c, x2 * load8(cos + half + c) + x1 * load8(sin + half + c));
-      }
-    }
-    const int64_t slot = slot_mapping[t];
-    if (slot < 0) continue;
+    rope_heads(row, num_heads + num_kv_heads, head_dim, cos_table + positions[t] * head_dim,
+               sin_table + positions[t] * head_dim);
+    if (slot_mapping[t] < 0) continue;
     const float* k = row + num_heads * head_dim;
-    for (int64_t c = 0; c < kv_size; c += 8) {
-      store8(k_cache + slot * kv_size + c, load8(k + c));
-      store8(v_cache + slot * kv_size + c, load8(k + kv_size + c));
-    }
+    write_kv_slot(k, k + kv_size, slot_mapping[t], kv_size, k_cache, v_cache);
   }
 }
 
@@ -81,10 +57,7 @@ void tiergate_silu_and_mul_f32(const float* gate_up, int64_t num_rows, int64_t d
 #pragma omp parallel for if (num_rows * dim >= kParallelElements)
   for (int64_t t = 0; t < num_rows; ++t) {
     const float* gate = gate_up + t * 2 * dim;
-    for (int64_t c = 0; c < dim; c += 8) {
-      const vec8 g = load8(gate + c);
-      store8(out + t * dim + c, g / (1.0f + exp8(vec8{} - g)) * load8(gate + dim + c));
-    }
+    silu_and_mul_row(gate, gate + dim, dim, out + t * dim);
   }
 }
 
