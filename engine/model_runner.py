@@ -20,6 +20,9 @@ from engine.flops import FlopsCounter
 from engine.input_batch import InputBatch, RequestState
 from engine.loader import load_model, random_model
 from engine.models.config import ModelConfig, ModelConfigError
+from engine.models.cpu_decode import MAX_ROWS as CPU_DECODE_MAX_ROWS
+from engine.models.cpu_decode import CpuDecodeForward
+from engine.models.cpu_decode import supports as supports_decode_forward
 from engine.models.decoder import CausalLM, KVCache
 from engine.models.packed_linear import pack_linear_layers
 from engine.runner import ModelRunnerOutput
@@ -45,6 +48,9 @@ class RunnerConfig:
     use_cuda_graphs: bool = True  # capture decode-only steps on CUDA
     pack_cpu_weights: bool = True  # CPU: linear layers on oneDNN-prepacked weights
     fuse_cpu_ops: bool = True  # CPU float32: norms, RoPE + KV write, SiLU-and-mul as C++ ops
+    # CPU float32: decode-only steps of at most this many sequences run as one C++ call
+    # (engine.models.cpu_decode; a second copy of the weights); 0: never
+    cpu_decode_rows: int = CPU_DECODE_MAX_ROWS
     fuse_cuda_ops: bool = True  # CUDA: residual add + RMSNorm as one Triton kernel
     tune_cpu_allocator: bool = True  # CPU: keep freed memory in the heap (process-wide mallopt)
     sampler_seed: int | None = None  # seed of the sampler's generator for unseeded requests
@@ -92,15 +98,6 @@ class TorchModelRunner:
         self.device, self.dtype = weight.device, weight.dtype
         if config.max_model_len > model.max_positions:
             raise ModelConfigError("max_model_len exceeds the model's RoPE table")
-        if self.device.type == "cpu":
-            if config.tune_cpu_allocator:
-                keep_freed_memory_in_heap()
-            if config.pack_cpu_weights:
-                pack_linear_layers(model, batch_size_hint=min(config.max_num_batched_tokens, 64))
-            if config.fuse_cpu_ops:
-                model.use_fused_cpu_ops()
-        elif self.device.type == "cuda" and config.fuse_cuda_ops:
-            model.use_fused_cuda_ops()
         num_blocks = config.num_kv_blocks
         if num_blocks is None:
             per_block = kv_bytes_per_block(self.model_config, config.block_size, self.dtype)
@@ -115,6 +112,21 @@ class TorchModelRunner:
              torch.zeros(shape, dtype=self.dtype, device=self.device))
             for _ in range(self.model_config.num_layers)
         ]
+        self.decode_forward: CpuDecodeForward | None = None
+        if self.device.type == "cpu":
+            if config.tune_cpu_allocator:
+                keep_freed_memory_in_heap()
+            if config.cpu_decode_rows > 0 and supports_decode_forward(
+                self.model_config, self.device, self.dtype
+            ):  # before packing: it copies the plain weights
+                self.decode_forward = CpuDecodeForward(model, self.kv_caches,
+                                                       config.cpu_decode_rows)
+            if config.pack_cpu_weights:
+                pack_linear_layers(model, batch_size_hint=min(config.max_num_batched_tokens, 64))
+            if config.fuse_cpu_ops:
+                model.use_fused_cpu_ops()
+        elif self.device.type == "cuda" and config.fuse_cuda_ops:
+            model.use_fused_cuda_ops()
         self.attention = attention_backend(self.device)
         self.sampler: SampleFn = sampler or Sampler(
             self.model_config.vocab_size, seed=config.sampler_seed
@@ -185,7 +197,9 @@ class TorchModelRunner:
         if not chunks:
             return ModelRunnerOutput(sampled_token_ids={})
         batch = self.input_batch.prepare(chunks).to_device(self.device)
-        if self.graphs is not None and self.graphs.can_run(chunks, batch):
+        if self.decode_forward is not None and self.decode_forward.can_run(batch):
+            logits = self.decode_forward(batch)
+        elif self.graphs is not None and self.graphs.can_run(chunks, batch):
             logits = self.graphs.run(batch)
         else:
             self.attention.prepare(AttentionMetadata.from_batch(batch))

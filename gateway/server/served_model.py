@@ -98,14 +98,17 @@ def load_served_model(
 def build_engine(settings: GatewaySettings, tiers: TierTable, model_dir: Path) -> LLMEngine:
     """The engine over the checkpoint in model_dir (what the engine's process runs)."""
     model_config = ModelConfig.from_file(model_dir)
+    runner_config = RunnerConfig(
+        kv_cache_bytes=settings.kv_cache_bytes,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        max_num_seqs=settings.max_num_seqs,
+        max_model_len=context_length(settings, model_config),
+    )
+    if settings.cpu_decode_rows is not None:
+        runner_config.cpu_decode_rows = settings.cpu_decode_rows
     runner = TorchModelRunner.from_model_dir(
         model_dir,
-        RunnerConfig(
-            kv_cache_bytes=settings.kv_cache_bytes,
-            max_num_batched_tokens=settings.max_num_batched_tokens,
-            max_num_seqs=settings.max_num_seqs,
-            max_model_len=context_length(settings, model_config),
-        ),
+        runner_config,
         dtype=_DTYPES[settings.dtype],
         device=settings.device,
     )

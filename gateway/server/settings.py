@@ -63,6 +63,12 @@ _OPTIONS: dict[str, _Option] = {
     "max_num_batched_tokens": _Option(
         "--max-num-batched-tokens", "TIERGATE_MAX_NUM_BATCHED_TOKENS", "tokens per step"
     ),
+    "cpu_decode_rows": _Option(
+        "--cpu-decode-rows",
+        "TIERGATE_CPU_DECODE_ROWS",
+        "CPU float32: decode steps of at most this many requests run as one C++ call over a "
+        "second copy of the weights (0: never; default 8)",
+    ),
     "scheduling": _Option(
         "--scheduling", "TIERGATE_SCHEDULING", "tiered (default) or fcfs (baseline)"
     ),
@@ -126,6 +132,8 @@ class GatewaySettings:
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    # None: the runner's default (engine.model_runner.RunnerConfig.cpu_decode_rows).
+    cpu_decode_rows: int | None = None
     scheduling: str = "tiered"
     max_body_bytes: int = 4 << 20
     max_messages: int = 2048
@@ -158,6 +166,8 @@ class GatewaySettings:
         ):
             if getattr(self, name) < 1:
                 raise SettingsError(f"{_OPTIONS[name].flag} must be >= 1")
+        if self.cpu_decode_rows is not None and not 0 <= self.cpu_decode_rows <= 8:
+            raise SettingsError("--cpu-decode-rows must be in 0..8")
         if self.drain_timeout_s < 0:
             raise SettingsError("--drain-timeout must be >= 0")
         if not self.stream_write_timeout_s > 0:

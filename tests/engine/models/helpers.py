@@ -125,9 +125,13 @@ def make_runner(
     num_kv_blocks: int = 128,
     sampler: RecordingSampler | None = None,
     fuse_cpu_ops: bool = True,
+    cpu_decode_rows: int | None = None,
 ) -> TorchModelRunner:
+    """cpu_decode_rows: None for the default (0 when the fused ops are off: the torch path)."""
+    if cpu_decode_rows is None:
+        cpu_decode_rows = RunnerConfig.cpu_decode_rows if fuse_cpu_ops else 0
     config = RunnerConfig(block_size=BLOCK_SIZE, num_kv_blocks=num_kv_blocks, max_model_len=512,
-                          fuse_cpu_ops=fuse_cpu_ops)
+                          fuse_cpu_ops=fuse_cpu_ops, cpu_decode_rows=cpu_decode_rows)
     return TorchModelRunner.from_model_dir(model_dir, config, sampler=sampler)
 
 

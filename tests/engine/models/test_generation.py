@@ -36,6 +36,7 @@ def test_single_request_matches_hf(checkpoint: tuple[Path, PreTrainedModel]) -> 
     seq = Sequence("a", prompt, max_new_tokens=24)
     runner = make_runner(path)
     assert runner.model.fused_cpu_ops  # float32 on the CPU: the fused ops and kernels run
+    assert runner.decode_forward is not None  # and decode steps run as one C++ call
     PagedDriver(runner).run([seq])
     assert seq.output == hf_greedy(hf, prompt, 24)
 
@@ -52,10 +53,11 @@ def test_mixed_batch_matches_hf(checkpoint: tuple[Path, PreTrainedModel]) -> Non
 
 
 def test_torch_path_matches_hf(checkpoint: tuple[Path, PreTrainedModel]) -> None:
-    """Without the fused CPU ops (the path CUDA and half precision take), still token-exact."""
+    """Without the fused CPU ops and the decode forward (the path CUDA and half precision
+    take), still token-exact."""
     path, hf = checkpoint
     runner = make_runner(path, fuse_cpu_ops=False)
-    assert not runner.model.fused_cpu_ops
+    assert not runner.model.fused_cpu_ops and runner.decode_forward is None
     prompts = random_prompts([5, 40, 17], seed=4)
     seqs = [Sequence(f"t{i}", p, 9) for i, p in enumerate(prompts)]
     PagedDriver(runner).run(seqs, token_budget=30)

@@ -1,0 +1,307 @@
+// The whole forward of a decode step of few rows (one new token for each of up to kMaxRows
+// sequences), float32, in one call and one OpenMP parallel region.
+//
+// A batch-1 decode step of a small model runs ~120 matrix products and ~100 element-wise ops of
+// a few hundred floats each. Issued one by one from Python, each pays the interpreter, torch's
+// dispatcher and a parallel region of its own, and pays them with cold caches: the products
+// stream the weights through every cache level, evicting the interpreter's working set
+// (measured on an Intel Xeon host: a fused RMSNorm call takes 6.6 us in a loop, 27-41 us after
+// a weight stream). Here the layers run back to back on the OpenMP threads, with barriers
+// between the phases that need every thread's output.
+//
+// Weights are in panels: a matrix W [N, K] (out, in features) is stored as [N / 16][K][16], so a
+// product walks each panel once, front to back, with one multiply-add of 16 outputs per input
+// element and no horizontal sums; the gate and up projections interleave their panels
+// (gate 0, up 0, gate 1, ...) so that a thread computes SiLU-and-multiply on the panels it just
+// produced. engine/models/cpu_decode.py packs them and calls this.
+//
+// Built at first use by engine/attention/cpp_build.py; no torch headers.
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "paged_attention.h"
+#include "row_ops.h"
+#include "vec8.h"
+
+using namespace tiergate;  // NOLINT: the shared row and vector helpers
+
+namespace {
+
+constexpr int64_t kPanel = 16;  // outputs per weight panel
+constexpr int64_t kMaxRows = 8;  // rows (sequences) one call takes
+// Panel rows (64-byte lines) a product prefetches ahead in each panel it walks: the panels are
+// separate streams, more than the hardware prefetchers follow well (an Intel Xeon host, lm_head
+// 49,152 x 576 on 2 threads, M = 4: 24.6-29.9 GB/s without, 31.2-38.7 with 16).
+constexpr int64_t kPrefetchRows = 16;
+
+typedef float vec16 __attribute__((vector_size(64), aligned(4), may_alias));
+
+}  // namespace
+
+extern "C" {
+
+// One decoder layer's weights and cache. Matrices in panels (see above); vectors plain;
+// optional ones null when the model has none.
+struct TiergateDecodeLayer {
+  const float* input_norm;    // [E]
+  const float* q_norm;        // [D] per-head norm of q (Qwen3), or null
+  const float* k_norm;        // [D] per-head norm of k, or null
+  const float* qkv;           // panels of [(H + 2 Hkv) D, E]
+  const float* qkv_bias;      // [(H + 2 Hkv) D] or null
+  const float* o;             // panels of [E, H D]
+  const float* o_bias;        // [E] or null
+  const float* post_norm;     // [E]
+  const float* gate_up;       // interleaved panels of gate [I, E] and up [I, E]
+  const float* gate_up_bias;  // [2 I] in the panels' order, or null
+  const float* down;          // panels of [E, I]
+  const float* down_bias;     // [E] or null
+  float* k_cache;             // [num_blocks, block_size, Hkv, D]
+  float* v_cache;             // [num_blocks, block_size, Hkv, D]
+  int64_t window;             // sliding window, 0 for none
+};
+
+// The model: sizes and the weights outside the layers.
+struct TiergateDecodeModel {
+  int64_t num_layers;
+  int64_t hidden;        // E
+  int64_t num_heads;     // H
+  int64_t num_kv_heads;  // Hkv
+  int64_t head_dim;      // D
+  int64_t intermediate;  // I
+  int64_t vocab;         // V
+  int64_t block_size;
+  int64_t num_blocks;
+  float eps;             // RMSNorm epsilon
+  float scale;           // attention softmax scale
+  const float* embed;       // [V, E] row-major
+  const float* final_norm;  // [E]
+  const float* lm_head;     // panels of [V, E]
+  const float* cos_table;   // [max positions, D] (engine.models.rope.RotaryTable)
+  const float* sin_table;   // [max positions, D], first half negated
+  const TiergateDecodeLayer* layers;
+};
+
+}  // extern "C"
+
+namespace {
+
+// out[m, p * 16 + i] = sum_k x[m, k] * W[p * 16 + i, k] for panels p of [first, first + P).
+template <int M, int P>
+inline void panel_product(const float* x, int64_t K, const float* panels, int64_t first,
+                          float* out, int64_t out_stride) {
+  vec16 acc[M][P] = {};
+  const float* w[P];
+  for (int j = 0; j < P; ++j) w[j] = panels + (first + j) * K * kPanel;
+  for (int64_t k = 0; k < K; ++k) {
+    vec16 wv[P];
+    for (int j = 0; j < P; ++j) {
+      if (k + kPrefetchRows < K) __builtin_prefetch(w[j] + (k + kPrefetchRows) * kPanel, 0, 3);
+      wv[j] = *reinterpret_cast<const vec16*>(w[j] + k * kPanel);
+    }
+    for (int m = 0; m < M; ++m) {
+      const vec16 xm = vec16{} + x[m * K + k];
+      for (int j = 0; j < P; ++j) acc[m][j] += wv[j] * xm;
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    for (int j = 0; j < P; ++j) {
+      *reinterpret_cast<vec16*>(out + m * out_stride + (first + j) * kPanel) = acc[m][j];
+    }
+  }
+}
+
+// This thread's share of out[M, N] = x[M, K] W^T (+ bias): panels [begin, end) of the N / 16,
+// whole units of `unit` panels, taken P at a time: P streams of weights in flight, M x P
+// accumulators in registers (more streams read faster, up to what the registers hold: on an
+// Intel Xeon host, M = 1 read 33-36 GB/s with P = 8 against 24-32 with P = 4).
+// Sets *share_begin and *share_end to the share.
+template <int M>
+void product_share(const float* x, int64_t K, const float* panels, const float* bias, int64_t N,
+                   int64_t unit, float* out, int64_t thread, int64_t num_threads,
+                   int64_t* share_begin, int64_t* share_end) {
+  constexpr int P = M <= 2 ? 8 : M <= 4 ? 4 : 3;
+  const int64_t num_units = N / kPanel / unit;
+  const int64_t begin = num_units * thread / num_threads * unit;
+  const int64_t end = num_units * (thread + 1) / num_threads * unit;
+  int64_t p = begin;
+  for (; p + P <= end; p += P) panel_product<M, P>(x, K, panels, p, out, N);
+  for (; p < end; ++p) panel_product<M, 1>(x, K, panels, p, out, N);
+  if (bias != nullptr) {
+    for (int m = 0; m < M; ++m) {
+      for (int64_t n = begin * kPanel; n < end * kPanel; n += 8) {
+        store8(out + m * N + n, load8(out + m * N + n) + load8(bias + n));
+      }
+    }
+  }
+  *share_begin = begin;
+  *share_end = end;
+}
+
+struct Step {
+  int64_t num_rows;
+  const int64_t* token_ids;      // [M]
+  const int64_t* positions;      // [M]
+  const int64_t* slots;          // [M] cache slot of each new token
+  const int32_t* block_tables;   // [M, table_stride]
+  int64_t table_stride;
+  const int32_t* context_lens;   // [M]
+  const int32_t* query_starts;   // [M + 1]: 0 .. M (one row per sequence)
+};
+
+// Workspace rows: residual, normed input, qkv, attention output, a product's output, gate/up,
+// the activations. Sizes in floats per row, for the caller's allocation.
+struct Workspace {
+  float* residual;   // [M, E]
+  float* normed;     // [M, E]
+  float* qkv;        // [M, (H + 2 Hkv) D]
+  float* attention;  // [M, H D]
+  float* product;    // [M, E]
+  float* gate_up;    // [M, 2 I]
+  float* act;        // [M, I]
+};
+
+template <int M>
+void forward(const TiergateDecodeModel& model, const Step& step, const Workspace& ws,
+             float* logits, int64_t num_threads) {
+  const int64_t E = model.hidden, H = model.num_heads, Hkv = model.num_kv_heads;
+  const int64_t D = model.head_dim, I = model.intermediate;
+  const int64_t qkv_size = (H + 2 * Hkv) * D, kv_size = Hkv * D;
+#pragma omp parallel num_threads(num_threads)
+  {
+    const int64_t thread = omp_get_thread_num(), threads = omp_get_num_threads();
+    paged::Scratch scratch;
+    int64_t begin = 0, end = 0;
+#pragma omp single
+    for (int m = 0; m < M; ++m) {
+      std::memcpy(ws.residual + m * E, model.embed + step.token_ids[m] * E, E * sizeof(float));
+      rms_norm_row(ws.residual + m * E, nullptr, model.layers[0].input_norm, model.eps, E,
+                   ws.normed + m * E);
+    }
+    for (int64_t l = 0; l < model.num_layers; ++l) {
+      const TiergateDecodeLayer& layer = model.layers[l];
+      product_share<M>(ws.normed, E, layer.qkv, layer.qkv_bias, qkv_size, 1, ws.qkv, thread,
+                       threads, &begin, &end);
+#pragma omp barrier
+#pragma omp single
+      for (int m = 0; m < M; ++m) {
+        float* row = ws.qkv + m * qkv_size;
+        if (layer.q_norm != nullptr) {
+          for (int64_t h = 0; h < H; ++h) {
+            rms_norm_row(row + h * D, nullptr, layer.q_norm, model.eps, D, row + h * D);
+          }
+          for (int64_t h = H; h < H + Hkv; ++h) {
+            rms_norm_row(row + h * D, nullptr, layer.k_norm, model.eps, D, row + h * D);
+          }
+        }
+        const int64_t position = step.positions[m];
+        rope_heads(row, H + Hkv, D, model.cos_table + position * D,
+                   model.sin_table + position * D);
+        write_kv_slot(row + H * D, row + H * D + kv_size, step.slots[m], kv_size,
+                      layer.k_cache, layer.v_cache);
+      }
+      const paged::Layout layout{ws.qkv, qkv_size, layer.k_cache, layer.v_cache,
+                                 step.block_tables, step.table_stride, step.query_starts,
+                                 step.context_lens, H, Hkv, D, model.block_size,
+                                 model.scale, layer.window,
+                                 ws.attention};
+      auto attend = D == 64 ? paged::attend<64> : D == 128 ? paged::attend<128> : paged::attend<0>;
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t item = 0; item < M * Hkv; ++item) {
+        attend(layout, paged::Item{item / Hkv, 0, 1, item % Hkv, item % Hkv + 1}, scratch);
+      }
+      product_share<M>(ws.attention, H * D, layer.o, layer.o_bias, E, 1, ws.product, thread,
+                       threads, &begin, &end);
+#pragma omp barrier
+#pragma omp single
+      for (int m = 0; m < M; ++m) {
+        rms_norm_row(ws.product + m * E, ws.residual + m * E, layer.post_norm, model.eps, E,
+                     ws.normed + m * E);
+      }
+      product_share<M>(ws.normed, E, layer.gate_up, layer.gate_up_bias, 2 * I, 2, ws.gate_up,
+                       thread, threads, &begin, &end);
+      // Shares hold whole (gate, up) panel pairs: activations j * 16 .. j * 16 + 15 come from
+      // panels 2j and 2j + 1, which this thread has just computed.
+      for (int64_t p = begin; p < end; p += 2) {
+        for (int m = 0; m < M; ++m) {
+          const float* pair = ws.gate_up + m * 2 * I + p * kPanel;
+          silu_and_mul_row(pair, pair + kPanel, kPanel, ws.act + m * I + (p / 2) * kPanel);
+        }
+      }
+#pragma omp barrier
+      product_share<M>(ws.act, I, layer.down, layer.down_bias, E, 1, ws.product, thread, threads,
+                       &begin, &end);
+#pragma omp barrier
+      const float* next_norm =
+          l + 1 < model.num_layers ? model.layers[l + 1].input_norm : model.final_norm;
+#pragma omp single
+      for (int m = 0; m < M; ++m) {
+        rms_norm_row(ws.product + m * E, ws.residual + m * E, next_norm, model.eps, E,
+                     ws.normed + m * E);
+      }
+    }
+    product_share<M>(ws.normed, E, model.lm_head, nullptr, model.vocab, 1, logits, thread, threads,
+                     &begin, &end);
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Runs the decode step: one new token (token_ids[m] at positions[m], written to cache slot
+// slots[m]) for each of num_rows sequences, whose block tables and context lengths (this token
+// included) are given; writes logits [num_rows, V]. workspace: floats for the rows, sized by
+// tiergate_decode_workspace_floats. Returns 0, or -1 without running for rows out of range
+// (num_rows, a block table pointing outside the cache, a position past the rotary tables is
+// the caller's to check).
+int tiergate_decode_forward_f32(const TiergateDecodeModel* model, int64_t num_rows,
+                                const int64_t* token_ids, const int64_t* positions,
+                                const int64_t* slots, const int32_t* block_tables,
+                                int64_t table_stride, const int32_t* context_lens,
+                                const int32_t* query_starts, float* workspace, float* logits,
+                                int64_t num_threads) {
+  if (num_rows < 1 || num_rows > kMaxRows) return -1;
+  const TiergateDecodeModel& md = *model;
+  const paged::Layout check{nullptr, 0, nullptr, nullptr, block_tables, table_stride,
+                            query_starts, context_lens, md.num_heads, md.num_kv_heads,
+                            md.head_dim, md.block_size, 1.0f, 0, nullptr};
+  const int64_t num_slots = md.num_blocks * md.block_size;
+  for (int64_t m = 0; m < num_rows; ++m) {
+    if (!paged::valid_sequence(check, m, num_rows, num_rows, md.num_blocks)) return -1;
+    if (slots[m] < 0 || slots[m] >= num_slots) return -1;
+    if (token_ids[m] < 0 || token_ids[m] >= md.vocab) return -1;
+  }
+  const int64_t E = md.hidden, I = md.intermediate;
+  const int64_t qkv_size = (md.num_heads + 2 * md.num_kv_heads) * md.head_dim;
+  float* p = workspace;
+  auto take = [&](int64_t floats) { float* out = p; p += num_rows * floats; return out; };
+  const Workspace ws{take(E), take(E), take(qkv_size), take(md.num_heads * md.head_dim),
+                     take(E), take(2 * I), take(I)};
+  const Step step{num_rows, token_ids, positions, slots, block_tables, table_stride,
+                  context_lens, query_starts};
+  switch (num_rows) {
+    case 1: forward<1>(md, step, ws, logits, num_threads); break;
+    case 2: forward<2>(md, step, ws, logits, num_threads); break;
+    case 3: forward<3>(md, step, ws, logits, num_threads); break;
+    case 4: forward<4>(md, step, ws, logits, num_threads); break;
+    case 5: forward<5>(md, step, ws, logits, num_threads); break;
+    case 6: forward<6>(md, step, ws, logits, num_threads); break;
+    case 7: forward<7>(md, step, ws, logits, num_threads); break;
+    default: forward<8>(md, step, ws, logits, num_threads); break;
+  }
+  return 0;
+}
+
+// Floats of workspace a call of num_rows rows needs.
+int64_t tiergate_decode_workspace_floats(const TiergateDecodeModel* model, int64_t num_rows) {
+  const TiergateDecodeModel& md = *model;
+  const int64_t qkv_size = (md.num_heads + 2 * md.num_kv_heads) * md.head_dim;
+  return num_rows * (3 * md.hidden + qkv_size + md.num_heads * md.head_dim +
+                     3 * md.intermediate);
+}
+
+}  // extern "C"

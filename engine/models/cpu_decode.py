@@ -1,0 +1,202 @@
+"""A decode step of few rows as one C++ call on the CPU (cpu_decode.cpp), float32 only.
+
+At batch 1 the decoder's Python, torch's dispatcher and one OpenMP region per operation cost a
+float32 model on a 2-core CPU a quarter of its step (the default model on an Intel Xeon host:
+forward 46.7 ms, of which 33.9 in the packed products), much of it in cache misses after each
+product has streamed its weights. `CpuDecodeForward` runs the whole forward of a decode-only
+step of up to MAX_ROWS sequences in one parallel region instead: its own products over weights
+in 16-wide panels, the fused row ops, the paged attention kernel, the lm_head.
+
+The panels are a second copy of the layers' weights and the lm_head (the packed oneDNN copies
+still serve prefills and larger decode batches): about the model's float32 size again. The
+runner builds it when `RunnerConfig.cpu_decode_rows` is above 0 and `supports` holds;
+`build` checks it against the model's own forward once and gives None where they disagree.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from pathlib import Path
+from typing import cast
+
+import torch
+
+from engine.attention import cpp_build, cpu_kernel
+from engine.models import cpu_ops
+from engine.models.batch import ForwardBatch
+from engine.models.config import ModelConfig
+from engine.models.decoder import CausalLM, DecoderLayer, KVCache
+
+__all__ = ["MAX_ROWS", "CpuDecodeForward", "supports"]
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_decode.cpp")
+MAX_ROWS = 8  # the C++ side's kMaxRows
+_PANEL = 16  # outputs per weight panel
+# The load-time check against the model's forward: relative error of the logits.
+_CHECK_TOLERANCE = 1e-4
+
+_p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(name, _p) for name in (
+        "input_norm", "q_norm", "k_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm",
+        "gate_up", "gate_up_bias", "down", "down_bias", "k_cache", "v_cache",
+    )] + [("window", _i64)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [(name, _i64) for name in (
+        "num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate", "vocab",
+        "block_size", "num_blocks",
+    )] + [("eps", _f32), ("scale", _f32)] + [(name, _p) for name in (
+        "embed", "final_norm", "lm_head", "cos_table", "sin_table", "layers",
+    )]
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    library = cpp_build.load_library(SOURCE)
+    if library is None:
+        return None
+    library.tiergate_decode_forward_f32.argtypes = [
+        _p, _i64, _p, _p, _p, _p, _i64, _p, _p, _p, _p, _i64,
+    ]
+    library.tiergate_decode_forward_f32.restype = ctypes.c_int
+    library.tiergate_decode_workspace_floats.argtypes = [_p, _i64]
+    library.tiergate_decode_workspace_floats.restype = _i64
+    return library
+
+
+def supports(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a model of this config, device and dtype can take the decode forward (builds
+    it): what the fused row ops and the attention kernel take, every matrix in whole panels."""
+    sizes = (config.hidden_size, config.intermediate_size, config.q_size, config.kv_size,
+             config.vocab_size)
+    return (
+        cpu_ops.supports(config, device, dtype)
+        and cpu_kernel.supports_head_dim(config.head_dim)
+        and cpu_kernel.load() is not None
+        and all(size % _PANEL == 0 for size in sizes)
+        and _library() is not None
+    )
+
+
+def panels(weight: torch.Tensor) -> torch.Tensor:  # [N, K] -> [N / 16, K, 16]
+    """A weight matrix in the kernel's panel layout (N % 16 == 0)."""
+    num_out, num_in = weight.shape
+    return weight.detach().reshape(num_out // _PANEL, _PANEL, num_in).transpose(1, 2).contiguous()
+
+
+def interleaved_panels(weight: torch.Tensor) -> torch.Tensor:  # [2I, K] -> [2I / 16, K, 16]
+    """gate (the first I rows) and up (the rest) in panels, gate 0, up 0, gate 1, ..."""
+    gate, up = weight.detach().chunk(2, dim=0)
+    return torch.stack([panels(gate), panels(up)], dim=1).reshape(-1, *gate.shape[1:], _PANEL)
+
+
+def _interleaved_bias(bias: torch.Tensor) -> torch.Tensor:  # [2I] -> [2I] in panel order
+    gate, up = bias.detach().chunk(2)
+    return torch.stack([gate.reshape(-1, _PANEL), up.reshape(-1, _PANEL)], dim=1).reshape(-1)
+
+
+class CpuDecodeForward:
+    """The forward of decode-only steps of at most max_rows sequences, as one C++ call."""
+
+    def __init__(self, model: CausalLM, kv_caches: list[KVCache], max_rows: int = MAX_ROWS) -> None:
+        """Packs the weights now: call before the model's linear layers are replaced by packed
+        ones (engine.models.packed_linear), which drop the plain weights."""
+        library = _library()
+        assert library is not None, "supports() must be true before a CpuDecodeForward is made"
+        assert model.rotary is not None, "the model's rotary table is built at load"
+        if not 1 <= max_rows <= MAX_ROWS:
+            raise ValueError(f"max_rows must be 1..{MAX_ROWS}")
+        self._library = library
+        self.max_rows = max_rows
+        config = model.config
+        self.vocab_size = config.vocab_size
+        keep: list[torch.Tensor] = []  # every tensor the C++ side points into
+
+        def pointer(tensor: torch.Tensor | None) -> int | None:
+            if tensor is None:
+                return None
+            tensor = tensor.detach().contiguous()
+            keep.append(tensor)
+            return tensor.data_ptr()
+
+        decoder_layers = [cast(DecoderLayer, layer) for layer in model.layers]
+        layers = (_Layer * config.num_layers)()
+        for index, (layer, (k_cache, v_cache)) in enumerate(
+            zip(decoder_layers, kv_caches, strict=True)
+        ):
+            attention, mlp = layer.self_attn, layer.mlp
+            layers[index] = _Layer(
+                input_norm=pointer(layer.input_layernorm.weight),
+                q_norm=pointer(None if attention.q_norm is None else attention.q_norm.weight),
+                k_norm=pointer(None if attention.k_norm is None else attention.k_norm.weight),
+                qkv=pointer(panels(attention.qkv_proj.weight)),
+                qkv_bias=pointer(attention.qkv_proj.bias),
+                o=pointer(panels(attention.o_proj.weight)),
+                o_bias=pointer(attention.o_proj.bias),
+                post_norm=pointer(layer.post_attention_layernorm.weight),
+                gate_up=pointer(interleaved_panels(mlp.gate_up_proj.weight)),
+                gate_up_bias=pointer(None if mlp.gate_up_proj.bias is None
+                                     else _interleaved_bias(mlp.gate_up_proj.bias)),
+                down=pointer(panels(mlp.down_proj.weight)),
+                down_bias=pointer(mlp.down_proj.bias),
+                k_cache=pointer(k_cache),
+                v_cache=pointer(v_cache),
+                window=attention.sliding_window or 0,
+            )
+        k_cache = kv_caches[0][0]
+        self._layers = layers
+        self._model = _Model(
+            num_layers=config.num_layers, hidden=config.hidden_size, num_heads=config.num_heads,
+            num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+            intermediate=config.intermediate_size, vocab=config.vocab_size,
+            block_size=k_cache.shape[1], num_blocks=k_cache.shape[0],
+            eps=config.rms_norm_eps, scale=decoder_layers[0].self_attn.scale,
+            embed=pointer(model.embed_tokens.weight), final_norm=pointer(model.norm.weight),
+            lm_head=pointer(panels(model.lm_head.weight)),
+            cos_table=pointer(model.rotary.cos), sin_table=pointer(model.rotary.sin),
+            layers=ctypes.addressof(layers),
+        )
+        self._keep = keep
+        self.nbytes = sum(t.nbytes for t in keep if t.dim() == 3)  # the panel copies
+        self.max_positions = model.rotary.cos.shape[0]
+        floats = library.tiergate_decode_workspace_floats(ctypes.byref(self._model), max_rows)
+        self._workspace = torch.empty(floats, dtype=torch.float32)
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        """A decode-only step of at most max_rows sequences, every row sampled."""
+        num_tokens = batch.num_tokens
+        return (
+            num_tokens <= self.max_rows
+            and num_tokens == batch.num_seqs
+            and batch.logits_indices.shape[0] == num_tokens
+        )
+
+    def __call__(self, batch: ForwardBatch) -> torch.Tensor:  # float32[T, V]
+        """Runs the step (can_run must hold): writes the new K/V, returns every row's logits."""
+        num_rows = batch.num_tokens
+        if int(batch.positions.max()) >= self.max_positions:
+            raise ValueError("a position lies past the model's rotary table")
+        ids, positions, slots = (t.to(torch.int64).contiguous() for t in
+                                 (batch.input_ids, batch.positions, batch.slot_mapping))
+        tables = batch.block_tables.to(torch.int32).contiguous()
+        lens = batch.context_lens.to(torch.int32).contiguous()
+        starts = batch.query_start_loc.to(torch.int32).contiguous()
+        logits = torch.empty(num_rows, self.vocab_size, dtype=torch.float32)
+        status = self._library.tiergate_decode_forward_f32(
+            ctypes.byref(self._model), num_rows, ids.data_ptr(), positions.data_ptr(),
+            slots.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(),
+            starts.data_ptr(), self._workspace.data_ptr(), logits.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if status != 0:
+            raise ValueError("decode step out of range: a token id, cache slot or block table "
+                             "points outside the model or the cache")
+        return logits

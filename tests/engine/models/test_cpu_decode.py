@@ -1,0 +1,158 @@
+"""The one-call decode forward (engine.models.cpu_decode) against the layer-by-layer path."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.models import cpu_decode
+from engine.models.batch import ForwardBatch
+from engine.models.config import ModelConfig
+from tests.engine.models.helpers import (
+    HF_CONFIGS,
+    PagedDriver,
+    RecordingSampler,
+    Sequence,
+    make_checkpoint,
+    make_runner,
+    random_prompts,
+)
+
+VARIANTS = sorted(HF_CONFIGS)
+
+
+@pytest.fixture(scope="module", params=VARIANTS)
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp(request.param)
+    make_checkpoint(path, request.param, seed=VARIANTS.index(request.param))
+    return path
+
+
+def _run(path: Path, cpu_decode_rows: int) -> tuple[list[Sequence], RecordingSampler, int]:
+    """Nine sequences of different lengths: decode steps shrink from 9 rows to 1 as they end.
+    Returns them, what the sampler saw, and how many steps the decode forward ran."""
+    sampler = RecordingSampler(256)
+    runner = make_runner(path, sampler=sampler, cpu_decode_rows=cpu_decode_rows)
+    calls = [0]
+    if runner.decode_forward is not None:
+        runner.decode_forward = _Counted(runner.decode_forward, calls)  # type: ignore[assignment]
+    prompts = random_prompts([3, 70, 17, 1, 33, 48, 9, 26, 55], seed=7)
+    seqs = [Sequence(f"s{i}", p, 4 + 3 * i) for i, p in enumerate(prompts)]
+    PagedDriver(runner).run(seqs, token_budget=64)
+    return seqs, sampler, calls[0]
+
+
+class _Counted:
+    """A decode forward that counts its calls."""
+
+    def __init__(self, inner: cpu_decode.CpuDecodeForward, calls: list[int]) -> None:
+        self.inner, self.calls = inner, calls
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        return self.inner.can_run(batch)
+
+    def __call__(self, batch: ForwardBatch) -> torch.Tensor:
+        self.calls[0] += 1
+        return self.inner(batch)
+
+
+def test_matches_the_layer_path(checkpoint: Path) -> None:
+    """Same tokens, logits within rounding, for every row count 1..8 the kernel compiles."""
+    layered, layered_logits, no_calls = _run(checkpoint, cpu_decode_rows=0)
+    fused, fused_logits, calls = _run(checkpoint, cpu_decode_rows=cpu_decode.MAX_ROWS)
+    assert no_calls == 0 and calls > 0
+    for a, b in zip(layered, fused, strict=True):
+        assert a.output == b.output, a.request_id
+        torch.testing.assert_close(torch.stack(fused_logits.logits[b.request_id]),
+                                   torch.stack(layered_logits.logits[a.request_id]),
+                                   rtol=1e-4, atol=1e-4)
+
+
+def test_rows_beyond_the_limit_take_the_layer_path(checkpoint: Path) -> None:
+    """With a limit of 2 rows, wider decode steps go through the layers, and the tokens agree."""
+    layered, _, _ = _run(checkpoint, cpu_decode_rows=0)
+    limited, _, calls = _run(checkpoint, cpu_decode_rows=2)
+    assert calls > 0
+    assert [s.output for s in limited] == [s.output for s in layered]
+
+
+def test_out_of_range_steps_are_refused(checkpoint: Path) -> None:
+    runner = make_runner(checkpoint)
+    forward = runner.decode_forward
+    assert forward is not None
+    num_slots = runner.num_kv_blocks * runner.block_size
+    k_before = runner.kv_caches[0][0].clone()
+
+    def batch(token: int, slot: int, block: int) -> ForwardBatch:
+        return ForwardBatch(
+            input_ids=torch.tensor([token]), positions=torch.tensor([4]),
+            slot_mapping=torch.tensor([slot]),
+            block_tables=torch.tensor([[block]], dtype=torch.int32),
+            query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+            context_lens=torch.tensor([5], dtype=torch.int32),
+            logits_indices=torch.tensor([0]),
+        )
+
+    assert forward.can_run(batch(1, 4, 0))
+    for bad in (batch(256, 4, 0), batch(1, num_slots, 0), batch(1, 4, runner.num_kv_blocks)):
+        with pytest.raises(ValueError, match="out of range"):
+            forward(bad)
+    assert torch.equal(runner.kv_caches[0][0], k_before)  # nothing written
+
+
+def test_can_run_only_decodes_within_the_limit(checkpoint: Path) -> None:
+    forward = make_runner(checkpoint, cpu_decode_rows=3).decode_forward
+    assert forward is not None
+
+    def batch(num_seqs: int, rows_per_seq: int) -> ForwardBatch:
+        num_tokens = num_seqs * rows_per_seq
+        return ForwardBatch(
+            input_ids=torch.zeros(num_tokens, dtype=torch.int64),
+            positions=torch.zeros(num_tokens, dtype=torch.int64),
+            slot_mapping=torch.zeros(num_tokens, dtype=torch.int64),
+            block_tables=torch.zeros(num_seqs, 1, dtype=torch.int32),
+            query_start_loc=torch.arange(0, num_tokens + 1, rows_per_seq, dtype=torch.int32),
+            context_lens=torch.full((num_seqs,), rows_per_seq, dtype=torch.int32),
+            logits_indices=torch.arange(rows_per_seq - 1, num_tokens, rows_per_seq),
+        )
+
+    assert forward.can_run(batch(3, 1))
+    assert not forward.can_run(batch(4, 1))  # above the limit
+    assert not forward.can_run(batch(1, 2))  # a prefill chunk
+
+
+def test_panels_layout() -> None:
+    weight = torch.arange(32 * 5, dtype=torch.float32).reshape(32, 5)
+    packed = cpu_decode.panels(weight)
+    assert packed.shape == (2, 5, 16)
+    for n in range(32):
+        for k in range(5):
+            assert packed[n // 16, k, n % 16] == weight[n, k]
+    gate_up = torch.cat([weight, -weight])  # gate rows, then up rows
+    pairs = cpu_decode.interleaved_panels(gate_up)
+    assert torch.equal(pairs[0], packed[0]) and torch.equal(pairs[1], -packed[0])
+    assert torch.equal(pairs[2], packed[1]) and torch.equal(pairs[3], -packed[1])
+
+
+def test_copies_cost_the_weights_once_more(checkpoint: Path) -> None:
+    runner = make_runner(checkpoint)
+    assert runner.decode_forward is not None
+    model = runner.model
+    config: ModelConfig = model.config
+    per_layer = (config.q_size + 2 * config.kv_size) * config.hidden_size \
+        + config.hidden_size * config.q_size + 3 * config.hidden_size * config.intermediate_size
+    expected = 4 * (config.num_layers * per_layer + config.vocab_size * config.hidden_size)
+    assert runner.decode_forward.nbytes == expected
+
+
+def test_unsupported_models_are_declined(checkpoint: Path) -> None:
+    config = make_runner(checkpoint).model.config
+    cpu = torch.device("cpu")
+    assert cpu_decode.supports(config, cpu, torch.float32)
+    assert not cpu_decode.supports(config, cpu, torch.bfloat16)
+    # a vocabulary, or a layer width, not in whole panels of 16
+    assert not cpu_decode.supports(replace(config, vocab_size=250), cpu, torch.float32)
+    assert not cpu_decode.supports(replace(config, intermediate_size=136), cpu, torch.float32)
