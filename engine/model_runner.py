@@ -48,8 +48,8 @@ class RunnerConfig:
     use_cuda_graphs: bool = True  # capture decode-only steps on CUDA
     pack_cpu_weights: bool = True  # CPU: linear layers on oneDNN-prepacked weights
     fuse_cpu_ops: bool = True  # CPU float32: norms, RoPE + KV write, SiLU-and-mul as C++ ops
-    # CPU float32: decode-only steps of at most this many sequences run as one C++ call
-    # (engine.models.cpu_decode; a second copy of the weights); 0: never
+    # CPU float32: decode-only steps of at most this many sequences (up to 64) run as one C++
+    # call (engine.models.cpu_decode; a second copy of the weights); 0: never
     cpu_decode_rows: int = CPU_DECODE_MAX_ROWS
     fuse_cuda_ops: bool = True  # CUDA: residual add + RMSNorm as one Triton kernel
     tune_cpu_allocator: bool = True  # CPU: keep freed memory in the heap (process-wide mallopt)

@@ -32,7 +32,8 @@ using namespace tiergate;  // NOLINT: the shared row and vector helpers
 namespace {
 
 constexpr int64_t kPanel = 16;  // outputs per weight panel
-constexpr int64_t kMaxRows = 8;  // rows (sequences) one call takes
+constexpr int64_t kMaxRows = 64;  // rows (sequences) one call takes
+constexpr int64_t kRowBlock = 8;  // rows one panel product takes at a time
 // Panel rows (64-byte lines) a product prefetches ahead in each panel it walks: the panels are
 // separate streams, more than the hardware prefetchers follow well (an Intel Xeon host, lm_head
 // 49,152 x 576 on 2 threads, M = 4: 24.6-29.9 GB/s without, 31.2-38.7 with 16).
@@ -102,36 +103,83 @@ inline void panel_product(const float* x, int64_t K, const float* panels, int64_
       if (k + kPrefetchRows < K) __builtin_prefetch(w[j] + (k + kPrefetchRows) * kPanel, 0, 3);
       wv[j] = *reinterpret_cast<const vec16*>(w[j] + k * kPanel);
     }
-    for (int m = 0; m < M; ++m) {
+    for (int64_t m = 0; m < M; ++m) {
       const vec16 xm = vec16{} + x[m * K + k];
       for (int j = 0; j < P; ++j) acc[m][j] += wv[j] * xm;
     }
   }
-  for (int m = 0; m < M; ++m) {
+  for (int64_t m = 0; m < M; ++m) {
     for (int j = 0; j < P; ++j) {
       *reinterpret_cast<vec16*>(out + m * out_stride + (first + j) * kPanel) = acc[m][j];
     }
   }
 }
 
-// This thread's share of out[M, N] = x[M, K] W^T (+ bias): panels [begin, end) of the N / 16,
-// whole units of `unit` panels, taken P at a time: P streams of weights in flight, M x P
-// accumulators in registers (more streams read faster, up to what the registers hold: on an
-// Intel Xeon host, M = 1 read 33-36 GB/s with P = 8 against 24-32 with P = 4).
-// Sets *share_begin and *share_end to the share.
+// Rows m of out[rows, N] for panels [first, first + P): panel_product for a runtime row count.
+template <int P>
+inline void row_block(int64_t rows, const float* x, int64_t K, const float* panels, int64_t first,
+                      float* out, int64_t out_stride) {
+  switch (rows) {
+    case 1: panel_product<1, P>(x, K, panels, first, out, out_stride); break;
+    case 2: panel_product<2, P>(x, K, panels, first, out, out_stride); break;
+    case 3: panel_product<3, P>(x, K, panels, first, out, out_stride); break;
+    case 4: panel_product<4, P>(x, K, panels, first, out, out_stride); break;
+    case 5: panel_product<5, P>(x, K, panels, first, out, out_stride); break;
+    case 6: panel_product<6, P>(x, K, panels, first, out, out_stride); break;
+    case 7: panel_product<7, P>(x, K, panels, first, out, out_stride); break;
+    default: panel_product<8, P>(x, K, panels, first, out, out_stride); break;
+  }
+}
+
+// Panels [begin, end) of out[M, N] for M <= kRowBlock rows, P panels at a time: P streams of
+// weights in flight, M x P accumulators in registers (more streams read faster, up to what the
+// registers hold: on an Intel Xeon host, M = 1 read 33-36 GB/s with P = 8 against 24-32 with
+// P = 4).
 template <int M>
-void product_share(const float* x, int64_t K, const float* panels, const float* bias, int64_t N,
-                   int64_t unit, float* out, int64_t thread, int64_t num_threads,
-                   int64_t* share_begin, int64_t* share_end) {
+void few_rows(const float* x, int64_t K, const float* panels, int64_t N, float* out,
+              int64_t begin, int64_t end) {
   constexpr int P = M <= 2 ? 8 : M <= 4 ? 4 : 3;
-  const int64_t num_units = N / kPanel / unit;
-  const int64_t begin = num_units * thread / num_threads * unit;
-  const int64_t end = num_units * (thread + 1) / num_threads * unit;
   int64_t p = begin;
   for (; p + P <= end; p += P) panel_product<M, P>(x, K, panels, p, out, N);
   for (; p < end; ++p) panel_product<M, 1>(x, K, panels, p, out, N);
+}
+
+// This thread's share of out[M, N] = x[M, K] W^T (+ bias): panels [begin, end) of the N / 16,
+// whole units of `unit` panels. Above kRowBlock rows, each group of panels is taken by every
+// block of kRowBlock rows in turn while it is in cache: the weights are read from memory once.
+// Sets *share_begin and *share_end to the share.
+void product_share(int64_t M, const float* x, int64_t K, const float* panels, const float* bias,
+                   int64_t N, int64_t unit, float* out, int64_t thread, int64_t num_threads,
+                   int64_t* share_begin, int64_t* share_end) {
+  const int64_t num_units = N / kPanel / unit;
+  const int64_t begin = num_units * thread / num_threads * unit;
+  const int64_t end = num_units * (thread + 1) / num_threads * unit;
+  switch (M) {
+    case 1: few_rows<1>(x, K, panels, N, out, begin, end); break;
+    case 2: few_rows<2>(x, K, panels, N, out, begin, end); break;
+    case 3: few_rows<3>(x, K, panels, N, out, begin, end); break;
+    case 4: few_rows<4>(x, K, panels, N, out, begin, end); break;
+    case 5: few_rows<5>(x, K, panels, N, out, begin, end); break;
+    case 6: few_rows<6>(x, K, panels, N, out, begin, end); break;
+    case 7: few_rows<7>(x, K, panels, N, out, begin, end); break;
+    case 8: few_rows<8>(x, K, panels, N, out, begin, end); break;
+    default: {
+      constexpr int P = 3;
+      int64_t p = begin;
+      for (; p + P <= end; p += P) {
+        for (int64_t m = 0; m < M; m += kRowBlock) {
+          row_block<P>(std::min(kRowBlock, M - m), x + m * K, K, panels, p, out + m * N, N);
+        }
+      }
+      for (; p < end; ++p) {
+        for (int64_t m = 0; m < M; m += kRowBlock) {
+          row_block<1>(std::min(kRowBlock, M - m), x + m * K, K, panels, p, out + m * N, N);
+        }
+      }
+    }
+  }
   if (bias != nullptr) {
-    for (int m = 0; m < M; ++m) {
+    for (int64_t m = 0; m < M; ++m) {
       for (int64_t n = begin * kPanel; n < end * kPanel; n += 8) {
         store8(out + m * N + n, load8(out + m * N + n) + load8(bias + n));
       }
@@ -164,9 +212,9 @@ struct Workspace {
   float* act;        // [M, I]
 };
 
-template <int M>
 void forward(const TiergateDecodeModel& model, const Step& step, const Workspace& ws,
              float* logits, int64_t num_threads) {
+  const int64_t M = step.num_rows;
   const int64_t E = model.hidden, H = model.num_heads, Hkv = model.num_kv_heads;
   const int64_t D = model.head_dim, I = model.intermediate;
   const int64_t qkv_size = (H + 2 * Hkv) * D, kv_size = Hkv * D;
@@ -176,18 +224,18 @@ void forward(const TiergateDecodeModel& model, const Step& step, const Workspace
     paged::Scratch scratch;
     int64_t begin = 0, end = 0;
 #pragma omp single
-    for (int m = 0; m < M; ++m) {
+    for (int64_t m = 0; m < M; ++m) {
       std::memcpy(ws.residual + m * E, model.embed + step.token_ids[m] * E, E * sizeof(float));
       rms_norm_row(ws.residual + m * E, nullptr, model.layers[0].input_norm, model.eps, E,
                    ws.normed + m * E);
     }
     for (int64_t l = 0; l < model.num_layers; ++l) {
       const TiergateDecodeLayer& layer = model.layers[l];
-      product_share<M>(ws.normed, E, layer.qkv, layer.qkv_bias, qkv_size, 1, ws.qkv, thread,
+      product_share(M, ws.normed, E, layer.qkv, layer.qkv_bias, qkv_size, 1, ws.qkv, thread,
                        threads, &begin, &end);
 #pragma omp barrier
 #pragma omp single
-      for (int m = 0; m < M; ++m) {
+      for (int64_t m = 0; m < M; ++m) {
         float* row = ws.qkv + m * qkv_size;
         if (layer.q_norm != nullptr) {
           for (int64_t h = 0; h < H; ++h) {
@@ -213,37 +261,37 @@ void forward(const TiergateDecodeModel& model, const Step& step, const Workspace
       for (int64_t item = 0; item < M * Hkv; ++item) {
         attend(layout, paged::Item{item / Hkv, 0, 1, item % Hkv, item % Hkv + 1}, scratch);
       }
-      product_share<M>(ws.attention, H * D, layer.o, layer.o_bias, E, 1, ws.product, thread,
+      product_share(M, ws.attention, H * D, layer.o, layer.o_bias, E, 1, ws.product, thread,
                        threads, &begin, &end);
 #pragma omp barrier
 #pragma omp single
-      for (int m = 0; m < M; ++m) {
+      for (int64_t m = 0; m < M; ++m) {
         rms_norm_row(ws.product + m * E, ws.residual + m * E, layer.post_norm, model.eps, E,
                      ws.normed + m * E);
       }
-      product_share<M>(ws.normed, E, layer.gate_up, layer.gate_up_bias, 2 * I, 2, ws.gate_up,
+      product_share(M, ws.normed, E, layer.gate_up, layer.gate_up_bias, 2 * I, 2, ws.gate_up,
                        thread, threads, &begin, &end);
       // Shares hold whole (gate, up) panel pairs: activations j * 16 .. j * 16 + 15 come from
       // panels 2j and 2j + 1, which this thread has just computed.
       for (int64_t p = begin; p < end; p += 2) {
-        for (int m = 0; m < M; ++m) {
+        for (int64_t m = 0; m < M; ++m) {
           const float* pair = ws.gate_up + m * 2 * I + p * kPanel;
           silu_and_mul_row(pair, pair + kPanel, kPanel, ws.act + m * I + (p / 2) * kPanel);
         }
       }
 #pragma omp barrier
-      product_share<M>(ws.act, I, layer.down, layer.down_bias, E, 1, ws.product, thread, threads,
+      product_share(M, ws.act, I, layer.down, layer.down_bias, E, 1, ws.product, thread, threads,
                        &begin, &end);
 #pragma omp barrier
       const float* next_norm =
           l + 1 < model.num_layers ? model.layers[l + 1].input_norm : model.final_norm;
 #pragma omp single
-      for (int m = 0; m < M; ++m) {
+      for (int64_t m = 0; m < M; ++m) {
         rms_norm_row(ws.product + m * E, ws.residual + m * E, next_norm, model.eps, E,
                      ws.normed + m * E);
       }
     }
-    product_share<M>(ws.normed, E, model.lm_head, nullptr, model.vocab, 1, logits, thread, threads,
+    product_share(M, ws.normed, E, model.lm_head, nullptr, model.vocab, 1, logits, thread, threads,
                      &begin, &end);
   }
 }
@@ -283,16 +331,7 @@ int tiergate_decode_forward_f32(const TiergateDecodeModel* model, int64_t num_ro
                      take(E), take(2 * I), take(I)};
   const Step step{num_rows, token_ids, positions, slots, block_tables, table_stride,
                   context_lens, query_starts};
-  switch (num_rows) {
-    case 1: forward<1>(md, step, ws, logits, num_threads); break;
-    case 2: forward<2>(md, step, ws, logits, num_threads); break;
-    case 3: forward<3>(md, step, ws, logits, num_threads); break;
-    case 4: forward<4>(md, step, ws, logits, num_threads); break;
-    case 5: forward<5>(md, step, ws, logits, num_threads); break;
-    case 6: forward<6>(md, step, ws, logits, num_threads); break;
-    case 7: forward<7>(md, step, ws, logits, num_threads); break;
-    default: forward<8>(md, step, ws, logits, num_threads); break;
-  }
+  forward(md, step, ws, logits, num_threads);
   return 0;
 }
 

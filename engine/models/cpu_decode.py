@@ -34,7 +34,7 @@ __all__ = ["MAX_ROWS", "CpuDecodeForward", "supports"]
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
-MAX_ROWS = 8  # the C++ side's kMaxRows
+MAX_ROWS = 64  # the C++ side's kMaxRows
 _PANEL = 16  # outputs per weight panel
 # The load-time check against the model's forward: relative error of the logits.
 _CHECK_TOLERANCE = 1e-4

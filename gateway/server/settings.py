@@ -67,7 +67,7 @@ _OPTIONS: dict[str, _Option] = {
         "--cpu-decode-rows",
         "TIERGATE_CPU_DECODE_ROWS",
         "CPU float32: decode steps of at most this many requests run as one C++ call over a "
-        "second copy of the weights (0: never; default 8)",
+        "second copy of the weights (0: never; default 64)",
     ),
     "scheduling": _Option(
         "--scheduling", "TIERGATE_SCHEDULING", "tiered (default) or fcfs (baseline)"
@@ -166,8 +166,8 @@ class GatewaySettings:
         ):
             if getattr(self, name) < 1:
                 raise SettingsError(f"{_OPTIONS[name].flag} must be >= 1")
-        if self.cpu_decode_rows is not None and not 0 <= self.cpu_decode_rows <= 8:
-            raise SettingsError("--cpu-decode-rows must be in 0..8")
+        if self.cpu_decode_rows is not None and not 0 <= self.cpu_decode_rows <= 64:
+            raise SettingsError("--cpu-decode-rows must be in 0..64")
         if self.drain_timeout_s < 0:
             raise SettingsError("--drain-timeout must be >= 0")
         if not self.stream_write_timeout_s > 0:
