@@ -36,7 +36,16 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
 MAX_ROWS = 64  # the C++ side's kMaxRows
 _PANEL = 16  # outputs per weight panel
-# The load-time check against the model's forward: relative error of the logits.
+# The load-time check (_agrees_with_layers): a tiny random Llama with biases, its decode of
+# 9 rows (a block of 8 rows and one of 1) against its own layers in plain torch; relative
+# error of the logits.
+_CHECK_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 64,
+    "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 64, "attention_bias": True, "mlp_bias": True,
+}
+_CHECK_ROWS = 9
 _CHECK_TOLERANCE = 1e-4
 
 _p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -72,6 +81,44 @@ def _library() -> ctypes.CDLL | None:
     return library
 
 
+@functools.cache
+def _agrees_with_layers() -> bool:
+    """The kernel on a tiny random model against that model's layers in plain torch (catches
+    a miscompiled library before it serves)."""
+    from engine.attention import AttentionMetadata
+    from engine.attention.torch_paged import TorchPagedAttention
+    from engine.loader import random_model
+
+    model = random_model(ModelConfig.from_dict(_CHECK_CONFIG), seed=0, max_model_len=64)
+    config, block_size = model.config, 4
+    generator = torch.Generator().manual_seed(0)
+    shape = (3 * _CHECK_ROWS, block_size, config.num_kv_heads, config.head_dim)
+    caches = [(torch.randn(shape, generator=generator), torch.randn(shape, generator=generator))
+              for _ in range(config.num_layers)]
+    contexts = torch.arange(2, 2 + _CHECK_ROWS, dtype=torch.int32)  # tokens after the step
+    tables = torch.randperm(3 * _CHECK_ROWS, generator=generator).to(torch.int32).view(-1, 3)
+    positions = contexts.to(torch.int64) - 1
+    blocks = tables.gather(1, (positions // block_size).view(-1, 1)).view(-1).to(torch.int64)
+    batch = ForwardBatch(
+        input_ids=torch.randint(0, config.vocab_size, (_CHECK_ROWS,), generator=generator),
+        positions=positions,
+        slot_mapping=blocks * block_size + positions % block_size,
+        block_tables=tables,
+        query_start_loc=torch.arange(_CHECK_ROWS + 1, dtype=torch.int32),
+        context_lens=contexts,
+        logits_indices=torch.arange(_CHECK_ROWS),
+    )
+    attention = TorchPagedAttention()
+    attention.prepare(AttentionMetadata.from_batch(batch))
+    with torch.inference_mode():
+        expected = model(batch, [(k.clone(), v.clone()) for k, v in caches], attention)
+        got = CpuDecodeForward(model, caches, _CHECK_ROWS)(batch)
+    if bool((got - expected).norm() / expected.norm() < _CHECK_TOLERANCE):
+        return True
+    logger.warning("the CPU decode forward disagrees with the layers; decode steps keep them")
+    return False
+
+
 def supports(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether a model of this config, device and dtype can take the decode forward (builds
     it): what the fused row ops and the attention kernel take, every matrix in whole panels."""
@@ -83,6 +130,7 @@ def supports(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> b
         and cpu_kernel.load() is not None
         and all(size % _PANEL == 0 for size in sizes)
         and _library() is not None
+        and _agrees_with_layers()
     )
 
 

@@ -157,3 +157,19 @@ def test_unsupported_models_are_declined(checkpoint: Path) -> None:
     # a vocabulary, or a layer width, not in whole panels of 16
     assert not cpu_decode.supports(replace(config, vocab_size=250), cpu, torch.float32)
     assert not cpu_decode.supports(replace(config, intermediate_size=136), cpu, torch.float32)
+
+
+def test_the_load_time_check_catches_a_wrong_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """supports() runs the kernel once on a tiny random model against its layers; a kernel
+    whose logits are off is declined."""
+    check = cpu_decode._agrees_with_layers.__wrapped__
+    assert check()
+    call = cpu_decode.CpuDecodeForward.__call__
+
+    def off(self: cpu_decode.CpuDecodeForward, batch: ForwardBatch) -> torch.Tensor:
+        logits = call(self, batch)
+        logits[batch.num_tokens - 1] *= 1.01  # the last row: the kernel's second row block
+        return logits
+
+    monkeypatch.setattr(cpu_decode.CpuDecodeForward, "__call__", off)
+    assert not check()
