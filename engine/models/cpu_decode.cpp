@@ -1,5 +1,5 @@
-// The whole forward of a decode step of few rows (one new token for each of up to kMaxRows
-// sequences), float32, in one call and one OpenMP parallel region.
+// The whole forward of a decode step (one new token for each of up to kMaxRows sequences),
+// float32, in one call and one OpenMP parallel region.
 //
 // A batch-1 decode step of a small model runs ~120 matrix products and ~100 element-wise ops of
 // a few hundred floats each. Issued one by one from Python, each pays the interpreter, torch's

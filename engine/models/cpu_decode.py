@@ -1,4 +1,4 @@
-"""A decode step of few rows as one C++ call on the CPU (cpu_decode.cpp), float32 only.
+"""A decode step of up to 64 rows as one C++ call on the CPU (cpu_decode.cpp), float32 only.
 
 At batch 1 the decoder's Python, torch's dispatcher and one OpenMP region per operation cost a
 float32 model on a 2-core CPU a quarter of its step (the default model on an Intel Xeon host:
@@ -8,9 +8,11 @@ step of up to MAX_ROWS sequences in one parallel region instead: its own product
 in 16-wide panels, the fused row ops, the paged attention kernel, the lm_head.
 
 The panels are a second copy of the layers' weights and the lm_head (the packed oneDNN copies
-still serve prefills and larger decode batches): about the model's float32 size again. The
-runner builds it when `RunnerConfig.cpu_decode_rows` is above 0 and `supports` holds;
-`build` checks it against the model's own forward once and gives None where they disagree.
+still serve prefills, mixed steps and decode batches above the limit): about the model's
+float32 size again. The runner builds it when `RunnerConfig.cpu_decode_rows` is above 0 and
+`supports` holds, which runs the kernel once on a tiny random model against that model's
+layers and declines a library that disagrees. The KV caches it is given must stay where they
+are (the runner never reallocates them).
 """
 
 from __future__ import annotations
