@@ -121,6 +121,7 @@ class TorchModelRunner:
             ):  # before packing: it copies the plain weights
                 self.decode_forward = CpuDecodeForward(model, self.kv_caches,
                                                        config.cpu_decode_rows)
+                model.lm_head = self.decode_forward.lm_head_module()  # one copy, not two
             if config.pack_cpu_weights:
                 pack_linear_layers(model, batch_size_hint=min(config.max_num_batched_tokens, 64))
             if config.fuse_cpu_ops:

@@ -335,6 +335,18 @@ int tiergate_decode_forward_f32(const TiergateDecodeModel* model, int64_t num_ro
   return 0;
 }
 
+// out[M, N] = x[M, K] W^T for W in panels (N % 16 == 0), on num_threads threads: the lm_head of
+// the steps that go layer by layer, over the panels the decode forward already holds.
+void tiergate_panel_product_f32(const float* x, int64_t M, int64_t K, const float* panels,
+                                int64_t N, float* out, int64_t num_threads) {
+#pragma omp parallel num_threads(num_threads)
+  {
+    int64_t begin = 0, end = 0;
+    product_share(M, x, K, panels, nullptr, N, 1, out, omp_get_thread_num(),
+                  omp_get_num_threads(), &begin, &end);
+  }
+}
+
 // Floats of workspace a call of num_rows rows needs.
 int64_t tiergate_decode_workspace_floats(const TiergateDecodeModel* model, int64_t num_rows) {
   const TiergateDecodeModel& md = *model;

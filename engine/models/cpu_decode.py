@@ -7,9 +7,9 @@ product has streamed its weights. `CpuDecodeForward` runs the whole forward of a
 step of up to MAX_ROWS sequences in one parallel region instead: its own products over weights
 in 16-wide panels, the fused row ops, the paged attention kernel, the lm_head.
 
-The panels are a second copy of the layers' weights and the lm_head (the packed oneDNN copies
-still serve prefills, mixed steps and decode batches above the limit): about the model's
-float32 size again. The runner builds it when `RunnerConfig.cpu_decode_rows` is above 0 and
+The panels are a second copy of the layers' weights (the packed oneDNN copies still serve
+prefills, mixed steps and decode batches above the limit) and the lm_head's only packed copy
+(those steps' lm_head, `PanelLinear`, reads it too): about the model's float32 size again. The runner builds it when `RunnerConfig.cpu_decode_rows` is above 0 and
 `supports` holds, which runs the kernel once on a tiny random model against that model's
 layers and declines a library that disagrees. The KV caches it is given must stay where they
 are (the runner never reallocates them).
@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import cast
 
 import torch
+from torch import nn
 
 from engine.attention import cpp_build, cpu_kernel
 from engine.models import cpu_ops
@@ -31,7 +32,7 @@ from engine.models.batch import ForwardBatch
 from engine.models.config import ModelConfig
 from engine.models.decoder import CausalLM, DecoderLayer, KVCache
 
-__all__ = ["MAX_ROWS", "CpuDecodeForward", "supports"]
+__all__ = ["MAX_ROWS", "CpuDecodeForward", "PanelLinear", "supports"]
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +81,8 @@ def _library() -> ctypes.CDLL | None:
     library.tiergate_decode_forward_f32.restype = ctypes.c_int
     library.tiergate_decode_workspace_floats.argtypes = [_p, _i64]
     library.tiergate_decode_workspace_floats.restype = _i64
+    library.tiergate_panel_product_f32.argtypes = [_p, _i64, _i64, _p, _i64, _p, _i64]
+    library.tiergate_panel_product_f32.restype = None
     return library
 
 
@@ -168,6 +171,7 @@ class CpuDecodeForward:
         self.max_rows = max_rows
         config = model.config
         self.vocab_size = config.vocab_size
+        self.lm_head_panels = panels(cast(nn.Linear, model.lm_head).weight)
         keep: list[torch.Tensor] = []  # every tensor the C++ side points into
 
         def pointer(tensor: torch.Tensor | None) -> int | None:
@@ -210,7 +214,7 @@ class CpuDecodeForward:
             block_size=k_cache.shape[1], num_blocks=k_cache.shape[0],
             eps=config.rms_norm_eps, scale=decoder_layers[0].self_attn.scale,
             embed=pointer(model.embed_tokens.weight), final_norm=pointer(model.norm.weight),
-            lm_head=pointer(panels(model.lm_head.weight)),
+            lm_head=pointer(self.lm_head_panels),
             cos_table=pointer(model.rotary.cos), sin_table=pointer(model.rotary.sin),
             layers=ctypes.addressof(layers),
         )
@@ -219,6 +223,10 @@ class CpuDecodeForward:
         self.max_positions = model.rotary.cos.shape[0]
         floats = library.tiergate_decode_workspace_floats(ctypes.byref(self._model), max_rows)
         self._workspace = torch.empty(floats, dtype=torch.float32)
+
+    def lm_head_module(self) -> PanelLinear:
+        """The lm_head as a module over this forward's panels (for the layer path)."""
+        return PanelLinear(self.lm_head_panels)
 
     def can_run(self, batch: ForwardBatch) -> bool:
         """A decode-only step of at most max_rows sequences, every row sampled."""
@@ -250,3 +258,27 @@ class CpuDecodeForward:
             raise ValueError("decode step out of range: a token id, cache slot or block table "
                              "points outside the model or the cache")
         return logits
+
+
+class PanelLinear(nn.Module):
+    """y = x W^T over a weight in panels (no bias): the lm_head of the steps that go layer by
+    layer, sharing the decode forward's copy (CpuDecodeForward.lm_head_module), so the lm_head
+    needs no oneDNN-packed copy as well."""
+
+    def __init__(self, weight_panels: torch.Tensor) -> None:
+        super().__init__()
+        library = _library()
+        assert library is not None, "supports() must be true before a PanelLinear is made"
+        self._library = library
+        self.panels = weight_panels  # [N / 16, K, 16]
+        self.out_features = weight_panels.shape[0] * _PANEL
+        self.in_features = weight_panels.shape[1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # float32 [M, K] -> [M, N]
+        x = x.contiguous()
+        out = x.new_empty((x.shape[0], self.out_features))
+        self._library.tiergate_panel_product_f32(
+            x.data_ptr(), x.shape[0], self.in_features, self.panels.data_ptr(),
+            self.out_features, out.data_ptr(), torch.get_num_threads(),
+        )
+        return out

@@ -173,3 +173,23 @@ def test_the_load_time_check_catches_a_wrong_kernel(monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setattr(cpu_decode.CpuDecodeForward, "__call__", off)
     assert not check()
+
+
+@pytest.mark.parametrize("num_rows", [1, 5, 8, 19, 70])  # 19, 70: blocks of 8 rows and a tail
+def test_panel_lm_head_equals_linear(num_rows: int) -> None:
+    generator = torch.Generator().manual_seed(num_rows)
+    weight, x = torch.randn(96, 40, generator=generator), torch.randn(num_rows, 40,
+                                                                        generator=generator)
+    lm_head = cpu_decode.PanelLinear(cpu_decode.panels(weight))
+    torch.testing.assert_close(lm_head(x), x @ weight.T, rtol=1e-5, atol=1e-5)
+
+
+def test_layer_path_shares_the_lm_head_panels(checkpoint: Path) -> None:
+    """With the decode forward, the layers' lm_head reads its panels (one copy, not a packed
+    one as well); without it, the lm_head is packed like the other layers."""
+    runner = make_runner(checkpoint)
+    assert runner.decode_forward is not None
+    assert isinstance(runner.model.lm_head, cpu_decode.PanelLinear)
+    assert runner.model.lm_head.panels is runner.decode_forward.lm_head_panels
+    assert not isinstance(make_runner(checkpoint, cpu_decode_rows=0).model.lm_head,
+                          cpu_decode.PanelLinear)
