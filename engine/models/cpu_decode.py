@@ -9,9 +9,10 @@ in 16-wide panels, the fused row ops, the paged attention kernel, the lm_head.
 
 The panels are a second copy of the layers' weights (the packed oneDNN copies still serve
 prefills, mixed steps and decode batches above the limit) and the lm_head's only packed copy
-(those steps' lm_head, `PanelLinear`, reads it too): about the model's float32 size again. The runner builds it when `RunnerConfig.cpu_decode_rows` is above 0 and
-`supports` holds, which runs the kernel once on a tiny random model against that model's
-layers and declines a library that disagrees. The KV caches it is given must stay where they
+(those steps' lm_head, `PanelLinear`, reads it too): about the model's float32 size again.
+The runner builds it when `RunnerConfig.cpu_decode_rows` is above 0 and `supports` holds,
+which runs the kernel once on a tiny random model against that model's layers and declines a
+library that disagrees. The KV caches it is given must stay where they
 are (the runner never reallocates them).
 """
 
