@@ -8,7 +8,13 @@ model configs, checkpoints) are imported on first use, so `import engine` stays 
 import importlib
 from typing import TYPE_CHECKING
 
-from engine.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
+from engine.config import (
+    CPU_DECODE_MAX_ROWS,
+    CacheConfig,
+    ConfigError,
+    EngineConfig,
+    SchedulerConfig,
+)
 from engine.engine_client import EngineClient
 from engine.engine_process import EngineProcess
 from engine.errors import (
@@ -50,6 +56,7 @@ if TYPE_CHECKING:
     from engine.models.config import ModelConfig, ModelConfigError
 
 __all__ = [
+    "CPU_DECODE_MAX_ROWS",
     "JSON_OPTIONS",
     "MAX_STOP_STRING_CHARS",
     "AdmissionGate",

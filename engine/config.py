@@ -11,6 +11,12 @@ class ConfigError(EngineError):
     """An engine setting out of range."""
 
 
+# Most sequences a CPU decode step may run as one C++ call (engine.models.cpu_decode; the
+# runner's `cpu_decode_rows` and `tiergate serve --cpu-decode-rows`): the default number of
+# running requests, measured up to 48.
+CPU_DECODE_MAX_ROWS = 64
+
+
 @dataclass
 class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # token budget of one step (decodes + prefill chunks)

@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from engine import CPU_DECODE_MAX_ROWS
 from gateway.admin.auth import ADMIN_TOKEN_ENV
 from tenants import DEFAULT_DATABASE_URL
 
@@ -67,7 +68,7 @@ _OPTIONS: dict[str, _Option] = {
         "--cpu-decode-rows",
         "TIERGATE_CPU_DECODE_ROWS",
         "CPU float32: decode steps of at most this many requests run as one C++ call over a "
-        "second copy of the weights (0: never; default 64)",
+        f"second copy of the weights (0: never; default {CPU_DECODE_MAX_ROWS})",
     ),
     "scheduling": _Option(
         "--scheduling", "TIERGATE_SCHEDULING", "tiered (default) or fcfs (baseline)"
@@ -166,8 +167,10 @@ class GatewaySettings:
         ):
             if getattr(self, name) < 1:
                 raise SettingsError(f"{_OPTIONS[name].flag} must be >= 1")
-        if self.cpu_decode_rows is not None and not 0 <= self.cpu_decode_rows <= 64:
-            raise SettingsError("--cpu-decode-rows must be in 0..64")
+        if self.cpu_decode_rows is not None and not (
+            0 <= self.cpu_decode_rows <= CPU_DECODE_MAX_ROWS
+        ):
+            raise SettingsError(f"--cpu-decode-rows must be in 0..{CPU_DECODE_MAX_ROWS}")
         if self.drain_timeout_s < 0:
             raise SettingsError("--drain-timeout must be >= 0")
         if not self.stream_write_timeout_s > 0:
