@@ -1,4 +1,4 @@
-// The whole forward of a decode step (one new token for each of up to kMaxRows sequences),
+// The whole forward of a decode step (one new token for each of up to max_rows sequences),
 // float32, in one call and one OpenMP parallel region.
 //
 // A batch-1 decode step of a small model runs ~120 matrix products and ~100 element-wise ops of
@@ -32,7 +32,6 @@ using namespace tiergate;  // NOLINT: the shared row and vector helpers
 namespace {
 
 constexpr int64_t kPanel = 16;  // outputs per weight panel
-constexpr int64_t kMaxRows = 64;  // rows (sequences) one call takes
 constexpr int64_t kRowBlock = 8;  // rows one panel product takes at a time
 // Panel rows (64-byte lines) a product prefetches ahead in each panel it walks: the panels are
 // separate streams, more than the hardware prefetchers follow well (an Intel Xeon host, lm_head
@@ -76,6 +75,8 @@ struct TiergateDecodeModel {
   int64_t vocab;         // V
   int64_t block_size;
   int64_t num_blocks;
+  int64_t max_positions;  // rows of the rotary tables
+  int64_t max_rows;       // rows (sequences) the caller's workspace holds
   float eps;             // RMSNorm epsilon
   float scale;           // attention softmax scale
   const float* embed;       // [V, E] row-major
@@ -144,13 +145,18 @@ void few_rows(const float* x, int64_t K, const float* panels, int64_t N, float* 
   for (; p < end; ++p) panel_product<M, 1>(x, K, panels, p, out, N);
 }
 
+// Panels [begin, end) of a product: one thread's share.
+struct Share {
+  int64_t begin;
+  int64_t end;
+};
+
 // This thread's share of out[M, N] = x[M, K] W^T (+ bias): panels [begin, end) of the N / 16,
-// whole units of `unit` panels. Above kRowBlock rows, each group of panels is taken by every
-// block of kRowBlock rows in turn while it is in cache: the weights are read from memory once.
-// Sets *share_begin and *share_end to the share.
-void product_share(int64_t M, const float* x, int64_t K, const float* panels, const float* bias,
-                   int64_t N, int64_t unit, float* out, int64_t thread, int64_t num_threads,
-                   int64_t* share_begin, int64_t* share_end) {
+// whole units of `unit` panels; returns it. Above kRowBlock rows, each group of panels is taken
+// by every block of kRowBlock rows in turn while it is in cache: the weights are read from
+// memory once.
+Share product_share(int64_t M, const float* x, int64_t K, const float* panels, const float* bias,
+                    int64_t N, int64_t unit, float* out, int64_t thread, int64_t num_threads) {
   const int64_t num_units = N / kPanel / unit;
   const int64_t begin = num_units * thread / num_threads * unit;
   const int64_t end = num_units * (thread + 1) / num_threads * unit;
@@ -185,8 +191,7 @@ void product_share(int64_t M, const float* x, int64_t K, const float* panels, co
       }
     }
   }
-  *share_begin = begin;
-  *share_end = end;
+  return {begin, end};
 }
 
 struct Step {
@@ -222,7 +227,6 @@ void forward(const TiergateDecodeModel& model, const Step& step, const Workspace
   {
     const int64_t thread = omp_get_thread_num(), threads = omp_get_num_threads();
     paged::Scratch scratch;
-    int64_t begin = 0, end = 0;
 #pragma omp single
     for (int64_t m = 0; m < M; ++m) {
       std::memcpy(ws.residual + m * E, model.embed + step.token_ids[m] * E, E * sizeof(float));
@@ -232,7 +236,7 @@ void forward(const TiergateDecodeModel& model, const Step& step, const Workspace
     for (int64_t l = 0; l < model.num_layers; ++l) {
       const TiergateDecodeLayer& layer = model.layers[l];
       product_share(M, ws.normed, E, layer.qkv, layer.qkv_bias, qkv_size, 1, ws.qkv, thread,
-                       threads, &begin, &end);
+                    threads);
 #pragma omp barrier
 #pragma omp single
       for (int64_t m = 0; m < M; ++m) {
@@ -254,34 +258,32 @@ void forward(const TiergateDecodeModel& model, const Step& step, const Workspace
       const paged::Layout layout{ws.qkv, qkv_size, layer.k_cache, layer.v_cache,
                                  step.block_tables, step.table_stride, step.query_starts,
                                  step.context_lens, H, Hkv, D, model.block_size,
-                                 model.scale, layer.window,
-                                 ws.attention};
+                                 model.scale, layer.window, ws.attention};
       auto attend = D == 64 ? paged::attend<64> : D == 128 ? paged::attend<128> : paged::attend<0>;
 #pragma omp for schedule(dynamic, 1)
       for (int64_t item = 0; item < M * Hkv; ++item) {
         attend(layout, paged::Item{item / Hkv, 0, 1, item % Hkv, item % Hkv + 1}, scratch);
       }
       product_share(M, ws.attention, H * D, layer.o, layer.o_bias, E, 1, ws.product, thread,
-                       threads, &begin, &end);
+                    threads);
 #pragma omp barrier
 #pragma omp single
       for (int64_t m = 0; m < M; ++m) {
         rms_norm_row(ws.product + m * E, ws.residual + m * E, layer.post_norm, model.eps, E,
                      ws.normed + m * E);
       }
-      product_share(M, ws.normed, E, layer.gate_up, layer.gate_up_bias, 2 * I, 2, ws.gate_up,
-                       thread, threads, &begin, &end);
+      const Share pairs = product_share(M, ws.normed, E, layer.gate_up, layer.gate_up_bias,
+                                        2 * I, 2, ws.gate_up, thread, threads);
       // Shares hold whole (gate, up) panel pairs: activations j * 16 .. j * 16 + 15 come from
       // panels 2j and 2j + 1, which this thread has just computed.
-      for (int64_t p = begin; p < end; p += 2) {
+      for (int64_t p = pairs.begin; p < pairs.end; p += 2) {
         for (int64_t m = 0; m < M; ++m) {
           const float* pair = ws.gate_up + m * 2 * I + p * kPanel;
           silu_and_mul_row(pair, pair + kPanel, kPanel, ws.act + m * I + (p / 2) * kPanel);
         }
       }
 #pragma omp barrier
-      product_share(M, ws.act, I, layer.down, layer.down_bias, E, 1, ws.product, thread, threads,
-                       &begin, &end);
+      product_share(M, ws.act, I, layer.down, layer.down_bias, E, 1, ws.product, thread, threads);
 #pragma omp barrier
       const float* next_norm =
           l + 1 < model.num_layers ? model.layers[l + 1].input_norm : model.final_norm;
@@ -291,8 +293,8 @@ void forward(const TiergateDecodeModel& model, const Step& step, const Workspace
                      ws.normed + m * E);
       }
     }
-    product_share(M, ws.normed, E, model.lm_head, nullptr, model.vocab, 1, logits, thread, threads,
-                     &begin, &end);
+    product_share(M, ws.normed, E, model.lm_head, nullptr, model.vocab, 1, logits, thread,
+                  threads);
   }
 }
 
@@ -302,18 +304,18 @@ extern "C" {
 
 // Runs the decode step: one new token (token_ids[m] at positions[m], written to cache slot
 // slots[m]) for each of num_rows sequences, whose block tables and context lengths (this token
-// included) are given; writes logits [num_rows, V]. workspace: floats for the rows, sized by
-// tiergate_decode_workspace_floats. Returns 0, or -1 without running for rows out of range
-// (num_rows, a block table pointing outside the cache, a position past the rotary tables is
-// the caller's to check).
+// included) are given; writes logits [num_rows, V]. workspace: floats for model->max_rows rows
+// (tiergate_decode_workspace_floats). Returns 0, or -1 without running when an input is out of
+// range: num_rows above max_rows, a token id past the vocabulary, a position past the rotary
+// tables, a cache slot or a block table outside the cache.
 int tiergate_decode_forward_f32(const TiergateDecodeModel* model, int64_t num_rows,
                                 const int64_t* token_ids, const int64_t* positions,
                                 const int64_t* slots, const int32_t* block_tables,
                                 int64_t table_stride, const int32_t* context_lens,
                                 const int32_t* query_starts, float* workspace, float* logits,
                                 int64_t num_threads) {
-  if (num_rows < 1 || num_rows > kMaxRows) return -1;
   const TiergateDecodeModel& md = *model;
+  if (num_rows < 1 || num_rows > md.max_rows) return -1;
   const paged::Layout check{nullptr, 0, nullptr, nullptr, block_tables, table_stride,
                             query_starts, context_lens, md.num_heads, md.num_kv_heads,
                             md.head_dim, md.block_size, 1.0f, 0, nullptr};
@@ -322,6 +324,7 @@ int tiergate_decode_forward_f32(const TiergateDecodeModel* model, int64_t num_ro
     if (!paged::valid_sequence(check, m, num_rows, num_rows, md.num_blocks)) return -1;
     if (slots[m] < 0 || slots[m] >= num_slots) return -1;
     if (token_ids[m] < 0 || token_ids[m] >= md.vocab) return -1;
+    if (positions[m] < 0 || positions[m] >= md.max_positions) return -1;
   }
   const int64_t E = md.hidden, I = md.intermediate;
   const int64_t qkv_size = (md.num_heads + 2 * md.num_kv_heads) * md.head_dim;
@@ -341,18 +344,17 @@ void tiergate_panel_product_f32(const float* x, int64_t M, int64_t K, const floa
                                 int64_t N, float* out, int64_t num_threads) {
 #pragma omp parallel num_threads(num_threads)
   {
-    int64_t begin = 0, end = 0;
     product_share(M, x, K, panels, nullptr, N, 1, out, omp_get_thread_num(),
-                  omp_get_num_threads(), &begin, &end);
+                  omp_get_num_threads());
   }
 }
 
-// Floats of workspace a call of num_rows rows needs.
-int64_t tiergate_decode_workspace_floats(const TiergateDecodeModel* model, int64_t num_rows) {
+// Floats of workspace the model's max_rows rows need.
+int64_t tiergate_decode_workspace_floats(const TiergateDecodeModel* model) {
   const TiergateDecodeModel& md = *model;
   const int64_t qkv_size = (md.num_heads + 2 * md.num_kv_heads) * md.head_dim;
-  return num_rows * (3 * md.hidden + qkv_size + md.num_heads * md.head_dim +
-                     3 * md.intermediate);
+  return md.max_rows * (3 * md.hidden + qkv_size + md.num_heads * md.head_dim +
+                        3 * md.intermediate);
 }
 
 }  // extern "C"

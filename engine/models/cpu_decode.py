@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from engine.attention import cpp_build, cpu_kernel
+from engine.config import CPU_DECODE_MAX_ROWS
 from engine.models import cpu_ops
 from engine.models.batch import ForwardBatch
 from engine.models.config import ModelConfig
@@ -38,7 +39,7 @@ __all__ = ["MAX_ROWS", "CpuDecodeForward", "PanelLinear", "supports"]
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
-MAX_ROWS = 64  # the C++ side's kMaxRows
+MAX_ROWS = CPU_DECODE_MAX_ROWS
 _PANEL = 16  # outputs per weight panel
 # The load-time check (_agrees_with_layers): a tiny random Llama with biases, its decode of
 # 9 rows (a block of 8 rows and one of 1) against its own layers in plain torch; relative
@@ -65,7 +66,7 @@ class _Layer(ctypes.Structure):
 class _Model(ctypes.Structure):
     _fields_ = [(name, _i64) for name in (
         "num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate", "vocab",
-        "block_size", "num_blocks",
+        "block_size", "num_blocks", "max_positions", "max_rows",
     )] + [("eps", _f32), ("scale", _f32)] + [(name, _p) for name in (
         "embed", "final_norm", "lm_head", "cos_table", "sin_table", "layers",
     )]
@@ -80,7 +81,7 @@ def _library() -> ctypes.CDLL | None:
         _p, _i64, _p, _p, _p, _p, _i64, _p, _p, _p, _p, _i64,
     ]
     library.tiergate_decode_forward_f32.restype = ctypes.c_int
-    library.tiergate_decode_workspace_floats.argtypes = [_p, _i64]
+    library.tiergate_decode_workspace_floats.argtypes = [_p]
     library.tiergate_decode_workspace_floats.restype = _i64
     library.tiergate_panel_product_f32.argtypes = [_p, _i64, _i64, _p, _i64, _p, _i64]
     library.tiergate_panel_product_f32.restype = None
@@ -173,7 +174,8 @@ class CpuDecodeForward:
         config = model.config
         self.vocab_size = config.vocab_size
         self.lm_head_panels = panels(cast(nn.Linear, model.lm_head).weight)
-        keep: list[torch.Tensor] = []  # every tensor the C++ side points into
+        keep: list[torch.Tensor] = [self.lm_head_panels]  # what the C++ side points into
+        copies: list[torch.Tensor] = [self.lm_head_panels]  # the panels: this forward's cost
 
         def pointer(tensor: torch.Tensor | None) -> int | None:
             if tensor is None:
@@ -181,6 +183,10 @@ class CpuDecodeForward:
             tensor = tensor.detach().contiguous()
             keep.append(tensor)
             return tensor.data_ptr()
+
+        def packed(tensor: torch.Tensor) -> int | None:
+            copies.append(tensor)
+            return pointer(tensor)
 
         decoder_layers = [cast(DecoderLayer, layer) for layer in model.layers]
         layers = (_Layer * config.num_layers)()
@@ -192,37 +198,37 @@ class CpuDecodeForward:
                 input_norm=pointer(layer.input_layernorm.weight),
                 q_norm=pointer(None if attention.q_norm is None else attention.q_norm.weight),
                 k_norm=pointer(None if attention.k_norm is None else attention.k_norm.weight),
-                qkv=pointer(panels(attention.qkv_proj.weight)),
+                qkv=packed(panels(attention.qkv_proj.weight)),
                 qkv_bias=pointer(attention.qkv_proj.bias),
-                o=pointer(panels(attention.o_proj.weight)),
+                o=packed(panels(attention.o_proj.weight)),
                 o_bias=pointer(attention.o_proj.bias),
                 post_norm=pointer(layer.post_attention_layernorm.weight),
-                gate_up=pointer(interleaved_panels(mlp.gate_up_proj.weight)),
+                gate_up=packed(interleaved_panels(mlp.gate_up_proj.weight)),
                 gate_up_bias=pointer(None if mlp.gate_up_proj.bias is None
                                      else _interleaved_bias(mlp.gate_up_proj.bias)),
-                down=pointer(panels(mlp.down_proj.weight)),
+                down=packed(panels(mlp.down_proj.weight)),
                 down_bias=pointer(mlp.down_proj.bias),
                 k_cache=pointer(k_cache),
                 v_cache=pointer(v_cache),
                 window=attention.sliding_window or 0,
             )
-        k_cache = kv_caches[0][0]
+        first_cache = kv_caches[0][0]
         self._layers = layers
         self._model = _Model(
             num_layers=config.num_layers, hidden=config.hidden_size, num_heads=config.num_heads,
             num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
             intermediate=config.intermediate_size, vocab=config.vocab_size,
-            block_size=k_cache.shape[1], num_blocks=k_cache.shape[0],
+            block_size=first_cache.shape[1], num_blocks=first_cache.shape[0],
+            max_positions=model.rotary.cos.shape[0], max_rows=max_rows,
             eps=config.rms_norm_eps, scale=decoder_layers[0].self_attn.scale,
             embed=pointer(model.embed_tokens.weight), final_norm=pointer(model.norm.weight),
-            lm_head=pointer(self.lm_head_panels),
+            lm_head=self.lm_head_panels.data_ptr(),
             cos_table=pointer(model.rotary.cos), sin_table=pointer(model.rotary.sin),
             layers=ctypes.addressof(layers),
         )
         self._keep = keep
-        self.nbytes = sum(t.nbytes for t in keep if t.dim() == 3)  # the panel copies
-        self.max_positions = model.rotary.cos.shape[0]
-        floats = library.tiergate_decode_workspace_floats(ctypes.byref(self._model), max_rows)
+        self.nbytes = sum(t.nbytes for t in copies)  # bytes of the panel copies
+        floats = library.tiergate_decode_workspace_floats(ctypes.byref(self._model))
         self._workspace = torch.empty(floats, dtype=torch.float32)
 
     def lm_head_module(self) -> PanelLinear:
@@ -239,15 +245,13 @@ class CpuDecodeForward:
         )
 
     def __call__(self, batch: ForwardBatch) -> torch.Tensor:  # float32[T, V]
-        """Runs the step (can_run must hold): writes the new K/V, returns every row's logits."""
+        """Runs the step (can_run must hold): writes the new K/V, returns every row's logits.
+        The kernel checks every input against the model and the cache before it runs."""
         num_rows = batch.num_tokens
-        if int(batch.positions.max()) >= self.max_positions:
-            raise ValueError("a position lies past the model's rotary table")
-        ids, positions, slots = (t.to(torch.int64).contiguous() for t in
-                                 (batch.input_ids, batch.positions, batch.slot_mapping))
-        tables = batch.block_tables.to(torch.int32).contiguous()
-        lens = batch.context_lens.to(torch.int32).contiguous()
-        starts = batch.query_start_loc.to(torch.int32).contiguous()
+        ids, positions, slots, tables, lens, starts = (t.contiguous() for t in (
+            batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables,
+            batch.context_lens, batch.query_start_loc,
+        ))  # ForwardBatch's dtypes: int64 token rows, int32 layout
         logits = torch.empty(num_rows, self.vocab_size, dtype=torch.float32)
         status = self._library.tiergate_decode_forward_f32(
             ctypes.byref(self._model), num_rows, ids.data_ptr(), positions.data_ptr(),
@@ -256,8 +260,8 @@ class CpuDecodeForward:
             torch.get_num_threads(),
         )
         if status != 0:
-            raise ValueError("decode step out of range: a token id, cache slot or block table "
-                             "points outside the model or the cache")
+            raise ValueError("decode step out of range: a token id, position, cache slot or block "
+                             "table points outside the model or the cache")
         return logits
 
 
