@@ -7,28 +7,20 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import PreTrainedModel
 
 from engine.models import cpu_decode
 from engine.models.batch import ForwardBatch
 from engine.models.config import ModelConfig
 from tests.engine.models.helpers import (
-    HF_CONFIGS,
     PagedDriver,
     RecordingSampler,
     Sequence,
-    make_checkpoint,
     make_runner,
     random_prompts,
 )
 
-VARIANTS = sorted(HF_CONFIGS)
-
-
-@pytest.fixture(scope="module", params=VARIANTS)
-def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp(request.param)
-    make_checkpoint(path, request.param, seed=VARIANTS.index(request.param))
-    return path
+Checkpoint = tuple[Path, PreTrainedModel]  # the conftest fixture: directory, HF model
 
 
 def _run(path: Path, cpu_decode_rows: int) -> tuple[list[Sequence], RecordingSampler, int]:
@@ -60,10 +52,10 @@ class _Counted:
         return self.inner(batch)
 
 
-def test_matches_the_layer_path(checkpoint: Path) -> None:
+def test_matches_the_layer_path(checkpoint: Checkpoint) -> None:
     """Same tokens, logits within rounding, for every row count from 19 down to 1."""
-    layered, layered_logits, no_calls = _run(checkpoint, cpu_decode_rows=0)
-    fused, fused_logits, calls = _run(checkpoint, cpu_decode_rows=cpu_decode.MAX_ROWS)
+    layered, layered_logits, no_calls = _run(checkpoint[0], cpu_decode_rows=0)
+    fused, fused_logits, calls = _run(checkpoint[0], cpu_decode_rows=cpu_decode.MAX_ROWS)
     assert no_calls == 0 and calls > 0
     for a, b in zip(layered, fused, strict=True):
         assert a.output == b.output, a.request_id
@@ -72,24 +64,24 @@ def test_matches_the_layer_path(checkpoint: Path) -> None:
                                    rtol=1e-4, atol=1e-4)
 
 
-def test_rows_beyond_the_limit_take_the_layer_path(checkpoint: Path) -> None:
+def test_rows_beyond_the_limit_take_the_layer_path(checkpoint: Checkpoint) -> None:
     """With a limit of 2 rows, wider decode steps go through the layers, and the tokens agree."""
-    layered, _, _ = _run(checkpoint, cpu_decode_rows=0)
-    limited, _, calls = _run(checkpoint, cpu_decode_rows=2)
+    layered, _, _ = _run(checkpoint[0], cpu_decode_rows=0)
+    limited, _, calls = _run(checkpoint[0], cpu_decode_rows=2)
     assert calls > 0
     assert [s.output for s in limited] == [s.output for s in layered]
 
 
-def test_out_of_range_steps_are_refused(checkpoint: Path) -> None:
-    runner = make_runner(checkpoint)
+def test_out_of_range_steps_are_refused(checkpoint: Checkpoint) -> None:
+    runner = make_runner(checkpoint[0])
     forward = runner.decode_forward
     assert forward is not None
     num_slots = runner.num_kv_blocks * runner.block_size
     k_before = runner.kv_caches[0][0].clone()
 
-    def batch(token: int, slot: int, block: int) -> ForwardBatch:
+    def batch(token: int, slot: int, block: int, position: int = 4) -> ForwardBatch:
         return ForwardBatch(
-            input_ids=torch.tensor([token]), positions=torch.tensor([4]),
+            input_ids=torch.tensor([token]), positions=torch.tensor([position]),
             slot_mapping=torch.tensor([slot]),
             block_tables=torch.tensor([[block]], dtype=torch.int32),
             query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
@@ -98,14 +90,16 @@ def test_out_of_range_steps_are_refused(checkpoint: Path) -> None:
         )
 
     assert forward.can_run(batch(1, 4, 0))
-    for bad in (batch(256, 4, 0), batch(1, num_slots, 0), batch(1, 4, runner.num_kv_blocks)):
+    max_positions = runner.model.rotary.cos.shape[0]  # type: ignore[union-attr]
+    for bad in (batch(256, 4, 0), batch(1, num_slots, 0), batch(1, 4, runner.num_kv_blocks),
+                batch(1, 4, 0, position=max_positions)):
         with pytest.raises(ValueError, match="out of range"):
             forward(bad)
     assert torch.equal(runner.kv_caches[0][0], k_before)  # nothing written
 
 
-def test_can_run_only_decodes_within_the_limit(checkpoint: Path) -> None:
-    forward = make_runner(checkpoint, cpu_decode_rows=3).decode_forward
+def test_can_run_only_decodes_within_the_limit(checkpoint: Checkpoint) -> None:
+    forward = make_runner(checkpoint[0], cpu_decode_rows=3).decode_forward
     assert forward is not None
 
     def batch(num_seqs: int, rows_per_seq: int) -> ForwardBatch:
@@ -138,8 +132,8 @@ def test_panels_layout() -> None:
     assert torch.equal(pairs[2], packed[1]) and torch.equal(pairs[3], -packed[1])
 
 
-def test_copies_cost_the_weights_once_more(checkpoint: Path) -> None:
-    runner = make_runner(checkpoint)
+def test_copies_cost_the_weights_once_more(checkpoint: Checkpoint) -> None:
+    runner = make_runner(checkpoint[0])
     assert runner.decode_forward is not None
     model = runner.model
     config: ModelConfig = model.config
@@ -149,8 +143,8 @@ def test_copies_cost_the_weights_once_more(checkpoint: Path) -> None:
     assert runner.decode_forward.nbytes == expected
 
 
-def test_unsupported_models_are_declined(checkpoint: Path) -> None:
-    config = make_runner(checkpoint).model.config
+def test_unsupported_models_are_declined(checkpoint: Checkpoint) -> None:
+    config = make_runner(checkpoint[0]).model.config
     cpu = torch.device("cpu")
     assert cpu_decode.supports(config, cpu, torch.float32)
     assert not cpu_decode.supports(config, cpu, torch.bfloat16)
@@ -184,12 +178,12 @@ def test_panel_lm_head_equals_linear(num_rows: int) -> None:
     torch.testing.assert_close(lm_head(x), x @ weight.T, rtol=1e-5, atol=1e-5)
 
 
-def test_layer_path_shares_the_lm_head_panels(checkpoint: Path) -> None:
+def test_layer_path_shares_the_lm_head_panels(checkpoint: Checkpoint) -> None:
     """With the decode forward, the layers' lm_head reads its panels (one copy, not a packed
     one as well); without it, the lm_head is packed like the other layers."""
-    runner = make_runner(checkpoint)
+    runner = make_runner(checkpoint[0])
     assert runner.decode_forward is not None
     assert isinstance(runner.model.lm_head, cpu_decode.PanelLinear)
     assert runner.model.lm_head.panels is runner.decode_forward.lm_head_panels
-    assert not isinstance(make_runner(checkpoint, cpu_decode_rows=0).model.lm_head,
+    assert not isinstance(make_runner(checkpoint[0], cpu_decode_rows=0).model.lm_head,
                           cpu_decode.PanelLinear)

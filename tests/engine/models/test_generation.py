@@ -4,12 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
 from transformers import PreTrainedModel
 
 from tests.engine.models.helpers import (
-    HF_CONFIGS,
     PagedDriver,
     RecordingSampler,
     Sequence,
@@ -18,16 +16,6 @@ from tests.engine.models.helpers import (
     make_runner,
     random_prompts,
 )
-
-VARIANTS = sorted(HF_CONFIGS)
-
-
-@pytest.fixture(scope="module", params=VARIANTS)
-def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
-               ) -> tuple[Path, PreTrainedModel]:
-    path = tmp_path_factory.mktemp(request.param)
-    model = make_checkpoint(path, request.param, seed=VARIANTS.index(request.param))
-    return path, model
 
 
 def test_single_request_matches_hf(checkpoint: tuple[Path, PreTrainedModel]) -> None:
