@@ -116,7 +116,9 @@ def measure_device(
     step_times = []
     for _ in range(num_steps // 2):
         started = time.perf_counter()
-        engine.step()  # the runner synchronises the device at the end of the step
+        # Synchronous: the step ends when the device is done. Async (CUDA's default): a step
+        # waits for the previous one's tokens, so its time is the pipeline's period.
+        engine.step()
         step_times.append(time.perf_counter() - started)
     # The forward alone on the inputs of the next decode step (its KV writes may land in a
     # block the scheduler has not handed out yet: the engine is not stepped again after).

@@ -72,7 +72,7 @@ class ShortRow:
     per_request_us_max: float
 
 
-def _engine(num_seqs: int, context: int) -> LLMEngine:
+def _engine(num_seqs: int, context: int, async_scheduling: bool) -> LLMEngine:
     blocks_per_request = -(-(context + 512) // _BLOCK_SIZE)
     config = EngineConfig(
         SchedulerConfig(
@@ -82,6 +82,7 @@ def _engine(num_seqs: int, context: int) -> LLMEngine:
             max_model_len=_MAX_MODEL_LEN,
         ),
         CacheConfig(block_size=_BLOCK_SIZE),
+        async_scheduling=async_scheduling,
     )
     runner = NoWorkRunner(
         num_seqs * blocks_per_request + 16, _BLOCK_SIZE, num_seqs, _MAX_MODEL_LEN
@@ -89,9 +90,10 @@ def _engine(num_seqs: int, context: int) -> LLMEngine:
     return LLMEngine(config, runner)
 
 
-def measure_decode(num_running: int, context: int, num_steps: int, seed: int) -> float:
+def measure_decode(num_running: int, context: int, num_steps: int, seed: int,
+                   async_scheduling: bool = False) -> float:
     """Seconds per decode step with num_running requests past their prompts."""
-    engine = _engine(num_running, context)
+    engine = _engine(num_running, context, async_scheduling)
     rng = random.Random(seed)
     params = SamplingParams(max_tokens=num_steps + 64, ignore_eos=True, temperature=0.0)
     for index in range(num_running):
@@ -114,10 +116,10 @@ def step_until_decoding(engine: LLMEngine, num_running: int) -> list[Request]:
     return running
 
 
-def measure_short(num_requests: int, seed: int) -> float:
+def measure_short(num_requests: int, seed: int, async_scheduling: bool = False) -> float:
     """Seconds of host work per request for num_requests one-token requests arriving
     together, from add_request to each one's final output."""
-    engine = _engine(num_requests, 16)
+    engine = _engine(num_requests, 16, async_scheduling)
     rng = random.Random(seed)
     prompts = [[rng.randrange(3, 32000) for _ in range(4)] for _ in range(num_requests)]
     params = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
@@ -133,25 +135,29 @@ def measure_short(num_requests: int, seed: int) -> float:
 
 
 def run(
-    batches: Sequence[int], context: int, num_steps: int, num_short: int, repeats: int, seed: int
+    batches: Sequence[int], context: int, num_steps: int, num_short: int, repeats: int, seed: int,
+    async_scheduling: bool = False,
 ) -> tuple[list[DecodeRow], ShortRow]:
-    measure_short(num_short, seed)  # warm-up: imports, allocator
+    measure_short(num_short, seed, async_scheduling)  # warm-up: imports, allocator
     decode_rows = []
     for num_running in batches:
-        times = [measure_decode(num_running, context, num_steps, seed + r) for r in range(repeats)]
+        times = [measure_decode(num_running, context, num_steps, seed + r, async_scheduling)
+                 for r in range(repeats)]
         step_us = statistics.median(times) * 1e6
         decode_rows.append(
             DecodeRow(num_running, step_us, step_us / num_running, min(times) * 1e6,
                       max(times) * 1e6)
         )
-    short = [measure_short(num_short, seed + r) * 1e6 for r in range(repeats)]
+    short = [measure_short(num_short, seed + r, async_scheduling) * 1e6 for r in range(repeats)]
     return decode_rows, ShortRow(num_short, statistics.median(short), min(short), max(short))
 
 
-def format_table(decode: list[DecodeRow], short: ShortRow, context: int, repeats: int) -> str:
+def format_table(decode: list[DecodeRow], short: ShortRow, context: int, repeats: int,
+                 async_scheduling: bool = False) -> str:
+    mode = "async" if async_scheduling else "synchronous"
     lines = [
         f"Engine host work per step, no model work (NoWorkRunner), {context}-token contexts,"
-        f" median of {repeats} (min-max)",
+        f" {mode} scheduling, median of {repeats} (min-max)",
         "",
         "| running decodes | us per step | us per running request |",
         "|---|---|---|",
@@ -181,6 +187,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="one-token requests arriving together (default: 32)")
     parser.add_argument("--repeats", type=int, default=5, help="runs per figure (median)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompts")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="host work with async scheduling (the next step queued before "
+                             "the previous one's output is processed)")
     parser.add_argument("--device", default=None,
                         help="also measure a real model on this device (cuda on a GPU machine)")
     parser.add_argument("--model-config", type=Path, default=DEFAULT_MODEL,
@@ -239,13 +248,14 @@ def _device_report(args: argparse.Namespace) -> dict[str, Any]:
 def report(args: argparse.Namespace) -> int:
     load_before = os.getloadavg()[0]
     decode, short = run(args.batches, args.context, args.steps, args.short_requests,
-                        args.repeats, args.seed)
+                        args.repeats, args.seed, args.async_scheduling)
     device = _device_report(args) if args.device else None
     load_after = os.getloadavg()[0]
     if args.json:
         out: dict[str, Any] = {
             "decode": [asdict(r) for r in decode], "short": asdict(short),
             "context": args.context, "repeats": args.repeats,
+            "async_scheduling": args.async_scheduling,
             "load_average_1m": [load_before, load_after],
         }
         if device is not None:
@@ -257,7 +267,7 @@ def report(args: argparse.Namespace) -> int:
             }
         print(json.dumps(out, indent=2))
     else:
-        print(format_table(decode, short, args.context, args.repeats))
+        print(format_table(decode, short, args.context, args.repeats, args.async_scheduling))
         if device is not None:
             print()
             print(device["table"])

@@ -54,6 +54,9 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     eos_token_id: int | None = None  # ends a request unless ignore_eos
+    # Schedule step N+1 while the device runs step N (its tokens feed N+1 on the device; stops
+    # are found a step late). None: when the runner runs ahead of the host (CUDA).
+    async_scheduling: bool | None = None
 
     def validate(self) -> None:
         self.scheduler.validate()

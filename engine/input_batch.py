@@ -7,6 +7,11 @@ forward (token ids, positions, KV slots, block tables, query starts, context len
 sample) are gathered from the rows with vectorized numpy, never a Python loop over tokens.
 They reach the device in one host-to-device copy (`StepInputs.to_device`).
 
+A token the runner sampled is on the device before it is on the host. Under async scheduling
+the next step is built before the ids come back (`mark_sampled` notes them, `append_sampled`
+brings them): a chunk may compute a row's newest token while it is still pending, and its
+input id is then taken from the previous step's sampled tensor, on the device.
+
 Rows are reused as requests leave; the arrays grow when more requests or longer ones come
 than the capacity given (a runner that knows its limits sizes them once).
 """
@@ -64,7 +69,9 @@ class RequestState:
 
     @property
     def num_output_tokens(self) -> int:
-        return int(self._batch._num_tokens[self.row]) - self.num_prompt_tokens
+        """Its outputs, the ones still on the device included."""
+        batch, row = self._batch, self.row
+        return int(batch._num_tokens[row] + batch._num_pending[row]) - self.num_prompt_tokens
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -76,7 +83,7 @@ class RequestState:
         return self.output_tokens_since(0)
 
     def output_tokens_since(self, start: int) -> list[int]:
-        """Output tokens start.. (0: the first output)."""
+        """Output tokens start.. on the host (0: the first output)."""
         first = self.num_prompt_tokens + start
         end = int(self._batch._num_tokens[self.row])
         tokens: list[int] = self._batch._token_ids[self.row, first:end].tolist()
@@ -94,39 +101,50 @@ class StepInputs:
     query_start_loc: np.ndarray  # int32[B + 1]
     context_lens: np.ndarray  # int32[B]
     logits_indices: np.ndarray  # int64[S]
+    # Tokens whose ids are still on the device: their indices in input_ids, and where each is
+    # in the previous step's sampled tensor (InputBatch.sampled_on_device).
+    pending_tokens: np.ndarray  # int64[P]
+    pending_sources: np.ndarray  # int64[P]
 
-    def to_device(self, device: torch.device, packed: bool | None = None) -> ForwardBatch:
-        """The ForwardBatch on device. On the CPU the tensors share the arrays' memory; on an
-        accelerator (or packed=True) every array goes in one buffer and one copy, and the
-        fields are views of it."""
+    def to_device(
+        self,
+        device: torch.device,
+        sampled_on_device: torch.Tensor | None = None,
+        packed: bool | None = None,
+    ) -> ForwardBatch:
+        """The ForwardBatch on device, the pending input ids filled from sampled_on_device
+        (there already). On the CPU the tensors share the arrays' memory; on an accelerator
+        (or packed=True) every array goes in one buffer and one copy, and the fields are views
+        of it."""
         if packed is None:
             packed = device.type != "cpu"
-        if not packed:
-            return ForwardBatch(
-                input_ids=torch.from_numpy(self.input_ids),
-                positions=torch.from_numpy(self.positions),
-                slot_mapping=torch.from_numpy(self.slot_mapping),
-                block_tables=torch.from_numpy(self.block_tables),
-                query_start_loc=torch.from_numpy(self.query_start_loc),
-                context_lens=torch.from_numpy(self.context_lens),
-                logits_indices=torch.from_numpy(self.logits_indices),
-            )
         parts = [self.input_ids, self.positions, self.slot_mapping, self.logits_indices,
-                 self.block_tables.reshape(-1), self.query_start_loc, self.context_lens]
-        host = torch.from_numpy(np.concatenate(parts, dtype=np.int64))
-        if device.type == "cuda":
-            host = host.pin_memory()
-        flat = host.to(device, non_blocking=True)
-        views = list(torch.split(flat, [p.size for p in parts]))
-        return ForwardBatch(
+                 self.block_tables.reshape(-1), self.query_start_loc, self.context_lens,
+                 self.pending_tokens, self.pending_sources]
+        if packed:
+            host = torch.from_numpy(np.concatenate(parts, dtype=np.int64))
+            if device.type == "cuda":
+                host = host.pin_memory()
+            flat = host.to(device, non_blocking=True)
+            views = list(torch.split(flat, [p.size for p in parts]))
+            views[4] = views[4].view(self.block_tables.shape)
+            views[5:7] = [v.to(torch.int32) for v in views[5:7]]
+        else:
+            views = [torch.from_numpy(p) for p in parts]
+            views[4] = torch.from_numpy(self.block_tables)
+        batch = ForwardBatch(
             input_ids=views[0],
             positions=views[1],
             slot_mapping=views[2],
             logits_indices=views[3],
-            block_tables=views[4].view(self.block_tables.shape).to(torch.int32),
-            query_start_loc=views[5].to(torch.int32),
-            context_lens=views[6].to(torch.int32),
+            block_tables=views[4].to(torch.int32),
+            query_start_loc=views[5],
+            context_lens=views[6],
         )
+        if self.pending_tokens.size:
+            assert sampled_on_device is not None, "pending tokens need the sampled tensor"
+            batch.input_ids[views[7]] = sampled_on_device[views[8]]
+        return batch
 
 
 class InputBatch:
@@ -136,10 +154,18 @@ class InputBatch:
         self.block_size = block_size
         num_rows = max(num_rows, 1)
         self._token_ids = np.zeros((num_rows, max(max_tokens, 1)), dtype=np.int64)
-        self._num_tokens = np.zeros(num_rows, dtype=np.int64)
+        self._num_tokens = np.zeros(num_rows, dtype=np.int64)  # on the host
+        # Sampled for the row, ids not on the host yet; the newest one's index in
+        # sampled_on_device.
+        self._num_pending = np.zeros(num_rows, dtype=np.int64)
+        self._pending_source = np.zeros(num_rows, dtype=np.int64)
+        self._pending_mark = np.zeros(num_rows, dtype=np.int64)  # the mark that set the source
+        self._num_marks = 0  # calls of mark_sampled that noted tokens
         self._tables = np.zeros((num_rows, -(-max(max_tokens, 1) // block_size)), dtype=np.int32)
         self._free_rows = list(range(num_rows - 1, -1, -1))
         self.requests: dict[str, RequestState] = {}
+        # The latest step's sampled ids (int64[S]) where they were sampled (`mark_sampled`).
+        self.sampled_on_device: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -174,22 +200,40 @@ class InputBatch:
             self._grow_tokens(num_tokens)
         self._token_ids[row, :num_tokens] = data.token_ids
         self._num_tokens[row] = num_tokens
+        self._num_pending[row] = 0
         if len(data.block_ids) > self._tables.shape[1]:
             self._grow_tables(len(data.block_ids))
         self._tables[row] = 0
         self._tables[row, : len(data.block_ids)] = data.block_ids
 
-    def append_sampled(self, states: list[RequestState], sampled: Mapping[str, int]) -> None:
-        """The tokens sampled this step (request id -> token) for these states: the next step
-        computes them."""
+    def mark_sampled(self, states: list[RequestState], sampled: torch.Tensor) -> None:
+        """This step sampled the states' next tokens (sampled: int64[len(states)], where it
+        was sampled); their ids come with `append_sampled`, and a step built before then
+        takes them from the tensor."""
         if not states:
             return
         rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
+        self._num_marks += 1
+        self._num_pending[rows] += 1
+        self._pending_source[rows] = np.arange(len(states))
+        self._pending_mark[rows] = self._num_marks
+        self.sampled_on_device = sampled
+
+    def append_sampled(self, states: list[RequestState], sampled: Mapping[str, int]) -> None:
+        """The ids of tokens `mark_sampled` noted for these states (request id -> token), on
+        the host at last. A state dropped since (its request ended or was preempted) is
+        skipped: its row may hold another request now."""
+        requests = self.requests
+        held = [s for s in states if requests.get(s.request_id) is s]
+        if not held:
+            return
+        rows = np.fromiter((s.row for s in held), dtype=np.int64, count=len(held))
         positions = self._num_tokens[rows]
         if int(positions.max()) >= self._token_ids.shape[1]:
             self._grow_tokens(int(positions.max()) + 1)
-        self._token_ids[rows, positions] = [sampled[s.request_id] for s in states]
+        self._token_ids[rows, positions] = [sampled[s.request_id] for s in held]
         self._num_tokens[rows] = positions + 1
+        self._num_pending[rows] -= 1
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -225,7 +269,11 @@ class InputBatch:
             offsets = np.arange(num_tokens) - query_start_loc[:-1].astype(np.int64)[seq_of_token]
             token_rows = rows[seq_of_token]
             positions = starts[seq_of_token] + offsets
-        assert bool((ends <= self._num_tokens[rows]).all()), "a chunk reaches past its tokens"
+        on_host = self._num_tokens[rows]
+        # A chunk may end with the row's pending token, never past it.
+        assert bool((ends <= on_host + np.minimum(self._num_pending[rows], 1)).all()), (
+            "a chunk reaches past its tokens"
+        )
         bs = self.block_size
         num_blocks = -(-ends // bs)
         width = int(num_blocks.max())
@@ -233,6 +281,18 @@ class InputBatch:
         tables = np.where(np.arange(width)[None, :] < num_blocks[:, None], tables, 0)
         block_of_token = self._tables[token_rows, positions // bs].astype(np.int64)
         sampled = np.fromiter((c.needs_sample for c in chunks), np.bool_, count)
+        if bool((ends > on_host).any()):
+            if int(ends.max()) > self._token_ids.shape[1]:
+                self._grow_tokens(int(ends.max()))
+            pending_tokens = np.flatnonzero(positions >= self._num_tokens[token_rows])
+            pending_rows = token_rows[pending_tokens]
+            # Only the latest step's tokens can still be pending when the next is built.
+            assert bool((self._pending_mark[pending_rows] == self._num_marks).all()), (
+                "a pending token of an earlier step"
+            )
+            pending_sources = self._pending_source[pending_rows]
+        else:
+            pending_tokens = pending_sources = np.zeros(0, dtype=np.int64)
         return StepInputs(
             input_ids=self._token_ids[token_rows, positions],
             positions=positions,
@@ -241,6 +301,8 @@ class InputBatch:
             query_start_loc=query_start_loc,
             context_lens=ends.astype(np.int32),
             logits_indices=query_start_loc[1:][sampled].astype(np.int64) - 1,
+            pending_tokens=pending_tokens,
+            pending_sources=pending_sources,
         )
 
     # -- capacity ------------------------------------------------------------------------------
@@ -249,7 +311,11 @@ class InputBatch:
         old = self._token_ids.shape[0]
         self._token_ids = _grown(self._token_ids, 2 * old, self._token_ids.shape[1])
         self._tables = _grown(self._tables, 2 * old, self._tables.shape[1])
-        self._num_tokens = np.concatenate([self._num_tokens, np.zeros(old, dtype=np.int64)])
+        zeros = np.zeros(old, dtype=np.int64)
+        self._num_tokens = np.concatenate([self._num_tokens, zeros])
+        self._num_pending = np.concatenate([self._num_pending, zeros])
+        self._pending_source = np.concatenate([self._pending_source, zeros])
+        self._pending_mark = np.concatenate([self._pending_mark, zeros])
         self._free_rows = list(range(2 * old - 1, old - 1, -1))
 
     def _grow_tokens(self, num_tokens: int) -> None:

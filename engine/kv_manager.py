@@ -280,15 +280,16 @@ class KVCacheManager:
             self._num_cached[request_id] = min(self._num_cached.get(request_id, 0), plan.cow_index)
         table.extend(fresh)
 
-    def cache_full_blocks(self, request: Request) -> None:
-        """Enter the request's full, written blocks in the prefix cache.
+    def cache_full_blocks(self, request: Request, num_tokens_written: int) -> None:
+        """Enter the request's full blocks among its first num_tokens_written tokens in the
+        prefix cache.
 
-        Called after a step ran, never at allocation: a request preempted in the step that
-        allocated its blocks never wrote them, and must not leave them in the cache.
+        Called after the step that wrote them ran, never at allocation: a request preempted
+        in the step that allocated its blocks never wrote them, and must not leave them in
+        the cache (nor may a step still in flight, which could fail).
         """
         if not self.pool.enable_prefix_caching or request.request_id not in self._tables:
             return
-        num_tokens_written = request.num_computed_tokens
         hashes = self._request_hashes(request)
         table = self._tables[request.request_id]
         num_full = min(num_tokens_written // self.block_size, len(hashes), len(table))

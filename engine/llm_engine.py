@@ -8,7 +8,7 @@ import concurrent.futures
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
@@ -19,7 +19,7 @@ from engine.metering import split_step_time
 from engine.outputs import RequestMetrics, RequestOutput
 from engine.request import Request, RequestStatus
 from engine.request_limits import RequestLimits
-from engine.runner import ModelRunner, ModelRunnerOutput
+from engine.runner import ModelRunner, ModelRunnerOutput, RunnerStep
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.scheduler_output import SchedulerOutput
@@ -43,6 +43,28 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_ERROR: "error",
 }
+
+
+@dataclass(eq=False)
+class _InFlight:
+    """A step handed to the runner whose output the engine has not processed yet."""
+
+    scheduler_output: SchedulerOutput
+    requests: list[Request]  # its chunks' requests, as scheduled
+    admissions: list[int]  # their admission_seq then (a preemption since changes it)
+    high_water: dict[str, int]  # recompute marks as scheduled (a preemption since moves them)
+    step: RunnerStep
+    blocked_priority: int | None  # the scheduler's, as it scheduled the step
+    started: float  # engine clock before execute
+    queued: float  # engine clock when execute returned
+    # Final outputs of its requests that ended meanwhile, held until its time is charged.
+    held: list[tuple[Request, RequestOutput]] = field(default_factory=list)
+    _by_id: dict[str, Request] | None = None
+
+    def computes_for(self, request: Request) -> bool:
+        if self._by_id is None:
+            self._by_id = {r.request_id: r for r in self.requests}
+        return self._by_id.get(request.request_id) is request
 
 
 @dataclass
@@ -93,6 +115,11 @@ class LLMEngine:
         # Requests waiting for their grammar, outside the scheduler: caller's id -> compile.
         self._compiling: dict[str, concurrent.futures.Future[GrammarResult]] = {}
         self.counters = EngineCounters()
+        # Async scheduling: the next step is scheduled and queued before the previous one's
+        # output is processed (the step whose output is awaited is in _in_flight).
+        self.async_scheduling = (runner.runs_ahead if config.async_scheduling is None
+                                 else config.async_scheduling)
+        self._in_flight: _InFlight | None = None
         self._last_step_end: float | None = None  # when the latest model step finished
         self._busy_since_last_step = False  # it left unfinished requests behind
         self.limits = RequestLimits(
@@ -229,12 +256,12 @@ class LLMEngine:
             if request is not None:
                 request.finish_time = self.clock()
                 text_state = self._text.get(request.request_id)
-                self._pending.append(self._make_output(request, [], [], text_state))
-                self._forget(request)
+                self._final(request, self._make_output(request, [], [], text_state),
+                            self._pending)
 
     def has_unfinished_requests(self) -> bool:
         return (self.scheduler.has_unfinished_requests() or bool(self._pending)
-                or bool(self._compiling))
+                or bool(self._compiling) or self._in_flight is not None)
 
     def stats(self) -> SchedulerStats:
         """A snapshot: scheduler state and a copy of the engine's counters."""
@@ -250,28 +277,92 @@ class LLMEngine:
     # -- the step ------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """Schedule a step and run it. Under async scheduling the step is queued and the
+        outputs returned are the previous step's (and a call with nothing left to schedule
+        only finishes the step in flight)."""
         outputs, self._pending = self._pending, []
         outputs += self._admit_compiled()
         scheduler_output = self.scheduler.schedule(self.clock())
         self.counters.num_preemptions = self.scheduler.num_preemptions_total
         self.counters.num_lane_steps = self.scheduler.policy.num_lane_steps
-        if scheduler_output.is_empty:
+        queued = None
+        if not scheduler_output.is_empty:
+            queued = self._queue(scheduler_output, outputs)
+        if not self.async_scheduling:
+            if queued is not None:
+                outputs += self._finish(queued)
             return outputs
+        previous, self._in_flight = self._in_flight, queued
+        if previous is not None:
+            outputs += self._finish(previous)
+        return outputs
+
+    def _queue(
+        self, scheduler_output: SchedulerOutput, outputs: list[RequestOutput]
+    ) -> _InFlight | None:
+        """Hand the step to the runner; a step that fails there fails its requests (their
+        final outputs go to outputs) and returns None."""
+        requests = self.scheduler.chunk_requests(scheduler_output)
+        # only the requests ever preempted: the others recompute nothing
+        high_water = {
+            r.request_id: mark for r in requests if (mark := r.num_computed_high_water)
+        }
         started = self.clock()
         try:
-            runner_output = self.runner.execute(scheduler_output)
-            self.runner.synchronize()  # the step's busy time ends when the device is done
+            step = self.runner.execute(scheduler_output)
         except Exception as exc:  # a failed step fails its requests, not the engine
-            logger.exception("engine step %d failed", scheduler_output.step_id)
-            self.scheduler.step_failed(scheduler_output)
-            self._meter(scheduler_output, started, self.clock(), failed=True)
-            return outputs + self._fail_step(scheduler_output, exc)
-        now = self.clock()
-        self._meter(scheduler_output, started, now)
-        self.scheduler.record_step(scheduler_output, self._rate_interval_s(started, now))
-        outputs += self._process(scheduler_output, runner_output, now)
-        self._busy_since_last_step = self.scheduler.has_unfinished_requests()
+            self._step_failed(scheduler_output, requests, high_water, started, exc, outputs)
+            return None
+        admissions = [r.admission_seq for r in requests]
+        return _InFlight(scheduler_output, requests, admissions, high_water, step,
+                         self.scheduler.blocked_priority, started, self.clock())
+
+    def _finish(self, flight: _InFlight) -> list[RequestOutput]:
+        """Wait for a queued step's output, charge its time, process its tokens."""
+        outputs: list[RequestOutput] = []
+        scheduler_output = flight.scheduler_output
+        try:
+            runner_output = flight.step.result()
+            if not self.async_scheduling:
+                self.runner.synchronize()  # the step's busy time ends when the device is done
+        except Exception as exc:
+            self._step_failed(scheduler_output, flight.requests, flight.high_water,
+                              flight.started, exc, outputs)
+        else:
+            now = self.clock()
+            if not self.async_scheduling:
+                step_time_s = now - flight.started
+            elif runner_output.device_time_s is not None:
+                step_time_s = runner_output.device_time_s
+            else:  # the runner did the work in execute (CPU)
+                step_time_s = flight.queued - flight.started
+            self._meter(scheduler_output, flight.requests, flight.high_water, flight.started,
+                        step_time_s)
+            self.scheduler.record_step(scheduler_output,
+                                       self._rate_interval_s(flight.started, now),
+                                       flight.blocked_priority)
+            outputs += self._process(scheduler_output, runner_output, now, flight)
+            self._busy_since_last_step = self.scheduler.has_unfinished_requests()
+        for request, output in flight.held:  # charged now: their bills are complete
+            if output.metrics is not None:
+                output.metrics = self._metrics(request)
+            outputs.append(output)
         return outputs
+
+    def _step_failed(
+        self,
+        scheduler_output: SchedulerOutput,
+        requests: list[Request],
+        high_water: dict[str, int],
+        started: float,
+        exc: Exception,
+        outputs: list[RequestOutput],
+    ) -> None:
+        logger.exception("engine step %d failed", scheduler_output.step_id, exc_info=exc)
+        self.scheduler.step_failed(scheduler_output)
+        self._meter(scheduler_output, requests, high_water, started,
+                    max(self.clock() - started, 0.0), failed=True)
+        self._fail_step(scheduler_output, exc, outputs)
 
     def _rate_interval_s(self, started: float, now: float) -> float:
         """The wall time a step stands for in the measured rates: since the previous step
@@ -285,19 +376,19 @@ class LLMEngine:
         return now - started
 
     def _meter(
-        self, scheduler_output: SchedulerOutput, started: float, ended: float, failed: bool = False
+        self,
+        scheduler_output: SchedulerOutput,
+        requests: list[Request],
+        high_water: dict[str, int],
+        started: float,
+        step_time_s: float,
+        failed: bool = False,
     ) -> None:
-        """Charge the step's time to the requests in it, before any of them can finish."""
+        """Charge the step's time to the requests in it (their final outputs wait for it)."""
         chunks = scheduler_output.chunks
         if not chunks:
             return  # block copies only: nobody to charge, next to no time
-        step_time_s = max(ended - started, 0.0)
-        by_id = self.scheduler.requests
-        requests = [by_id[c.request_id] for c in chunks]
-        # only the requests ever preempted: the others recompute nothing
-        high_water = {
-            r.request_id: mark for r in requests if (mark := r.num_computed_high_water)
-        }
+        step_time_s = max(step_time_s, 0.0)
         charges = split_step_time(chunks, high_water, step_time_s, self.runner.estimate_flops)
         counters = self.counters
         for chunk, request, charge in zip(chunks, requests, charges, strict=True):
@@ -318,11 +409,16 @@ class LLMEngine:
         counters.last_step_time_s = step_time_s
 
     def _process(
-        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput, now: float
+        self,
+        scheduler_output: SchedulerOutput,
+        runner_output: ModelRunnerOutput,
+        now: float,
+        flight: _InFlight,
     ) -> list[RequestOutput]:
-        updated = self.scheduler.update_from_output(scheduler_output, runner_output, now)
+        updated = self.scheduler.update_from_output(scheduler_output, runner_output, now,
+                                                    flight.requests, flight.admissions)
         self.counters.num_generated_tokens += len(updated)
-        outputs = []
+        outputs: list[RequestOutput] = []
         all_logprobs = runner_output.logprobs
         texts = self._text
         grammar_errors = runner_output.grammar_errors
@@ -348,20 +444,34 @@ class LLMEngine:
             )
             if grammar_errors and request.status is RequestStatus.FINISHED_ERROR:
                 output.error = grammar_errors.get(request.request_id)
-            outputs.append(output)
             if output.finished:
-                self._forget(request)
+                self._final(request, output, outputs)
+            else:
+                outputs.append(output)
         return outputs
 
-    def _fail_step(self, scheduler_output: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
-        outputs = []
+    def _final(self, request: Request, output: RequestOutput, outputs: list[RequestOutput]) -> None:
+        """A finished request's last output goes to outputs, unless a step computing for it
+        is still in flight (async scheduling: it stopped a step late, or was aborted): then
+        it waits for that step's time to be charged, so that its bill holds every step it was
+        in."""
+        self._forget(request)
+        flight = self._in_flight
+        if flight is not None and flight.computes_for(request):
+            flight.held.append((request, output))
+        else:
+            outputs.append(output)
+
+    def _fail_step(
+        self, scheduler_output: SchedulerOutput, exc: Exception, outputs: list[RequestOutput]
+    ) -> None:
         for chunk in scheduler_output.chunks:
             request = self.scheduler.finish_request(chunk.request_id, RequestStatus.FINISHED_ERROR)
             if request is not None:
-                outputs.append(
-                    self._error_output(request, f"engine step failed: {type(exc).__name__}")
-                )
-        return outputs
+                request.finish_time = self.clock()
+                output = self._make_output(request, [], [], self._text.get(request.request_id))
+                output.error = f"engine step failed: {type(exc).__name__}"
+                self._final(request, output, outputs)
 
     def _error_output(self, request: Request, error: str) -> RequestOutput:
         """The final output of a request that ended in error (its status set already)."""

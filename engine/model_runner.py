@@ -8,9 +8,9 @@ sampler picks their next tokens. On CUDA, decode-only steps replay captured CUDA
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -25,14 +25,25 @@ from engine.models.cpu_decode import CpuDecodeForward
 from engine.models.cpu_decode import supports as supports_decode_forward
 from engine.models.decoder import CausalLM, KVCache
 from engine.models.packed_linear import pack_linear_layers
-from engine.runner import ModelRunnerOutput
-from engine.sampler import Sampler
+from engine.queued_step import QueuedStep
+from engine.runner import FinishedStep, ModelRunnerOutput, RunnerStep
+from engine.sampler import SampledTokens, Sampler
 from engine.scheduler_output import SchedulerOutput
 
-__all__ = ["RunnerConfig", "TorchModelRunner", "keep_freed_memory_in_heap", "kv_bytes_per_block"]
+__all__ = [
+    "RunnerConfig",
+    "TokenSampler",
+    "TorchModelRunner",
+    "keep_freed_memory_in_heap",
+    "kv_bytes_per_block",
+]
 
-# logits float32[S, V] and the requests that sample (same order) -> sampled tokens.
-SampleFn = Callable[[torch.Tensor, list[RequestState]], ModelRunnerOutput]
+class TokenSampler(Protocol):
+    """Picks the next tokens (engine.sampler.Sampler, or a test's wrapper of it)."""
+
+    def sample(self, logits: torch.Tensor, states: list[RequestState]) -> SampledTokens:
+        """logits float32[S, V] and the requests that sample, in the same order."""
+        ...
 
 
 @dataclass
@@ -89,7 +100,7 @@ class TorchModelRunner:
     """
 
     def __init__(
-        self, model: CausalLM, config: RunnerConfig, sampler: SampleFn | None = None
+        self, model: CausalLM, config: RunnerConfig, sampler: TokenSampler | None = None
     ) -> None:
         self.model = model
         self.config = config
@@ -129,7 +140,7 @@ class TorchModelRunner:
         elif self.device.type == "cuda" and config.fuse_cuda_ops:
             model.use_fused_cuda_ops()
         self.attention = attention_backend(self.device)
-        self.sampler: SampleFn = sampler or Sampler(
+        self.sampler: TokenSampler = sampler or Sampler(
             self.model_config.vocab_size, seed=config.sampler_seed
         )
         self._flops = FlopsCounter(self.model_config)
@@ -149,7 +160,7 @@ class TorchModelRunner:
         config: RunnerConfig,
         dtype: torch.dtype | None = None,
         device: torch.device | str = "cpu",
-        sampler: SampleFn | None = None,
+        sampler: TokenSampler | None = None,
     ) -> TorchModelRunner:
         """Load a HF checkpoint directory (config.json + safetensors)."""
         model = load_model(model_dir, dtype, device, config.max_model_len)
@@ -163,7 +174,7 @@ class TorchModelRunner:
         config: RunnerConfig,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
-        sampler: SampleFn | None = None,
+        sampler: TokenSampler | None = None,
     ) -> TorchModelRunner:
         """A model with seeded random weights (engine.loader.random_hf_state_dict)."""
         model = random_model(model_config, seed, dtype, device, config.max_model_len)
@@ -184,20 +195,33 @@ class TorchModelRunner:
     ) -> float:
         return self._flops(num_new_tokens, num_context_tokens, num_sampled_tokens)
 
+    @property
+    def runs_ahead(self) -> bool:
+        return self.device.type == "cuda"
+
     def synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Copy blocks, then one forward over every chunk, then sample the chunks that ask."""
-        self.input_batch.update(scheduler_output)
-        if scheduler_output.blocks_to_copy:
-            self._copy_blocks(scheduler_output.blocks_to_copy)
+    def execute(self, scheduler_output: SchedulerOutput) -> RunnerStep:
+        """Copy blocks, then one forward over every chunk, then sample the chunks that ask;
+        on CUDA all of it is queued, and the sampled tokens come back without a wait."""
+        input_batch = self.input_batch
+        input_batch.update(scheduler_output)
         chunks = scheduler_output.chunks
         if not chunks:
-            return ModelRunnerOutput(sampled_token_ids={})
-        batch = self.input_batch.prepare(chunks).to_device(self.device)
+            if scheduler_output.blocks_to_copy:
+                self._copy_blocks(scheduler_output.blocks_to_copy)
+            return FinishedStep(ModelRunnerOutput(sampled_token_ids={}))
+        events = None
+        if self.device.type == "cuda":
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            events[0].record()
+        if scheduler_output.blocks_to_copy:
+            self._copy_blocks(scheduler_output.blocks_to_copy)
+        inputs = input_batch.prepare(chunks)
+        batch = inputs.to_device(self.device, input_batch.sampled_on_device)
         if self.decode_forward is not None and self.decode_forward.can_run(batch):
             logits = self.decode_forward(batch)
         elif self.graphs is not None and self.graphs.can_run(chunks, batch):
@@ -205,16 +229,23 @@ class TorchModelRunner:
         else:
             self.attention.prepare(AttentionMetadata.from_batch(batch))
             logits = self.model(batch, self.kv_caches, self.attention)  # [S, V]
-        states = self.input_batch.sample_states(chunks)
-        output = self.sampler(logits, states)
-        self.input_batch.append_sampled(states, output.sampled_token_ids)
-        return output
+        states = input_batch.sample_states(chunks)
+        sampled = self.sampler.sample(logits, states)
+        input_batch.mark_sampled(states, sampled.token_ids)
+        step = QueuedStep(input_batch, states, sampled.to_host(), events)
+        if events is not None:
+            events[1].record()
+        return step
 
     # -- helpers -------------------------------------------------------------------------------
 
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        src = torch.tensor([s for s, _ in pairs], dtype=torch.int64, device=self.device)
-        dst = torch.tensor([d for _, d in pairs], dtype=torch.int64, device=self.device)
+        pinned = self.device.type == "cuda"  # a plain copy would wait for the step before
+        src = torch.tensor([s for s, _ in pairs], pin_memory=pinned).to(self.device,
+                                                                        non_blocking=True)
+        dst = torch.tensor([d for _, d in pairs], pin_memory=pinned).to(self.device,
+                                                                        non_blocking=True)
         for k_cache, v_cache in self.kv_caches:
             k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
             v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
+

@@ -51,6 +51,11 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    # Tokens sampled by scheduled steps whose ids have not come back yet (at most two under
+    # async scheduling: the step in flight and the one being scheduled). They count as the
+    # request's tokens for scheduling: its next decode computes the newest of them, whose id
+    # only the runner has.
+    num_pending_tokens: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit at first admission; -1 before it
     num_preemptions: int = 0
     # Highest num_computed_tokens ever reached; tokens computed again below it are recompute.
@@ -108,13 +113,26 @@ class Request:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+        return self.num_tokens + self.num_pending_tokens - self.num_computed_tokens
 
     @property
     def is_prefill_done(self) -> bool:
         """True once only the newest sampled token is left to compute (decode phase)."""
-        # Asked of every running request every step: one property hop, not four.
-        return bool(self.output_token_ids) and self.num_tokens - self.num_computed_tokens <= 1
+        # Asked of every running request every step: few property hops.
+        num_pending = self.num_pending_tokens
+        return (bool(self.output_token_ids) or num_pending > 0) and (
+            len(self.prompt_token_ids) + len(self.output_token_ids) + num_pending
+            - self.num_computed_tokens <= 1
+        )
+
+    def ends_with_pending(self, max_model_len: int) -> bool:
+        """Its pending tokens take it to max_tokens or the context length: it ends when they
+        come back, and no step computes past them."""
+        num_pending = self.num_pending_tokens
+        return num_pending > 0 and (
+            len(self.output_token_ids) + num_pending >= self.max_tokens
+            or self.num_tokens + num_pending >= max_model_len
+        )
 
     @property
     def is_finished(self) -> bool:

@@ -27,6 +27,27 @@ class ModelRunnerOutput:
     # Requests whose grammar matcher failed this step (past its step limits): they end with
     # an error rather than go on unconstrained.
     grammar_errors: dict[str, str] = field(default_factory=dict)
+    # The step's time on the device where the runner measured it (CUDA events); None: the
+    # engine times the step on its clock.
+    device_time_s: float | None = None
+
+
+class RunnerStep(Protocol):
+    """A step the runner has queued; its output may still be on the way."""
+
+    def result(self) -> ModelRunnerOutput:
+        """Wait for the step's sampled tokens (and logprobs) on the host. Called once."""
+        ...
+
+
+@dataclass
+class FinishedStep:
+    """A step whose output was ready when execute returned."""
+
+    output: ModelRunnerOutput
+
+    def result(self) -> ModelRunnerOutput:
+        return self.output
 
 
 class ModelRunner(Protocol):
@@ -46,9 +67,17 @@ class ModelRunner(Protocol):
         """Tokens per KV block."""
         ...
 
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Copy blocks, write the new K/V, run the model, sample. The sampled tokens are on the
-        host when it returns; device work may still be in flight (see synchronize)."""
+    @property
+    def runs_ahead(self) -> bool:
+        """execute returns before the device has finished the step (CUDA): the host can
+        schedule the next step meanwhile (async scheduling pays)."""
+        ...
+
+    def execute(self, scheduler_output: SchedulerOutput) -> RunnerStep:
+        """Copy blocks, write the new K/V, run the model, sample; the work may still be in
+        flight when it returns. The next execute may come before this step's result(): a
+        chunk may then compute a token this step sampled, which the runner still holds (async
+        scheduling). Steps run in the order they are given."""
         ...
 
     def synchronize(self) -> None:

@@ -50,12 +50,14 @@ class RunnerView:
                 held.add(request_id)
                 new_requests.append(self._new_request_data(request))
             end = request.num_computed_tokens
-            needs_sample = end == request.num_tokens
+            needs_sample = end == request.num_tokens + request.num_pending_tokens
             if num_new == 1 and request.is_prefill_done:
                 decodes.append(ScheduledChunk(request_id, end - 1, 1, needs_sample, False))
             else:
                 prefills.append(ScheduledChunk(request_id, end - num_new, num_new, needs_sample,
                                                True))
+            if needs_sample:  # its next token is on order until the step's output is back
+                request.num_pending_tokens += 1
             num_batched += num_new
         # a joining request's whole table goes with its data
         joined = {r.request_id for r in new_requests}

@@ -23,15 +23,18 @@ Seeds are stateless: a seeded row's noise is a counter-based hash (splitmix64) o
 tokens whatever else is in the batch, on any device, and across preemption and resume. Rows
 without a seed draw their noise from one generator shared by the sampler.
 
-Everything runs as batched tensor ops grouped by feature; the only device-to-host copies are
-the final `.tolist()` calls.
+Everything runs as batched tensor ops grouped by feature. `Sampler.sample` leaves its result
+on the device (`SampledTokens`): the runner copies it back without waiting, so that the next
+step can be queued first (async scheduling), and reads it with `SampledTokens.output`. Only a
+grammar makes sampling wait for the ids: its matchers take each token on the host before the
+next step's mask. Penalty counts are kept on the device and take each sampled token there.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 import llguidance
@@ -44,6 +47,7 @@ from engine.sampling_params import SamplingParams
 __all__ = [
     "PenaltyCounts",
     "SampleRow",
+    "SampledTokens",
     "Sampler",
     "derive_seed",
     "filtered_probs",
@@ -137,6 +141,14 @@ def filtered_probs(
     return torch.softmax(logits, dim=-1)
 
 
+def _on_device(values: Sequence[int] | Sequence[float] | Sequence[tuple[float, ...]],
+               device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """A small host table on the device without waiting: on CUDA through pinned memory (a
+    plain copy would wait for the forward still running, and async scheduling with it)."""
+    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
+
+
 class SampleRow(Protocol):
     """What the sampler reads of a request that samples this step
     (engine.input_batch.RequestState)."""
@@ -170,6 +182,83 @@ class PenaltyCounts:
 
 
 @dataclass
+class _LogprobTensors:
+    """The logprobs asked for in one call, as tensors until read (`SampledTokens.output`)."""
+
+    rows: list[int]  # the rows that asked, in row order
+    num_top: list[int]  # how many top logprobs each of them asked for
+    sampled_logprob: torch.Tensor  # float32[L]
+    ranks: torch.Tensor  # int64[L]
+    top_values: torch.Tensor | None  # float32[L, K] (K: the most asked), None when K is 0
+    top_ids: torch.Tensor | None  # int64[L, K]
+
+
+@dataclass
+class SampledTokens:
+    """One sampling call's result; its tensors stay where they were computed until `to_host`."""
+
+    request_ids: list[str]  # one per row
+    token_ids: torch.Tensor  # int64[N]
+    # The ids already read back (a grammar's matchers took them), else None.
+    host_token_ids: list[int] | None = None
+    grammar_errors: dict[str, str] = field(default_factory=dict)
+    logprobs: _LogprobTensors | None = None
+
+    def to_host(self) -> SampledTokens:
+        """The same in host memory. From an accelerator the copies go into pinned memory
+        without waiting: read the result once the device has passed them (an event)."""
+        device = self.token_ids.device
+        if device.type == "cpu":
+            return self
+
+        def copy(tensor: torch.Tensor) -> torch.Tensor:
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            return host.copy_(tensor, non_blocking=True)
+
+        logprobs = self.logprobs
+        if logprobs is not None:
+            logprobs = _LogprobTensors(
+                logprobs.rows, logprobs.num_top, copy(logprobs.sampled_logprob),
+                copy(logprobs.ranks),
+                None if logprobs.top_values is None else copy(logprobs.top_values),
+                None if logprobs.top_ids is None else copy(logprobs.top_ids),
+            )
+        return SampledTokens(self.request_ids, copy(self.token_ids), self.host_token_ids,
+                             self.grammar_errors, logprobs)
+
+    def output(self) -> ModelRunnerOutput:
+        """As the runner reports it (reads the tensors: on an accelerator, waits for them)."""
+        token_ids = self.host_token_ids
+        if token_ids is None:
+            token_ids = self.token_ids.tolist()
+        output = ModelRunnerOutput(
+            sampled_token_ids=dict(zip(self.request_ids, token_ids, strict=True)),
+            grammar_errors=self.grammar_errors,
+        )
+        if self.logprobs is not None:
+            output.logprobs = _read_logprobs(self.logprobs, self.request_ids, token_ids)
+        return output
+
+
+def _read_logprobs(
+    tensors: _LogprobTensors, request_ids: list[str], token_ids: list[int]
+) -> dict[str, TokenLogprobs]:
+    logprob_list: list[float] = tensors.sampled_logprob.tolist()
+    rank_list: list[int] = tensors.ranks.tolist()
+    top_values: list[list[float]] = (
+        tensors.top_values.tolist() if tensors.top_values is not None else []
+    )
+    top_ids: list[list[int]] = tensors.top_ids.tolist() if tensors.top_ids is not None else []
+    result: dict[str, TokenLogprobs] = {}
+    for pos, (row, num) in enumerate(zip(tensors.rows, tensors.num_top, strict=True)):
+        top = list(zip(top_ids[pos][:num], top_values[pos][:num], strict=True)) if num else []
+        result[request_ids[row]] = TokenLogprobs(
+            token_id=token_ids[row], logprob=logprob_list[pos], rank=rank_list[pos], top=top
+        )
+    return result
+
+
+@dataclass
 class _BatchParams:
     """Per-row sampling parameters of one call, as device tensors and Python flags."""
 
@@ -199,6 +288,7 @@ class Sampler:
         self.logprobs_mode = logprobs_mode  # see the module docstring, step 2
         self._seed = seed  # seeds the shared generator of unseeded rows, for reproducible runs
         self._generators: dict[torch.device, torch.Generator] = {}
+        self._ones: dict[torch.device, torch.Tensor] = {}
 
     def _generator(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:
@@ -211,13 +301,18 @@ class Sampler:
         return self._generators[device]
 
     def __call__(self, logits: torch.Tensor, seqs: Sequence[SampleRow]) -> ModelRunnerOutput:
+        """Sample and read the result back (`sample`, then `SampledTokens.output`)."""
+        return self.sample(logits, seqs).output()
+
+    def sample(self, logits: torch.Tensor, seqs: Sequence[SampleRow]) -> SampledTokens:
         """logits: float32[num_sampled, >= vocab_size], one row per request that samples."""
         assert logits.shape[0] == len(seqs), "one logits row per request that samples"
+        request_ids = [c.request_id for c in seqs]
         if not seqs:
-            return ModelRunnerOutput(sampled_token_ids={})
+            return SampledTokens(request_ids, torch.empty(0, dtype=torch.int64), [])
         logits = logits[:, : self.vocab_size].to(torch.float32)
         raw_logits = logits
-        logits = self._apply_penalties(logits, seqs)
+        logits, penalised = self._apply_penalties(logits, seqs)
 
         logprob_rows = [i for i, c in enumerate(seqs) if c.sampling_params.logprobs is not None]
         logprobs = None
@@ -240,21 +335,34 @@ class Sampler:
                                          unsuppressed if suppressing else None)
         params = self._batch_params(seqs, logits.device)
         sampled = self._sample(logits, params)  # int64[N]
+        for row, counts in penalised:  # the counts take the token where they are
+            counts.output_counts.index_put_(
+                (sampled[row : row + 1],), self._one(sampled.device), accumulate=True
+            )
+            counts.num_counted += 1
 
-        token_ids: list[int] = sampled.tolist()
-        output = ModelRunnerOutput(
-            sampled_token_ids={c.request_id: t for c, t in zip(seqs, token_ids, strict=True)}
-        )
+        result = SampledTokens(request_ids, sampled)
         if constrained:
-            failed = advance_matchers(constrained, token_ids)
-            output.grammar_errors = {seqs[row].request_id: why for row, why in failed.items()}
+            result.host_token_ids = sampled.tolist()
+            failed = advance_matchers(constrained, result.host_token_ids)
+            result.grammar_errors = {seqs[row].request_id: why for row, why in failed.items()}
         if logprobs is not None:
-            output.logprobs = self._gather_logprobs(logprobs, sampled, seqs, logprob_rows)
-        return output
+            result.logprobs = self._logprob_tensors(logprobs, sampled, seqs, logprob_rows)
+        return result
+
+    def _one(self, device: torch.device) -> torch.Tensor:
+        one = self._ones.get(device)
+        if one is None:
+            one = self._ones[device] = torch.ones(1, dtype=torch.float32, device=device)
+        return one
 
     # -- penalties ---------------------------------------------------------------------------
 
-    def _apply_penalties(self, logits: torch.Tensor, seqs: Sequence[SampleRow]) -> torch.Tensor:
+    def _apply_penalties(
+        self, logits: torch.Tensor, seqs: Sequence[SampleRow]
+    ) -> tuple[torch.Tensor, list[tuple[int, PenaltyCounts]]]:
+        """The penalised logits, and the penalised rows with their counts (which take the
+        token sampled from them)."""
         rows = [
             i
             for i, c in enumerate(seqs)
@@ -263,17 +371,19 @@ class Sampler:
             or c.sampling_params.frequency_penalty != 0.0
         ]
         if not rows:
-            return logits
+            return logits, []
         device = logits.device
         penalised = [seqs[i] for i in rows]
-        output_counts, prompt_seen = self._penalty_counts(penalised, device)
+        states = self._penalty_counts(penalised, device)
+        output_counts = torch.stack([s.output_counts[: self.vocab_size] for s in states])
+        prompt_seen = torch.stack([s.prompt_seen for s in states])
         repetition = self._row_tensor([c.sampling_params.repetition_penalty for c in penalised],
                                       device)
         frequency = self._row_tensor([c.sampling_params.frequency_penalty for c in penalised],
                                      device)
         presence = self._row_tensor([c.sampling_params.presence_penalty for c in penalised], device)
 
-        row_index = torch.tensor(rows, device=device)
+        row_index = _on_device(rows, device)
         selected = logits[row_index]  # [P, V]
         # HF repetition penalty: divide positive logits, multiply negative ones.
         seen = prompt_seen | (output_counts > 0)
@@ -283,49 +393,41 @@ class Sampler:
         selected = selected - frequency * output_counts - presence * (output_counts > 0).float()
         logits = logits.clone()
         logits[row_index] = selected
-        return logits
+        return logits, list(zip(rows, states, strict=True))
 
-    def _penalty_counts(
-        self, seqs: list[SampleRow], device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """float32[P, V] output token counts and bool[P, V] prompt tokens of the penalised
-        rows, kept with each request (SampleRow.penalty_counts): counted once in full, then
-        only the tokens added since the previous step."""
+    def _penalty_counts(self, seqs: list[SampleRow], device: torch.device) -> list[PenaltyCounts]:
+        """The penalised rows' token counts, kept with each request (SampleRow.penalty_counts):
+        counted in full when it first samples here, then taking each token it samples
+        (`sample`), so that a token still on the device counts."""
         fresh = [
             s for s in seqs
             if s.penalty_counts is None or s.penalty_counts.output_counts.device != device
         ]
         if fresh:
-            outputs = self._token_counts([s.output_tokens_since(0) for s in fresh], device)
+            output_lists = [s.output_tokens_since(0) for s in fresh]
+            outputs = self._token_counts(output_lists, device)
             prompts = self._token_counts([s.prompt_token_ids for s in fresh], device)
             for index, seq in enumerate(fresh):
                 seq.penalty_counts = PenaltyCounts(
                     outputs[index].clone(), prompts[index, : self.vocab_size] > 0,
-                    seq.num_output_tokens,
+                    len(output_lists[index]),
                 )
         states: list[PenaltyCounts] = []
         for seq in seqs:
             state = seq.penalty_counts
             assert state is not None
-            num_outputs = seq.num_output_tokens
-            if state.num_counted < num_outputs:
-                new = torch.tensor(seq.output_tokens_since(state.num_counted), dtype=torch.int64,
-                                   device=device).clamp_(max=self.vocab_size)
-                state.output_counts.index_put_(
-                    (new,), torch.ones_like(new, dtype=torch.float32), accumulate=True
-                )
-                state.num_counted = num_outputs
+            # Every token since came from this sampler, which counted it.
+            assert state.num_counted == seq.num_output_tokens, "penalty counts out of step"
             states.append(state)
-        output_counts = torch.stack([s.output_counts[: self.vocab_size] for s in states])
-        return output_counts, torch.stack([s.prompt_seen for s in states])
+        return states
 
     def _token_counts(self, token_lists: list[list[int]], device: torch.device) -> torch.Tensor:
         """float32[len(token_lists), V + 1]: how often each token id occurs in each list."""
         # One spare column collects ids the logits do not cover (tokenizer-only added tokens).
         counts = torch.zeros(len(token_lists), self.vocab_size + 1, device=device)
-        lengths = torch.tensor([len(tokens) for tokens in token_lists], device=device)
-        flat = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.int64,
-                            device=device).clamp_(max=self.vocab_size)
+        lengths = _on_device([len(tokens) for tokens in token_lists], device)
+        flat = _on_device(list(itertools.chain.from_iterable(token_lists)),
+                          device).clamp_(max=self.vocab_size)
         if flat.numel():
             # output_size spares the device-to-host sync repeat_interleave does to size its output.
             rows = torch.repeat_interleave(
@@ -338,7 +440,7 @@ class Sampler:
     @staticmethod
     def _row_tensor(values: list[float], device: torch.device) -> torch.Tensor:
         """float32[len(values), 1], to broadcast over the vocabulary."""
-        return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
+        return _on_device(values, device, torch.float32)[:, None]
 
     # -- min_tokens ----------------------------------------------------------------------------
 
@@ -359,8 +461,7 @@ class Sampler:
         if not rows:
             return logits
         logits = logits.clone()
-        index = (torch.tensor(rows, device=logits.device),
-                 torch.tensor(token_ids, device=logits.device))
+        index = (_on_device(rows, logits.device), _on_device(token_ids, logits.device))
         logits[index] = float("-inf")
         return logits
 
@@ -380,14 +481,15 @@ class Sampler:
         randoms = [params[i] for i in random_rows]
         vocab_size = self.vocab_size
         # One host tensor, one copy: temperature, top-k (vocab_size: off), top-p, min-p.
-        table = torch.tensor(
+        table = _on_device(
             [
                 (p.temperature, min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size,
                  p.top_p, p.min_p)
                 for p in params
             ],
-            dtype=torch.float64,
-        ).to(device)
+            device,
+            torch.float64,
+        )
         return _BatchParams(
             temperature=table[:, 0].to(torch.float32),
             top_k=table[:, 1].to(torch.int64),
@@ -406,7 +508,7 @@ class Sampler:
         if not params.random_rows:
             return logits.argmax(dim=-1)
         all_random = len(params.random_rows) == logits.shape[0]
-        index = None if all_random else torch.tensor(params.random_rows, device=logits.device)
+        index = None if all_random else _on_device(params.random_rows, logits.device)
 
         def pick(t: torch.Tensor | None) -> torch.Tensor:
             assert t is not None, "random rows have parameters"
@@ -440,49 +542,30 @@ class Sampler:
         if len(seeded_positions) < num_rows:
             noise.exponential_(generator=self._generator(probs.device))
         if seeded_positions:
-            keys = torch.tensor(
+            keys = _on_device(
                 [params.seeded_keys[params.random_rows[pos]] for pos in seeded_positions],
-                dtype=torch.int64,
-                device=probs.device,
+                probs.device,
             )
             hashed = seeded_exponential(keys, probs.shape[1])
             if len(seeded_positions) == num_rows:
                 noise = hashed
             else:
-                noise[torch.tensor(seeded_positions, device=probs.device)] = hashed
+                noise[_on_device(seeded_positions, probs.device)] = hashed
         return noise
 
     # -- logprobs ------------------------------------------------------------------------------
 
     @staticmethod
-    def _gather_logprobs(
+    def _logprob_tensors(
         logprobs: torch.Tensor,  # [L, V]
         sampled: torch.Tensor,  # int64[N]
         seqs: Sequence[SampleRow],
         rows: list[int],  # the L rows that asked for logprobs
-    ) -> dict[str, TokenLogprobs]:
-        sampled_ids = sampled[torch.tensor(rows, device=sampled.device)][:, None]  # [L, 1]
+    ) -> _LogprobTensors:
+        sampled_ids = sampled[_on_device(rows, sampled.device)][:, None]  # [L, 1]
         sampled_logprob = logprobs.gather(1, sampled_ids)  # [L, 1]
         # 1-based rank: tokens strictly more likely, plus one.
         ranks = (logprobs > sampled_logprob).sum(dim=-1) + 1
-        num_top = max(seqs[i].sampling_params.logprobs or 0 for i in rows)
-        top_values, top_ids = logprobs.topk(num_top, dim=-1) if num_top else (None, None)
-
-        ids_list: list[int] = sampled_ids[:, 0].tolist()
-        logprob_list: list[float] = sampled_logprob[:, 0].tolist()
-        rank_list: list[int] = ranks.tolist()
-        top_value_list: list[list[float]] = top_values.tolist() if top_values is not None else []
-        top_id_list: list[list[int]] = top_ids.tolist() if top_ids is not None else []
-        result: dict[str, TokenLogprobs] = {}
-        for pos, row in enumerate(rows):
-            seq = seqs[row]
-            num = seq.sampling_params.logprobs or 0
-            top = (
-                list(zip(top_id_list[pos][:num], top_value_list[pos][:num], strict=True))
-                if num
-                else []
-            )
-            result[seq.request_id] = TokenLogprobs(
-                token_id=ids_list[pos], logprob=logprob_list[pos], rank=rank_list[pos], top=top
-            )
-        return result
+        num_top = [seqs[i].sampling_params.logprobs or 0 for i in rows]
+        top_values, top_ids = logprobs.topk(max(num_top), dim=-1) if max(num_top) else (None, None)
+        return _LogprobTensors(rows, num_top, sampled_logprob[:, 0], ranks, top_values, top_ids)

@@ -10,7 +10,7 @@ step's output carries what the runner does not hold yet.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from engine.config import SchedulerConfig
 from engine.forks import try_fork, undo_fork
@@ -116,11 +116,14 @@ class Scheduler:
     def _schedule_running_all(self, requests: Iterable[Request], plan: StepPlan) -> None:
         scheduled = plan.num_new_tokens
         running = RequestStatus.RUNNING
+        max_model_len = self.config.max_model_len
         for request in requests:
             if plan.budget == 0:
                 return
             if request.status is not running or request.request_id in scheduled:
                 continue  # preempted earlier in this step, or already scheduled
+            if request.num_pending_tokens and request.ends_with_pending(max_model_len):
+                continue  # its token in flight is its last (async scheduling)
             self._schedule_running(request, plan)
 
     def _schedule_running(self, request: Request, plan: StepPlan) -> None:
@@ -145,6 +148,11 @@ class Scheduler:
             request = self.waiting.peek(passed)
             if request is None:
                 return
+            if request.num_pending_tokens:
+                # Preempted while its token was in flight (async scheduling): it resumes
+                # once the token is back, with every token it has.
+                passed.add(request.tenant_id)
+                continue
             if gate is not None:
                 verdict = gate.consider(request)
                 if verdict is Verdict.STOP:
@@ -259,50 +267,80 @@ class Scheduler:
         self.num_steps += 1
         return output
 
+    def chunk_requests(self, scheduler_output: SchedulerOutput) -> list[Request]:
+        """The requests of a step's chunks, in chunk order; taken when it is scheduled (by
+        the time its output is back, some may have ended and left `requests`)."""
+        requests = self.requests
+        return [requests[c.request_id] for c in scheduler_output.chunks]
+
     def step_failed(self, scheduler_output: SchedulerOutput) -> None:
         self._runner_view.step_failed(scheduler_output)
 
     def update_from_output(
-        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput, now: float
+        self,
+        scheduler_output: SchedulerOutput,
+        runner_output: ModelRunnerOutput,
+        now: float,
+        requests: Sequence[Request],
+        admissions: Sequence[int],
     ) -> list[Request]:
-        """Append sampled tokens and apply token-level stops; returns the requests that got a
-        token (finished ones included)."""
+        """Append sampled tokens and apply token-level stops; requests: the chunks' requests
+        and admissions their admission_seq, taken when the step was scheduled. Returns the
+        requests that got a token (finished ones included).
+
+        Under async scheduling the next step was scheduled before this one's tokens came
+        back: a request that ended since (aborted, or stopped by the previous step's token)
+        drops its token, and one preempted since keeps it for its resumption (and, admitted
+        again already, its new blocks hold nothing of this step)."""
         updated: list[Request] = []
         block_size = self.kv.block_size
-        requests = self.requests
         sampled = runner_output.sampled_token_ids
         on_service = self.waiting.on_service
         max_model_len = self.config.max_model_len
         running = RequestStatus.RUNNING
-        for chunk in scheduler_output.chunks:
-            request = requests.get(chunk.request_id)
-            if request is None or request.status is not running:
+        for chunk, request, admission in zip(scheduler_output.chunks, requests, admissions,
+                                             strict=True):
+            status = request.status
+            if status.is_finished:
                 continue
             start = chunk.start_pos
-            if (start + chunk.num_tokens) // block_size > start // block_size:
-                self.kv.cache_full_blocks(request)  # the chunk filled a block
+            end = start + chunk.num_tokens
+            if (status is running and end // block_size > start // block_size
+                    and request.admission_seq == admission):
+                self.kv.cache_full_blocks(request, end)  # the chunk filled a block
+            if not chunk.needs_sample:
+                continue
+            request.num_pending_tokens -= 1
             token_id = sampled.get(chunk.request_id)
             if token_id is None:
                 continue
-            request.output_token_ids.append(token_id)
+            if status is running:
+                request.output_token_ids.append(token_id)
+            else:  # preempted: waiting, counted in the backlog by its tokens
+                self._waiting_totals.remove(request)
+                request.output_token_ids.append(token_id)
+                self._waiting_totals.add(request)
             if request.first_token_time is None:
                 request.first_token_time = now
             on_service(request, 0, 1)
             updated.append(request)
-            status = check_token_stop(request, max_model_len)
-            if status is not None:
-                self.finish_request(request.request_id, status)
+            stop = check_token_stop(request, max_model_len)
+            if stop is not None:
+                self.finish_request(request.request_id, stop)
                 request.finish_time = now
         return updated
 
-    def record_step(self, scheduler_output: SchedulerOutput, interval_s: float) -> None:
+    def record_step(
+        self, scheduler_output: SchedulerOutput, interval_s: float, blocked_priority: int | None
+    ) -> None:
         """Feed a step into the rates the queue-wait estimates use; interval_s: the wall time
-        it stands for (`LLMEngine._rate_interval_s`)."""
+        it stands for (`LLMEngine._rate_interval_s`); blocked_priority: `blocked_priority` as
+        the step was scheduled (under async scheduling, the next one is scheduled since)."""
         num_prefill = sum(c.num_tokens for c in scheduler_output.chunks if c.is_prefill)
         num_decode = scheduler_output.num_batched_tokens - num_prefill
         # A step whose admissions stopped for want of a place or KV blocks drained what those
         # allowed, not what the token budget does: the place estimate covers such waits.
-        had_backlog = (num_prefill > 0 or len(self.waiting) > 0) and self.blocked_priority is None
+        had_backlog = (num_prefill > 0 or len(self.waiting) > 0) and blocked_priority is None
         num_left, self._num_left_batch = self._num_left_batch, 0
         num_reused, self._num_reused_tokens = self._num_reused_tokens, 0
         self.rates.record(num_prefill + num_reused, num_decode, interval_s, had_backlog, num_left)

@@ -16,9 +16,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from engine.input_batch import InputBatch
-from engine.runner import ModelRunnerOutput
+from engine.queued_step import QueuedStep
+from engine.runner import FinishedStep, ModelRunnerOutput, RunnerStep
+from engine.sampler import SampledTokens
 from engine.scheduler_output import SchedulerOutput
 
 
@@ -92,10 +95,15 @@ class FakeModelRunner:
             * _num_attended(num_new_tokens, num_context_tokens)
         )
 
+    @property
+    def runs_ahead(self) -> bool:
+        """Its steps are done when execute returns."""
+        return False
+
     def synchronize(self) -> None:
         """Nothing runs asynchronously here."""
 
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, scheduler_output: SchedulerOutput) -> RunnerStep:
         chunks = scheduler_output.chunks
         num_attended = sum(_num_attended(c.num_tokens, c.num_context_tokens) for c in chunks)
         step_time = self.cost_model.step_time_s(scheduler_output.num_batched_tokens, num_attended)
@@ -112,19 +120,25 @@ class FakeModelRunner:
         batch.update(scheduler_output)
         for src, dst in scheduler_output.blocks_to_copy:
             self._kv[dst] = list(self._kv[src])
-        sampled: dict[str, int] = {}
+        if not chunks:
+            return FinishedStep(ModelRunnerOutput(sampled_token_ids={}))
+        # The KV writes come from the step's inputs as the real runner builds them, the ids of
+        # tokens sampled by a step whose output is not back yet included.
+        inputs = batch.prepare(chunks).to_device(torch.device("cpu"), batch.sampled_on_device)
         bs = self._block_size
-        for chunk in chunks:
-            tokens = batch.token_ids(chunk.request_id)
-            table = batch.block_table(chunk.request_id)
-            for pos in range(chunk.start_pos, chunk.num_context_tokens):
-                self._kv[table[pos // bs]][pos % bs] = int(tokens[pos])
-            if chunk.needs_sample:
-                context = self._read_context(table, chunk.num_context_tokens)
-                sampled[chunk.request_id] = fake_next_token(context, self.vocab_size)
+        for token_id, slot in zip(inputs.input_ids.tolist(), inputs.slot_mapping.tolist(),
+                                  strict=True):
+            self._kv[slot // bs][slot % bs] = token_id
         states = batch.sample_states(chunks)
-        batch.append_sampled(states, sampled)
-        return ModelRunnerOutput(sampled_token_ids=sampled)
+        context_lens = [c.num_context_tokens for c in chunks if c.needs_sample]
+        sampled = [
+            fake_next_token(self._read_context(batch.block_table(s.request_id), num),
+                            self.vocab_size)
+            for s, num in zip(states, context_lens, strict=True)
+        ]
+        tokens = SampledTokens([s.request_id for s in states], torch.tensor(sampled), sampled)
+        batch.mark_sampled(states, tokens.token_ids)
+        return QueuedStep(batch, states, tokens)
 
     def _read_context(self, block_table: Sequence[int] | np.ndarray, num_tokens: int) -> list[int]:
         bs = self._block_size

@@ -8,10 +8,14 @@ input building, output processing. A benchmark tool (`tiergate bench engine`), n
 
 from __future__ import annotations
 
+import torch
+
 from engine.flops import FlopsCounter
 from engine.input_batch import InputBatch
 from engine.models.config import ModelConfig
-from engine.runner import ModelRunnerOutput
+from engine.queued_step import QueuedStep
+from engine.runner import FinishedStep, ModelRunnerOutput, RunnerStep
+from engine.sampler import SampledTokens
 from engine.scheduler_output import SchedulerOutput
 
 __all__ = ["LLAMA_1B", "NoWorkRunner"]
@@ -54,24 +58,31 @@ class NoWorkRunner:
         self.input_batch = InputBatch(block_size, max_num_seqs, max_model_len)
         self.num_tokens_built = 0  # tokens whose inputs were built (proof the work happened)
         self._flops = FlopsCounter(model_config or ModelConfig.from_dict(LLAMA_1B))
+        self._device = torch.device("cpu")
 
     def estimate_flops(
         self, num_new_tokens: int, num_context_tokens: int, num_sampled_tokens: int = 1
     ) -> float:
         return self._flops(num_new_tokens, num_context_tokens, num_sampled_tokens)
 
+    @property
+    def runs_ahead(self) -> bool:
+        """Its steps are done when execute returns."""
+        return False
+
     def synchronize(self) -> None:
         """Nothing runs asynchronously."""
 
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, scheduler_output: SchedulerOutput) -> RunnerStep:
         batch = self.input_batch
         batch.update(scheduler_output)
         chunks = scheduler_output.chunks
         if not chunks:
-            return ModelRunnerOutput(sampled_token_ids={})
-        inputs = batch.prepare(chunks)
+            return FinishedStep(ModelRunnerOutput(sampled_token_ids={}))
+        inputs = batch.prepare(chunks).to_device(self._device, batch.sampled_on_device)
         self.num_tokens_built += int(inputs.input_ids.shape[0])
         states = batch.sample_states(chunks)
-        sampled = {s.request_id: self.token_id for s in states}
-        batch.append_sampled(states, sampled)
-        return ModelRunnerOutput(sampled_token_ids=sampled)
+        sampled = [self.token_id] * len(states)
+        tokens = SampledTokens([s.request_id for s in states], torch.tensor(sampled), sampled)
+        batch.mark_sampled(states, tokens.token_ids)
+        return QueuedStep(batch, states, tokens)

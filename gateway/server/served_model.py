@@ -139,6 +139,7 @@ def new_engine(
             reserved_fractions=tiers.reserved_fractions() if tiered else {},
         ),
         eos_token_id=eos_ids[0] if eos_ids else None,
+        async_scheduling={"auto": None, "on": True, "off": False}[settings.async_scheduling],
     )
     policy: SchedulingPolicy = TieredPolicy() if tiered else FCFSPolicy()
     grammars = GrammarCompiler(tokenizer, model_config.vocab_size, list(eos_ids))

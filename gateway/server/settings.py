@@ -70,6 +70,12 @@ _OPTIONS: dict[str, _Option] = {
         "CPU float32: decode steps of at most this many requests run as one C++ call over a "
         f"second copy of the weights (0: never; default {CPU_DECODE_MAX_ROWS})",
     ),
+    "async_scheduling": _Option(
+        "--async-scheduling",
+        "TIERGATE_ASYNC_SCHEDULING",
+        "auto (default: on where the device runs ahead of the host, CUDA), on or off: schedule "
+        "the next engine step while the device runs the current one",
+    ),
     "scheduling": _Option(
         "--scheduling", "TIERGATE_SCHEDULING", "tiered (default) or fcfs (baseline)"
     ),
@@ -135,6 +141,7 @@ class GatewaySettings:
     max_num_batched_tokens: int = 2048
     # None: the runner's default (engine.model_runner.RunnerConfig.cpu_decode_rows).
     cpu_decode_rows: int | None = None
+    async_scheduling: str = "auto"  # auto | on | off (engine.EngineConfig.async_scheduling)
     scheduling: str = "tiered"
     max_body_bytes: int = 4 << 20
     max_messages: int = 2048
@@ -157,6 +164,8 @@ class GatewaySettings:
             raise SettingsError("--device must be cpu, cuda or cuda:N")
         if self.dtype not in _DTYPES:
             raise SettingsError(f"--dtype must be one of {', '.join(_DTYPES)}")
+        if self.async_scheduling not in ("auto", "on", "off"):
+            raise SettingsError("--async-scheduling must be auto, on or off")
         if self.scheduling not in ("tiered", "fcfs"):
             raise SettingsError("--scheduling must be tiered or fcfs")
         if self.tool_call_parser not in ("auto", "hermes", "llama3_json", "mistral"):

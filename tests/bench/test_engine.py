@@ -33,15 +33,18 @@ def test_json_report(capsys: pytest.CaptureFixture[str]) -> None:
     parser = argparse.ArgumentParser()
     bench_engine.add_arguments(parser)
     args = parser.parse_args(["--batches", "2", "--context", "20", "--steps", "2",
-                              "--short-requests", "3", "--repeats", "1", "--json"])
+                              "--short-requests", "3", "--repeats", "1", "--json",
+                              "--async-scheduling"])
     assert bench_engine.report(args) == 0
     result = json.loads(capsys.readouterr().out)
     assert [r["num_running"] for r in result["decode"]] == [2]
     assert result["short"]["num_requests"] == 3
+    assert result["async_scheduling"] is True
 
 
-def test_no_work_runner_builds_the_inputs_of_every_token() -> None:
-    engine = bench_engine._engine(2, 40)
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_no_work_runner_builds_the_inputs_of_every_token(async_scheduling: bool) -> None:
+    engine = bench_engine._engine(2, 40, async_scheduling)
     runner = engine.runner
     assert isinstance(runner, NoWorkRunner)
     params = SamplingParams(max_tokens=3, ignore_eos=True)

@@ -26,6 +26,10 @@ from policies import TieredPolicy, TieredPolicyConfig
 
 VOCAB = 1000
 
+# Whether make_engine's engines schedule asynchronously when not told; the fixture
+# `scheduling_mode` (tests/engine/conftest.py) runs a module's tests both ways.
+ASYNC_SCHEDULING = False
+
 
 def make_engine(
     num_blocks: int = 64,
@@ -39,6 +43,7 @@ def make_engine(
     max_model_len: int = 512,
     under_share_lane_every_steps: int = 4,
     clock: Callable[[], float] | None = None,
+    async_scheduling: bool | None = None,
 ) -> LLMEngine:
     """An engine over the fake runner. Without clock its clock is simulated, each step moving
     it by the fake runner's modelled step time, so what the scheduler reads of time (what
@@ -51,6 +56,7 @@ def make_engine(
             max_model_len=max_model_len,
         ),
         cache=CacheConfig(block_size, prefix_caching, reserved or {}),
+        async_scheduling=ASYNC_SCHEDULING if async_scheduling is None else async_scheduling,
     )
     if clock is None:
         clock = SimulatedClock()

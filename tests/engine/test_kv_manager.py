@@ -56,7 +56,7 @@ def test_prefix_hit_leaves_the_last_token_to_compute() -> None:
     writer = _request("w", 8)
     kv.allocate(writer, 8)
     writer.num_computed_tokens = 8  # the step ran: its blocks are written
-    kv.cache_full_blocks(writer)
+    kv.cache_full_blocks(writer, writer.num_computed_tokens)
     exact = _request("x", 8)  # same 8 tokens: only the first block may be a hit
     hit = kv.get_computed_blocks(exact)
     assert hit.num_tokens == 4
@@ -70,7 +70,7 @@ def test_prefix_cache_is_isolated_by_salt() -> None:
     writer = _request("w", 9, salt="tenant-a")
     kv.allocate(writer, 9)
     writer.num_computed_tokens = 9
-    kv.cache_full_blocks(writer)
+    kv.cache_full_blocks(writer, writer.num_computed_tokens)
     assert kv.get_computed_blocks(_request("x", 9, salt="tenant-b")).num_tokens == 0
     assert kv.get_computed_blocks(_request("y", 9, salt="tenant-a")).num_tokens == 8
 

@@ -30,6 +30,9 @@ from policies.queue_wait import (
 )
 from tests.engine.helpers import make_engine, reference_output, run_to_completion
 
+# Every test here runs with synchronous and with async scheduling.
+pytestmark = pytest.mark.usefixtures("scheduling_mode")
+
 
 def test_parallel_samples_share_prompt_blocks_and_stay_exact() -> None:
     engine = make_engine(num_blocks=64, block_size=4)
@@ -112,6 +115,7 @@ def test_invalid_requests_are_refused_with_the_param() -> None:
         engine.add_request("ok", [5], SamplingParams(max_tokens=2))
 
 
+@pytest.mark.step_by_step
 def test_stats_show_a_full_batch_and_the_rate_places_free_up() -> None:
     engine = make_engine(max_num_batched_tokens=64, max_num_seqs=2)
     params = SamplingParams(max_tokens=3, ignore_eos=True)
@@ -132,6 +136,7 @@ def test_stats_show_a_full_batch_and_the_rate_places_free_up() -> None:
     assert estimate_queue_wait_s(stats, 1, 8) >= 3 / stats.finished_requests_per_s
 
 
+@pytest.mark.step_by_step
 def test_rates_count_the_loops_time_between_steps_but_not_idle_time() -> None:
     engine = make_engine()
     now = [100.0]
@@ -155,6 +160,7 @@ def test_rates_count_the_loops_time_between_steps_but_not_idle_time() -> None:
     assert engine.stats().mean_step_time_s == pytest.approx((0.02 + 0.05 + 0.02) / 3)
 
 
+@pytest.mark.step_by_step
 def test_the_drain_rate_counts_prompt_tokens_found_in_the_prefix_cache() -> None:
     """The backlog counts whole prompts, so the rate it drains at must too: a prompt found in
     the prefix cache leaves the backlog with its last block computed, not slowly."""
@@ -262,7 +268,13 @@ def test_async_engine_statistics_say_when_their_step_took_requests_in() -> None:
     try:
         submitted_s = time.monotonic()
         asyncio.run(main())
+        # The output can come before the statistics of its step; those of the engine run
+        # dry come last.
+        deadline = time.monotonic() + 5.0
         stats = async_engine.stats()
+        while any(t.num_running for t in stats.tiers.values()) and time.monotonic() < deadline:
+            time.sleep(0.001)
+            stats = async_engine.stats()
     finally:
         async_engine.shutdown()
     assert stats.taken_in_at_s is not None

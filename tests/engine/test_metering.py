@@ -53,6 +53,9 @@ TINY_LLAMA = ModelConfig.from_dict(
 # Same shapes, one layer with a 12-key sliding window: per-token costs stop growing.
 WINDOWED = dataclasses.replace(TINY_LLAMA, sliding_windows=(None, 12))
 
+# Every test here runs with synchronous and with async scheduling.
+pytestmark = pytest.mark.usefixtures("scheduling_mode")
+
 
 def _params(max_tokens: int, n: int = 1) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, n=n, ignore_eos=True)

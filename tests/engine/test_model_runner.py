@@ -68,7 +68,7 @@ def test_copy_on_write_fork_continues_identically(llama: tuple[Path, PreTrainedM
 def test_empty_step_and_non_sampling_chunk(llama: tuple[Path, PreTrainedModel]) -> None:
     path, _ = llama
     runner = make_runner(path)
-    assert runner.execute(SchedulerOutput(0, [], 0)).sampled_token_ids == {}
+    assert runner.execute(SchedulerOutput(0, [], 0)).result().sampled_token_ids == {}
     driver = PagedDriver(runner)
     seq = Sequence("x", random_prompts([30], seed=9)[0], 1)
     chunk = driver.chunk(seq, 16)  # first half of the prompt: nothing to sample

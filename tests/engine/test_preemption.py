@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
+
 from engine import LLMEngine, SamplingParams, TenantContext
 from engine.request import RequestStatus
 from engine.testing.clock import SimulatedClock
@@ -13,6 +15,9 @@ from tests.engine.helpers import check_invariants, make_engine, reference_output
 
 PREMIUM = TenantContext(tenant_id="p", tier="premium", priority=0, cache_salt="p")
 STANDARD = TenantContext(tenant_id="s", tier="standard", priority=1, cache_salt="s")
+
+# Every test here runs with synchronous and with async scheduling.
+pytestmark = pytest.mark.usefixtures("scheduling_mode")
 
 
 def _params(max_tokens: int) -> SamplingParams:
@@ -201,6 +206,7 @@ def test_an_under_share_tenants_prompt_goes_before_over_share_prefill_chunks() -
         assert outputs[("h0", 0)][-4:] == reference_output(list(range(100, 164)), 4)
 
 
+@pytest.mark.step_by_step
 def test_a_light_tenants_long_prompt_goes_before_a_heavy_tenants_decodes_and_prefills() -> None:
     """An under-share tenant's prompt takes the step's whole budget, first chunk and later ones,
     ahead of the over-share tenant's decodes and its prefill admitted earlier, and its last
@@ -261,6 +267,7 @@ def _light_prompt_beside_heavy_decodes(
     return engine, outputs
 
 
+@pytest.mark.step_by_step
 def test_an_under_share_prompt_that_leaves_budget_over_runs_alone_then_the_others_resume() -> None:
     engine, outputs = _light_prompt_beside_heavy_decodes(lane_every_steps=4)
     decoded = len(outputs["h0"])
@@ -279,6 +286,7 @@ def test_an_under_share_prompt_that_leaves_budget_over_runs_alone_then_the_other
     assert outputs["h0"] == reference_output(list(range(100, 108)), 30)
 
 
+@pytest.mark.step_by_step
 def test_the_under_share_lane_is_taken_at_most_once_in_so_many_steps() -> None:
     engine, outputs = _light_prompt_beside_heavy_decodes(lane_every_steps=4)
     _step(engine, outputs)  # l0 alone: a lane step
@@ -323,6 +331,7 @@ def test_one_tenants_own_requests_never_take_the_under_share_lane() -> None:
     assert len(engine.scheduler.running) == 4
 
 
+@pytest.mark.step_by_step
 def test_a_request_that_preempts_itself_is_not_taken_back_ahead_of_the_decodes() -> None:
     # Four heavy requests decoding, a fifth waiting for a place; the light tenant's long
     # prompt, under half its share (1 of 5 places), goes ahead of the decodes and takes the

@@ -270,8 +270,9 @@ def test_frequency_and_presence_penalties_match_openai() -> None:
 
 
 def test_penalty_counts_kept_between_steps_equal_a_full_recount() -> None:
-    """A request's counts are made once and then only grow by the tokens added since; the
-    penalised logprobs each step equal those of a request seen for the first time."""
+    """A request's counts are made once and then take each token sampled (on the sampling
+    device, before its id is on the host); the penalised logprobs each step equal those of a
+    request seen for the first time."""
     params = SamplingParams(temperature=1.0, seed=3, repetition_penalty=1.5,
                             frequency_penalty=0.5, presence_penalty=0.25, logprobs=VOCAB)
     batch = InputBatch(block_size=16)  # the runner's batch the state reads its tokens from
@@ -286,8 +287,13 @@ def test_penalty_counts_kept_between_steps_equal_a_full_recount() -> None:
         assert got.sampled_token_ids == expected.sampled_token_ids
         assert got.logprobs["r"].top == expected.logprobs["r"].top
         assert kept.penalty_counts is not None
-        assert kept.penalty_counts.num_counted == kept.num_output_tokens
-        batch.append_sampled([kept], got.sampled_token_ids)  # as the runner does
+        token = got.sampled_token_ids["r"]
+        batch.mark_sampled([kept], torch.tensor([token]))  # as the runner does
+        assert kept.penalty_counts.num_counted == kept.num_output_tokens  # the pending one too
+        assert kept.penalty_counts.output_counts[token] == (
+            list(kept.output_token_ids).count(token) + 1
+        )
+        batch.append_sampled([kept], got.sampled_token_ids)  # the id on the host, later
 
 
 def test_penalties_ignore_token_ids_outside_the_logits() -> None:
@@ -313,10 +319,14 @@ def test_penalties_touch_only_their_rows() -> None:
 def test_raw_logprobs_mode_reads_logits_before_penalties() -> None:
     logits = fixed_logits()
     params = SamplingParams(temperature=0.0, presence_penalty=2.0, logprobs=0)
-    chunk = make_chunk("r", params, output=[0])
     raw = torch.log_softmax(logits[0], dim=-1)
-    assert logprobs_of(chunk, logits, "raw") == pytest.approx(raw[1].item())
-    assert logprobs_of(chunk, logits) != pytest.approx(raw[1].item())
+    # a request each: sampling one counts its token for its penalties
+    assert logprobs_of(make_chunk("r", params, output=[0]), logits, "raw") == pytest.approx(
+        raw[1].item()
+    )
+    assert logprobs_of(make_chunk("r", params, output=[0]), logits) != pytest.approx(
+        raw[1].item()
+    )
 
 
 def test_min_tokens_suppresses_eos_and_stop_tokens() -> None:

@@ -85,7 +85,9 @@ def request(request_id: str, num_prompt: int, max_tokens: int = 8, tenant: str =
 def finish_step(scheduler: Scheduler, output: SchedulerOutput) -> None:
     """What the engine does after the runner: one token for every chunk that samples."""
     sampled = {c.request_id: 7 for c in output.chunks if c.needs_sample}
-    scheduler.update_from_output(output, ModelRunnerOutput(sampled), now=0.0)
+    requests = scheduler.chunk_requests(output)
+    scheduler.update_from_output(output, ModelRunnerOutput(sampled), 0.0, requests,
+                                 [r.admission_seq for r in requests])
 
 
 def chunks(output: SchedulerOutput) -> list[tuple[str, int, int, bool, bool]]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
@@ -45,6 +46,9 @@ scenario = st.fixed_dictionaries(
         "step_s": st.sampled_from([0.0, 0.01, 0.1, 0.5]),
     }
 )
+
+# Every test here runs with synchronous and with async scheduling.
+pytestmark = pytest.mark.usefixtures("scheduling_mode")
 
 
 def _arrival(

@@ -186,7 +186,8 @@ def test_a_matcher_that_fails_ends_its_request_with_an_error() -> None:
     assert out.grammar_errors == {"r": "grammar: step fuel exhausted"}
 
 
-def _engine(demo: tuple[Path, Tokenizer, ModelConfig], num_kv_blocks: int = 256) -> LLMEngine:
+def _engine(demo: tuple[Path, Tokenizer, ModelConfig], num_kv_blocks: int = 256,
+            async_scheduling: bool = False) -> LLMEngine:
     path, tokenizer, _ = demo
     runner = TorchModelRunner.from_model_dir(
         path, RunnerConfig(num_kv_blocks=num_kv_blocks, max_model_len=512, max_num_seqs=8))
@@ -197,6 +198,7 @@ def _engine(demo: tuple[Path, Tokenizer, ModelConfig], num_kv_blocks: int = 256)
                                       max_model_len=512),
             cache=CacheConfig(block_size=runner.block_size),
             eos_token_id=tokenizer.eos_token_id,
+            async_scheduling=async_scheduling,
         ),
         runner, tokenizer=tokenizer, grammars=_compiler(demo),
     )
@@ -228,15 +230,20 @@ def _requests(engine: LLMEngine, tokenizer: Tokenizer) -> None:
     engine.add_request("plain", prompt, SamplingParams(temperature=1.0, seed=9, max_tokens=30))
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_random_weights_follow_the_constraint_through_preemption(
-    demo: tuple[Path, Tokenizer, ModelConfig],
+    demo: tuple[Path, Tokenizer, ModelConfig], async_scheduling: bool,
 ) -> None:
+    """Async scheduling: a grammar's matcher takes each token before the next step's mask
+    (sampling waits for the ids), and a request its grammar ended is computed a step past
+    its end, with a finished matcher, and that token dropped."""
     tokenizer = demo[1]
     roomy = _engine(demo)
     _requests(roomy, tokenizer)
     expected = _run(roomy)
     assert roomy.scheduler.num_preemptions_total == 0
-    tight = _engine(demo, num_kv_blocks=10)  # preempts: resumed matchers replay the outputs
+    # preempts: resumed matchers replay the outputs
+    tight = _engine(demo, num_kv_blocks=10, async_scheduling=async_scheduling)
     _requests(tight, tokenizer)
     outputs = _run(tight)
     assert tight.scheduler.num_preemptions_total > 0

@@ -24,8 +24,8 @@ from transformers import (
 
 from engine.input_batch import RequestState
 from engine.model_runner import RunnerConfig, TorchModelRunner
-from engine.runner import ModelRunnerOutput
-from engine.sampler import Sampler
+from engine.runner import RunnerStep
+from engine.sampler import SampledTokens, Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import NewRequestData, ScheduledChunk, SchedulerOutput
 
@@ -114,10 +114,10 @@ class RecordingSampler:
         self.sampler = Sampler(vocab_size)
         self.logits: dict[str, list[torch.Tensor]] = {}
 
-    def __call__(self, logits: torch.Tensor, states: list[RequestState]) -> ModelRunnerOutput:
+    def sample(self, logits: torch.Tensor, states: list[RequestState]) -> SampledTokens:
         for row, state in zip(logits, states, strict=True):
             self.logits.setdefault(state.request_id, []).append(row.clone())
-        return self.sampler(logits, states)
+        return self.sampler.sample(logits, states)
 
 
 def make_runner(
@@ -145,21 +145,35 @@ class Sequence:
     output: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose KV is in the cache
     block_table: list[int] = field(default_factory=list)
+    num_pending: int = 0  # sampled by queued steps, ids not back yet
 
     @property
     def tokens(self) -> list[int]:
         return self.prompt + self.output
 
     @property
+    def num_tokens(self) -> int:
+        """Its tokens, the pending ones included."""
+        return len(self.prompt) + len(self.output) + self.num_pending
+
+    @property
     def is_done(self) -> bool:
         return len(self.output) >= self.max_new_tokens
+
+    @property
+    def is_ordered(self) -> bool:
+        """Every token it needs is back or on its way."""
+        return len(self.output) + self.num_pending >= self.max_new_tokens
 
 
 class PagedDriver:
     """Schedules sequences onto a runner: decodes first, then prefill chunks under a budget."""
 
-    def __init__(self, runner: TorchModelRunner, seed: int = 0) -> None:
+    def __init__(self, runner: TorchModelRunner, seed: int = 0, ahead: bool = False) -> None:
+        """ahead: queue each step before taking the previous one's tokens (async scheduling:
+        decodes compute tokens whose ids are still with the runner)."""
         self.runner = runner
+        self.ahead = ahead
         self.free_blocks = list(range(runner.num_kv_blocks))
         random.Random(seed).shuffle(self.free_blocks)  # block tables are never contiguous
         self.step_id = 0
@@ -203,13 +217,18 @@ class PagedDriver:
             request_id=seq.request_id,
             start_pos=start,
             num_tokens=num_tokens,
-            needs_sample=end == len(seq.tokens),
-            is_prefill=num_tokens > 1 or not seq.output,
+            needs_sample=end == seq.num_tokens,
+            is_prefill=num_tokens > 1 or not (seq.output or seq.num_pending),
         )
 
     def step(self, chunks: list[ScheduledChunk], seqs: dict[str, Sequence],
              blocks_to_copy: list[tuple[int, int]] | None = None) -> None:
-        output = self.runner.execute(
+        """Run one step and take its tokens."""
+        self._finish(self._queue(chunks, seqs, blocks_to_copy), chunks, seqs)
+
+    def _queue(self, chunks: list[ScheduledChunk], seqs: dict[str, Sequence],
+               blocks_to_copy: list[tuple[int, int]] | None = None) -> RunnerStep:
+        step = self.runner.execute(
             SchedulerOutput(
                 step_id=self.step_id,
                 chunks=chunks,
@@ -224,26 +243,41 @@ class PagedDriver:
         self.step_id += 1
         for c in chunks:
             seqs[c.request_id].num_computed += c.num_tokens
+            seqs[c.request_id].num_pending += int(c.needs_sample)
+        return step
+
+    def _finish(self, step: RunnerStep, chunks: list[ScheduledChunk],
+                seqs: dict[str, Sequence]) -> None:
+        output = step.result()
         for request_id, token in output.sampled_token_ids.items():
             seqs[request_id].output.append(token)
+            seqs[request_id].num_pending -= 1
         assert set(output.sampled_token_ids) == {c.request_id for c in chunks if c.needs_sample}
 
     def run(self, seqs: list[Sequence], token_budget: int = 1 << 30, keep_blocks: bool = False,
             ) -> None:
         """Run until every sequence has its tokens; a prefill gets what is left of the budget."""
         by_id = {s.request_id: s for s in seqs}
+        in_flight: tuple[RunnerStep, list[ScheduledChunk]] | None = None
         while not all(s.is_done for s in seqs):
-            active = [s for s in seqs if not s.is_done]
-            decodes = [s for s in active if s.output and s.num_computed == len(s.tokens) - 1]
+            active = [s for s in seqs if not s.is_ordered]
+            decodes = [s for s in active
+                       if (s.output or s.num_pending) and s.num_computed == s.num_tokens - 1]
             chunks = [self.chunk(s, 1) for s in decodes]
             budget = token_budget - len(chunks)
             for s in active:
-                if s in decodes or budget <= 0:
+                if s in decodes or budget <= 0 or s.num_pending:
                     continue
-                num = min(len(s.tokens) - s.num_computed, budget)
+                num = min(s.num_tokens - s.num_computed, budget)
                 chunks.append(self.chunk(s, num))
                 budget -= num
-            self.step(chunks, by_id)
+            queued = (self._queue(chunks, by_id), chunks) if chunks else None
+            if not self.ahead and queued is not None:
+                self._finish(*queued, by_id)
+                queued = None
+            if in_flight is not None:
+                self._finish(*in_flight, by_id)
+            in_flight = queued
             if not keep_blocks:
                 for s in seqs:
                     if s.is_done and s.block_table:
