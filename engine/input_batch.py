@@ -18,7 +18,7 @@ than the capacity given (a runner that knows its limits sizes them once).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import llguidance
@@ -30,7 +30,7 @@ from engine.sampler import PenaltyCounts
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import NewRequestData, ScheduledChunk, SchedulerOutput
 
-__all__ = ["InputBatch", "RequestState", "StepInputs"]
+__all__ = ["InputBatch", "PendingTokens", "RequestState", "StepInputs"]
 
 
 class RequestState:
@@ -105,6 +105,7 @@ class StepInputs:
     # in the previous step's sampled tensor (InputBatch.sampled_on_device).
     pending_tokens: np.ndarray  # int64[P]
     pending_sources: np.ndarray  # int64[P]
+    sample_rows: np.ndarray  # int64[S]: the batch rows of the chunks that sample (host only)
 
     def to_device(
         self,
@@ -147,6 +148,15 @@ class StepInputs:
         return batch
 
 
+@dataclass(frozen=True)
+class PendingTokens:
+    """Tokens one step sampled, noted by `InputBatch.mark_sampled` until their ids come."""
+
+    states: list[RequestState]
+    rows: np.ndarray  # int64[len(states)]: their rows when the step sampled
+    num_removals: int  # the batch's count of freed rows then
+
+
 class InputBatch:
     """Rows of the requests a runner holds, kept in step with the scheduler's outputs."""
 
@@ -161,6 +171,7 @@ class InputBatch:
         self._pending_source = np.zeros(num_rows, dtype=np.int64)
         self._pending_mark = np.zeros(num_rows, dtype=np.int64)  # the mark that set the source
         self._num_marks = 0  # calls of mark_sampled that noted tokens
+        self._num_removals = 0  # rows freed so far
         self._tables = np.zeros((num_rows, -(-max(max_tokens, 1) // block_size)), dtype=np.int32)
         self._free_rows = list(range(num_rows - 1, -1, -1))
         self.requests: dict[str, RequestState] = {}
@@ -178,6 +189,7 @@ class InputBatch:
             state = self.requests.pop(request_id, None)
             if state is not None:
                 self._free_rows.append(state.row)
+                self._num_removals += 1
         for data in scheduler_output.new_requests:
             self._add(data)
         tables = self._tables
@@ -206,32 +218,41 @@ class InputBatch:
         self._tables[row] = 0
         self._tables[row, : len(data.block_ids)] = data.block_ids
 
-    def mark_sampled(self, states: list[RequestState], sampled: torch.Tensor) -> None:
+    def mark_sampled(self, states: list[RequestState], sampled: torch.Tensor,
+                     rows: np.ndarray | None = None) -> PendingTokens:
         """This step sampled the states' next tokens (sampled: int64[len(states)], where it
         was sampled); their ids come with `append_sampled`, and a step built before then
-        takes them from the tensor."""
+        takes them from the tensor. rows: the states' rows, when known (StepInputs)."""
+        if rows is None:
+            rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
+        pending = PendingTokens(states, rows, self._num_removals)
         if not states:
-            return
-        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
+            return pending
         self._num_marks += 1
         self._num_pending[rows] += 1
         self._pending_source[rows] = np.arange(len(states))
         self._pending_mark[rows] = self._num_marks
         self.sampled_on_device = sampled
+        return pending
 
-    def append_sampled(self, states: list[RequestState], sampled: Mapping[str, int]) -> None:
-        """The ids of tokens `mark_sampled` noted for these states (request id -> token), on
-        the host at last. A state dropped since (its request ended or was preempted) is
-        skipped: its row may hold another request now."""
-        requests = self.requests
-        held = [s for s in states if requests.get(s.request_id) is s]
-        if not held:
+    def append_sampled(self, pending: PendingTokens, token_ids: Sequence[int]) -> None:
+        """The ids of the tokens `mark_sampled` noted (one per state, in order), on the host
+        at last. A state dropped since (its request ended or was preempted) is skipped: its
+        row may hold another request now."""
+        states, rows = pending.states, pending.rows
+        if not states:
             return
-        rows = np.fromiter((s.row for s in held), dtype=np.int64, count=len(held))
+        if pending.num_removals != self._num_removals:  # some rows may have changed hands
+            requests = self.requests
+            held = [i for i, s in enumerate(states) if requests.get(s.request_id) is s]
+            rows = rows[held]
+            token_ids = [token_ids[i] for i in held]
+            if not held:
+                return
         positions = self._num_tokens[rows]
         if int(positions.max()) >= self._token_ids.shape[1]:
             self._grow_tokens(int(positions.max()) + 1)
-        self._token_ids[rows, positions] = [sampled[s.request_id] for s in held]
+        self._token_ids[rows, positions] = token_ids
         self._num_tokens[rows] = positions + 1
         self._num_pending[rows] -= 1
 
@@ -303,6 +324,7 @@ class InputBatch:
             logits_indices=query_start_loc[1:][sampled].astype(np.int64) - 1,
             pending_tokens=pending_tokens,
             pending_sources=pending_sources,
+            sample_rows=rows[sampled],
         )
 
     # -- capacity ------------------------------------------------------------------------------

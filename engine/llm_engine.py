@@ -51,7 +51,8 @@ class _InFlight:
 
     scheduler_output: SchedulerOutput
     requests: list[Request]  # its chunks' requests, as scheduled
-    admissions: list[int]  # their admission_seq then (a preemption since changes it)
+    # their admission_seq then (a preemption since changes it); None without async scheduling
+    admissions: list[int] | None
     high_water: dict[str, int]  # recompute marks as scheduled (a preemption since moves them)
     step: RunnerStep
     blocked_priority: int | None  # the scheduler's, as it scheduled the step
@@ -313,7 +314,7 @@ class LLMEngine:
         except Exception as exc:  # a failed step fails its requests, not the engine
             self._step_failed(scheduler_output, requests, high_water, started, exc, outputs)
             return None
-        admissions = [r.admission_seq for r in requests]
+        admissions = [r.admission_seq for r in requests] if self.async_scheduling else None
         return _InFlight(scheduler_output, requests, admissions, high_water, step,
                          self.scheduler.blocked_priority, started, self.clock())
 

@@ -231,8 +231,8 @@ class TorchModelRunner:
             logits = self.model(batch, self.kv_caches, self.attention)  # [S, V]
         states = input_batch.sample_states(chunks)
         sampled = self.sampler.sample(logits, states)
-        input_batch.mark_sampled(states, sampled.token_ids)
-        step = QueuedStep(input_batch, states, sampled.to_host(), events)
+        pending = input_batch.mark_sampled(states, sampled.token_ids, inputs.sample_rows)
+        step = QueuedStep(input_batch, pending, sampled.to_host(), events)
         if events is not None:
             events[1].record()
         return step

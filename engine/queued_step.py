@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.input_batch import InputBatch, RequestState
+from engine.input_batch import InputBatch, PendingTokens
 from engine.runner import ModelRunnerOutput
 from engine.sampler import SampledTokens
 
@@ -18,14 +18,15 @@ class QueuedStep:
     def __init__(
         self,
         input_batch: InputBatch,
-        states: list[RequestState],
+        pending: PendingTokens,
         sampled: SampledTokens,
         events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None,
     ) -> None:
-        """sampled: in host memory (from CUDA, copied there without waiting); events: the
-        step's start and end on the CUDA stream (None where execute did all the work)."""
+        """pending: what input_batch noted of the step's tokens; sampled: in host memory
+        (from CUDA, copied there without waiting); events: the step's start and end on the
+        CUDA stream (None where execute did all the work)."""
         self._input_batch = input_batch
-        self._states = states
+        self._pending = pending
         self._sampled = sampled
         self._events = events
 
@@ -37,5 +38,6 @@ class QueuedStep:
             device_time_s = start.elapsed_time(end) / 1000.0
         output = self._sampled.output()
         output.device_time_s = device_time_s
-        self._input_batch.append_sampled(self._states, output.sampled_token_ids)
+        self._input_batch.append_sampled(self._pending,
+                                         list(output.sampled_token_ids.values()))
         return output

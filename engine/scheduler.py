@@ -282,11 +282,12 @@ class Scheduler:
         runner_output: ModelRunnerOutput,
         now: float,
         requests: Sequence[Request],
-        admissions: Sequence[int],
+        admissions: Sequence[int] | None = None,
     ) -> list[Request]:
         """Append sampled tokens and apply token-level stops; requests: the chunks' requests
-        and admissions their admission_seq, taken when the step was scheduled. Returns the
-        requests that got a token (finished ones included).
+        and admissions their admission_seq, taken when the step was scheduled (None: nothing
+        was scheduled since, as without async scheduling). Returns the requests that got a
+        token (finished ones included).
 
         Under async scheduling the next step was scheduled before this one's tokens came
         back: a request that ended since (aborted, or stopped by the previous step's token)
@@ -298,15 +299,17 @@ class Scheduler:
         on_service = self.waiting.on_service
         max_model_len = self.config.max_model_len
         running = RequestStatus.RUNNING
-        for chunk, request, admission in zip(scheduler_output.chunks, requests, admissions,
-                                             strict=True):
+        chunks = scheduler_output.chunks
+        assert len(chunks) == len(requests)
+        for index, chunk in enumerate(chunks):
+            request = requests[index]
             status = request.status
-            if status.is_finished:
+            if status is not running and status.is_finished:
                 continue
             start = chunk.start_pos
             end = start + chunk.num_tokens
-            if (status is running and end // block_size > start // block_size
-                    and request.admission_seq == admission):
+            if (end // block_size > start // block_size and status is running
+                    and (admissions is None or request.admission_seq == admissions[index])):
                 self.kv.cache_full_blocks(request, end)  # the chunk filled a block
             if not chunk.needs_sample:
                 continue

@@ -124,10 +124,11 @@ class FakeModelRunner:
             return FinishedStep(ModelRunnerOutput(sampled_token_ids={}))
         # The KV writes come from the step's inputs as the real runner builds them, the ids of
         # tokens sampled by a step whose output is not back yet included.
-        inputs = batch.prepare(chunks).to_device(torch.device("cpu"), batch.sampled_on_device)
+        inputs = batch.prepare(chunks)
+        forward_batch = inputs.to_device(torch.device("cpu"), batch.sampled_on_device)
         bs = self._block_size
-        for token_id, slot in zip(inputs.input_ids.tolist(), inputs.slot_mapping.tolist(),
-                                  strict=True):
+        for token_id, slot in zip(forward_batch.input_ids.tolist(),
+                                  forward_batch.slot_mapping.tolist(), strict=True):
             self._kv[slot // bs][slot % bs] = token_id
         states = batch.sample_states(chunks)
         context_lens = [c.num_context_tokens for c in chunks if c.needs_sample]
@@ -137,8 +138,8 @@ class FakeModelRunner:
             for s, num in zip(states, context_lens, strict=True)
         ]
         tokens = SampledTokens([s.request_id for s in states], torch.tensor(sampled), sampled)
-        batch.mark_sampled(states, tokens.token_ids)
-        return QueuedStep(batch, states, tokens)
+        pending = batch.mark_sampled(states, tokens.token_ids, inputs.sample_rows)
+        return QueuedStep(batch, pending, tokens)
 
     def _read_context(self, block_table: Sequence[int] | np.ndarray, num_tokens: int) -> list[int]:
         bs = self._block_size

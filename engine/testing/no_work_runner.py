@@ -79,10 +79,12 @@ class NoWorkRunner:
         chunks = scheduler_output.chunks
         if not chunks:
             return FinishedStep(ModelRunnerOutput(sampled_token_ids={}))
-        inputs = batch.prepare(chunks).to_device(self._device, batch.sampled_on_device)
-        self.num_tokens_built += int(inputs.input_ids.shape[0])
+        inputs = batch.prepare(chunks)
+        forward_batch = inputs.to_device(self._device, batch.sampled_on_device)
+        self.num_tokens_built += int(forward_batch.input_ids.shape[0])
         states = batch.sample_states(chunks)
         sampled = [self.token_id] * len(states)
-        tokens = SampledTokens([s.request_id for s in states], torch.tensor(sampled), sampled)
-        batch.mark_sampled(states, tokens.token_ids)
-        return QueuedStep(batch, states, tokens)
+        on_device = torch.full((len(states),), self.token_id, dtype=torch.int64)
+        tokens = SampledTokens([s.request_id for s in states], on_device, sampled)
+        pending = batch.mark_sampled(states, tokens.token_ids, inputs.sample_rows)
+        return QueuedStep(batch, pending, tokens)

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.input_batch import InputBatch, RequestState
+from engine.input_batch import InputBatch, PendingTokens
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import NewRequestData, ScheduledChunk, SchedulerOutput
 
@@ -67,7 +67,7 @@ class _Driver:
         self.rng = rng
         self.batch = batch
         self.ahead = ahead
-        self.in_flight: tuple[list[RequestState], dict[str, int]] | None = None
+        self.in_flight: tuple[PendingTokens, list[int]] | None = None
         self.free_blocks = list(range(1, 400))
         rng.shuffle(self.free_blocks)
         self.seqs: dict[str, _Seq] = {}
@@ -140,14 +140,15 @@ class _Driver:
             assert getattr(packed, name).dtype == getattr(plain, name).dtype, name
         states = batch.sample_states(chunks)
         sampled = {s.request_id: rng.randrange(3, 1000) for s in states}
-        batch.mark_sampled(states, torch.tensor([sampled[s.request_id] for s in states]))
+        token_ids = [sampled[s.request_id] for s in states]
+        pending = batch.mark_sampled(states, torch.tensor(token_ids))
         if self.in_flight is not None:
             batch.append_sampled(*self.in_flight)
             self.in_flight = None
         if self.ahead:
-            self.in_flight = (states, sampled)
+            self.in_flight = (pending, token_ids)
         else:
-            batch.append_sampled(states, sampled)
+            batch.append_sampled(pending, token_ids)
         for chunk in chunks:
             self.seqs[chunk.request_id].num_computed = chunk.num_context_tokens
         for state in states:

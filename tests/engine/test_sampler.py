@@ -288,12 +288,12 @@ def test_penalty_counts_kept_between_steps_equal_a_full_recount() -> None:
         assert got.logprobs["r"].top == expected.logprobs["r"].top
         assert kept.penalty_counts is not None
         token = got.sampled_token_ids["r"]
-        batch.mark_sampled([kept], torch.tensor([token]))  # as the runner does
+        pending = batch.mark_sampled([kept], torch.tensor([token]))  # as the runner does
         assert kept.penalty_counts.num_counted == kept.num_output_tokens  # the pending one too
         assert kept.penalty_counts.output_counts[token] == (
             list(kept.output_token_ids).count(token) + 1
         )
-        batch.append_sampled([kept], got.sampled_token_ids)  # the id on the host, later
+        batch.append_sampled(pending, [token])  # the id on the host, later
 
 
 def test_penalties_ignore_token_ids_outside_the_logits() -> None:
