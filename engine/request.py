@@ -129,10 +129,11 @@ class Request:
         """Its pending tokens take it to max_tokens or the context length: it ends when they
         come back, and no step computes past them."""
         num_pending = self.num_pending_tokens
-        return num_pending > 0 and (
-            len(self.output_token_ids) + num_pending >= self.max_tokens
-            or self.num_tokens + num_pending >= max_model_len
-        )
+        if not num_pending:
+            return False
+        num_outputs = len(self.output_token_ids) + num_pending  # asked per step: builtins only
+        return (num_outputs >= self.max_tokens
+                or len(self.prompt_token_ids) + num_outputs >= max_model_len)
 
     @property
     def is_finished(self) -> bool:
