@@ -165,12 +165,13 @@ class _Driver:
             assert batch.token_ids(state.request_id).tolist() == host_tokens
 
 
+# Steps of (requests joining, requests leaving, token budget).
+_STEPS = st.lists(st.tuples(st.integers(0, 4), st.integers(0, 3), st.integers(1, 64)),
+                  min_size=1, max_size=25)
+
+
 @settings(max_examples=60, deadline=None)
-@given(
-    seed=st.integers(0, 10_000),
-    steps=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 3), st.integers(1, 64)),
-                   min_size=1, max_size=25),
-)
+@given(seed=st.integers(0, 10_000), steps=_STEPS)
 def test_incremental_inputs_equal_inputs_built_from_scratch(
     seed: int, steps: list[tuple[int, int, int]]
 ) -> None:
@@ -182,11 +183,7 @@ def test_incremental_inputs_equal_inputs_built_from_scratch(
 
 
 @settings(max_examples=60, deadline=None)
-@given(
-    seed=st.integers(0, 10_000),
-    steps=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 3), st.integers(1, 64)),
-                   min_size=1, max_size=25),
-)
+@given(seed=st.integers(0, 10_000), steps=_STEPS)
 def test_steps_built_before_the_sampled_ids_arrive_read_them_from_the_device(
     seed: int, steps: list[tuple[int, int, int]]
 ) -> None:
