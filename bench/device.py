@@ -1,9 +1,11 @@
 """The device half of `tiergate bench engine --device DEV`: a real model's steps on DEV.
 
 For a model config (random weights, the given dtype) and each batch of running decodes:
-- the whole engine step (scheduling, inputs, forward, sampling, outputs; the device
-  synchronised at its end) against the forward alone on the same inputs (the captured CUDA
-  graph where the runner has one), median milliseconds of --steps steps each;
+- the whole engine step (scheduling, inputs, forward, sampling, outputs) with async
+  scheduling (the next step queued while the device runs the current one: a step's time is
+  the pipeline's period) and synchronous (the device synchronised at each step's end),
+  against the forward alone on the same inputs (the captured CUDA graph where the runner has
+  one), median milliseconds of a third of --steps steps each;
 - the bytes a decode step must read (every weight once, plus the KV of every context) against
   the device's measured copy rate: the fraction of that rate the step and the forward reach.
 The offline comparison with HF transformers `generate` is `bench.offline` on the same
@@ -42,7 +44,8 @@ _BLOCK_SIZE = 16
 @dataclass
 class DeviceRow:
     num_running: int
-    step_ms: float  # median engine step
+    step_ms: float  # median engine step, async scheduling
+    step_sync_ms: float  # median engine step, synchronous
     forward_ms: float  # median forward alone, same inputs
     bytes_read: int  # weights + the KV the step attends to
     step_fraction_of_copy_rate: float  # bytes_read / step time, over the copy rate
@@ -111,22 +114,15 @@ def measure_device(
         prompt = torch.randint(3, config.vocab_size, (context - 1,), generator=generator)
         engine.add_request(f"d{index}", prompt.tolist(), params)
     running = step_until_decoding(engine, num_running)
-    for _ in range(3):  # warm-up: CUDA graph capture, allocator
-        engine.step()
-    step_times = []
-    for _ in range(num_steps // 2):
-        started = time.perf_counter()
-        # Synchronous: the step ends when the device is done. Async (CUDA's default): a step
-        # waits for the previous one's tokens, so its time is the pipeline's period.
-        engine.step()
-        step_times.append(time.perf_counter() - started)
+    step_times = _step_times(engine, num_steps // 3, async_scheduling=True)
+    sync_times = _step_times(engine, num_steps // 3, async_scheduling=False)
     # The forward alone on the inputs of the next decode step (its KV writes may land in a
     # block the scheduler has not handed out yet: the engine is not stepped again after).
     chunks = [ScheduledChunk(r.request_id, r.num_tokens - 1, 1, True, False) for r in running]
     batch = runner.input_batch.prepare(chunks).to_device(runner.device)
     forward_times = []
     with torch.inference_mode():
-        for _ in range(num_steps // 2 + 2):
+        for _ in range(num_steps // 3 + 2):
             _sync(device)
             started = time.perf_counter()
             if runner.graphs is not None and runner.graphs.can_run(chunks, batch):
@@ -143,9 +139,25 @@ def measure_device(
     )
     step_s, forward_s = statistics.median(step_times), statistics.median(forward_times)
     return DeviceRow(
-        num_running, step_s * 1e3, forward_s * 1e3, bytes_read,
-        bytes_read / step_s / rate, bytes_read / forward_s / rate,
+        num_running, step_s * 1e3, statistics.median(sync_times) * 1e3, forward_s * 1e3,
+        bytes_read, bytes_read / step_s / rate, bytes_read / forward_s / rate,
     )
+
+
+def _step_times(engine: LLMEngine, num_steps: int, async_scheduling: bool) -> list[float]:
+    """Seconds of each of num_steps engine steps in the given mode, after three untimed ones
+    (CUDA graph capture, the allocator, the pipeline filling)."""
+    engine.finish_in_flight()
+    engine.async_scheduling = async_scheduling
+    for _ in range(3):
+        engine.step()
+    times = []
+    for _ in range(num_steps):
+        started = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - started)
+    engine.finish_in_flight()
+    return times
 
 
 def format_device_table(rows: list[DeviceRow], device: str, dtype: str, context: int,
@@ -154,13 +166,14 @@ def format_device_table(rows: list[DeviceRow], device: str, dtype: str, context:
         f"Engine step against the forward alone on {device} ({dtype}), contexts of about "
         f"{context} tokens; copy rate {rate / 1e9:.1f} GB/s (read + write)",
         "",
-        "| running decodes | step ms | forward ms | step / forward | MB read per step |"
-        " step: % of copy rate | forward: % of copy rate |",
-        "|---|---|---|---|---|---|---|",
+        "| running decodes | step ms | step ms, synchronous | forward ms | step / forward |"
+        " MB read per step | step: % of copy rate | forward: % of copy rate |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         lines.append(
-            f"| {row.num_running} | {row.step_ms:.3f} | {row.forward_ms:.3f} | "
+            f"| {row.num_running} | {row.step_ms:.3f} | {row.step_sync_ms:.3f} | "
+            f"{row.forward_ms:.3f} | "
             f"{row.step_ms / row.forward_ms:.2f} | {row.bytes_read / 1e6:.1f} | "
             f"{100 * row.step_fraction_of_copy_rate:.1f} | "
             f"{100 * row.forward_fraction_of_copy_rate:.1f} |"

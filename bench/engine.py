@@ -196,8 +196,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="HF config.json of the device measurement's model (random weights)")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
                         help="the device measurement's dtype (default: bfloat16)")
-    parser.add_argument("--device-steps", type=int, default=40,
-                        help="decode steps per device row (half timed whole, half forward only)")
+    parser.add_argument("--device-steps", type=int, default=60,
+                        help="decode steps per device row (a third timed with async "
+                             "scheduling, a third synchronous, a third forward only)")
     parser.add_argument("--copy-bytes", type=int, default=1 << 30,
                         help="bytes of the copy that measures the device's rate (default: 1 GiB)")
     parser.add_argument("--compare-hf", action="store_true",

@@ -298,6 +298,12 @@ class LLMEngine:
             outputs += self._finish(previous)
         return outputs
 
+    def finish_in_flight(self) -> list[RequestOutput]:
+        """Process the step in flight, if any (async scheduling): afterwards no step is
+        queued, and async_scheduling may be switched."""
+        flight, self._in_flight = self._in_flight, None
+        return self._finish(flight) if flight is not None else []
+
     def _queue(
         self, scheduler_output: SchedulerOutput, outputs: list[RequestOutput]
     ) -> _InFlight | None:

@@ -215,3 +215,23 @@ def test_the_demo_model_gives_the_same_outputs_with_async_scheduling_on_and_off(
     assert sync[("stopped", 0)][3] == "stop" and sync[("stopped", 0)][4] == stop_text
     assert len(sync[("greedy", 0)][2]) == len(sync[("greedy", 0)][0])
     assert sync[("seeded", 0)][0] != sync[("seeded", 1)][0]
+
+
+def test_the_mode_can_be_switched_once_the_step_in_flight_is_finished() -> None:
+    """finish_in_flight leaves no step queued; the engine then goes on in the other mode with
+    the same tokens (what the device benchmark does to time both modes on one engine)."""
+    engine = make_engine(async_scheduling=True)
+    prompt = list(range(10, 25))
+    engine.add_request("a", prompt, SamplingParams(max_tokens=20, ignore_eos=True))
+    tokens: list[int] = []
+    for _ in range(5):
+        tokens += [t for o in engine.step() for t in o.new_token_ids]
+    tokens += [t for o in engine.finish_in_flight() for t in o.new_token_ids]
+    assert engine._in_flight is None and engine.finish_in_flight() == []
+    engine.async_scheduling = False
+    for _ in range(5):
+        tokens += [t for o in engine.step() for t in o.new_token_ids]
+    engine.async_scheduling = True
+    outputs, _ = _collect(engine)
+    tokens += [t for stream in outputs.values() for o in stream for t in o.new_token_ids]
+    assert tokens == reference_output(prompt, 20)
