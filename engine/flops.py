@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
+
 from engine.models.config import ModelConfig
 
 __all__ = ["FlopsCounter", "forward_flops", "linear_params_per_token"]
@@ -64,3 +66,24 @@ class FlopsCounter:
             keys += num_layers * _visible_keys(num_new_tokens, num_context_tokens, window)
         linear = self._linear * num_new_tokens + self._lm_head * num_sampled_tokens
         return float(linear + self._per_key * keys)
+
+    def many(
+        self, num_new: np.ndarray, num_context: np.ndarray, num_sampled: np.ndarray
+    ) -> np.ndarray:
+        """The same for many chunks at once: int64 arrays in, float64[len] out (metering's
+        estimator, engine.metering.FlopsEstimator)."""
+        first = num_context - num_new + 1
+        keys = np.zeros_like(num_new)
+        for window, num_layers in self._layers_by_window:
+            unclipped = (first + num_context) * num_new // 2
+            if window is None:
+                visible = unclipped
+            else:
+                clipped = window * num_new
+                partial = (first + window) * (window - first + 1) // 2 + window * (
+                    num_context - window)
+                visible = np.where(window >= num_context, unclipped,
+                                   np.where(window <= first, clipped, partial))
+            keys += num_layers * visible
+        flops = self._linear * num_new + self._lm_head * num_sampled + self._per_key * keys
+        return np.where(num_new > 0, flops, 0).astype(np.float64)

@@ -396,18 +396,22 @@ class LLMEngine:
         if not chunks:
             return  # block copies only: nobody to charge, next to no time
         step_time_s = max(step_time_s, 0.0)
-        charges = split_step_time(chunks, high_water, step_time_s, self.runner.estimate_flops)
+        split = split_step_time(chunks, high_water, step_time_s, self.runner.estimate_flops)
+        own, recompute, num_old = (split.gpu_seconds, split.recompute_gpu_seconds,
+                                   split.num_recomputed_tokens)
         counters = self.counters
-        for chunk, request, charge in zip(chunks, requests, charges, strict=True):
+        for index, chunk in enumerate(chunks):  # per chunk of every step: kept lean
+            request = requests[index]
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = started
-            request.add_charge(charge)
+            request.gpu_seconds += own[index]
             first_new = chunk.start_pos
-            if charge.num_recomputed_tokens:
-                counters.recompute_time_s += charge.recompute_gpu_seconds
-                counters.num_recomputed_tokens += charge.num_recomputed_tokens
-                first_new += charge.num_recomputed_tokens
-            num_prompt = request.num_prompt_tokens
+            if num_old[index]:
+                request.add_recompute(recompute[index], num_old[index])
+                counters.recompute_time_s += recompute[index]
+                counters.num_recomputed_tokens += num_old[index]
+                first_new += num_old[index]
+            num_prompt = len(request.prompt_token_ids)
             if first_new < num_prompt:  # new prompt tokens (a decode has none)
                 counters.num_prompt_tokens += min(chunk.num_context_tokens, num_prompt) - first_new
         counters.num_steps += 1

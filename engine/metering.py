@@ -14,28 +14,30 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+
 from engine.scheduler_output import ScheduledChunk
 
-__all__ = ["ChunkCharge", "FlopsEstimator", "num_recompute_tokens", "split_step_time"]
+__all__ = ["FlopsEstimator", "StepSplit", "num_recompute_tokens", "split_step_time"]
 
 
 class FlopsEstimator(Protocol):
-    """FLOPs of num_new_tokens ending at num_context_tokens of context (cached prefix plus the
-    new tokens), with lm_head logits for num_sampled_tokens of them (ModelRunner.estimate_flops)."""
+    """FLOPs of each chunk: num_new tokens ending at num_context tokens of context (cached
+    prefix plus the new tokens), with lm_head logits for num_sampled of them; int64 arrays in,
+    float64 out (ModelRunner.estimate_flops)."""
 
     def __call__(
-        self, num_new_tokens: int, num_context_tokens: int, num_sampled_tokens: int, /
-    ) -> float: ...
+        self, num_new: np.ndarray, num_context: np.ndarray, num_sampled: np.ndarray, /
+    ) -> np.ndarray: ...
 
 
 @dataclass(slots=True)
-class ChunkCharge:
-    """One chunk's share of a step's busy time."""
+class StepSplit:
+    """One step's busy time over its chunks (same order)."""
 
-    request_id: str
-    gpu_seconds: float  # own compute: tokens the request computes for the first time
-    recompute_gpu_seconds: float  # tokens computed again after a preemption
-    num_recomputed_tokens: int  # tokens of the chunk below the request's high-water mark
+    gpu_seconds: list[float]  # own compute: tokens each request computes for the first time
+    recompute_gpu_seconds: list[float]  # tokens computed again after a preemption
+    num_recomputed_tokens: list[int]  # tokens of each chunk below its request's high-water mark
 
 
 def num_recompute_tokens(chunk: ScheduledChunk, num_computed_high_water: int) -> int:
@@ -48,53 +50,56 @@ def split_step_time(
     high_water: Mapping[str, int],
     step_time_s: float,
     estimate_flops: FlopsEstimator,
-) -> list[ChunkCharge]:
-    """One charge per chunk (same order); the charges' seconds sum to step_time_s.
+) -> StepSplit:
+    """The step's time over its chunks; the parts (own and recompute) sum to step_time_s.
 
-    high_water: request id -> num_computed_high_water (absent: never preempted).
+    high_water: request id -> num_computed_high_water (absent: never preempted). Vectorized
+    over the chunks: metering runs after every step, for every chunk.
     """
-    if not chunks:
-        return []
-    num_recompute = (
-        [num_recompute_tokens(c, high_water.get(c.request_id, 0)) for c in chunks]
-        if high_water
-        else [0] * len(chunks)
-    )
+    count = len(chunks)
+    if not count:
+        return StepSplit([], [], [])
+    starts = np.fromiter((c.start_pos for c in chunks), np.int64, count)
+    lengths = np.fromiter((c.num_tokens for c in chunks), np.int64, count)
+    sampled = np.fromiter((c.needs_sample for c in chunks), np.int64, count)
+    if high_water:
+        old = np.fromiter(
+            (num_recompute_tokens(c, high_water.get(c.request_id, 0)) for c in chunks),
+            np.int64, count,
+        )
+    else:
+        old = np.zeros(count, dtype=np.int64)
+    recomputes = bool(old.any())
     # A weight per chunk for its own tokens, then, when any chunk recomputes, one per chunk
     # for its recompute tokens. Those come first in the chunk; the own tokens attend over
     # them too, and only the own part samples.
-    weights = [
-        estimate_flops(c.num_tokens - old, c.start_pos + c.num_tokens, int(c.needs_sample))
-        for c, old in zip(chunks, num_recompute, strict=True)
-    ]
-    recomputes = any(num_recompute)
+    weights = estimate_flops(lengths - old, starts + lengths, sampled)
     if recomputes:
-        weights += [
-            estimate_flops(old, c.start_pos + old, 0) if old else 0.0
-            for c, old in zip(chunks, num_recompute, strict=True)
-        ]
-    total = math.fsum(weights)
+        weights = np.concatenate(
+            [weights, np.where(old > 0, estimate_flops(old, starts + old, old * 0), 0.0)]
+        )
+    total = math.fsum(weights.tolist())
     if not (total > 0 and math.isfinite(total)):  # a cost model that prices nothing
-        weights = [float(c.num_tokens - old) for c, old in zip(chunks, num_recompute, strict=True)]
+        weights = (lengths - old).astype(np.float64)
         if recomputes:
-            weights += [float(old) for old in num_recompute]
-        total = math.fsum(weights)
+            weights = np.concatenate([weights, old.astype(np.float64)])
+        total = math.fsum(weights.tolist())
     parts = _proportional_parts(weights, total, step_time_s)
-    num_chunks = len(chunks)
-    return [
-        ChunkCharge(c.request_id, parts[i], parts[num_chunks + i] if recomputes else 0.0,
-                    num_recompute[i])
-        for i, c in enumerate(chunks)
-    ]
+    return StepSplit(
+        parts[:count],
+        parts[count:] if recomputes else [0.0] * count,
+        old.tolist(),
+    )
 
 
-def _proportional_parts(weights: list[float], total: float, amount: float) -> list[float]:
+def _proportional_parts(weights: np.ndarray, total: float, amount: float) -> list[float]:
     """amount * weight / total each, rounded to whole ulps of amount; the largest part takes
     the remainder. Every partial sum is then a multiple of that ulp no larger than amount, so
     it is exact: the parts add up to exactly amount in floating point, in any order."""
     quantum = math.ulp(amount)
-    parts = [round(amount * (w / total) / quantum) * quantum for w in weights]
-    largest = weights.index(max(weights))  # the first of the largest
+    parts = np.round(amount * (weights / total) / quantum) * quantum
+    largest = int(np.argmax(weights))  # the first of the largest
     parts[largest] = 0.0
-    parts[largest] = amount - sum(parts)
-    return parts
+    parts[largest] = amount - math.fsum(parts.tolist())
+    result: list[float] = parts.tolist()
+    return result

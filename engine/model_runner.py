@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata, attention_backend
@@ -191,9 +192,9 @@ class TorchModelRunner:
         return self.config.block_size
 
     def estimate_flops(
-        self, num_new_tokens: int, num_context_tokens: int, num_sampled_tokens: int = 1
-    ) -> float:
-        return self._flops(num_new_tokens, num_context_tokens, num_sampled_tokens)
+        self, num_new: np.ndarray, num_context: np.ndarray, num_sampled: np.ndarray
+    ) -> np.ndarray:
+        return self._flops.many(num_new, num_context, num_sampled)
 
     @property
     def runs_ahead(self) -> bool:

@@ -6,7 +6,6 @@ import enum
 from dataclasses import dataclass, field
 
 from engine.grammar_compiler import CompiledGrammar
-from engine.metering import ChunkCharge
 from engine.sampling_params import SamplingParams
 
 
@@ -145,13 +144,11 @@ class Request:
         by_tenant = self.recompute_gpu_seconds_by_tenant
         return max(by_tenant, key=by_tenant.__getitem__) if by_tenant else None
 
-    def add_charge(self, charge: ChunkCharge) -> None:
-        """Add one step's share; recompute goes to the tenant that caused the preemption."""
-        self.gpu_seconds += charge.gpu_seconds
-        if charge.num_recomputed_tokens:
-            self.num_recomputed_tokens += charge.num_recomputed_tokens
-            self.recompute_gpu_seconds += charge.recompute_gpu_seconds
-            tenant_id = self.preempted_by_tenant_id
-            assert tenant_id is not None, "recompute without a preemption"
-            by_tenant = self.recompute_gpu_seconds_by_tenant
-            by_tenant[tenant_id] = by_tenant.get(tenant_id, 0.0) + charge.recompute_gpu_seconds
+    def add_recompute(self, seconds: float, num_tokens: int) -> None:
+        """A step's recompute share: it goes to the tenant that caused the preemption."""
+        self.num_recomputed_tokens += num_tokens
+        self.recompute_gpu_seconds += seconds
+        tenant_id = self.preempted_by_tenant_id
+        assert tenant_id is not None, "recompute without a preemption"
+        by_tenant = self.recompute_gpu_seconds_by_tenant
+        by_tenant[tenant_id] = by_tenant.get(tenant_id, 0.0) + seconds

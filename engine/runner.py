@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
+
 from engine.scheduler_output import SchedulerOutput
 
 
@@ -86,8 +88,9 @@ class ModelRunner(Protocol):
         ...
 
     def estimate_flops(
-        self, num_new_tokens: int, num_context_tokens: int, num_sampled_tokens: int = 1
-    ) -> float:
-        """Model FLOPs to compute num_new_tokens that end at num_context_tokens of context,
-        with logits for num_sampled_tokens of them (metering weighs a step's chunks by it)."""
+        self, num_new: np.ndarray, num_context: np.ndarray, num_sampled: np.ndarray
+    ) -> np.ndarray:
+        """Model FLOPs of each chunk: num_new tokens that end at num_context tokens of
+        context, with logits for num_sampled of them; int64 arrays in, float64 out (metering
+        weighs a step's chunks by it, engine.metering.FlopsEstimator)."""
         ...

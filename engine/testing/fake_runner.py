@@ -86,14 +86,13 @@ class FakeModelRunner:
         return self._block_size
 
     def estimate_flops(
-        self, num_new_tokens: int, num_context_tokens: int, num_sampled_tokens: int = 1
-    ) -> float:
+        self, num_new: np.ndarray, num_context: np.ndarray, num_sampled: np.ndarray
+    ) -> np.ndarray:
         """The cost model's FLOPs; it has no lm_head term, so sampled tokens cost nothing extra."""
-        return (
-            self.cost_model.flops_per_token * num_new_tokens
-            + self.cost_model.flops_per_context_token
-            * _num_attended(num_new_tokens, num_context_tokens)
-        )
+        cost = self.cost_model
+        flops = cost.flops_per_token * num_new + cost.flops_per_context_token * (
+            num_new * (2 * num_context - num_new + 1) // 2)  # _num_attended, per chunk
+        return np.asarray(flops, dtype=np.float64)
 
     @property
     def runs_ahead(self) -> bool:

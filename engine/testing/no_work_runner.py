@@ -8,6 +8,7 @@ input building, output processing. A benchmark tool (`tiergate bench engine`), n
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from engine.flops import FlopsCounter
@@ -61,9 +62,9 @@ class NoWorkRunner:
         self._device = torch.device("cpu")
 
     def estimate_flops(
-        self, num_new_tokens: int, num_context_tokens: int, num_sampled_tokens: int = 1
-    ) -> float:
-        return self._flops(num_new_tokens, num_context_tokens, num_sampled_tokens)
+        self, num_new: np.ndarray, num_context: np.ndarray, num_sampled: np.ndarray
+    ) -> np.ndarray:
+        return self._flops.many(num_new, num_context, num_sampled)
 
     @property
     def runs_ahead(self) -> bool:

@@ -8,6 +8,7 @@ import math
 import random
 import time
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -21,7 +22,7 @@ from engine import (
     SchedulerConfig,
     TenantContext,
 )
-from engine.flops import FlopsCounter, forward_flops, linear_params_per_token
+from engine.flops import FlopsCounter, linear_params_per_token
 from engine.metering import split_step_time
 from engine.model_runner import RunnerConfig, TorchModelRunner
 from engine.models.config import ModelConfig
@@ -98,7 +99,12 @@ def test_flops_counter_counts_token_by_token(
     expected = sum(_token_flops(config, p) for p in range(num_cached, num_cached + num_new))
     if num_new:
         expected += 2 * config.hidden_size * config.vocab_size * num_sampled
-    assert FlopsCounter(config)(num_new, num_cached + num_new, num_sampled) == expected
+    counter = FlopsCounter(config)
+    assert counter(num_new, num_cached + num_new, num_sampled) == expected
+    # and vectorized (metering's estimator), alone and among other chunks
+    many = counter.many(np.array([num_new, 3, 0]), np.array([num_cached + num_new, 700, 5]),
+                        np.array([num_sampled, 1, 1]))
+    assert many.tolist() == [expected, counter(3, 700, 1), 0.0]
 
 
 def _fake_clock_engine(
@@ -151,12 +157,10 @@ def test_split_is_exact_proportional_to_flops_and_separates_recompute(
     chunks = [_chunk(f"r{i}", s, k, sample) for i, (s, k, sample, _) in enumerate(shapes)]
     high_water = {f"r{i}": hw for i, (*_, hw) in enumerate(shapes)}
 
-    def estimate(num_new: int, num_context: int, num_sampled: int) -> float:
-        return forward_flops(config, num_new, num_context, num_sampled)
+    split = split_step_time(chunks, high_water, step_time_s, FlopsCounter(config).many)
 
-    charges = split_step_time(chunks, high_water, step_time_s, estimate)
-
-    parts = [x for c in charges for x in (c.gpu_seconds, c.recompute_gpu_seconds)]
+    parts = [x for own_s, old_s in zip(split.gpu_seconds, split.recompute_gpu_seconds,
+                                       strict=True) for x in (own_s, old_s)]
     assert sum(parts) == step_time_s and sum(reversed(parts)) == step_time_s
     assert math.fsum(parts) == step_time_s
     assert min(parts) >= 0.0
@@ -164,25 +168,28 @@ def test_split_is_exact_proportional_to_flops_and_separates_recompute(
     # the lm_head row belongs to the chunk's last (new) token.
     lm_head = 2 * config.hidden_size * config.vocab_size
     expected: list[float] = []
-    for (start, num_tokens, sample, hw), charge in zip(shapes, charges, strict=True):
+    for (start, num_tokens, sample, hw), num_old, old_s in zip(
+        shapes, split.num_recomputed_tokens, split.recompute_gpu_seconds, strict=True
+    ):
         positions = range(start, start + num_tokens)
         old = [p for p in positions if p < hw]
-        assert charge.num_recomputed_tokens == len(old)
+        assert num_old == len(old)
         own = sum(_token_flops(config, p) for p in positions if p >= hw)
         own += lm_head if sample and len(old) < num_tokens else 0
         expected += [own, sum(_token_flops(config, p) for p in old)]
         if not old:
-            assert charge.recompute_gpu_seconds == 0.0
+            assert old_s == 0.0
     total = sum(expected)
     for part, weight in zip(parts, expected, strict=True):
         assert abs(part - step_time_s * weight / total) <= len(parts) * math.ulp(step_time_s)
-    assert [c.request_id for c in charges] == [c.request_id for c in chunks]
+    assert len(split.gpu_seconds) == len(chunks)
 
 
 def test_split_without_a_cost_model_falls_back_to_token_counts() -> None:
     chunks = [_chunk("a", 0, 3, True), _chunk("b", 4, 1, True)]
-    charges = split_step_time(chunks, {"a": 2}, 0.8, lambda n, c, s: 0.0)
-    parts = [x for c in charges for x in (c.gpu_seconds, c.recompute_gpu_seconds)]
+    split = split_step_time(chunks, {"a": 2}, 0.8, lambda n, c, s: np.zeros(len(n)))
+    parts = [x for own_s, old_s in zip(split.gpu_seconds, split.recompute_gpu_seconds,
+                                       strict=True) for x in (own_s, old_s)]
     assert parts == pytest.approx([0.2, 0.4, 0.2, 0.0], rel=1e-15, abs=1e-16)
     assert sum(parts) == 0.8
 
@@ -200,7 +207,8 @@ def test_one_step_is_split_by_flops_and_times_are_reported() -> None:
     a, b = first["a"].metrics, first["b"].metrics
     assert a is not None and b is not None
     assert a.gpu_seconds + b.gpu_seconds == engine.busy_time_s == step_s > 0
-    ratio = runner.estimate_flops(8, 8, 1) / runner.estimate_flops(16, 16, 1)
+    flops = runner.estimate_flops(np.array([8, 16]), np.array([8, 16]), np.array([1, 1]))
+    ratio = flops[0] / flops[1]
     assert a.gpu_seconds / b.gpu_seconds == pytest.approx(ratio, rel=1e-12)
     assert a.queue_time_s == 0.0 and a.ttft_s == a.e2e_time_s == step_s
     assert a.recompute_gpu_seconds == 0.0 and a.recompute_charged_tenant_id is None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
@@ -114,7 +115,9 @@ def test_flops_formula(llama: tuple[Path, PreTrainedModel]) -> None:
     runner = make_runner(path)
     # A decode at context 10: linear + lm_head + attention over 10 keys in 2 layers.
     expected = 2 * linear_params_per_token(config) + 2 * e * 256 + 2 * 4 * 16 * 4 * 10
-    assert runner.estimate_flops(1, 10) == expected == forward_flops(config, 1, 10, 1)
+    assert forward_flops(config, 1, 10, 1) == expected
+    assert runner.estimate_flops(np.array([1]), np.array([10]), np.array([1])).tolist() == [
+        expected]
     # Prefill of 4 tokens on a 6-token prefix: contexts 7, 8, 9, 10.
     attention = 2 * 4 * 16 * 4 * (7 + 8 + 9 + 10)
     assert forward_flops(config, 4, 10, 0) == 4 * 2 * linear_params_per_token(config) + attention
