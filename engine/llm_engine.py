@@ -499,8 +499,8 @@ class LLMEngine:
         logprobs: list,
         text_state: TextOutputState | None,
     ) -> RequestOutput:
-        num_outputs = request.num_output_tokens
-        finished = request.is_finished
+        num_outputs = len(request.output_token_ids)  # per running request per step: no hops
+        finished = request.status.is_finished
         metrics = None
         if finished or num_outputs == 1 or num_outputs % METRICS_EVERY_TOKENS == 0:
             metrics = self._metrics(request)
@@ -514,7 +514,7 @@ class LLMEngine:
             finished,  # finished
             _FINISH_REASONS.get(request.status) if finished else None,  # finish_reason
             request.stop_reason,  # stop_reason
-            request.num_prompt_tokens,  # num_prompt_tokens
+            len(request.prompt_token_ids),  # num_prompt_tokens
             max(request.num_cached_tokens, 0),  # num_cached_tokens
             num_outputs,  # num_output_tokens
             logprobs,  # logprobs

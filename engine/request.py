@@ -112,7 +112,8 @@ class Request:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return self.num_tokens + self.num_pending_tokens - self.num_computed_tokens
+        return (len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_tokens
+                - self.num_computed_tokens)
 
     @property
     def is_prefill_done(self) -> bool:

@@ -50,7 +50,8 @@ class RunnerView:
                 held.add(request_id)
                 new_requests.append(self._new_request_data(request))
             end = request.num_computed_tokens
-            needs_sample = end == request.num_tokens + request.num_pending_tokens
+            needs_sample = end == (len(request.prompt_token_ids) + len(request.output_token_ids)
+                                   + request.num_pending_tokens)
             if num_new == 1 and request.is_prefill_done:
                 decodes.append(ScheduledChunk(request_id, end - 1, 1, needs_sample, False))
             else:

@@ -208,7 +208,7 @@ class Scheduler:
         plan.budget -= num_new
         if request.fork_parent is not None:
             request.fork_parent = None
-        if request.num_computed_tokens >= request.num_prompt_tokens:
+        if request.num_computed_tokens >= len(request.prompt_token_ids):
             request.num_computed_tokens += num_new  # past the prompt: no input service
             return
         # The queue's service counts prompt tokens once: recompute after preemption is free.

@@ -17,6 +17,7 @@ def check_token_stop(request: Request, max_model_len: int) -> RequestStatus | No
         if params.stop_token_ids and token_id in params.stop_token_ids:
             request.stop_reason = token_id
             return RequestStatus.FINISHED_STOPPED
-    if num_outputs >= request.max_tokens or request.num_tokens >= max_model_len:
+    if (num_outputs >= request.max_tokens
+            or len(request.prompt_token_ids) + num_outputs >= max_model_len):
         return RequestStatus.FINISHED_LENGTH
     return None
