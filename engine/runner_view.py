@@ -50,15 +50,18 @@ class RunnerView:
                 held.add(request_id)
                 new_requests.append(self._new_request_data(request))
             end = request.num_computed_tokens
-            needs_sample = end == (len(request.prompt_token_ids) + len(request.output_token_ids)
-                                   + request.num_pending_tokens)
-            if num_new == 1 and request.is_prefill_done:
+            num_pending = request.num_pending_tokens
+            outputs = request.output_token_ids
+            total = len(request.prompt_token_ids) + len(outputs) + num_pending
+            needs_sample = end == total
+            # Request.is_prefill_done, written out: asked of every chunk of every step
+            if num_new == 1 and (outputs or num_pending) and total - end <= 1:
                 decodes.append(ScheduledChunk(request_id, end - 1, 1, needs_sample, False))
             else:
                 prefills.append(ScheduledChunk(request_id, end - num_new, num_new, needs_sample,
                                                True))
             if needs_sample:  # its next token is on order until the step's output is back
-                request.num_pending_tokens += 1
+                request.num_pending_tokens = num_pending + 1
             num_batched += num_new
         # a joining request's whole table goes with its data
         joined = {r.request_id for r in new_requests}
