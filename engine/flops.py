@@ -86,4 +86,5 @@ class FlopsCounter:
                                    np.where(window <= first, clipped, partial))
             keys += num_layers * visible
         flops = self._linear * num_new + self._lm_head * num_sampled + self._per_key * keys
-        return np.where(num_new > 0, flops, 0).astype(np.float64)
+        flops *= num_new > 0  # no new token, no cost
+        return flops.astype(np.float64)
