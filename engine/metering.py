@@ -59,6 +59,10 @@ def split_step_time(
     count = len(chunks)
     if not count:
         return StepSplit([], [], [])
+    if count == 1 and high_water.get(chunks[0].request_id, 0) <= chunks[0].start_pos:
+        # One chunk recomputing nothing takes the whole step (what the split below gives,
+        # without its arrays' fixed cost: a batch-1 step's metering).
+        return StepSplit([step_time_s], [0.0], [0])
     starts = np.fromiter((c.start_pos for c in chunks), np.int64, count)
     lengths = np.fromiter((c.num_tokens for c in chunks), np.int64, count)
     sampled = np.fromiter((c.needs_sample for c in chunks), np.int64, count)
