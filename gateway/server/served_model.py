@@ -88,9 +88,10 @@ def load_served_model(
                             tool_call_parser=settings.tool_call_parser)
     served.grammars.warm_up()  # the tokenizer's index, before the first structured request
     logger.info(
-        "serving %s from %s on %s: %d KV blocks of %d tokens, context %d (engine process %s)",
+        "serving %s from %s on %s: %d KV blocks of %d tokens, context %d, async scheduling "
+        "%s (engine process %s)",
         name, model_dir, settings.device, served.num_kv_blocks, served.kv_block_size,
-        served.max_model_len, engine.pid,
+        served.max_model_len, settings.async_scheduling, engine.pid,
     )
     return served, engine
 
