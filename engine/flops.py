@@ -26,16 +26,16 @@ def linear_params_per_token(config: ModelConfig) -> int:
     return config.num_layers * (attention + mlp)
 
 
-def _visible_keys(num_new_tokens: int, num_context_tokens: int, window: int | None) -> int:
-    """Sum over the new tokens of the keys each attends to (itself included)."""
-    first = num_context_tokens - num_new_tokens + 1  # context of the first new token
-    last = num_context_tokens
-    if window is None or window >= last:
-        return (first + last) * num_new_tokens // 2
-    if window <= first:
-        return window * num_new_tokens
+def _visible_keys(num_new: np.ndarray, num_context: np.ndarray, window: int | None) -> np.ndarray:
+    """Per chunk, the sum over its new tokens of the keys each attends to (itself included)."""
+    first = num_context - num_new + 1  # context of the first new token
+    unclipped = (first + num_context) * num_new // 2
+    if window is None:
+        return unclipped
     # Contexts first..window grow, window+1..last are clipped to window.
-    return (first + window) * (window - first + 1) // 2 + window * (last - window)
+    partial = (first + window) * (window - first + 1) // 2 + window * (num_context - window)
+    return np.where(window >= num_context, unclipped,
+                    np.where(window <= first, window * num_new, partial))
 
 
 def forward_flops(
@@ -59,32 +59,17 @@ class FlopsCounter:
     def __call__(
         self, num_new_tokens: int, num_context_tokens: int, num_sampled_tokens: int = 1
     ) -> float:
-        if num_new_tokens <= 0:
-            return 0.0
-        keys = 0  # a loop, not sum() over a generator: this runs for every chunk of every step
-        for window, num_layers in self._layers_by_window:
-            keys += num_layers * _visible_keys(num_new_tokens, num_context_tokens, window)
-        linear = self._linear * num_new_tokens + self._lm_head * num_sampled_tokens
-        return float(linear + self._per_key * keys)
+        return float(self.many(np.array([num_new_tokens]), np.array([num_context_tokens]),
+                               np.array([num_sampled_tokens]))[0])
 
     def many(
         self, num_new: np.ndarray, num_context: np.ndarray, num_sampled: np.ndarray
     ) -> np.ndarray:
         """The same for many chunks at once: int64 arrays in, float64[len] out (metering's
         estimator, engine.metering.FlopsEstimator)."""
-        first = num_context - num_new + 1
         keys = np.zeros_like(num_new)
         for window, num_layers in self._layers_by_window:
-            unclipped = (first + num_context) * num_new // 2
-            if window is None:
-                visible = unclipped
-            else:
-                clipped = window * num_new
-                partial = (first + window) * (window - first + 1) // 2 + window * (
-                    num_context - window)
-                visible = np.where(window >= num_context, unclipped,
-                                   np.where(window <= first, clipped, partial))
-            keys += num_layers * visible
+            keys += num_layers * _visible_keys(num_new, num_context, window)
         flops = self._linear * num_new + self._lm_head * num_sampled + self._per_key * keys
         flops *= num_new > 0  # no new token, no cost
         return flops.astype(np.float64)

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 import llguidance
 import torch
 
+from engine.device_copy import to_device_async
+
 __all__ = ["ConstrainedRow", "advance_matchers", "apply_grammar_masks", "disallowed_tokens"]
 
 logger = logging.getLogger(__name__)
@@ -67,10 +69,7 @@ def apply_grammar_masks(
     every_row = len(rows) == logits.shape[0]
     index = None
     if not every_row:
-        # Through pinned memory without blocking: a plain copy to a GPU waits for the forward.
-        host = torch.tensor([row for row, _ in rows], dtype=torch.int64,
-                            pin_memory=logits.device.type == "cuda")
-        index = host.to(logits.device, non_blocking=True)
+        index = to_device_async([row for row, _ in rows], logits.device)
     selected = logits if index is None else logits[index]
     masked = selected.masked_fill(disallowed, float("-inf"))
     if unsuppressed is not None:

@@ -219,12 +219,10 @@ class InputBatch:
         self._tables[row, : len(data.block_ids)] = data.block_ids
 
     def mark_sampled(self, states: list[RequestState], sampled: torch.Tensor,
-                     rows: np.ndarray | None = None) -> PendingTokens:
+                     rows: np.ndarray) -> PendingTokens:
         """This step sampled the states' next tokens (sampled: int64[len(states)], where it
-        was sampled); their ids come with `append_sampled`, and a step built before then
-        takes them from the tensor. rows: the states' rows, when known (StepInputs)."""
-        if rows is None:
-            rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
+        was sampled; rows: theirs, StepInputs.sample_rows); their ids come with
+        `append_sampled`, and a step built before then takes them from the tensor."""
         pending = PendingTokens(states, rows, self._num_removals)
         if not states:
             return pending

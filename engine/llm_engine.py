@@ -220,7 +220,10 @@ class LLMEngine:
         except Exception as exc:  # GrammarError; whatever it is, it ends this request only
             for sample in samples:
                 sample.status = RequestStatus.FINISHED_ERROR
-            return [self._error_output(sample, f"grammar: {exc}") for sample in samples]
+            outputs: list[RequestOutput] = []
+            for sample in samples:
+                self._error_output(sample, f"grammar: {exc}", outputs)
+            return outputs
         samples[0].grammar_compile_s = result.compile_time_s
         for sample in samples:
             sample.grammar = result.grammar
@@ -479,18 +482,16 @@ class LLMEngine:
         for chunk in scheduler_output.chunks:
             request = self.scheduler.finish_request(chunk.request_id, RequestStatus.FINISHED_ERROR)
             if request is not None:
-                request.finish_time = self.clock()
-                output = self._make_output(request, [], [], self._text.get(request.request_id))
-                output.error = f"engine step failed: {type(exc).__name__}"
-                self._final(request, output, outputs)
+                self._error_output(request, f"engine step failed: {type(exc).__name__}",
+                                   outputs)
 
-    def _error_output(self, request: Request, error: str) -> RequestOutput:
-        """The final output of a request that ended in error (its status set already)."""
+    def _error_output(self, request: Request, error: str, outputs: list[RequestOutput]) -> None:
+        """The final output of a request that ended in error (its status set already), to
+        outputs through `_final`."""
         request.finish_time = self.clock()
         output = self._make_output(request, [], [], self._text.get(request.request_id))
         output.error = error
-        self._forget(request)
-        return output
+        self._final(request, output, outputs)
 
     def _make_output(
         self,

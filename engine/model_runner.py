@@ -17,6 +17,7 @@ import torch
 
 from engine.attention import AttentionMetadata, attention_backend
 from engine.cuda_graphs import DecodeCudaGraphs
+from engine.device_copy import to_device_async
 from engine.flops import FlopsCounter
 from engine.input_batch import InputBatch, RequestState
 from engine.loader import load_model, random_model
@@ -241,11 +242,8 @@ class TorchModelRunner:
     # -- helpers -------------------------------------------------------------------------------
 
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        pinned = self.device.type == "cuda"  # a plain copy would wait for the step before
-        src = torch.tensor([s for s, _ in pairs], pin_memory=pinned).to(self.device,
-                                                                        non_blocking=True)
-        dst = torch.tensor([d for _, d in pairs], pin_memory=pinned).to(self.device,
-                                                                        non_blocking=True)
+        src = to_device_async([s for s, _ in pairs], self.device)
+        dst = to_device_async([d for _, d in pairs], self.device)
         for k_cache, v_cache in self.kv_caches:
             k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
             v_cache.index_copy_(0, dst, v_cache.index_select(0, src))

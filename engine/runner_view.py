@@ -51,11 +51,9 @@ class RunnerView:
                 new_requests.append(self._new_request_data(request))
             end = request.num_computed_tokens
             num_pending = request.num_pending_tokens
-            outputs = request.output_token_ids
-            total = len(request.prompt_token_ids) + len(outputs) + num_pending
-            needs_sample = end == total
-            # Request.is_prefill_done, written out: asked of every chunk of every step
-            if num_new == 1 and (outputs or num_pending) and total - end <= 1:
+            needs_sample = end == (len(request.prompt_token_ids) + len(request.output_token_ids)
+                                   + num_pending)
+            if num_new == 1 and request.is_prefill_done:
                 decodes.append(ScheduledChunk(request_id, end - 1, 1, needs_sample, False))
             else:
                 prefills.append(ScheduledChunk(request_id, end - num_new, num_new, needs_sample,

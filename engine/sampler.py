@@ -40,6 +40,7 @@ from typing import Literal, Protocol
 import llguidance
 import torch
 
+from engine.device_copy import to_device_async
 from engine.grammar_mask import ConstrainedRow, advance_matchers, apply_grammar_masks
 from engine.runner import ModelRunnerOutput, TokenLogprobs
 from engine.sampling_params import SamplingParams
@@ -139,14 +140,6 @@ def filtered_probs(
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return torch.softmax(logits, dim=-1)
-
-
-def _on_device(values: Sequence[int] | Sequence[float] | Sequence[tuple[float, ...]],
-               device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-    """A small host table on the device without waiting: on CUDA through pinned memory (a
-    plain copy would wait for the forward still running, and async scheduling with it)."""
-    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
-    return host.to(device, non_blocking=True)
 
 
 class SampleRow(Protocol):
@@ -383,7 +376,7 @@ class Sampler:
                                      device)
         presence = self._row_tensor([c.sampling_params.presence_penalty for c in penalised], device)
 
-        row_index = _on_device(rows, device)
+        row_index = to_device_async(rows, device)
         selected = logits[row_index]  # [P, V]
         # HF repetition penalty: divide positive logits, multiply negative ones.
         seen = prompt_seen | (output_counts > 0)
@@ -425,8 +418,8 @@ class Sampler:
         """float32[len(token_lists), V + 1]: how often each token id occurs in each list."""
         # One spare column collects ids the logits do not cover (tokenizer-only added tokens).
         counts = torch.zeros(len(token_lists), self.vocab_size + 1, device=device)
-        lengths = _on_device([len(tokens) for tokens in token_lists], device)
-        flat = _on_device(list(itertools.chain.from_iterable(token_lists)),
+        lengths = to_device_async([len(tokens) for tokens in token_lists], device)
+        flat = to_device_async(list(itertools.chain.from_iterable(token_lists)),
                           device).clamp_(max=self.vocab_size)
         if flat.numel():
             # output_size spares the device-to-host sync repeat_interleave does to size its output.
@@ -440,7 +433,7 @@ class Sampler:
     @staticmethod
     def _row_tensor(values: list[float], device: torch.device) -> torch.Tensor:
         """float32[len(values), 1], to broadcast over the vocabulary."""
-        return _on_device(values, device, torch.float32)[:, None]
+        return to_device_async(values, device, torch.float32)[:, None]
 
     # -- min_tokens ----------------------------------------------------------------------------
 
@@ -461,7 +454,7 @@ class Sampler:
         if not rows:
             return logits
         logits = logits.clone()
-        index = (_on_device(rows, logits.device), _on_device(token_ids, logits.device))
+        index = (to_device_async(rows, logits.device), to_device_async(token_ids, logits.device))
         logits[index] = float("-inf")
         return logits
 
@@ -481,7 +474,7 @@ class Sampler:
         randoms = [params[i] for i in random_rows]
         vocab_size = self.vocab_size
         # One host tensor, one copy: temperature, top-k (vocab_size: off), top-p, min-p.
-        table = _on_device(
+        table = to_device_async(
             [
                 (p.temperature, min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size,
                  p.top_p, p.min_p)
@@ -508,7 +501,7 @@ class Sampler:
         if not params.random_rows:
             return logits.argmax(dim=-1)
         all_random = len(params.random_rows) == logits.shape[0]
-        index = None if all_random else _on_device(params.random_rows, logits.device)
+        index = None if all_random else to_device_async(params.random_rows, logits.device)
 
         def pick(t: torch.Tensor | None) -> torch.Tensor:
             assert t is not None, "random rows have parameters"
@@ -542,7 +535,7 @@ class Sampler:
         if len(seeded_positions) < num_rows:
             noise.exponential_(generator=self._generator(probs.device))
         if seeded_positions:
-            keys = _on_device(
+            keys = to_device_async(
                 [params.seeded_keys[params.random_rows[pos]] for pos in seeded_positions],
                 probs.device,
             )
@@ -550,7 +543,7 @@ class Sampler:
             if len(seeded_positions) == num_rows:
                 noise = hashed
             else:
-                noise[_on_device(seeded_positions, probs.device)] = hashed
+                noise[to_device_async(seeded_positions, probs.device)] = hashed
         return noise
 
     # -- logprobs ------------------------------------------------------------------------------
@@ -562,7 +555,7 @@ class Sampler:
         seqs: Sequence[SampleRow],
         rows: list[int],  # the L rows that asked for logprobs
     ) -> _LogprobTensors:
-        sampled_ids = sampled[_on_device(rows, sampled.device)][:, None]  # [L, 1]
+        sampled_ids = sampled[to_device_async(rows, sampled.device)][:, None]  # [L, 1]
         sampled_logprob = logprobs.gather(1, sampled_ids)  # [L, 1]
         # 1-based rank: tokens strictly more likely, plus one.
         ranks = (logprobs > sampled_logprob).sum(dim=-1) + 1

@@ -14,6 +14,7 @@ import time
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -90,8 +91,8 @@ class FakeModelRunner:
     ) -> np.ndarray:
         """The cost model's FLOPs; it has no lm_head term, so sampled tokens cost nothing extra."""
         cost = self.cost_model
-        flops = cost.flops_per_token * num_new + cost.flops_per_context_token * (
-            num_new * (2 * num_context - num_new + 1) // 2)  # _num_attended, per chunk
+        flops = (cost.flops_per_token * num_new
+                 + cost.flops_per_context_token * _num_attended(num_new, num_context))
         return np.asarray(flops, dtype=np.float64)
 
     @property
@@ -150,6 +151,10 @@ class FakeModelRunner:
         return context
 
 
-def _num_attended(num_new_tokens: int, num_context_tokens: int) -> int:
-    """(query, key) pairs of num_new_tokens ending at num_context_tokens, causal mask."""
+_Count = TypeVar("_Count", int, np.ndarray)
+
+
+def _num_attended(num_new_tokens: _Count, num_context_tokens: _Count) -> _Count:
+    """(query, key) pairs of num_new_tokens ending at num_context_tokens, causal mask (per
+    chunk, for arrays)."""
     return num_new_tokens * (2 * num_context_tokens - num_new_tokens + 1) // 2

@@ -141,7 +141,7 @@ class _Driver:
         states = batch.sample_states(chunks)
         sampled = {s.request_id: rng.randrange(3, 1000) for s in states}
         token_ids = [sampled[s.request_id] for s in states]
-        pending = batch.mark_sampled(states, torch.tensor(token_ids))
+        pending = batch.mark_sampled(states, torch.tensor(token_ids), got.sample_rows)
         if self.in_flight is not None:
             batch.append_sampled(*self.in_flight)
             self.in_flight = None

@@ -128,7 +128,7 @@ def test_flops_formula(llama: tuple[Path, PreTrainedModel]) -> None:
 def test_visible_keys_with_windows(window: int | None) -> None:
     for num_new, ctx in [(1, 1), (1, 10), (5, 10), (10, 10), (4, 30)]:
         brute = sum(min(c, window or c) for c in range(ctx - num_new + 1, ctx + 1))
-        assert _visible_keys(num_new, ctx, window) == brute
+        assert _visible_keys(np.array([num_new]), np.array([ctx]), window).tolist() == [brute]
 
 
 def test_cuda_graph_buckets() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 
@@ -288,7 +289,7 @@ def test_penalty_counts_kept_between_steps_equal_a_full_recount() -> None:
         assert got.logprobs["r"].top == expected.logprobs["r"].top
         assert kept.penalty_counts is not None
         token = got.sampled_token_ids["r"]
-        pending = batch.mark_sampled([kept], torch.tensor([token]))  # as the runner does
+        pending = batch.mark_sampled([kept], torch.tensor([token]), np.array([kept.row]))
         assert kept.penalty_counts.num_counted == kept.num_output_tokens  # the pending one too
         assert kept.penalty_counts.output_counts[token] == (
             list(kept.output_token_ids).count(token) + 1

@@ -1,0 +1,24 @@
+"""Small host tables on the device without waiting for it.
+
+A plain host-to-device copy from pageable memory waits for the work already queued on the
+device: the forward of the step being sampled, and under async scheduling the step before.
+Through pinned memory the copy is queued like the rest and the host goes on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["to_device_async"]
+
+
+def to_device_async(
+    values: Sequence[int] | Sequence[float] | Sequence[tuple[float, ...]],
+    device: torch.device,
+    dtype: torch.dtype = torch.int64,
+) -> torch.Tensor:
+    """values as a tensor on device; on CUDA through pinned memory, without a wait."""
+    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
