@@ -1,10 +1,12 @@
 """`--async-scheduling` / TIERGATE_ASYNC_SCHEDULING: read, checked, handed to the engine, and
-the same answers through a replica with it on and off."""
+the same answers from `tiergate serve` with it on and off."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+import openai
 import pytest
 
 from gateway.cli import build_parser
@@ -12,10 +14,7 @@ from gateway.server.model_source import DEMO_MODEL_NAME
 from gateway.server.served_model import build_engine
 from gateway.server.settings import GatewaySettings, SettingsError
 from policies import TierTable
-from tests.gateway.app_harness import start_gateway
-from tests.serve_process import shared_demo_model_dir
-
-NO_SHEDDING = {"admission": {"enable_shedding": False}}  # a cold replica admits everything
+from tests.serve_process import ServeProcess, shared_demo_model_dir
 
 
 def test_a_value_other_than_auto_on_off_is_refused() -> None:
@@ -40,42 +39,52 @@ def test_the_flag_wins_over_the_environment() -> None:
     assert settings.async_scheduling == "on"
 
 
-def _served_outputs(work_dir: Path, async_scheduling: str) -> list[object]:
-    """What the official client gets from a replica (the fake runner's tokens are a function
-    of the context): a stream cut by a stop string, two samples, a length-limited completion,
-    with their usage."""
-    work_dir.mkdir()
-    gateway = start_gateway(work_dir, file_config=NO_SHEDDING, async_scheduling=async_scheduling)
+def _served_outputs(database_path: Path, async_scheduling: str) -> list[object]:
+    """What the official client gets from `tiergate serve` on the demo model: a greedy chat
+    with logprobs, the same streamed and cut by a stop string, two seeded samples, with their
+    usage."""
+    server = ServeProcess(f"sqlite:///{database_path}",
+                          args=["--async-scheduling", async_scheduling,
+                                "--log-level", "info"]).start()
     try:
-        _, key = gateway.create_tenant("acme", "standard")
-        client = gateway.openai_client(key)
-        messages = [{"role": "user", "content": "Tell me a story about the sea."}]
-        full = client.chat.completions.create(model=DEMO_MODEL_NAME, messages=messages,
-                                              max_tokens=24, temperature=0.0)
-        text = full.choices[0].message.content or ""
-        stop = text[8:12]
-        chunks = list(client.chat.completions.create(
-            model=DEMO_MODEL_NAME, messages=messages, max_tokens=24, temperature=0.0,
-            stop=[stop], stream=True, stream_options={"include_usage": True}))
-        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-        finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
-        usage = chunks[-1].usage
-        assert usage is not None
-        samples = client.completions.create(model=DEMO_MODEL_NAME, prompt="Once upon a time",
-                                            max_tokens=10, n=2, temperature=1.0, seed=3)
-        return [text, full.usage.completion_tokens if full.usage else None, stop in text,
-                streamed, finish, usage.completion_tokens,
-                [(c.text, c.finish_reason) for c in samples.choices],
-                samples.usage.completion_tokens if samples.usage else None]
+        assert f"async scheduling {async_scheduling}" in server.output()
+        (key,) = server.printed_keys()  # an empty database: serve made the demo tenant's key
+        with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=key,
+                           max_retries=0) as client:
+            messages: list[Any] = [{"role": "user", "content": "Tell me a story about the sea."}]
+            full = client.chat.completions.create(model=DEMO_MODEL_NAME, messages=messages,
+                                                  max_tokens=24, temperature=0.0,
+                                                  logprobs=True, top_logprobs=2)
+            choice = full.choices[0]
+            text = choice.message.content or ""
+            assert choice.logprobs is not None and choice.logprobs.content is not None
+            logprobs = [(t.token, round(t.logprob, 4)) for t in choice.logprobs.content]
+            stop = text[8:12]
+            chunks = list(client.chat.completions.create(
+                model=DEMO_MODEL_NAME, messages=messages, max_tokens=24, temperature=0.0,
+                stop=[stop], stream=True, stream_options={"include_usage": True}))
+            streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+            usage = chunks[-1].usage
+            assert usage is not None and full.usage is not None
+            samples = client.completions.create(model=DEMO_MODEL_NAME,
+                                                prompt="Once upon a time", max_tokens=10, n=2,
+                                                temperature=1.0, seed=3)
+            assert samples.usage is not None
+            return [text, logprobs, full.usage.completion_tokens, stop in text, streamed,
+                    finish, usage.completion_tokens,
+                    [(c.text, c.finish_reason) for c in samples.choices],
+                    samples.usage.completion_tokens]
     finally:
-        gateway.stop()
+        assert server.stop() == 0, server.output()
 
 
-def test_a_replica_answers_the_same_with_async_scheduling(tmp_path: Path) -> None:
-    """Through the HTTP API and the official client: the same texts, finish reasons and token
-    counts with async scheduling on as off."""
-    sync = _served_outputs(tmp_path / "sync", "off")
-    ahead = _served_outputs(tmp_path / "async", "on")
+def test_a_server_answers_the_same_with_async_scheduling(tmp_path: Path) -> None:
+    """`tiergate serve` on the demo model (its own engine process), through the HTTP API and
+    the official client: the same texts, logprobs, finish reasons and token counts with async
+    scheduling on as off."""
+    sync = _served_outputs(tmp_path / "sync.db", "off")
+    ahead = _served_outputs(tmp_path / "async.db", "on")
     assert ahead == sync
-    assert sync[2] is True and sync[4] == "stop"  # the stop string cut the stream
-    assert len(sync[3]) < len(sync[0])  # type: ignore[arg-type]
+    assert sync[3] is True and sync[5] == "stop"  # the stop string cut the stream
+    assert len(sync[4]) < len(sync[0])  # type: ignore[arg-type]
