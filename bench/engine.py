@@ -17,6 +17,9 @@ bytes a decode step reads against the device's copy rate (bench.device), and wit
 `--compare-hf` the offline throughput against HF transformers `generate` on the same weights
 (bench.offline, `--offline-requests` requests of its workload, cycled).
 
+A third table times the real sampler's host work per step (bench.sampler), which the
+no-work runner leaves out, at the same batch sizes.
+
 Never a CI gate: the figures depend on the machine. `--json` prints the rows as JSON.
 """
 
@@ -34,6 +37,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from bench import sampler as bench_sampler
 from bench.offline import DEFAULT_MODEL
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
@@ -250,11 +254,13 @@ def report(args: argparse.Namespace) -> int:
     load_before = os.getloadavg()[0]
     decode, short = run(args.batches, args.context, args.steps, args.short_requests,
                         args.repeats, args.seed, args.async_scheduling)
+    sampler = bench_sampler.run(args.batches, args.steps, args.repeats, args.seed)
     device = _device_report(args) if args.device else None
     load_after = os.getloadavg()[0]
     if args.json:
         out: dict[str, Any] = {
             "decode": [asdict(r) for r in decode], "short": asdict(short),
+            "sampler": [asdict(r) for r in sampler],
             "context": args.context, "repeats": args.repeats,
             "async_scheduling": args.async_scheduling,
             "load_average_1m": [load_before, load_after],
@@ -269,6 +275,8 @@ def report(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2))
     else:
         print(format_table(decode, short, args.context, args.repeats, args.async_scheduling))
+        print()
+        print(bench_sampler.format_table(sampler, args.repeats))
         if device is not None:
             print()
             print(device["table"])

@@ -9,16 +9,23 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 __all__ = ["to_device_async"]
 
 
 def to_device_async(
-    values: Sequence[int] | Sequence[float] | Sequence[tuple[float, ...]],
+    values: Sequence[int] | Sequence[float] | Sequence[tuple[float, ...]] | np.ndarray,
     device: torch.device,
     dtype: torch.dtype = torch.int64,
 ) -> torch.Tensor:
-    """values as a tensor on device; on CUDA through pinned memory, without a wait."""
-    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
+    """values as a tensor on device; on CUDA through pinned memory, without a wait. An array
+    is converted to dtype on the host; on the CPU the tensor may share its memory."""
+    if isinstance(values, np.ndarray):
+        host = torch.from_numpy(np.ascontiguousarray(values)).to(dtype)
+        if device.type == "cuda":
+            host = host.pin_memory()
+    else:
+        host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
     return host.to(device, non_blocking=True)

@@ -26,8 +26,9 @@ import numpy as np
 import torch
 
 from engine.models.batch import ForwardBatch
-from engine.sampler import PenaltyCounts
+from engine.penalties import PenaltyCounts
 from engine.sampling_params import SamplingParams
+from engine.sampling_table import SamplingColumns, SamplingTable
 from engine.scheduler_output import NewRequestData, ScheduledChunk, SchedulerOutput
 
 __all__ = ["InputBatch", "PendingTokens", "RequestState", "StepInputs"]
@@ -57,7 +58,7 @@ class RequestState:
         self.num_prompt_tokens = data.num_prompt_tokens
         self.eos_token_id = data.eos_token_id
         self.sample_index = data.sample_index
-        self.penalty_counts: PenaltyCounts | None = None  # the sampler's (engine.sampler)
+        self.penalty_counts: PenaltyCounts | None = None  # the sampler's (engine.penalties)
         # Structured output: the grammar's state after the request's outputs so far (a
         # resumed request's are fed again; the sampler advances it with each new token).
         self.matcher: llguidance.LLMatcher | None = None
@@ -165,6 +166,7 @@ class InputBatch:
         num_rows = max(num_rows, 1)
         self._token_ids = np.zeros((num_rows, max(max_tokens, 1)), dtype=np.int64)
         self._num_tokens = np.zeros(num_rows, dtype=np.int64)  # on the host
+        self._num_prompt = np.zeros(num_rows, dtype=np.int64)
         # Sampled for the row, ids not on the host yet; the newest one's index in
         # sampled_on_device.
         self._num_pending = np.zeros(num_rows, dtype=np.int64)
@@ -174,6 +176,7 @@ class InputBatch:
         self._num_removals = 0  # rows freed so far
         self._tables = np.zeros((num_rows, -(-max(max_tokens, 1) // block_size)), dtype=np.int32)
         self._free_rows = list(range(num_rows - 1, -1, -1))
+        self.sampling = SamplingTable(num_rows)  # each row's sampling parameters
         self.requests: dict[str, RequestState] = {}
         # The latest step's sampled ids (int64[S]) where they were sampled (`mark_sampled`).
         self.sampled_on_device: torch.Tensor | None = None
@@ -212,7 +215,9 @@ class InputBatch:
             self._grow_tokens(num_tokens)
         self._token_ids[row, :num_tokens] = data.token_ids
         self._num_tokens[row] = num_tokens
+        self._num_prompt[row] = data.num_prompt_tokens
         self._num_pending[row] = 0
+        self.sampling.set(row, data.sampling_params, data.sample_index, data.grammar is not None)
         if len(data.block_ids) > self._tables.shape[1]:
             self._grow_tables(len(data.block_ids))
         self._tables[row] = 0
@@ -269,6 +274,12 @@ class InputBatch:
         """The states of the chunks that sample, in chunk order."""
         requests = self.requests
         return [requests[c.request_id] for c in chunks if c.needs_sample]
+
+    def sampling_columns(self, rows: np.ndarray) -> SamplingColumns:
+        """The sampling parameters of rows (int64[S], StepInputs.sample_rows), with their
+        outputs so far, those still on the device included."""
+        num_outputs = self._num_tokens[rows] + self._num_pending[rows] - self._num_prompt[rows]
+        return self.sampling.gather(rows, num_outputs)
 
     def prepare(self, chunks: list[ScheduledChunk]) -> StepInputs:
         """The step's inputs: every chunk's tokens in one flat batch, chunk order."""
@@ -333,6 +344,7 @@ class InputBatch:
         self._tables = _grown(self._tables, 2 * old, self._tables.shape[1])
         zeros = np.zeros(old, dtype=np.int64)
         self._num_tokens = np.concatenate([self._num_tokens, zeros])
+        self._num_prompt = np.concatenate([self._num_prompt, zeros])
         self._num_pending = np.concatenate([self._num_pending, zeros])
         self._pending_source = np.concatenate([self._pending_source, zeros])
         self._pending_mark = np.concatenate([self._pending_mark, zeros])

@@ -30,6 +30,7 @@ from engine.models.packed_linear import pack_linear_layers
 from engine.queued_step import QueuedStep
 from engine.runner import FinishedStep, ModelRunnerOutput, RunnerStep
 from engine.sampler import SampledTokens, Sampler
+from engine.sampling_table import SamplingColumns
 from engine.scheduler_output import SchedulerOutput
 
 __all__ = [
@@ -43,8 +44,10 @@ __all__ = [
 class TokenSampler(Protocol):
     """Picks the next tokens (engine.sampler.Sampler, or a test's wrapper of it)."""
 
-    def sample(self, logits: torch.Tensor, states: list[RequestState]) -> SampledTokens:
-        """logits float32[S, V] and the requests that sample, in the same order."""
+    def sample(self, logits: torch.Tensor, states: list[RequestState],
+               columns: SamplingColumns | None = None) -> SampledTokens:
+        """logits float32[S, V] and the requests that sample, in the same order, with their
+        sampling parameters (None: read from the states)."""
         ...
 
 
@@ -232,7 +235,8 @@ class TorchModelRunner:
             self.attention.prepare(AttentionMetadata.from_batch(batch))
             logits = self.model(batch, self.kv_caches, self.attention)  # [S, V]
         states = input_batch.sample_states(chunks)
-        sampled = self.sampler.sample(logits, states)
+        columns = input_batch.sampling_columns(inputs.sample_rows)
+        sampled = self.sampler.sample(logits, states, columns)
         pending = input_batch.mark_sampled(states, sampled.token_ids, inputs.sample_rows)
         step = QueuedStep(input_batch, pending, sampled.to_host(), events)
         if events is not None:

@@ -10,6 +10,7 @@ import torch
 
 from bench import device as bench_device
 from bench import engine as bench_engine
+from bench import sampler as bench_sampler
 from engine import SamplingParams
 from engine.models.config import ModelConfig
 from engine.testing.no_work_runner import NoWorkRunner
@@ -29,6 +30,17 @@ def test_decode_and_short_measurements_run_the_engine() -> None:
     assert "| 4 |" in table and "us per running request" in table
 
 
+def test_sampler_measurement_samples_every_kind() -> None:
+    for kind in bench_sampler.KINDS:
+        assert bench_sampler.measure(kind, 9, num_steps=3, seed=0) > 0
+    rows = bench_sampler.run([1, 5], num_steps=2, repeats=2, seed=0)
+    assert [(r.kind, r.num_rows) for r in rows] == [("greedy", 1), ("greedy", 5),
+                                                    ("mixed", 1), ("mixed", 5)]
+    for row in rows:
+        assert row.step_us_min <= row.step_us <= row.step_us_max
+    assert "| 5 | mixed |" in bench_sampler.format_table(rows, 2)
+
+
 def test_json_report(capsys: pytest.CaptureFixture[str]) -> None:
     parser = argparse.ArgumentParser()
     bench_engine.add_arguments(parser)
@@ -38,6 +50,8 @@ def test_json_report(capsys: pytest.CaptureFixture[str]) -> None:
     assert bench_engine.report(args) == 0
     result = json.loads(capsys.readouterr().out)
     assert [r["num_running"] for r in result["decode"]] == [2]
+    assert [(r["kind"], r["num_rows"]) for r in result["sampler"]] == [("greedy", 2),
+                                                                     ("mixed", 2)]
     assert result["short"]["num_requests"] == 3
     assert result["async_scheduling"] is True
 

@@ -12,20 +12,31 @@ from hypothesis import strategies as st
 
 from engine.input_batch import InputBatch, PendingTokens
 from engine.sampling_params import SamplingParams
+from engine.sampling_table import SamplingColumns
 from engine.scheduler_output import NewRequestData, ScheduledChunk, SchedulerOutput
 
 BLOCK_SIZE = 4
+
+# Parameters the driver's requests take (each sampling feature, and none).
+_PARAMS = [
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=2**63 + 5),
+    SamplingParams(temperature=1.0, min_p=0.1, min_tokens=3, logprobs=2),
+    SamplingParams(temperature=0.0, repetition_penalty=1.3, presence_penalty=-0.5, seed=-4),
+    SamplingParams(frequency_penalty=1.5, logprobs=0, n=2),
+]
 
 
 class _Seq:
     """A request as a from-scratch reference keeps it: all its tokens and its whole table."""
 
-    def __init__(self, request_id: str, prompt: list[int]) -> None:
+    def __init__(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         self.request_id = request_id
         self.tokens = list(prompt)
         self.num_prompt = len(prompt)
         self.num_computed = 0
         self.table: list[int] = []
+        self.params = params
 
 
 def _from_scratch(chunks: list[ScheduledChunk], seqs: dict[str, _Seq]) -> dict[str, np.ndarray]:
@@ -86,14 +97,14 @@ class _Driver:
             if self.held.pop(request_id, None) is not None:
                 self.removed.add(request_id)
             if rng.random() < 0.5:  # preempted: comes back later with its tokens
-                again = _Seq(request_id, seq.tokens)
+                again = _Seq(request_id, seq.tokens, seq.params)
                 again.num_prompt = seq.num_prompt
                 self.seqs[request_id] = again
         for _ in range(num_new):
             prompt = [rng.randrange(3, 1000) for _ in range(rng.randint(1, 30))]
             request_id = f"r{self.next_id}"
             self.next_id += 1
-            self.seqs[request_id] = _Seq(request_id, prompt)
+            self.seqs[request_id] = _Seq(request_id, prompt, rng.choice(_PARAMS))
         chunks, new_requests, updates = [], [], {}
         for request_id in rng.sample(sorted(self.seqs), len(self.seqs)):
             seq = self.seqs[request_id]
@@ -108,7 +119,7 @@ class _Driver:
             if sent is None:
                 new_requests.append(NewRequestData(
                     request_id, list(seq.tokens), seq.num_prompt, list(seq.table),
-                    SamplingParams(temperature=0.0), None,
+                    seq.params, None, sample_index=self.next_id % 3,
                 ))
             elif rng.random() < 0.1 and seq.table:  # copy-on-write replaces an entry
                 index = rng.randrange(len(seq.table))
@@ -139,6 +150,8 @@ class _Driver:
             assert getattr(packed, name).tolist() == getattr(plain, name).tolist(), name
             assert getattr(packed, name).dtype == getattr(plain, name).dtype, name
         states = batch.sample_states(chunks)
+        _assert_same_columns(batch.sampling_columns(got.sample_rows),
+                             SamplingColumns.of(states))
         sampled = {s.request_id: rng.randrange(3, 1000) for s in states}
         token_ids = [sampled[s.request_id] for s in states]
         pending = batch.mark_sampled(states, torch.tensor(token_ids), got.sample_rows)
@@ -163,6 +176,14 @@ class _Driver:
             host_tokens = seq.tokens[: len(seq.tokens) - num_pending]
             assert state.prompt_token_ids + state.output_token_ids == host_tokens
             assert batch.token_ids(state.request_id).tolist() == host_tokens
+
+
+def _assert_same_columns(kept: SamplingColumns, fresh: SamplingColumns) -> None:
+    """The batch's kept parameters of the sampled rows equal those read from their states."""
+    for name in ("filters", "penalties", "num_logprobs", "min_tokens", "seed", "sample_index",
+                 "flags", "num_output_tokens"):
+        np.testing.assert_array_equal(getattr(kept, name), getattr(fresh, name), err_msg=name)
+    assert kept.features == fresh.features
 
 
 # Steps of (requests joining, requests leaving, token budget).

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from engine.input_batch import InputBatch, RequestState
-from engine.sampler import Sampler, derive_seed, filtered_probs, seeded_exponential
+from engine.sampler import Sampler, filtered_probs
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import NewRequestData, SchedulerOutput
+from engine.seeded_noise import derive_seeds, seeded_exponential
 
 VOCAB = 8
 # Chi-square critical value for 7 degrees of freedom at p = 0.001.
@@ -216,20 +217,53 @@ def test_seed_reproducible_after_preemption() -> None:
     assert first.sampled_token_ids == resumed.sampled_token_ids
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(value: int) -> int:
+    """splitmix64's finaliser on Python ints (the reference for the numpy one)."""
+    value = (value ^ (value >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
+    value = (value ^ (value >> 27)) * 0x94D049BB133111EB & _MASK64
+    return value ^ (value >> 31)
+
+
+def reference_key(seed: int, sample_index: int, num_output_tokens: int) -> int:
+    """The key of one seeded sampling event, in Python ints, as an int64."""
+    key = _mix64((seed + 0x9E3779B97F4A7C15) & _MASK64)
+    key = _mix64(((key ^ sample_index) + 0x9E3779B97F4A7C15) & _MASK64)
+    key = _mix64(((key ^ num_output_tokens) + 0x9E3779B97F4A7C15) & _MASK64)
+    return key - (1 << 64) if key >= 1 << 63 else key
+
+
+def test_derived_keys_equal_the_python_reference() -> None:
+    """The vectorized keys (numpy uint64, wrapping) are the reference's, bit for bit, over
+    seeds from both ends of the int64 range (a seed is taken modulo 2**64)."""
+    seeds = [0, 1, 5, 42, 2**31, 2**63 - 1, -1, -(2**63), 123456789123]
+    cases = [(seed, index, num) for seed in seeds for index in (0, 1, 127)
+             for num in (0, 1, 4095, 10**6)]
+    bits = [seed & _MASK64 for seed, _, _ in cases]
+    got = derive_seeds(
+        np.array([b - (1 << 64) if b >= 1 << 63 else b for b in bits], dtype=np.int64),
+        np.array([index for _, index, _ in cases], dtype=np.int64),
+        np.array([num for _, _, num in cases], dtype=np.int64),
+    )
+    assert got.dtype == np.int64
+    assert got.tolist() == [reference_key(*case) for case in cases]
+
+
 def test_seeded_noise_is_the_splitmix64_stream() -> None:
-    key = derive_seed(5, 0, 0)
+    key = reference_key(5, 0, 0)
     noise = seeded_exponential(torch.tensor([key]), 4)[0]
-    mask = (1 << 64) - 1
-    state = key & mask
+    state = key & _MASK64
     for v in range(4):
-        state = (state + 0x9E3779B97F4A7C15) & mask
+        state = (state + 0x9E3779B97F4A7C15) & _MASK64
         z = state
-        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
         z ^= z >> 31
         uniform = ((z >> 40) + 0.5) / (1 << 24)
         assert noise[v].item() == pytest.approx(-math.log(uniform), rel=1e-6)
-    assert derive_seed(5, 0, 1) != key and derive_seed(5, 1, 0) != key
+    assert reference_key(5, 0, 1) != key and reference_key(5, 1, 0) != key
 
 
 def logprobs_of(chunk: RequestState, logits: torch.Tensor, mode: str = "penalized") -> float:
@@ -290,8 +324,9 @@ def test_penalty_counts_kept_between_steps_equal_a_full_recount() -> None:
         assert kept.penalty_counts is not None
         token = got.sampled_token_ids["r"]
         pending = batch.mark_sampled([kept], torch.tensor([token]), np.array([kept.row]))
-        assert kept.penalty_counts.num_counted == kept.num_output_tokens  # the pending one too
-        assert kept.penalty_counts.output_counts[token] == (
+        counts = kept.penalty_counts
+        assert counts.num_counted == kept.num_output_tokens  # the pending one too
+        assert counts.table.output_counts[counts.slot, token] == (
             list(kept.output_token_ids).count(token) + 1
         )
         batch.append_sampled(pending, [token])  # the id on the host, later

@@ -27,6 +27,7 @@ from engine.model_runner import RunnerConfig, TorchModelRunner
 from engine.runner import RunnerStep
 from engine.sampler import SampledTokens, Sampler
 from engine.sampling_params import SamplingParams
+from engine.sampling_table import SamplingColumns
 from engine.scheduler_output import NewRequestData, ScheduledChunk, SchedulerOutput
 
 VOCAB = 256
@@ -114,10 +115,11 @@ class RecordingSampler:
         self.sampler = Sampler(vocab_size)
         self.logits: dict[str, list[torch.Tensor]] = {}
 
-    def sample(self, logits: torch.Tensor, states: list[RequestState]) -> SampledTokens:
+    def sample(self, logits: torch.Tensor, states: list[RequestState],
+               columns: SamplingColumns | None = None) -> SampledTokens:
         for row, state in zip(logits, states, strict=True):
             self.logits.setdefault(state.request_id, []).append(row.clone())
-        return self.sampler.sample(logits, states)
+        return self.sampler.sample(logits, states, columns)
 
 
 def make_runner(

@@ -1,0 +1,163 @@
+"""SamplingTable: the sampling parameters of a batch's rows as arrays, set once per request.
+
+Each step the sampler reads the parameters of the rows it samples: which are greedy, their
+temperatures and filters, penalties, logprobs, min_tokens, seeds, grammars. Kept as columns,
+one entry per row of the runner's batch (engine.input_batch), they are written once, when a
+request joins, and a step gathers the sampled rows' with three fancy-index reads (`gather`)
+instead of a loop over the requests' Python objects. The sampler then decides with vectorized
+numpy (`SamplingColumns`), and what reaches the device goes in one copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from engine.sampling_params import SamplingParams
+
+__all__ = ["Feature", "SamplingColumns", "SamplingTable"]
+
+_MASK64 = (1 << 64) - 1
+
+# Columns of the int table.
+_NUM_LOGPROBS, _MIN_TOKENS, _SEED, _SAMPLE_INDEX, _FLAGS = range(5)
+
+
+class Feature:
+    """Bits of a row's flags: what its sampling needs beyond an argmax (plain ints, cheap to
+    test; a call's `SamplingColumns.features` ORs its rows', so an absent feature costs one
+    test)."""
+
+    RANDOM = 1  # temperature > 0
+    TOP_K = 2  # top_k set
+    TOP_P = 4  # top_p < 1
+    MIN_P = 8  # min_p > 0
+    PENALISED = 16  # a repetition, frequency or presence penalty
+    SEEDED = 32  # a seed
+    LOGPROBS = 64  # logprobs asked
+    MIN_TOKENS = 128  # min_tokens > 0
+    CONSTRAINED = 256  # follows a grammar
+
+
+def _flags(params: SamplingParams, is_constrained: bool) -> int:
+    bits = [
+        (not params.is_greedy, Feature.RANDOM),
+        (params.top_k > 0, Feature.TOP_K),
+        (params.top_p < 1.0, Feature.TOP_P),
+        (params.min_p > 0.0, Feature.MIN_P),
+        (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
+         or params.presence_penalty != 0.0, Feature.PENALISED),
+        (params.seed is not None, Feature.SEEDED),
+        (params.logprobs is not None, Feature.LOGPROBS),
+        (params.min_tokens > 0, Feature.MIN_TOKENS),
+        (is_constrained, Feature.CONSTRAINED),
+    ]
+    return sum(bit for on, bit in bits if on)
+
+
+class _Row(Protocol):
+    """What `SamplingColumns.of` reads of a row (engine.sampler.SampleRow)."""
+
+    sampling_params: SamplingParams
+    sample_index: int
+
+    @property
+    def matcher(self) -> object | None: ...  # its grammar's state; None: unconstrained
+
+    @property
+    def num_output_tokens(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class SamplingColumns:
+    """The parameters of the rows one sampling call samples, in its row order."""
+
+    # float32[N, 4]: temperature (used where Feature.RANDOM), top-k (inf: off), top-p (1: off),
+    # min-p (0: off); in the dtype and order the sampler's device table takes them.
+    filters: np.ndarray
+    # float32[N, 3]: repetition (1: off), frequency (0: off) and presence (0: off) penalties.
+    penalties: np.ndarray
+    num_logprobs: np.ndarray  # int64[N]; -1: none asked
+    min_tokens: np.ndarray  # int64[N]
+    seed: np.ndarray  # int64[N]; the seed's low 64 bits, where SEEDED
+    sample_index: np.ndarray  # int64[N]
+    flags: np.ndarray  # int64[N]: Feature bits
+    features: int  # the rows' flags ORed
+    num_output_tokens: np.ndarray  # int64[N]: outputs so far, those still on the device included
+
+    @property
+    def top_k(self) -> np.ndarray:  # float32[N]; inf: off
+        return self.filters[:, 1]
+
+    def rows_with(self, feature: int) -> np.ndarray:
+        """int64[K]: the rows whose flags have feature, in row order."""
+        return np.flatnonzero(self.flags & feature)
+
+    @classmethod
+    def of(cls, rows: Sequence[_Row]) -> SamplingColumns:
+        """The columns of rows held in no table (a sampler called on its own)."""
+        table = SamplingTable(len(rows))
+        for index, row in enumerate(rows):
+            table.set(index, row.sampling_params, row.sample_index, row.matcher is not None)
+        num_output_tokens = np.fromiter((r.num_output_tokens for r in rows), np.int64, len(rows))
+        return table.gather(np.arange(len(rows)), num_output_tokens)
+
+
+class SamplingTable:
+    """One row of sampling parameters per row of a batch; rows grow on demand."""
+
+    def __init__(self, num_rows: int) -> None:
+        num_rows = max(num_rows, 1)
+        self._filters = np.zeros((num_rows, 4), dtype=np.float32)
+        self._penalties = np.zeros((num_rows, 3), dtype=np.float32)
+        self._ints = np.zeros((num_rows, 5), dtype=np.int64)
+
+    def set(self, row: int, params: SamplingParams, sample_index: int,
+            is_constrained: bool) -> None:
+        """Row row now holds a request with these parameters."""
+        if row >= self._ints.shape[0]:
+            self._grow(row + 1)
+        top_k = params.top_k if params.top_k > 0 else np.inf
+        self._filters[row] = (params.temperature, top_k, params.top_p, params.min_p)
+        self._penalties[row] = (params.repetition_penalty, params.frequency_penalty,
+                                params.presence_penalty)
+        seed = 0 if params.seed is None else params.seed & _MASK64
+        self._ints[row] = (
+            -1 if params.logprobs is None else params.logprobs,
+            params.min_tokens,
+            seed - (1 << 64) if seed >= 1 << 63 else seed,  # the same bits as an int64
+            sample_index,
+            _flags(params, is_constrained),
+        )
+
+    def gather(self, rows: np.ndarray, num_output_tokens: np.ndarray) -> SamplingColumns:
+        """The columns of rows (int64[N], in the sampler's row order), with their output
+        counts (int64[N], the caller's: they change every step)."""
+        ints = self._ints[rows]
+        flags = ints[:, _FLAGS]
+        return SamplingColumns(
+            filters=self._filters[rows],
+            penalties=self._penalties[rows],
+            num_logprobs=ints[:, _NUM_LOGPROBS],
+            min_tokens=ints[:, _MIN_TOKENS],
+            seed=ints[:, _SEED],
+            sample_index=ints[:, _SAMPLE_INDEX],
+            flags=flags,
+            features=int(np.bitwise_or.reduce(flags)),
+            num_output_tokens=num_output_tokens,
+        )
+
+    def _grow(self, num_rows: int) -> None:
+        num_rows = max(num_rows, 2 * self._ints.shape[0])
+        self._filters = _grown(self._filters, num_rows)
+        self._penalties = _grown(self._penalties, num_rows)
+        self._ints = _grown(self._ints, num_rows)
+
+
+def _grown(array: np.ndarray, num_rows: int) -> np.ndarray:
+    out = np.zeros((num_rows, array.shape[1]), dtype=array.dtype)
+    out[: array.shape[0]] = array
+    return out
