@@ -119,14 +119,15 @@ def measure_device(
     # The forward alone on the inputs of the next decode step (its KV writes may land in a
     # block the scheduler has not handed out yet: the engine is not stepped again after).
     chunks = [ScheduledChunk(r.request_id, r.num_tokens - 1, 1, True, False) for r in running]
-    batch = runner.input_batch.prepare(chunks).to_device(runner.device)
+    inputs = runner.input_batch.prepare(chunks)  # every token on the host: none pending
+    batch = inputs.to_device(runner.device)
     forward_times = []
     with torch.inference_mode():
         for _ in range(num_steps // 3 + 2):
             _sync(device)
             started = time.perf_counter()
-            if runner.graphs is not None and runner.graphs.can_run(chunks, batch):
-                runner.graphs.run(batch)
+            if runner.graphs is not None and runner.graphs.can_run(inputs):
+                runner.graphs.run(inputs, None)  # the step's one input copy, then the replay
             else:
                 runner.attention.prepare(AttentionMetadata.from_batch(batch))
                 runner.model(batch, runner.kv_caches, runner.attention)

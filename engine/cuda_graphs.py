@@ -2,9 +2,10 @@
 
 A decode step launches a few kernels per layer for a handful of tokens, so on a GPU its time
 is mostly launch overhead; replaying a captured graph removes it. Graphs are captured lazily,
-the first time a batch size bucket is needed, and share one memory pool. Padding rows write
-to slot -1 (skipped by write_kv) and attend over a one-token context in block 0; their logits
-are dropped. Only used on CUDA; the CPU path never imports CUDA APIs from here.
+the first time a batch size bucket is needed, and share one memory pool. They read their
+inputs from engine.graph_inputs.GraphInputs, which one host-to-device copy fills each step;
+padding rows write no KV and their logits are dropped. Only used on CUDA; the CPU path never
+imports CUDA APIs from here.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ from __future__ import annotations
 import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata
-from engine.models.batch import ForwardBatch
+from engine.graph_inputs import GraphInputs
+from engine.input_batch import StepInputs
 from engine.models.decoder import CausalLM, KVCache
-from engine.scheduler_output import ScheduledChunk
 
 __all__ = ["DecodeCudaGraphs", "graph_batch_sizes"]
 
@@ -28,7 +29,7 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 
 class DecodeCudaGraphs:
-    """Captured forwards of decode-only batches, replayed with the step's inputs copied in."""
+    """Captured forwards of decode-only batches, replayed after the step's inputs are loaded."""
 
     def __init__(
         self,
@@ -37,47 +38,27 @@ class DecodeCudaGraphs:
         attention: AttentionBackend,
         max_num_seqs: int,
         max_blocks_per_seq: int,
+        capture: bool = True,
     ) -> None:
+        """capture=False runs each step's forward eagerly over the same static buffers: the
+        CPU tests' check of everything here but the capture itself."""
         self.model = model
+        self.capture = capture
         self.kv_caches = kv_caches
         self.attention = attention
-        self.max_blocks_per_seq = max_blocks_per_seq
         self.sizes = graph_batch_sizes(max_num_seqs)
         device = model.embed_tokens.weight.device
-        n = self.sizes[-1]
-        # Static inputs, sliced per graph size; a replay reads whatever they hold.
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
-        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.context_lens = torch.ones(n, dtype=torch.int32, device=device)
-        self.logits_indices = torch.arange(n, dtype=torch.int64, device=device)
+        self.inputs = GraphInputs(self.sizes[-1], max_blocks_per_seq, device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # size -> static logits [size, V]
         self._first_graph: torch.cuda.CUDAGraph | None = None  # owner of the shared pool
 
-    def can_run(self, chunks: list[ScheduledChunk], batch: ForwardBatch) -> bool:
+    def can_run(self, inputs: StepInputs) -> bool:
         """Decode-only (one token per sequence, each sampled), within the captured sizes."""
-        return (
-            batch.num_tokens == batch.num_seqs <= self.sizes[-1]
-            and all(c.needs_sample for c in chunks)
-            and batch.block_tables.shape[1] <= self.max_blocks_per_seq
-        )
-
-    def _static_batch(self, size: int) -> ForwardBatch:
-        return ForwardBatch(
-            input_ids=self.input_ids[:size],
-            positions=self.positions[:size],
-            slot_mapping=self.slot_mapping[:size],
-            block_tables=self.block_tables[:size],
-            query_start_loc=self.query_start_loc[: size + 1],
-            context_lens=self.context_lens[:size],
-            logits_indices=self.logits_indices[:size],
-        )
+        return self.inputs.fits(inputs)
 
     def _capture(self, size: int) -> None:
-        batch = self._static_batch(size)
+        batch = self.inputs.batch(size)
 
         def forward() -> torch.Tensor:
             self.attention.prepare(AttentionMetadata.from_batch(batch))
@@ -98,20 +79,17 @@ class DecodeCudaGraphs:
         self._first_graph = self._first_graph or graph
         self.graphs[size] = graph
 
-    def run(self, batch: ForwardBatch) -> torch.Tensor:  # float32[B, V]
-        """Copy the batch into the static buffers of the smallest fitting graph and replay."""
-        num_seqs = batch.num_seqs
+    def run(self, inputs: StepInputs,
+            sampled_on_device: torch.Tensor | None) -> torch.Tensor:  # float32[B, V]
+        """Load the step into the static buffers of the smallest fitting graph and replay."""
+        num_seqs = inputs.context_lens.size
         size = next(s for s in self.sizes if s >= num_seqs)
-        width = batch.block_tables.shape[1]
-        self.input_ids[:num_seqs].copy_(batch.input_ids)
-        self.positions[:num_seqs].copy_(batch.positions)
-        self.slot_mapping[:num_seqs].copy_(batch.slot_mapping)
-        self.block_tables[:num_seqs, :width].copy_(batch.block_tables)
-        self.context_lens[:num_seqs].copy_(batch.context_lens)
-        # Padding rows: no KV write, a one-token context in block 0.
-        self.slot_mapping[num_seqs:size].fill_(-1)
-        self.context_lens[num_seqs:size].fill_(1)
-        self.block_tables[num_seqs:size].zero_()
+        self.inputs.load(inputs, size, sampled_on_device)
+        if not self.capture:
+            batch = self.inputs.batch(size)
+            self.attention.prepare(AttentionMetadata.from_batch(batch))
+            logits: torch.Tensor = self.model(batch, self.kv_caches, self.attention)
+            return logits[:num_seqs]
         if size not in self.graphs:
             self._capture(size)
         self.graphs[size].replay()

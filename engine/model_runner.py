@@ -226,14 +226,15 @@ class TorchModelRunner:
         if scheduler_output.blocks_to_copy:
             self._copy_blocks(scheduler_output.blocks_to_copy)
         inputs = input_batch.prepare(chunks)
-        batch = inputs.to_device(self.device, input_batch.sampled_on_device)
-        if self.decode_forward is not None and self.decode_forward.can_run(batch):
-            logits = self.decode_forward(batch)
-        elif self.graphs is not None and self.graphs.can_run(chunks, batch):
-            logits = self.graphs.run(batch)
+        if self.graphs is not None and self.graphs.can_run(inputs):
+            logits = self.graphs.run(inputs, input_batch.sampled_on_device)
         else:
-            self.attention.prepare(AttentionMetadata.from_batch(batch))
-            logits = self.model(batch, self.kv_caches, self.attention)  # [S, V]
+            batch = inputs.to_device(self.device, input_batch.sampled_on_device)
+            if self.decode_forward is not None and self.decode_forward.can_run(batch):
+                logits = self.decode_forward(batch)
+            else:
+                self.attention.prepare(AttentionMetadata.from_batch(batch))
+                logits = self.model(batch, self.kv_caches, self.attention)  # [S, V]
         states = input_batch.sample_states(chunks)
         columns = input_batch.sampling_columns(inputs.sample_rows)
         sampled = self.sampler.sample(logits, states, columns)
