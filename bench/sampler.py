@@ -78,6 +78,7 @@ def measure(kind: str, num_rows: int, num_steps: int, seed: int) -> float:
 
 
 def run(batches: list[int], num_steps: int, repeats: int, seed: int) -> list[SamplerRow]:
+    measure("greedy", 1, num_steps, seed)  # warm-up: the first calls of each torch op
     rows = []
     for kind in KINDS:
         for num_rows in batches:
