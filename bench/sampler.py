@@ -4,9 +4,9 @@ NoWorkRunner (bench.engine) leaves the sampler out. A real step runs it, and on 
 costs the host (deciding per row, building the small tables, launching the kernels) is spent
 while the device waits, unless async scheduling hides it. Here the real Sampler samples from
 a runner's InputBatch (engine.input_batch, the parameters it keeps per row) on a 64-token
-vocabulary, where the tensor work is small and most of the time is the host's. Rows of
-"greedy" requests, and of a "mixed" set: greedy, top-k, a presence penalty with a seed,
-top-p with logprobs and min_tokens, in turn.
+vocabulary, where the tensor work is small and most of the time is the host's. Four kinds
+of rows: greedy; top-p; seeded; and a mixed set (greedy, top-k, a presence penalty with a
+seed, top-p with logprobs and min_tokens, in turn).
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ _MIXED = [
 ]
 KINDS = {
     "greedy": [SamplingParams(temperature=0.0, max_tokens=1 << 20)],
+    "top_p": [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=1 << 20)],
+    "seeded": [SamplingParams(temperature=0.8, seed=7, max_tokens=1 << 20)],
     "mixed": _MIXED,
 }
 

@@ -22,10 +22,15 @@ def to_device_async(
 ) -> torch.Tensor:
     """values as a tensor on device; on CUDA through pinned memory, without a wait. An array
     is converted to dtype on the host; on the CPU the tensor may share its memory."""
+    pinned = device.type == "cuda"
     if isinstance(values, np.ndarray):
-        host = torch.from_numpy(np.ascontiguousarray(values)).to(dtype)
-        if device.type == "cuda":
+        host = torch.from_numpy(np.ascontiguousarray(values))
+        if host.dtype != dtype:
+            host = host.to(dtype)
+        if pinned:
             host = host.pin_memory()
     else:
-        host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
+        host = torch.tensor(values, dtype=dtype, pin_memory=pinned)
+    if device.type == "cpu":
+        return host
     return host.to(device, non_blocking=True)

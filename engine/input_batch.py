@@ -278,8 +278,10 @@ class InputBatch:
     def sampling_columns(self, rows: np.ndarray) -> SamplingColumns:
         """The sampling parameters of rows (int64[S], StepInputs.sample_rows), with their
         outputs so far, those still on the device included."""
-        num_outputs = self._num_tokens[rows] + self._num_pending[rows] - self._num_prompt[rows]
-        return self.sampling.gather(rows, num_outputs)
+        return self.sampling.gather(rows, self._num_outputs)
+
+    def _num_outputs(self, rows: np.ndarray) -> np.ndarray:
+        return self._num_tokens[rows] + self._num_pending[rows] - self._num_prompt[rows]
 
     def prepare(self, chunks: list[ScheduledChunk]) -> StepInputs:
         """The step's inputs: every chunk's tokens in one flat batch, chunk order."""

@@ -51,7 +51,7 @@ from engine.penalties import PenaltyCounts, PenaltyTable
 from engine.runner import ModelRunnerOutput, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.sampling_table import Feature, SamplingColumns
-from engine.seeded_noise import derive_seeds, seeded_exponential
+from engine.seeded_noise import event_keys, seeded_exponential
 
 __all__ = [
     "SampleRow",
@@ -205,8 +205,8 @@ class _BatchParams:
     top_p: torch.Tensor | None  # float32[N]
     min_p: torch.Tensor | None  # float32[N]
     random_rows: np.ndarray  # int64[R]: the rows with temperature > 0
-    seeded_keys: np.ndarray  # int64[R]: each random row's key (seeded_noise.derive_seeds)
-    is_seeded: np.ndarray  # bool[R]: the random rows with a seed
+    seeded_keys: np.ndarray  # int64[K]: the seeded random rows' keys (seeded_noise)
+    is_seeded: np.ndarray  # bool[R]: the random rows with a seed (empty: none has)
     has_top_k: bool  # some random row uses top-k
     has_top_p: bool  # some random row uses top-p
     has_min_p: bool  # some random row uses min-p
@@ -336,14 +336,16 @@ class Sampler:
             return _BatchParams(None, None, None, None, empty, empty,
                                 np.zeros(0, dtype=np.bool_), False, False, False)
         random_rows = columns.rows_with(Feature.RANDOM)
-        random_flags = columns.flags[random_rows]
-        random_features = int(np.bitwise_or.reduce(random_flags))
-        is_seeded = (random_flags & Feature.SEEDED) != 0
+        random_flags, random_features = columns.flags, columns.features
+        if random_rows.size < random_flags.size:  # some rows are greedy
+            random_flags = random_flags[random_rows]
+            random_features = int(np.bitwise_or.reduce(random_flags))
+        is_seeded = np.zeros(0, dtype=np.bool_)
         seeded_keys = np.zeros(0, dtype=np.int64)
         if random_features & Feature.SEEDED:
+            is_seeded = (random_flags & Feature.SEEDED) != 0
             seeded = random_rows[is_seeded]
-            seeded_keys = derive_seeds(columns.seed[seeded], columns.sample_index[seeded],
-                                       columns.num_output_tokens[seeded])
+            seeded_keys = event_keys(columns.seed_key[seeded], columns.num_output_tokens[seeded])
         vocab_size = self.vocab_size
         has_top_k = bool(random_features & Feature.TOP_K) and bool(
             (columns.top_k[random_rows] < vocab_size).any()

@@ -3,27 +3,28 @@
 Each step the sampler reads the parameters of the rows it samples: which are greedy, their
 temperatures and filters, penalties, logprobs, min_tokens, seeds, grammars. Kept as columns,
 one entry per row of the runner's batch (engine.input_batch), they are written once, when a
-request joins, and a step gathers the sampled rows' with three fancy-index reads (`gather`)
-instead of a loop over the requests' Python objects. The sampler then decides with vectorized
-numpy (`SamplingColumns`), and what reaches the device goes in one copy.
+request joins, and a step gathers the sampled rows' with fancy-index reads (`gather`) instead
+of a loop over the requests' Python objects: the flags at once, the other columns when the
+sampler first asks (a greedy batch reads no more). The sampler then decides with vectorized
+numpy (`SamplingColumns`), and what reaches the device goes in one copy. What depends only on
+the request is computed when it joins (a seeded request's key, engine.seeded_noise).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from functools import cached_property
 from typing import Protocol
 
 import numpy as np
 
 from engine.sampling_params import SamplingParams
+from engine.seeded_noise import request_key
 
 __all__ = ["Feature", "SamplingColumns", "SamplingTable"]
 
-_MASK64 = (1 << 64) - 1
-
 # Columns of the int table.
-_NUM_LOGPROBS, _MIN_TOKENS, _SEED, _SAMPLE_INDEX, _FLAGS = range(5)
+_NUM_LOGPROBS, _MIN_TOKENS, _SEED_KEY, _FLAGS = range(4)
 
 
 class Feature:
@@ -71,22 +72,39 @@ class _Row(Protocol):
     def num_output_tokens(self) -> int: ...
 
 
-@dataclass(frozen=True)
 class SamplingColumns:
     """The parameters of the rows one sampling call samples, in its row order."""
 
-    # float32[N, 4]: temperature (used where Feature.RANDOM), top-k (inf: off), top-p (1: off),
-    # min-p (0: off); in the dtype and order the sampler's device table takes them.
-    filters: np.ndarray
-    # float32[N, 3]: repetition (1: off), frequency (0: off) and presence (0: off) penalties.
-    penalties: np.ndarray
-    num_logprobs: np.ndarray  # int64[N]; -1: none asked
-    min_tokens: np.ndarray  # int64[N]
-    seed: np.ndarray  # int64[N]; the seed's low 64 bits, where SEEDED
-    sample_index: np.ndarray  # int64[N]
-    flags: np.ndarray  # int64[N]: Feature bits
-    features: int  # the rows' flags ORed
-    num_output_tokens: np.ndarray  # int64[N]: outputs so far, those still on the device included
+    def __init__(self, table: SamplingTable, rows: np.ndarray,
+                 num_output_tokens: Callable[[np.ndarray], np.ndarray]) -> None:
+        """rows: int64[N], table rows in the call's order; num_output_tokens: the outputs so
+        far of table rows (they change every step: the caller keeps them)."""
+        self._table = table
+        self._rows = rows
+        self._num_output_tokens = num_output_tokens
+        ints = table.ints[rows]
+        self.num_logprobs = ints[:, _NUM_LOGPROBS]  # int64[N]; -1: none asked
+        self.min_tokens = ints[:, _MIN_TOKENS]  # int64[N]
+        # int64[N]: seeded_noise.request_key(seed, sample_index), where SEEDED
+        self.seed_key = ints[:, _SEED_KEY]
+        self.flags = ints[:, _FLAGS]  # int64[N]: Feature bits
+        self.features = int(np.bitwise_or.reduce(self.flags))  # the rows' flags ORed
+
+    @cached_property
+    def filters(self) -> np.ndarray:
+        """float32[N, 4]: temperature (used where Feature.RANDOM), top-k (inf: off), top-p
+        (1: off), min-p (0: off), in the dtype and order the sampler's device table takes."""
+        return self._table.filters[self._rows]
+
+    @cached_property
+    def penalties(self) -> np.ndarray:
+        """float32[N, 3]: repetition (1: off), frequency (0: off), presence (0: off)."""
+        return self._table.penalties[self._rows]
+
+    @cached_property
+    def num_output_tokens(self) -> np.ndarray:
+        """int64[N]: outputs so far, those still on the device included."""
+        return self._num_output_tokens(self._rows)
 
     @property
     def top_k(self) -> np.ndarray:  # float32[N]; inf: off
@@ -103,7 +121,7 @@ class SamplingColumns:
         for index, row in enumerate(rows):
             table.set(index, row.sampling_params, row.sample_index, row.matcher is not None)
         num_output_tokens = np.fromiter((r.num_output_tokens for r in rows), np.int64, len(rows))
-        return table.gather(np.arange(len(rows)), num_output_tokens)
+        return cls(table, np.arange(len(rows)), num_output_tokens.__getitem__)
 
 
 class SamplingTable:
@@ -111,50 +129,37 @@ class SamplingTable:
 
     def __init__(self, num_rows: int) -> None:
         num_rows = max(num_rows, 1)
-        self._filters = np.zeros((num_rows, 4), dtype=np.float32)
-        self._penalties = np.zeros((num_rows, 3), dtype=np.float32)
-        self._ints = np.zeros((num_rows, 5), dtype=np.int64)
+        self.filters = np.zeros((num_rows, 4), dtype=np.float32)  # SamplingColumns.filters
+        self.penalties = np.zeros((num_rows, 3), dtype=np.float32)  # SamplingColumns.penalties
+        self.ints = np.zeros((num_rows, 4), dtype=np.int64)
 
     def set(self, row: int, params: SamplingParams, sample_index: int,
             is_constrained: bool) -> None:
         """Row row now holds a request with these parameters."""
-        if row >= self._ints.shape[0]:
+        if row >= self.ints.shape[0]:
             self._grow(row + 1)
         top_k = params.top_k if params.top_k > 0 else np.inf
-        self._filters[row] = (params.temperature, top_k, params.top_p, params.min_p)
-        self._penalties[row] = (params.repetition_penalty, params.frequency_penalty,
-                                params.presence_penalty)
-        seed = 0 if params.seed is None else params.seed & _MASK64
-        self._ints[row] = (
+        self.filters[row] = (params.temperature, top_k, params.top_p, params.min_p)
+        self.penalties[row] = (params.repetition_penalty, params.frequency_penalty,
+                               params.presence_penalty)
+        self.ints[row] = (
             -1 if params.logprobs is None else params.logprobs,
             params.min_tokens,
-            seed - (1 << 64) if seed >= 1 << 63 else seed,  # the same bits as an int64
-            sample_index,
+            0 if params.seed is None else request_key(params.seed, sample_index),
             _flags(params, is_constrained),
         )
 
-    def gather(self, rows: np.ndarray, num_output_tokens: np.ndarray) -> SamplingColumns:
-        """The columns of rows (int64[N], in the sampler's row order), with their output
-        counts (int64[N], the caller's: they change every step)."""
-        ints = self._ints[rows]
-        flags = ints[:, _FLAGS]
-        return SamplingColumns(
-            filters=self._filters[rows],
-            penalties=self._penalties[rows],
-            num_logprobs=ints[:, _NUM_LOGPROBS],
-            min_tokens=ints[:, _MIN_TOKENS],
-            seed=ints[:, _SEED],
-            sample_index=ints[:, _SAMPLE_INDEX],
-            flags=flags,
-            features=int(np.bitwise_or.reduce(flags)),
-            num_output_tokens=num_output_tokens,
-        )
+    def gather(self, rows: np.ndarray,
+               num_output_tokens: Callable[[np.ndarray], np.ndarray]) -> SamplingColumns:
+        """The columns of rows (int64[N], in the sampler's row order); num_output_tokens: the
+        outputs so far of table rows, asked only if the sampler needs them."""
+        return SamplingColumns(self, rows, num_output_tokens)
 
     def _grow(self, num_rows: int) -> None:
-        num_rows = max(num_rows, 2 * self._ints.shape[0])
-        self._filters = _grown(self._filters, num_rows)
-        self._penalties = _grown(self._penalties, num_rows)
-        self._ints = _grown(self._ints, num_rows)
+        num_rows = max(num_rows, 2 * self.ints.shape[0])
+        self.filters = _grown(self.filters, num_rows)
+        self.penalties = _grown(self.penalties, num_rows)
+        self.ints = _grown(self.ints, num_rows)
 
 
 def _grown(array: np.ndarray, num_rows: int) -> np.ndarray:

@@ -1,24 +1,28 @@
 """Stateless seeded noise: a seeded request samples the same tokens whatever shares its batch.
 
 A seeded row's noise is a counter-based hash (splitmix64) of (seed, sample_index, number of
-outputs so far, token id): `derive_seeds` makes one key per sampling event on the host, with
-numpy's wrapping uint64 arithmetic, and `seeded_exponential` expands each key into one Exp(1)
-draw per token on the device, in int64 bit patterns (torch has no uint64 arithmetic). Neither
-keeps state, so the same request gives the same tokens on any device, in any batch, and across
-preemption and resumption.
+outputs so far, token id). `request_key` hashes the first two once per request (Python ints);
+`event_keys` adds the output count for each sampling event of a step (numpy's wrapping uint64
+arithmetic, the whole batch at once); `seeded_exponential` expands each event's key into one
+Exp(1) draw per token on the device, in int64 bit patterns (torch has no uint64 arithmetic).
+None keeps state, so the same request gives the same tokens on any device, in any batch, and
+across preemption and resumption.
 """
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import numpy as np
 import torch
 
-__all__ = ["derive_seeds", "seeded_exponential"]
+__all__ = ["event_keys", "request_key", "seeded_exponential"]
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15  # splitmix64 increment
 _MIX1 = 0xBF58476D1CE4E5B9
 _MIX2 = 0x94D049BB133111EB
+_U64 = TypeVar("_U64", int, np.ndarray)  # a Python int below 2**64, or a uint64 array
 
 
 def _signed64(value: int) -> int:
@@ -52,21 +56,24 @@ def seeded_exponential(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return (-torch.log(uniform)).to(torch.float32)
 
 
-def _mix64(value: np.ndarray) -> np.ndarray:
-    """splitmix64 finaliser on uint64 arrays (products wrap modulo 2**64)."""
-    value = (value ^ (value >> np.uint64(30))) * np.uint64(_MIX1)
-    value = (value ^ (value >> np.uint64(27))) * np.uint64(_MIX2)
-    return value ^ (value >> np.uint64(31))
+def _mix64(value: _U64) -> _U64:
+    """splitmix64's finaliser on a Python int below 2**64 or a uint64 array (the same
+    operations: the masks keep a Python int to 64 bits and leave an array's wrapped bits)."""
+    value = (value ^ (value >> 30)) * _MIX1 & _MASK64
+    value = (value ^ (value >> 27)) * _MIX2 & _MASK64
+    return value ^ (value >> 31)
 
 
-def derive_seeds(
-    seeds: np.ndarray, sample_indices: np.ndarray, num_output_tokens: np.ndarray
-) -> np.ndarray:
-    """int64[N]: the key of one sampling event of each seeded row (seeds: int64 bit patterns);
-    seeded_exponential turns a key into the row's noise."""
-    golden = np.uint64(_GOLDEN)
-    with np.errstate(over="ignore"):
-        key = _mix64(seeds.astype(np.int64).view(np.uint64) + golden)
-        key = _mix64((key ^ sample_indices.astype(np.uint64)) + golden)
-        key = _mix64((key ^ num_output_tokens.astype(np.uint64)) + golden)
-    return key.view(np.int64)
+def request_key(seed: int, sample_index: int) -> int:
+    """The key of a seeded request's samples (any int seed, taken modulo 2**64), as the int64
+    with the same bits: computed once, when the request joins a batch."""
+    key = _mix64((seed + _GOLDEN) & _MASK64)
+    return _signed64(_mix64(((key ^ sample_index) + _GOLDEN) & _MASK64))
+
+
+def event_keys(request_keys: np.ndarray, num_output_tokens: np.ndarray) -> np.ndarray:
+    """int64[N]: the key of each row's sampling event (request_keys: int64[N] from
+    request_key; num_output_tokens: int64[N], its outputs so far); seeded_exponential turns
+    a key into the row's noise."""
+    keys = request_keys.astype(np.int64).view(np.uint64) ^ num_output_tokens.astype(np.uint64)
+    return _mix64(keys + np.uint64(_GOLDEN)).view(np.int64)

@@ -180,8 +180,8 @@ class _Driver:
 
 def _assert_same_columns(kept: SamplingColumns, fresh: SamplingColumns) -> None:
     """The batch's kept parameters of the sampled rows equal those read from their states."""
-    for name in ("filters", "penalties", "num_logprobs", "min_tokens", "seed", "sample_index",
-                 "flags", "num_output_tokens"):
+    for name in ("filters", "penalties", "num_logprobs", "min_tokens", "seed_key", "flags",
+                 "num_output_tokens"):
         np.testing.assert_array_equal(getattr(kept, name), getattr(fresh, name), err_msg=name)
     assert kept.features == fresh.features
 

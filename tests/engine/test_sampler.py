@@ -13,7 +13,7 @@ from engine.input_batch import InputBatch, RequestState
 from engine.sampler import Sampler, filtered_probs
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import NewRequestData, SchedulerOutput
-from engine.seeded_noise import derive_seeds, seeded_exponential
+from engine.seeded_noise import event_keys, request_key, seeded_exponential
 
 VOCAB = 8
 # Chi-square critical value for 7 degrees of freedom at p = 0.001.
@@ -235,16 +235,15 @@ def reference_key(seed: int, sample_index: int, num_output_tokens: int) -> int:
     return key - (1 << 64) if key >= 1 << 63 else key
 
 
-def test_derived_keys_equal_the_python_reference() -> None:
-    """The vectorized keys (numpy uint64, wrapping) are the reference's, bit for bit, over
-    seeds from both ends of the int64 range (a seed is taken modulo 2**64)."""
-    seeds = [0, 1, 5, 42, 2**31, 2**63 - 1, -1, -(2**63), 123456789123]
+def test_keys_equal_the_python_reference() -> None:
+    """A request's key (once, Python ints), then each event's (numpy uint64, wrapping, the
+    whole batch at once), bit for bit the reference's, over seeds from both ends of the int64
+    range and beyond (a seed is taken modulo 2**64)."""
+    seeds = [0, 1, 5, 42, 2**31, 2**63 - 1, -1, -(2**63), 123456789123, 2**64 + 7]
     cases = [(seed, index, num) for seed in seeds for index in (0, 1, 127)
              for num in (0, 1, 4095, 10**6)]
-    bits = [seed & _MASK64 for seed, _, _ in cases]
-    got = derive_seeds(
-        np.array([b - (1 << 64) if b >= 1 << 63 else b for b in bits], dtype=np.int64),
-        np.array([index for _, index, _ in cases], dtype=np.int64),
+    got = event_keys(
+        np.array([request_key(seed, index) for seed, index, _ in cases], dtype=np.int64),
         np.array([num for _, _, num in cases], dtype=np.int64),
     )
     assert got.dtype == np.int64

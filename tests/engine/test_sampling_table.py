@@ -9,6 +9,7 @@ import pytest
 
 from engine.sampling_params import SamplingParams
 from engine.sampling_table import Feature, SamplingTable
+from engine.seeded_noise import request_key
 
 
 @pytest.mark.parametrize(
@@ -32,7 +33,7 @@ def test_flags_name_each_feature_a_row_uses(
 ) -> None:
     table = SamplingTable(1)
     table.set(0, params, 0, is_constrained)
-    columns = table.gather(np.array([0]), np.array([0]))
+    columns = table.gather(np.array([0]), np.array([0]).__getitem__)
     assert int(columns.flags[0]) == expected == columns.features
 
 
@@ -43,15 +44,16 @@ def test_columns_hold_the_parameters_in_the_sampler_s_form() -> None:
                                 presence_penalty=-0.4, logprobs=5, min_tokens=2, seed=-1), 1,
               False)
     table.set(3, SamplingParams(seed=2**64 + 9), 2, False)
-    columns = table.gather(np.array([3, 0]), np.array([4, 6]))
+    num_outputs = np.array([6, 0, 0, 4])  # by table row
+    columns = table.gather(np.array([3, 0]), num_outputs.__getitem__)
     assert columns.filters.dtype == np.float32 and columns.penalties.dtype == np.float32
     assert columns.filters[1].tolist() == pytest.approx([0.5, 7, 0.8, 0.05])
     assert math.isinf(columns.top_k[0])  # top_k 0: off
     assert columns.penalties[1].tolist() == pytest.approx([1.2, 0.3, -0.4])
     assert columns.num_logprobs.tolist() == [-1, 5]
     assert columns.min_tokens.tolist() == [0, 2]
-    assert columns.seed.tolist() == [9, -1]  # the low 64 bits, as an int64
-    assert columns.sample_index.tolist() == [2, 1]
+    # the requests' keys, made when they joined: the seed modulo 2**64, and sample_index
+    assert columns.seed_key.tolist() == [request_key(9, 2), request_key(2**64 - 1, 1)]
     assert columns.num_output_tokens.tolist() == [4, 6]
     assert columns.rows_with(Feature.PENALISED).tolist() == [1]
     assert columns.rows_with(Feature.SEEDED).tolist() == [0, 1]
