@@ -25,8 +25,10 @@ from engine.attention import AttentionMetadata
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.flops import linear_params_per_token
 from engine.llm_engine import LLMEngine
+from engine.loader import random_model
 from engine.model_runner import RunnerConfig, TorchModelRunner, kv_bytes_per_block
 from engine.models.config import ModelConfig
+from engine.models.decoder import CausalLM
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ScheduledChunk
 
@@ -34,6 +36,7 @@ __all__ = [
     "DeviceRow",
     "copy_rate",
     "format_device_table",
+    "max_model_len",
     "measure_device",
     "weight_bytes_per_step",
 ]
@@ -80,6 +83,11 @@ def weight_bytes_per_step(config: ModelConfig, dtype: torch.dtype) -> int:
     return num_params * element_size
 
 
+def max_model_len(context: int, num_steps: int) -> int:
+    """The longest sequence a row of measure_device holds."""
+    return context + num_steps + 32
+
+
 def measure_device(
     config: ModelConfig,
     device: torch.device,
@@ -89,21 +97,25 @@ def measure_device(
     num_steps: int,
     rate: float,
     seed: int = 0,
+    model: CausalLM | None = None,
 ) -> DeviceRow:
-    """One row: num_running decodes at about `context` tokens of context on the device."""
-    max_model_len = context + num_steps + 32
-    blocks = num_running * -(-max_model_len // _BLOCK_SIZE) + 16
-    runner = TorchModelRunner.from_random(
-        config, seed,
+    """One row: num_running decodes at about `context` tokens of context on the device.
+    model: the config's random model (random_model(config, seed, dtype, device,
+    max_model_len(context, num_steps))) built once for every row; None builds one."""
+    max_len = max_model_len(context, num_steps)
+    blocks = num_running * -(-max_len // _BLOCK_SIZE) + 16
+    if model is None:
+        model = random_model(config, seed, dtype, device, max_len)
+    runner = TorchModelRunner(
+        model,
         RunnerConfig(block_size=_BLOCK_SIZE, num_kv_blocks=blocks,
                      max_num_batched_tokens=max(2048, num_running),
-                     max_num_seqs=max(num_running, 1), max_model_len=max_model_len),
-        dtype=dtype, device=device,
+                     max_num_seqs=max(num_running, 1), max_model_len=max_len),
     )
     engine = LLMEngine(
         EngineConfig(
             SchedulerConfig(max_num_batched_tokens=max(2048, num_running),
-                            max_num_seqs=num_running, max_model_len=max_model_len),
+                            max_num_seqs=num_running, max_model_len=max_len),
             CacheConfig(block_size=_BLOCK_SIZE),
         ),
         runner,

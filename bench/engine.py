@@ -220,17 +220,23 @@ def _device_report(args: argparse.Namespace) -> dict[str, Any]:
 
     from bench import device as bench_device
     from bench import offline as bench_offline
+    from engine.loader import random_model
     from engine.models.config import ModelConfig
 
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     config = ModelConfig.from_file(args.model_config)
     rate = bench_device.copy_rate(device, args.copy_bytes)
+    model = None
+    if device.type == "cuda":  # one random model for every row (an 8B one takes a minute)
+        model = random_model(config, args.seed, dtype, device,
+                             bench_device.max_model_len(args.context, args.device_steps))
     rows = [
         bench_device.measure_device(config, device, dtype, n, args.context, args.device_steps,
-                                    rate, args.seed)
+                                    rate, args.seed, model)
         for n in args.batches
     ]
+    del model
     result: dict[str, Any] = {
         "rows": rows,
         "table": bench_device.format_device_table(rows, args.device, args.dtype, args.context,

@@ -91,8 +91,8 @@ def make_checkpoint(
 
 @torch.no_grad()
 def hf_greedy(model: PreTrainedModel, prompt: list[int], num_tokens: int) -> list[int]:
-    """HF transformers greedy continuation of one prompt (no padding)."""
-    ids = torch.tensor([prompt])
+    """HF transformers greedy continuation of one prompt (no padding), on the model's device."""
+    ids = torch.tensor([prompt], device=model.device)
     out = model.generate(
         ids,
         attention_mask=torch.ones_like(ids),

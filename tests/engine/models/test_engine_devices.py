@@ -1,0 +1,108 @@
+"""The whole engine on each device this machine has: greedy tokens equal HF transformers'.
+
+On the CPU this runs everywhere. Where CUDA is present (the device check, ops/gpu_check.sh)
+the same tests drive the CUDA path end to end: Triton attention, the fused add-norm, decode
+steps replayed from CUDA graphs that read their inputs from static buffers filled by one copy
+(engine.graph_inputs), async scheduling, the sampler's pinned copies and its penalty table.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import PreTrainedModel
+
+from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
+from engine.model_runner import RunnerConfig, TorchModelRunner
+from tests.engine.models.helpers import hf_greedy, make_checkpoint, random_prompts
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+_MAX_NUM_SEQS = 8
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, PreTrainedModel]:
+    path = tmp_path_factory.mktemp("llama")
+    return path, make_checkpoint(path, "llama", seed=21)
+
+
+def _engine(path: Path, device: str, async_scheduling: bool) -> LLMEngine:
+    runner = TorchModelRunner.from_model_dir(
+        path,
+        RunnerConfig(block_size=16, num_kv_blocks=128, max_num_batched_tokens=48,
+                     max_num_seqs=_MAX_NUM_SEQS, max_model_len=256, sampler_seed=0),
+        device=device,
+    )
+    config = EngineConfig(
+        SchedulerConfig(max_num_batched_tokens=48, max_num_seqs=_MAX_NUM_SEQS,
+                        max_model_len=256),
+        CacheConfig(block_size=16),
+        async_scheduling=async_scheduling,
+    )
+    return LLMEngine(config, runner)
+
+
+def _run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]],
+         ) -> dict[str, list[int]]:
+    for request_id, (prompt, params) in requests.items():
+        engine.add_request(request_id, prompt, params)
+    tokens: dict[str, list[int]] = {request_id: [] for request_id in requests}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            tokens[output.request_id] += output.new_token_ids
+    return tokens
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_greedy_tokens_equal_hf(llama: tuple[Path, PreTrainedModel], device: str,
+                                async_scheduling: bool) -> None:
+    """Seven requests, one prompt longer than the token budget (chunked next to decodes);
+    their lengths differ, so the decodes shrink through the graph sizes 8, 4, 2 and 1."""
+    path, hf = llama
+    hf = hf.to(device)
+    engine = _engine(path, device, async_scheduling)
+    lengths, outputs = [5, 40, 17, 1, 33, 60, 9], [14, 6, 20, 9, 3, 11, 17]
+    prompts = random_prompts(lengths, seed=8)
+    requests = {
+        f"r{i}": (prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+        for i, (prompt, n) in enumerate(zip(prompts, outputs, strict=True))
+    }
+    tokens = _run(engine, requests)
+    for request_id, (prompt, params) in requests.items():
+        assert params.max_tokens is not None
+        assert tokens[request_id] == hf_greedy(hf, prompt, params.max_tokens), request_id
+    runner = engine.runner
+    assert isinstance(runner, TorchModelRunner)
+    if device == "cuda":
+        assert runner.graphs is not None and runner.graphs.inputs.num_loads > 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_every_sampling_feature_runs_and_seeds_hold_in_any_batch(
+    llama: tuple[Path, PreTrainedModel], device: str
+) -> None:
+    """Penalties, seeds, top-k/top-p/min-p, logprobs and min_tokens in one batch, with async
+    scheduling: every request ends with its tokens, and a seeded request samples the same
+    tokens alone as among the others."""
+    path, _ = llama
+    prompts = random_prompts([12, 30, 7, 22, 15], seed=9)
+    params = [
+        SamplingParams(temperature=0.0, repetition_penalty=1.3, presence_penalty=0.4,
+                       max_tokens=12, ignore_eos=True, logprobs=3),
+        SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=5, frequency_penalty=0.5,
+                       max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=1.1, min_p=0.05, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0.7, seed=11, max_tokens=12, min_tokens=12, logprobs=0,
+                       stop_token_ids=[3]),
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+    ]
+    crowded = _run(_engine(path, device, True),
+                   {f"m{i}": (p, q) for i, (p, q) in enumerate(zip(prompts, params, strict=True))})
+    assert all(len(t) == 12 for t in crowded.values())
+    assert 3 not in crowded["m3"]  # min_tokens held its stop token back
+    for index in (1, 3):  # the seeded ones, alone
+        alone = _run(_engine(path, device, True), {"x": (prompts[index], params[index])})
+        assert alone["x"] == crowded[f"m{index}"]
