@@ -44,19 +44,18 @@ class Feature:
 
 
 def _flags(params: SamplingParams, is_constrained: bool) -> int:
-    bits = [
-        (not params.is_greedy, Feature.RANDOM),
-        (params.top_k > 0, Feature.TOP_K),
-        (params.top_p < 1.0, Feature.TOP_P),
-        (params.min_p > 0.0, Feature.MIN_P),
-        (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
-         or params.presence_penalty != 0.0, Feature.PENALISED),
-        (params.seed is not None, Feature.SEEDED),
-        (params.logprobs is not None, Feature.LOGPROBS),
-        (params.min_tokens > 0, Feature.MIN_TOKENS),
-        (is_constrained, Feature.CONSTRAINED),
-    ]
-    return sum(bit for on, bit in bits if on)
+    return (
+        (not params.is_greedy) * Feature.RANDOM
+        | (params.top_k > 0) * Feature.TOP_K
+        | (params.top_p < 1.0) * Feature.TOP_P
+        | (params.min_p > 0.0) * Feature.MIN_P
+        | (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
+           or params.presence_penalty != 0.0) * Feature.PENALISED
+        | (params.seed is not None) * Feature.SEEDED
+        | (params.logprobs is not None) * Feature.LOGPROBS
+        | (params.min_tokens > 0) * Feature.MIN_TOKENS
+        | is_constrained * Feature.CONSTRAINED
+    )
 
 
 class _Row(Protocol):
@@ -91,15 +90,19 @@ class SamplingColumns:
         self.features = int(np.bitwise_or.reduce(self.flags))  # the rows' flags ORed
 
     @cached_property
+    def _floats(self) -> np.ndarray:  # float32[N, 7]: filters, then penalties
+        return self._table.floats[self._rows]
+
+    @property
     def filters(self) -> np.ndarray:
         """float32[N, 4]: temperature (used where Feature.RANDOM), top-k (inf: off), top-p
         (1: off), min-p (0: off), in the dtype and order the sampler's device table takes."""
-        return self._table.filters[self._rows]
+        return self._floats[:, :4]
 
-    @cached_property
+    @property
     def penalties(self) -> np.ndarray:
         """float32[N, 3]: repetition (1: off), frequency (0: off), presence (0: off)."""
-        return self._table.penalties[self._rows]
+        return self._floats[:, 4:]
 
     @cached_property
     def num_output_tokens(self) -> np.ndarray:
@@ -129,8 +132,8 @@ class SamplingTable:
 
     def __init__(self, num_rows: int) -> None:
         num_rows = max(num_rows, 1)
-        self.filters = np.zeros((num_rows, 4), dtype=np.float32)  # SamplingColumns.filters
-        self.penalties = np.zeros((num_rows, 3), dtype=np.float32)  # SamplingColumns.penalties
+        # SamplingColumns.filters, then SamplingColumns.penalties
+        self.floats = np.zeros((num_rows, 7), dtype=np.float32)
         self.ints = np.zeros((num_rows, 4), dtype=np.int64)
 
     def set(self, row: int, params: SamplingParams, sample_index: int,
@@ -139,9 +142,9 @@ class SamplingTable:
         if row >= self.ints.shape[0]:
             self._grow(row + 1)
         top_k = params.top_k if params.top_k > 0 else np.inf
-        self.filters[row] = (params.temperature, top_k, params.top_p, params.min_p)
-        self.penalties[row] = (params.repetition_penalty, params.frequency_penalty,
-                               params.presence_penalty)
+        self.floats[row] = (params.temperature, top_k, params.top_p, params.min_p,
+                            params.repetition_penalty, params.frequency_penalty,
+                            params.presence_penalty)
         self.ints[row] = (
             -1 if params.logprobs is None else params.logprobs,
             params.min_tokens,
@@ -157,8 +160,7 @@ class SamplingTable:
 
     def _grow(self, num_rows: int) -> None:
         num_rows = max(num_rows, 2 * self.ints.shape[0])
-        self.filters = _grown(self.filters, num_rows)
-        self.penalties = _grown(self.penalties, num_rows)
+        self.floats = _grown(self.floats, num_rows)
         self.ints = _grown(self.ints, num_rows)
 
 
