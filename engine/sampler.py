@@ -29,10 +29,9 @@ numpy rather than a loop over the requests. Everything runs as batched tensor op
 feature, and each feature's host table reaches the device in one copy. `Sampler.sample`
 leaves its result on the device (`SampledTokens`): the runner copies it back without waiting,
 so that the next step can be queued first (async scheduling), and reads it with
-`SampledTokens.output`. Only a
-grammar makes sampling wait for the ids: its matchers take each token on the host before the
-next step's mask. Penalty counts are kept on the device and take each sampled token there
-(engine.penalties).
+`SampledTokens.output`. Only a grammar makes sampling wait for the ids: its matchers take
+each token on the host before the next step's mask. Penalty counts are kept on the device and
+take each sampled token there (engine.penalties).
 """
 
 from __future__ import annotations
@@ -269,6 +268,7 @@ class Sampler:
 
         features = columns.features
         logprobs = None
+        logprob_rows = np.zeros(0, dtype=np.int64)
         if features & Feature.LOGPROBS:
             logprob_rows = columns.rows_with(Feature.LOGPROBS)
             source = raw_logits if self.logprobs_mode == "raw" else logits
@@ -299,8 +299,7 @@ class Sampler:
             failed = advance_matchers(constrained, result.host_token_ids)
             result.grammar_errors = {seqs[row].request_id: why for row, why in failed.items()}
         if logprobs is not None:
-            result.logprobs = self._logprob_tensors(logprobs, sampled, columns,
-                                                    columns.rows_with(Feature.LOGPROBS))
+            result.logprobs = self._logprob_tensors(logprobs, sampled, columns, logprob_rows)
         return result
 
     # -- min_tokens ----------------------------------------------------------------------------
