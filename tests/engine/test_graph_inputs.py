@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import PreTrainedModel
 
 from engine.cuda_graphs import DecodeCudaGraphs
@@ -92,6 +94,41 @@ def test_pending_ids_come_from_the_sampled_tensor() -> None:
     graph_inputs.load(inputs, 4, sampled)
     assert graph_inputs.batch(4).input_ids.tolist() == [101, 202, 303, 0]
     _assert_loaded(graph_inputs, inputs, 4, sampled)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    steps=st.lists(
+        st.tuples(st.lists(st.integers(1, 60), min_size=1, max_size=8),  # context lengths
+                  st.integers(0, 8),  # extra padding rows
+                  st.floats(0.0, 1.0)),  # share of rows whose newest token is pending
+        min_size=1, max_size=6),
+    seed=st.integers(0, 1000),
+)
+def test_random_decode_steps_load_as_the_plain_path_builds_them(
+    steps: list[tuple[list[int], int, float]], seed: int
+) -> None:
+    """Steps of any width, one after another in the same buffers (what an earlier, larger
+    step left never shows), some rows computing a token still on the device."""
+    graph_inputs = GraphInputs(max_num_seqs=16, max_blocks_per_seq=16, device=CPU)
+    rng = np.random.default_rng(seed)
+    for lengths, extra, pending_share in steps:
+        batch, chunks = _decode_step(lengths, seed=int(rng.integers(1 << 30)))
+        states = batch.sample_states(chunks)
+        pending = rng.random(len(chunks)) < pending_share
+        sampled = None
+        if pending.any():  # those rows sampled one more token, its id still on the device
+            rows = np.array([s.row for s, p in zip(states, pending, strict=True) if p])
+            marked = [s for s, p in zip(states, pending, strict=True) if p]
+            sampled = torch.from_numpy(rng.integers(3, 500, len(marked)))
+            batch.mark_sampled(marked, sampled, rows)
+            chunks = [ScheduledChunk(c.request_id, c.start_pos + int(p), 1, True, False)
+                      for c, p in zip(chunks, pending, strict=True)]
+        inputs = batch.prepare(chunks)
+        assert inputs.pending_tokens.size == int(pending.sum())
+        size = min(len(lengths) + extra, 16)
+        graph_inputs.load(inputs, size, sampled)
+        _assert_loaded(graph_inputs, inputs, size, sampled)
 
 
 def test_what_does_not_fit_is_left_to_the_plain_path() -> None:
