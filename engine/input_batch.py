@@ -42,7 +42,6 @@ class RequestState:
         "_batch",
         "eos_token_id",
         "matcher",
-        "num_prompt_tokens",
         "penalty_counts",
         "request_id",
         "row",
@@ -55,7 +54,6 @@ class RequestState:
         self.request_id = data.request_id
         self.row = row
         self.sampling_params: SamplingParams = data.sampling_params
-        self.num_prompt_tokens = data.num_prompt_tokens
         self.eos_token_id = data.eos_token_id
         self.sample_index = data.sample_index
         self.penalty_counts: PenaltyCounts | None = None  # the sampler's (engine.penalties)
@@ -69,10 +67,13 @@ class RequestState:
                 self.matcher.consume_tokens(outputs)
 
     @property
+    def num_prompt_tokens(self) -> int:
+        return int(self._batch._num_prompt[self.row])
+
+    @property
     def num_output_tokens(self) -> int:
         """Its outputs, the ones still on the device included."""
-        batch, row = self._batch, self.row
-        return int(batch._num_tokens[row] + batch._num_pending[row]) - self.num_prompt_tokens
+        return int(self._batch._num_outputs(self.row))
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -280,7 +281,8 @@ class InputBatch:
         outputs so far, those still on the device included."""
         return self.sampling.gather(rows, self._num_outputs)
 
-    def _num_outputs(self, rows: np.ndarray) -> np.ndarray:
+    def _num_outputs(self, rows: np.ndarray | int) -> np.ndarray:
+        """Outputs of rows so far, those still on the device included."""
         return self._num_tokens[rows] + self._num_pending[rows] - self._num_prompt[rows]
 
     def prepare(self, chunks: list[ScheduledChunk]) -> StepInputs:

@@ -50,16 +50,14 @@ class RunnerView:
                 held.add(request_id)
                 new_requests.append(self._new_request_data(request))
             end = request.num_computed_tokens
-            num_pending = request.num_pending_tokens
-            needs_sample = end == (len(request.prompt_token_ids) + len(request.output_token_ids)
-                                   + num_pending)
+            needs_sample = request.num_uncomputed_tokens == 0
             if num_new == 1 and request.is_prefill_done:
                 decodes.append(ScheduledChunk(request_id, end - 1, 1, needs_sample, False))
             else:
                 prefills.append(ScheduledChunk(request_id, end - num_new, num_new, needs_sample,
                                                True))
             if needs_sample:  # its next token is on order until the step's output is back
-                request.num_pending_tokens = num_pending + 1
+                request.num_pending_tokens += 1
             num_batched += num_new
         # a joining request's whole table goes with its data
         joined = {r.request_id for r in new_requests}

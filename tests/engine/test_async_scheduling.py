@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
-from engine.model_runner import RunnerConfig, TorchModelRunner
+from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
 from engine.outputs import RequestOutput
 from engine.testing.clock import SimulatedClock
 from engine.testing.fake_runner import FakeModelRunner
 from engine.tokenizer import Tokenizer
 from tests.engine.helpers import VOCAB, make_engine, reference_output
+from tests.engine.models.helpers import model_engine
 from tests.serve_process import shared_demo_model_dir
 
 Key = tuple[str, int]
@@ -145,18 +145,9 @@ def test_workloads_bill_every_second_under_async_scheduling() -> None:
 
 def _demo_engine(path: Path, tokenizer: Tokenizer, async_scheduling: bool,
                  num_kv_blocks: int) -> LLMEngine:
-    runner = TorchModelRunner.from_model_dir(
-        path, RunnerConfig(num_kv_blocks=num_kv_blocks, max_model_len=256, max_num_seqs=8))
-    return LLMEngine(
-        EngineConfig(
-            scheduler=SchedulerConfig(max_num_batched_tokens=48, max_num_seqs=8,
-                                      max_model_len=256),
-            cache=CacheConfig(block_size=runner.block_size),
-            eos_token_id=tokenizer.eos_token_id,
-            async_scheduling=async_scheduling,
-        ),
-        runner, tokenizer=tokenizer,
-    )
+    return model_engine(path, num_kv_blocks=num_kv_blocks, max_model_len=256,
+                        max_num_batched_tokens=48, async_scheduling=async_scheduling,
+                        tokenizer=tokenizer)
 
 
 @pytest.mark.parametrize("num_kv_blocks", [256, 9], ids=["roomy", "preempting"])

@@ -14,17 +14,14 @@ import pytest
 import torch
 
 from engine import (
-    CacheConfig,
-    EngineConfig,
     InvalidRequestError,
     LLMEngine,
     SamplingParams,
-    SchedulerConfig,
 )
 from engine.grammar_compiler import GrammarCompiler, GrammarError
-from engine.model_runner import RunnerConfig, TorchModelRunner
 from engine.models.config import ModelConfig
-from engine.sampler import Sampler, seeded_exponential
+from engine.sampler import Sampler
+from engine.seeded_noise import seeded_exponential
 from engine.structured_output import (
     MAX_STRUCTURED_SOURCE_CHARS,
     NUMBER_MAGNITUDE,
@@ -33,6 +30,7 @@ from engine.structured_output import (
     bounded_numbers,
 )
 from engine.tokenizer import Tokenizer
+from tests.engine.models.helpers import model_engine
 from tests.serve_process import shared_demo_model_dir
 
 SCHEMA = {
@@ -189,19 +187,10 @@ def test_a_matcher_that_fails_ends_its_request_with_an_error() -> None:
 def _engine(demo: tuple[Path, Tokenizer, ModelConfig], num_kv_blocks: int = 256,
             async_scheduling: bool = False) -> LLMEngine:
     path, tokenizer, _ = demo
-    runner = TorchModelRunner.from_model_dir(
-        path, RunnerConfig(num_kv_blocks=num_kv_blocks, max_model_len=512, max_num_seqs=8))
     assert tokenizer.eos_token_id is not None
-    return LLMEngine(
-        EngineConfig(
-            scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8,
-                                      max_model_len=512),
-            cache=CacheConfig(block_size=runner.block_size),
-            eos_token_id=tokenizer.eos_token_id,
-            async_scheduling=async_scheduling,
-        ),
-        runner, tokenizer=tokenizer, grammars=_compiler(demo),
-    )
+    return model_engine(path, num_kv_blocks=num_kv_blocks, max_model_len=512,
+                        max_num_batched_tokens=64, async_scheduling=async_scheduling,
+                        tokenizer=tokenizer, grammars=_compiler(demo))
 
 
 def _run(engine: LLMEngine) -> dict[tuple[str, int], tuple[str, list[int], str | None]]:

@@ -22,13 +22,17 @@ from transformers import (
     Qwen3Config,
 )
 
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.grammar_compiler import GrammarCompiler
 from engine.input_batch import RequestState
+from engine.llm_engine import LLMEngine
 from engine.model_runner import RunnerConfig, TorchModelRunner
 from engine.runner import RunnerStep
 from engine.sampler import SampledTokens, Sampler
 from engine.sampling_params import SamplingParams
 from engine.sampling_table import SamplingColumns
 from engine.scheduler_output import NewRequestData, ScheduledChunk, SchedulerOutput
+from engine.tokenizer import Tokenizer
 
 VOCAB = 256
 BLOCK_SIZE = 16
@@ -135,6 +139,35 @@ def make_runner(
     config = RunnerConfig(block_size=BLOCK_SIZE, num_kv_blocks=num_kv_blocks, max_model_len=512,
                           fuse_cpu_ops=fuse_cpu_ops, cpu_decode_rows=cpu_decode_rows)
     return TorchModelRunner.from_model_dir(model_dir, config, sampler=sampler)
+
+
+def model_engine(
+    model_dir: Path,
+    *,
+    num_kv_blocks: int,
+    max_model_len: int,
+    max_num_batched_tokens: int,
+    async_scheduling: bool,
+    device: str = "cpu",
+    tokenizer: Tokenizer | None = None,
+    grammars: GrammarCompiler | None = None,
+) -> LLMEngine:
+    """An LLMEngine over a checkpoint's TorchModelRunner on device: at most 8 sequences a
+    step, the sampler's generator seeded, the tokenizer's EOS (if any) ending requests."""
+    runner = TorchModelRunner.from_model_dir(
+        model_dir,
+        RunnerConfig(num_kv_blocks=num_kv_blocks, max_num_batched_tokens=max_num_batched_tokens,
+                     max_num_seqs=8, max_model_len=max_model_len, sampler_seed=0),
+        device=device,
+    )
+    config = EngineConfig(
+        SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=8,
+                        max_model_len=max_model_len),
+        CacheConfig(block_size=runner.block_size),
+        eos_token_id=tokenizer.eos_token_id if tokenizer is not None else None,
+        async_scheduling=async_scheduling,
+    )
+    return LLMEngine(config, runner, tokenizer=tokenizer, grammars=grammars)
 
 
 @dataclass

@@ -14,12 +14,16 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
-from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
-from engine.model_runner import RunnerConfig, TorchModelRunner
-from tests.engine.models.helpers import hf_greedy, make_checkpoint, random_prompts
+from engine import LLMEngine, SamplingParams
+from engine.model_runner import TorchModelRunner
+from tests.engine.models.helpers import (
+    hf_greedy,
+    make_checkpoint,
+    model_engine,
+    random_prompts,
+)
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-_MAX_NUM_SEQS = 8
 
 
 @pytest.fixture(scope="module")
@@ -29,19 +33,8 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, PreTrainedMod
 
 
 def _engine(path: Path, device: str, async_scheduling: bool) -> LLMEngine:
-    runner = TorchModelRunner.from_model_dir(
-        path,
-        RunnerConfig(block_size=16, num_kv_blocks=128, max_num_batched_tokens=48,
-                     max_num_seqs=_MAX_NUM_SEQS, max_model_len=256, sampler_seed=0),
-        device=device,
-    )
-    config = EngineConfig(
-        SchedulerConfig(max_num_batched_tokens=48, max_num_seqs=_MAX_NUM_SEQS,
-                        max_model_len=256),
-        CacheConfig(block_size=16),
-        async_scheduling=async_scheduling,
-    )
-    return LLMEngine(config, runner)
+    return model_engine(path, num_kv_blocks=128, max_model_len=256, max_num_batched_tokens=48,
+                        async_scheduling=async_scheduling, device=device)
 
 
 def _run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]],
