@@ -359,8 +359,12 @@ class RedisRateLimiter:
             self._settle_soon(tenant_id, ["adopt", ttl_ms, *sorted(ids)])
 
     async def aclose(self) -> None:
-        for task in list(self._settlements):
+        # The background settlements end before the client closes: one cancelled mid-command
+        # and left to finish later could take a connection the closed pool never sees again.
+        settlements = list(self._settlements)
+        for task in settlements:
             task.cancel()
+        await asyncio.gather(*settlements, return_exceptions=True)
         if self._renewal is not None:
             self._renewal.cancel()
             with contextlib.suppress(asyncio.CancelledError):
