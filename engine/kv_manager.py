@@ -29,8 +29,9 @@ class _DistinctHolders(Generic[K]):
 
     def take(self, key: K, block: KVBlock) -> None:
         refs = self._refs[block.block_id]
-        refs[key] = refs.get(key, 0) + 1
-        if refs[key] == 1:
+        count = refs.get(key, 0) + 1
+        refs[key] = count
+        if count == 1:
             self.num_blocks[key] += 1
 
     def drop(self, key: K, block: KVBlock) -> None:
@@ -56,13 +57,16 @@ def tier_allowance(
     """Blocks of a pool of num_blocks a request of this priority may still take under the
     reservation rule; count_lower_tiers_as_free: what less important tiers hold counts as
     free (it may preempt them)."""
+    # Asked at every block a request grows by: no sets built.
     used_or_reserved = 0
-    for prio in set(reserved_by_priority) | set(used_by_priority):
-        used = used_by_priority.get(prio, 0)
+    for prio, used in used_by_priority.items():
         if prio < priority:
             used_or_reserved += max(used, reserved_by_priority.get(prio, 0))
         elif prio == priority or not count_lower_tiers_as_free:
             used_or_reserved += used
+    for prio, reserved in reserved_by_priority.items():
+        if prio < priority and prio not in used_by_priority:
+            used_or_reserved += reserved
     return num_blocks - used_or_reserved
 
 
@@ -166,9 +170,11 @@ class KVCacheManager:
 
     def _request_hashes(self, request: Request) -> list[BlockHash]:
         hashes = self._hashes.setdefault(request.request_id, [])
-        if len(hashes) == request.num_tokens // self.block_size:
-            return hashes  # no new full block: skip building the token list
-        extend_block_hashes(hashes, request.all_token_ids, self.block_size, request.cache_salt)
+        block_size = self.block_size
+        num_full = request.num_tokens // block_size
+        if len(hashes) < num_full:  # the new full blocks' tokens only (a decode: one block)
+            new_tokens = request.token_ids(len(hashes) * block_size, num_full * block_size)
+            extend_block_hashes(hashes, new_tokens, block_size, request.cache_salt)
         return hashes
 
     # -- allocation --------------------------------------------------------------------------
@@ -188,10 +194,12 @@ class KVCacheManager:
         if num_new_tokens > 0 and write_index < len(table) and table[write_index].ref_cnt > 1:
             cow_index = write_index
         num_new_blocks = num_fresh + (1 if cow_index is not None else 0)
-        num_evictable_hits = sum(1 for b in hit_blocks if b.ref_cnt == 0)
-        priority, tenant = request.priority, request.tenant_id
-        new_tier = sum(1 for b in hit_blocks if not self._tiers.holds(priority, b))
-        new_tenant = sum(1 for b in hit_blocks if not self._tenants.holds(tenant, b))
+        num_evictable_hits = new_tier = new_tenant = 0
+        if hit_blocks:  # an admission's prefix hit (a growth has none)
+            num_evictable_hits = sum(1 for b in hit_blocks if b.ref_cnt == 0)
+            priority, tenant = request.priority, request.tenant_id
+            new_tier = sum(1 for b in hit_blocks if not self._tiers.holds(priority, b))
+            new_tenant = sum(1 for b in hit_blocks if not self._tenants.holds(tenant, b))
         return _Allocation(
             num_new_blocks=num_new_blocks,
             num_from_free=num_new_blocks + num_evictable_hits,
@@ -216,7 +224,11 @@ class KVCacheManager:
     ) -> bool:
         if request.kv_cap_blocks is None:
             return False
-        plan = self._plan(request, num_new_tokens, computed)
+        return self._over_tenant_cap(request, self._plan(request, num_new_tokens, computed))
+
+    def _over_tenant_cap(self, request: Request, plan: _Allocation) -> bool:
+        if request.kv_cap_blocks is None:
+            return False
         held = self._tenants.num_blocks[request.tenant_id]
         return held + plan.num_new_tenant_blocks > request.kv_cap_blocks
 
@@ -242,18 +254,35 @@ class KVCacheManager:
         count as free both in the pool and in this tier's allowance).
         """
         plan = self._plan(request, num_new_tokens, computed)
+        return self._fits(request, plan, num_blocks_to_be_freed)
+
+    def _fits(self, request: Request, plan: _Allocation, num_blocks_to_be_freed: int = 0) -> bool:
         if plan.num_from_free > self.pool.num_free_blocks + num_blocks_to_be_freed:
             return False
         allowance = self.tier_allowance(request.priority) + num_blocks_to_be_freed
         if plan.num_new_tier_blocks > allowance:
             return False
-        return not self.exceeds_tenant_cap(request, num_new_tokens, computed)
+        return not self._over_tenant_cap(request, plan)
+
+    def grow(self, request: Request, num_new_tokens: int) -> bool:
+        """Take the slots for num_new_tokens more tokens of a request holding blocks, if they
+        can be had now (can_allocate and allocate on one plan: a running request asks at
+        every block it fills); False: nothing was taken."""
+        plan = self._plan(request, num_new_tokens, None)
+        if not self._fits(request, plan):
+            return False
+        self._allocate(request, plan, None)
+        return True
 
     def allocate(
         self, request: Request, num_new_tokens: int, computed: ComputedBlocks | None = None
     ) -> None:
         """Take the slots can_allocate agreed to, adopting the prefix hit."""
-        plan = self._plan(request, num_new_tokens, computed)
+        self._allocate(request, self._plan(request, num_new_tokens, computed), computed)
+
+    def _allocate(
+        self, request: Request, plan: _Allocation, computed: ComputedBlocks | None
+    ) -> None:
         # can_allocate agreed (the whole check again would cost a third plan per allocation)
         assert plan.num_from_free <= self.pool.num_free_blocks, "allocate without room"
         request_id = request.request_id

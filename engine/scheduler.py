@@ -129,14 +129,13 @@ class Scheduler:
     def _schedule_running(self, request: Request, plan: StepPlan) -> None:
         num_new = min(request.num_uncomputed_tokens, plan.budget)
         if not self.kv.fits_in_place(request, num_new):
-            while not self.kv.can_allocate(request, num_new):
+            while not self.kv.grow(request, num_new):
                 plan.short_of_blocks = True
                 candidates = self.kv.room_makers(request, num_new, self.running)
                 victim = self.policy.growth_victim(request, candidates, plan)
                 self._preempt(victim, plan, preempted_by=request)
                 if victim is request:
                     return
-            self.kv.allocate(request, num_new)
         self._commit_chunk(request, num_new, plan)
 
     def _schedule_waiting(self, plan: StepPlan, gate: AdmissionGate | None) -> None:

@@ -98,3 +98,49 @@ def test_fork_then_write_copies_the_shared_block() -> None:
     kv.free(child)
     kv.free(parent)
     assert kv.num_free_blocks == 20
+
+
+def test_hashes_of_a_growing_request_equal_those_of_its_whole_sequence() -> None:
+    """Decoding, a request's hashes are extended by its new full blocks only: the chain must
+    be the one its whole sequence gives at once (a prompt of the same tokens hits them)."""
+    kv = KVCacheManager(40, block_size=4)
+    grower = _request("g", 6, salt="s")
+    kv.allocate(grower, 6)
+    grower.num_computed_tokens = 6
+    kv.cache_full_blocks(grower, 6)
+    for token in range(100, 115):  # outputs one at a time, several blocks filled
+        grower.output_token_ids.append(token)
+        if not kv.fits_in_place(grower, 1):
+            assert kv.grow(grower, 1)
+        grower.num_computed_tokens += 1
+        kv.cache_full_blocks(grower, grower.num_computed_tokens)
+    whole = Request("w", [*grower.all_token_ids, 7], SamplingParams(), 0.0, cache_salt="s")
+    hit = kv.get_computed_blocks(whole)
+    assert hit.num_tokens == 20  # every full block of the grower's 21 tokens
+    assert hit.blocks == [kv.pool.blocks[i] for i in kv.block_ids("g")[:5]]
+    assert kv._request_hashes(whole)[:5] == kv._request_hashes(grower)
+
+
+def test_grow_takes_what_can_allocate_and_allocate_take() -> None:
+    """grow is can_allocate and allocate on one plan: the same verdicts under a tier's
+    reservation and a tenant's cap, and nothing taken when it says no."""
+    for reserved, cap, priority in [({}, None, 1), ({0: 3}, None, 1), ({0: 3}, None, 0),
+                                    ({}, 3, 1), ({0: 6}, 4, 1)]:
+        one, two = KVCacheManager(10, 4, reserved_blocks=reserved), KVCacheManager(
+            10, 4, reserved_blocks=reserved)
+        for kv in (one, two):
+            kv.allocate(_request("other", 8, tenant="x"), 8)
+        a = _request("a", 4, priority=priority, cap=cap)
+        b = _request("a", 4, priority=priority, cap=cap)
+        one.allocate(a, 4)
+        two.allocate(b, 4)
+        while True:
+            a.num_computed_tokens = b.num_computed_tokens = a.num_computed_tokens + 4
+            expected = one.can_allocate(a, 4)
+            if expected:
+                one.allocate(a, 4)
+            assert two.grow(b, 4) is expected
+            assert one.block_ids("a") == two.block_ids("a")
+            assert one.num_free_blocks == two.num_free_blocks
+            if not expected:
+                break
