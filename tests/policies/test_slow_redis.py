@@ -151,13 +151,21 @@ async def _run(server: ThrowawayRedis, settle: bool, share: bool, seed: int) -> 
     return result
 
 
+# Seeds of the runs compared for over-admission: one run's share moves a lot with where the
+# stalls fall (0.22-0.86 of the settled run's over seeds 3-8), so the bound holds over three.
+OVER_LIMIT_SEEDS = (3, 4, 5)
+
+
 @pytest.mark.slow
 def test_a_stalling_redis_leaves_no_ghost_slots_and_less_over_admission(
     throwaway_redis: ThrowawayRedis,
 ) -> None:
-    without = asyncio.run(_run(throwaway_redis, settle=False, share=False, seed=3))
-    settled = asyncio.run(_run(throwaway_redis, settle=True, share=False, seed=3))
-    with_settle = asyncio.run(_run(throwaway_redis, settle=True, share=True, seed=3))
+    seeds = OVER_LIMIT_SEEDS
+    without = asyncio.run(_run(throwaway_redis, settle=False, share=False, seed=seeds[0]))
+    settled = [asyncio.run(_run(throwaway_redis, settle=True, share=False, seed=seed))
+               for seed in seeds]
+    with_settle = [asyncio.run(_run(throwaway_redis, settle=True, share=True, seed=seed))
+                   for seed in seeds]
 
     def row(name: str, run: Run, given_back: str) -> str:
         over = 100 * run.over_limit_s / run.slot_s
@@ -166,18 +174,21 @@ def test_a_stalling_redis_leaves_no_ghost_slots_and_less_over_admission(
             f"{run.num_admitted} | {given_back} |"
         )
 
+    rows = [row(f"without, seed {seeds[0]}", without, "-")]
+    for seed, settled_run, with_run in zip(seeds, settled, with_settle, strict=True):
+        rows.append(row(f"settled, seed {seed}", settled_run,
+                        str(settled_run.num_timed_out_cancelled)))
+        rows.append(row(f"with, seed {seed}", with_run, str(with_run.num_timed_out_cancelled)))
     print(
         f"\nRedis stalls of 80-150 ms every {STALL_EVERY_S} s, {NUM_REPLICAS} replicas, "
         f"timeout 0.1 s, concurrency limit {MAX_CONCURRENT}, lease ttl {LEASE_TTL_S} s:\n"
         f"| settling | ghost-lease seconds | most admitted at once | slot-seconds over the "
-        f"limit | admitted | given back |\n|---|---|---|---|---|---|\n"
-        + row("without", without, "-") + "\n"
-        + row("settled", settled, str(settled.num_timed_out_cancelled)) + "\n"
-        + row("with", with_settle, str(with_settle.num_timed_out_cancelled))
+        f"limit | admitted | given back |\n|---|---|---|---|---|---|\n" + "\n".join(rows)
     )
     assert without.ghost_lease_s > 1.0  # the run does time admissions out after they ran
-    assert with_settle.num_timed_out_cancelled > 0
-    assert with_settle.ghost_lease_s < without.ghost_lease_s / 2
-    assert with_settle.ghosts_at_end == 0
+    assert with_settle[0].num_timed_out_cancelled > 0
+    assert with_settle[0].ghost_lease_s < without.ghost_lease_s / 2
+    assert all(run.ghosts_at_end == 0 for run in with_settle)
     # "without" over-admits less than it might: its ghosts hold slots no request uses
-    assert with_settle.over_limit_s < 0.75 * settled.over_limit_s
+    assert (sum(run.over_limit_s for run in with_settle)
+            < 0.75 * sum(run.over_limit_s for run in settled))
