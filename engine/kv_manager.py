@@ -283,7 +283,8 @@ class KVCacheManager:
     def _allocate(
         self, request: Request, plan: _Allocation, computed: ComputedBlocks | None
     ) -> None:
-        # can_allocate agreed (the whole check again would cost a third plan per allocation)
+        # The caller checked (can_allocate, or grow on this plan): checking again would cost
+        # allocate() a third plan.
         assert plan.num_from_free <= self.pool.num_free_blocks, "allocate without room"
         request_id = request.request_id
         table = self._tables.setdefault(request_id, [])

@@ -501,8 +501,7 @@ class LLMEngine:
         text_state: TextOutputState | None,
     ) -> RequestOutput:
         num_outputs = len(request.output_token_ids)  # per running request per step: no hops
-        status = request.status  # running, as a rule: no Enum property read then
-        finished = status is not RequestStatus.RUNNING and status.is_finished
+        finished = request.status.is_finished
         metrics = None
         if finished or num_outputs == 1 or num_outputs % METRICS_EVERY_TOKENS == 0:
             metrics = self._metrics(request)
@@ -514,7 +513,7 @@ class LLMEngine:
             new_tokens,  # new_token_ids
             text_state.take_delta() if text_state else "",  # new_text
             finished,  # finished
-            _FINISH_REASONS.get(status) if finished else None,  # finish_reason
+            _FINISH_REASONS.get(request.status) if finished else None,  # finish_reason
             request.stop_reason,  # stop_reason
             len(request.prompt_token_ids),  # num_prompt_tokens
             max(request.num_cached_tokens, 0),  # num_cached_tokens
