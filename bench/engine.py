@@ -39,11 +39,13 @@ from typing import Any
 
 from bench import sampler as bench_sampler
 from bench.offline import DEFAULT_MODEL
+from engine.compiled_core import is_compiled
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import LLMEngine, TenantContext
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.testing.no_work_runner import NoWorkRunner
+from policies import TieredPolicy
 
 __all__ = [
     "DecodeRow",
@@ -57,6 +59,14 @@ __all__ = [
 
 _BLOCK_SIZE = 16
 _MAX_MODEL_LEN = 4096
+POLICIES = ("fcfs", "tiered")
+# --policy tiered: request i belongs to tenant i % 4, in three tiers.
+_TENANTS = (
+    TenantContext("t0", "premium", 0),
+    TenantContext("t1", "standard", 1),
+    TenantContext("t2", "standard", 1),
+    TenantContext("t3", "batch", 2),
+)
 
 
 @dataclass
@@ -76,7 +86,8 @@ class ShortRow:
     per_request_us_max: float
 
 
-def _engine(num_seqs: int, context: int, async_scheduling: bool) -> LLMEngine:
+def _engine(num_seqs: int, context: int, async_scheduling: bool, policy: str = "fcfs"
+            ) -> LLMEngine:
     blocks_per_request = -(-(context + 512) // _BLOCK_SIZE)
     config = EngineConfig(
         SchedulerConfig(
@@ -91,18 +102,23 @@ def _engine(num_seqs: int, context: int, async_scheduling: bool) -> LLMEngine:
     runner = NoWorkRunner(
         num_seqs * blocks_per_request + 16, _BLOCK_SIZE, num_seqs, _MAX_MODEL_LEN
     )
-    return LLMEngine(config, runner)
+    return LLMEngine(config, runner, TieredPolicy() if policy == "tiered" else None)
+
+
+def _tenant(index: int, policy: str) -> TenantContext | None:
+    return _TENANTS[index % len(_TENANTS)] if policy == "tiered" else None
 
 
 def measure_decode(num_running: int, context: int, num_steps: int, seed: int,
-                   async_scheduling: bool = False) -> float:
-    """Seconds per decode step with num_running requests past their prompts."""
-    engine = _engine(num_running, context, async_scheduling)
+                   async_scheduling: bool = False, policy: str = "fcfs") -> float:
+    """Seconds per decode step with num_running requests past their prompts; policy: the
+    engine's FCFS policy, or the tiered policy over four tenants in three tiers."""
+    engine = _engine(num_running, context, async_scheduling, policy)
     rng = random.Random(seed)
     params = SamplingParams(max_tokens=num_steps + 64, ignore_eos=True, temperature=0.0)
     for index in range(num_running):
         prompt = [rng.randrange(3, 32000) for _ in range(context - 1)]
-        engine.add_request(f"d{index}", prompt, params)
+        engine.add_request(f"d{index}", prompt, params, _tenant(index, policy))
     running = step_until_decoding(engine, num_running)
     started = time.perf_counter()
     for _ in range(num_steps):
@@ -120,17 +136,18 @@ def step_until_decoding(engine: LLMEngine, num_running: int) -> list[Request]:
     return running
 
 
-def measure_short(num_requests: int, seed: int, async_scheduling: bool = False) -> float:
+def measure_short(num_requests: int, seed: int, async_scheduling: bool = False,
+                  policy: str = "fcfs") -> float:
     """Seconds of host work per request for num_requests one-token requests arriving
     together, from add_request to each one's final output."""
-    engine = _engine(num_requests, 16, async_scheduling)
+    engine = _engine(num_requests, 16, async_scheduling, policy)
     rng = random.Random(seed)
     prompts = [[rng.randrange(3, 32000) for _ in range(4)] for _ in range(num_requests)]
     params = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
     finished = 0
     started = time.perf_counter()
     for index, prompt in enumerate(prompts):
-        engine.add_request(f"s{index}", prompt, params)
+        engine.add_request(f"s{index}", prompt, params, _tenant(index, policy))
     while engine.has_unfinished_requests():
         finished += sum(1 for o in engine.step() if o.finished)
     elapsed = time.perf_counter() - started
@@ -140,28 +157,33 @@ def measure_short(num_requests: int, seed: int, async_scheduling: bool = False) 
 
 def run(
     batches: Sequence[int], context: int, num_steps: int, num_short: int, repeats: int, seed: int,
-    async_scheduling: bool = False,
+    async_scheduling: bool = False, policy: str = "fcfs",
 ) -> tuple[list[DecodeRow], ShortRow]:
-    measure_short(num_short, seed, async_scheduling)  # warm-up: imports, allocator
+    measure_short(num_short, seed, async_scheduling, policy)  # warm-up: imports, allocator
     decode_rows = []
     for num_running in batches:
-        times = [measure_decode(num_running, context, num_steps, seed + r, async_scheduling)
+        times = [measure_decode(num_running, context, num_steps, seed + r, async_scheduling,
+                                policy)
                  for r in range(repeats)]
         step_us = statistics.median(times) * 1e6
         decode_rows.append(
             DecodeRow(num_running, step_us, step_us / num_running, min(times) * 1e6,
                       max(times) * 1e6)
         )
-    short = [measure_short(num_short, seed + r, async_scheduling) * 1e6 for r in range(repeats)]
+    short = [measure_short(num_short, seed + r, async_scheduling, policy) * 1e6
+             for r in range(repeats)]
     return decode_rows, ShortRow(num_short, statistics.median(short), min(short), max(short))
 
 
 def format_table(decode: list[DecodeRow], short: ShortRow, context: int, repeats: int,
-                 async_scheduling: bool = False) -> str:
+                 async_scheduling: bool = False, compiled: bool = False,
+                 policy: str = "fcfs") -> str:
     mode = "async" if async_scheduling else "synchronous"
+    core = "compiled (mypyc)" if compiled else "pure Python"
     lines = [
         f"Engine host work per step, no model work (NoWorkRunner), {context}-token contexts,"
-        f" {mode} scheduling, median of {repeats} (min-max)",
+        f" {mode} scheduling, {policy} policy, engine core {core}, median of {repeats}"
+        " (min-max)",
         "",
         "| running decodes | us per step | us per running request |",
         "|---|---|---|",
@@ -194,6 +216,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--async-scheduling", action="store_true",
                         help="host work with async scheduling (the next step queued before "
                              "the previous one's output is processed)")
+    parser.add_argument("--policy", choices=POLICIES, default="fcfs",
+                        help="the engine's FCFS policy, or the tiered policy with the requests "
+                             "spread over four tenants in three tiers (default: fcfs)")
     parser.add_argument("--device", default=None,
                         help="also measure a real model on this device (cuda on a GPU machine)")
     parser.add_argument("--model-config", type=Path, default=DEFAULT_MODEL,
@@ -259,16 +284,18 @@ def _device_report(args: argparse.Namespace) -> dict[str, Any]:
 def report(args: argparse.Namespace) -> int:
     load_before = os.getloadavg()[0]
     decode, short = run(args.batches, args.context, args.steps, args.short_requests,
-                        args.repeats, args.seed, args.async_scheduling)
+                        args.repeats, args.seed, args.async_scheduling, args.policy)
     sampler = bench_sampler.run(args.batches, args.steps, args.repeats, args.seed)
     device = _device_report(args) if args.device else None
     load_after = os.getloadavg()[0]
+    compiled = is_compiled()
     if args.json:
         out: dict[str, Any] = {
             "decode": [asdict(r) for r in decode], "short": asdict(short),
             "sampler": [asdict(r) for r in sampler],
             "context": args.context, "repeats": args.repeats,
             "async_scheduling": args.async_scheduling,
+            "engine_core_compiled": compiled, "policy": args.policy,
             "load_average_1m": [load_before, load_after],
         }
         if device is not None:
@@ -280,7 +307,8 @@ def report(args: argparse.Namespace) -> int:
             }
         print(json.dumps(out, indent=2))
     else:
-        print(format_table(decode, short, args.context, args.repeats, args.async_scheduling))
+        print(format_table(decode, short, args.context, args.repeats, args.async_scheduling,
+                           compiled, args.policy))
         print()
         print(bench_sampler.format_table(sampler, args.repeats))
         if device is not None:

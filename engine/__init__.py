@@ -8,6 +8,7 @@ model configs, checkpoints) are imported on first use, so `import engine` stays 
 import importlib
 from typing import TYPE_CHECKING
 
+from engine.compiled_core import is_compiled as core_is_compiled
 from engine.config import (
     CPU_DECODE_MAX_ROWS,
     CacheConfig,
@@ -102,6 +103,7 @@ __all__ = [
     "Verdict",
     "WaitingQueue",
     "bounded_numbers",
+    "core_is_compiled",
     "tier_allowance",
     "write_demo_model",
 ]

@@ -29,6 +29,7 @@ from engine import (
     TenantContext,
     Tokenizer,
     TorchModelRunner,
+    core_is_compiled,
 )
 from gateway.openai.tool_calls import ToolCallFormat, format_for_template
 from gateway.server.model_source import resolve_model
@@ -89,9 +90,10 @@ def load_served_model(
     served.grammars.warm_up()  # the tokenizer's index, before the first structured request
     logger.info(
         "serving %s from %s on %s: %d KV blocks of %d tokens, context %d, async scheduling "
-        "%s (engine process %s)",
+        "%s, engine core %s (engine process %s)",
         name, model_dir, settings.device, served.num_kv_blocks, served.kv_block_size,
-        served.max_model_len, settings.async_scheduling, engine.pid,
+        served.max_model_len, settings.async_scheduling,
+        "compiled (mypyc)" if core_is_compiled() else "pure Python", engine.pid,
     )
     return served, engine
 

@@ -28,6 +28,16 @@ def test_decode_and_short_measurements_run_the_engine() -> None:
     assert short.num_requests == 4 and short.per_request_us > 0
     table = bench_engine.format_table(decode, short, 32, 2)
     assert "| 4 |" in table and "us per running request" in table
+    assert "engine core pure Python" in table
+    compiled = bench_engine.format_table(decode, short, 32, 2, compiled=True)
+    assert "engine core compiled (mypyc)" in compiled and "fcfs policy" in compiled
+
+
+def test_the_tiered_policy_runs_the_same_measurements_over_tenants_in_tiers() -> None:
+    assert bench_engine.measure_decode(8, 64, num_steps=5, seed=1, policy="tiered") > 0
+    assert bench_engine.measure_short(8, seed=1, policy="tiered") > 0
+    engine = bench_engine._engine(8, 64, False, "tiered")
+    assert type(engine.scheduler.policy).__name__ == "TieredPolicy"
 
 
 def test_sampler_measurement_samples_every_kind() -> None:

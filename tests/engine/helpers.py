@@ -6,6 +6,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, cast
 
 from engine import (
     CacheConfig,
@@ -205,12 +206,26 @@ def engine_noting_refusals(path: Path) -> LLMEngine:
     """sleeping_engine whose record_refused also writes "tenant tokens" lines to path: how a
     test in another process sees the refusals the engine's process applied."""
     engine = sleeping_engine()
-    record_refused = engine.record_refused
 
     def noted(num_prompt_tokens: int, tenant: TenantContext) -> None:
-        record_refused(num_prompt_tokens, tenant)
+        engine.record_refused(num_prompt_tokens, tenant)
         with path.open("a") as file:
             file.write(f"{tenant.tenant_id} {num_prompt_tokens}\n")
 
-    engine.record_refused = noted  # type: ignore[method-assign]
-    return engine
+    return wrapped_engine(engine, record_refused=noted)
+
+
+class _WrappedEngine:
+    def __init__(self, engine: LLMEngine, methods: dict[str, Callable[..., Any]]) -> None:
+        self._engine = engine
+        self.__dict__.update(methods)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+
+def wrapped_engine(engine: LLMEngine, **methods: Callable[..., Any]) -> LLMEngine:
+    """engine, with the given methods in place of its own: a test that observes or replaces
+    an engine method wraps the engine, since the compiled build's LLMEngine (mypyc,
+    engine/compiled_core.py) has no per-instance methods to patch."""
+    return cast(LLMEngine, _WrappedEngine(engine, methods))

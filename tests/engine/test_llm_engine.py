@@ -28,7 +28,7 @@ from policies.queue_wait import (
     free_places,
     prefill_service_rate,
 )
-from tests.engine.helpers import make_engine, reference_output, run_to_completion
+from tests.engine.helpers import make_engine, reference_output, run_to_completion, wrapped_engine
 
 # Every test here runs with synchronous and with async scheduling.
 pytestmark = pytest.mark.usefixtures("scheduling_mode")
@@ -294,8 +294,7 @@ def test_a_steps_outputs_wake_the_event_loop_once() -> None:
         num_steps += 1
         return step()
 
-    engine.step = counted_step  # type: ignore[method-assign]
-    async_engine = AsyncLLMEngine(engine)
+    async_engine = AsyncLLMEngine(wrapped_engine(engine, step=counted_step))
     num_calls = 0
     outputs: dict[str, list[int]] = {}
 
@@ -341,8 +340,7 @@ def test_a_steps_first_tokens_reach_their_consumers_before_its_later_tokens() ->
         steps.append([(o.request_id, o.num_output_tokens) for o in outputs])
         return outputs
 
-    engine.step = recorded_step  # type: ignore[method-assign]
-    async_engine = AsyncLLMEngine(engine)
+    async_engine = AsyncLLMEngine(wrapped_engine(engine, step=recorded_step))
     received: list[tuple[str, int]] = []
 
     async def consume(request_id: str, prompt: list[int], max_tokens: int) -> None:

@@ -1,0 +1,86 @@
+"""The engine's host work per step in two source trees, measured in pairs.
+
+    python ops/bench/engine_pairs.py --before TREE --after TREE [--pairs 6] [--policy tiered]
+
+Each pair runs one process on each tree, the order alternating between pairs; a process
+imports the engine of its tree (its working directory and PYTHONPATH), takes the minimum of
+--runs runs of `bench.engine.measure_decode` (the function behind `tiergate bench engine`'s
+decode table) at 128 and 256 running decodes of 1,024-token contexts and of
+`bench.engine.measure_short` at 32 requests, and prints them. A tree is a checkout (a git
+worktree of an older commit) or the compiled build (`make compiled`: build/compiled). On a
+noisy 2-core host two processes run minutes apart differ by up to 2x: only the per-pair ratios
+compare.
+
+--policy tiered runs them under the tiered policy (four tenants in three tiers) instead of the
+engine's FCFS policy, as `tiergate bench engine --policy tiered` does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+_MEASURE = r"""
+import json, sys
+from bench.engine import measure_decode, measure_short
+from engine import core_is_compiled
+runs, policy = int(sys.argv[1]), sys.argv[2]
+row = {"compiled": core_is_compiled()}
+for n in (128, 256):
+    row[str(n)] = min(measure_decode(n, 1024, 50, s, policy=policy) for s in range(runs)) / n * 1e6
+row["short"] = min(measure_short(32, s, policy=policy) for s in range(runs)) * 1e6
+print(json.dumps(row))
+"""
+
+
+def measure(tree: Path, runs: int, policy: str) -> dict[str, float]:
+    tree = tree.resolve()
+    done = subprocess.run(
+        [sys.executable, "-c", _MEASURE, str(runs), policy],
+        cwd=tree, capture_output=True, text=True, check=False,
+        env={**os.environ, "PYTHONPATH": str(tree)},
+    )
+    if done.returncode != 0:
+        raise SystemExit(f"{tree}: {done.stderr[-2000:]}")
+    row: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
+    return row
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--before", type=Path, required=True)
+    parser.add_argument("--after", type=Path, required=True)
+    parser.add_argument("--pairs", type=int, default=6)
+    parser.add_argument("--runs", type=int, default=7, help="runs per process (their minimum)")
+    parser.add_argument("--policy", choices=["fcfs", "tiered"], default="fcfs")
+    args = parser.parse_args()
+    keys = ["128", "256", "short"]
+    print("us per running request (short: per request); after / before per pair")
+    print("| pair | first | " + " | ".join(f"{k} before / after" for k in keys) + " |")
+    print("|---" * (len(keys) + 2) + "|")
+    ratios: dict[str, list[float]] = {k: [] for k in keys}
+    for pair in range(args.pairs):
+        first, second = ("before", "after") if pair % 2 == 0 else ("after", "before")
+        rows = {name: measure(getattr(args, name), args.runs, args.policy)
+                for name in (first, second)}
+        cells = []
+        for key in keys:
+            before, after = rows["before"][key], rows["after"][key]
+            ratios[key].append(after / before)
+            cells.append(f"{before:.2f} / {after:.2f} ({after / before:.3f})")
+        print(f"| {pair} | {first} | " + " | ".join(cells) + " |", flush=True)
+    print("compiled core: " + ", ".join(f"{name} {bool(row['compiled'])}"
+                                        for name, row in rows.items()))
+    print("median after / before: " + ", ".join(
+        f"{k} {statistics.median(v):.3f}" for k, v in ratios.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
