@@ -14,8 +14,13 @@ import sys
 from setuptools import setup
 
 ext_modules = []
-# Metadata alone (pip asks for it first, in a run of its own) needs no compiling.
-if os.environ.get("TIERGATE_MYPYC") == "1" and not {"dist_info", "egg_info"} & set(sys.argv):
+compiling = os.environ.get("TIERGATE_MYPYC") == "1"
+if compiling and {"editable_wheel", "develop"} & set(sys.argv):
+    sys.exit("TIERGATE_MYPYC=1 builds no editable install: a compiled module beside its source "
+             "would shadow every later edit of it")
+# Only a wheel or an extension build compiles (pip asks for the metadata first, in a run of
+# its own, and an sdist carries the source alone).
+if compiling and {"bdist_wheel", "build_ext"} & set(sys.argv):
     from mypyc.build import mypycify
 
     modules = runpy.run_path(os.path.join("engine", "compiled_core.py"))["MODULES"]

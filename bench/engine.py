@@ -39,7 +39,7 @@ from typing import Any
 
 from bench import sampler as bench_sampler
 from bench.offline import DEFAULT_MODEL
-from engine.compiled_core import is_compiled
+from engine.compiled_core import core_name
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine, TenantContext
 from engine.request import Request
@@ -88,6 +88,8 @@ class ShortRow:
 
 def _engine(num_seqs: int, context: int, async_scheduling: bool, policy: str = "fcfs"
             ) -> LLMEngine:
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}: one of {', '.join(POLICIES)}")
     blocks_per_request = -(-(context + 512) // _BLOCK_SIZE)
     config = EngineConfig(
         SchedulerConfig(
@@ -176,10 +178,9 @@ def run(
 
 
 def format_table(decode: list[DecodeRow], short: ShortRow, context: int, repeats: int,
-                 async_scheduling: bool = False, compiled: bool = False,
-                 policy: str = "fcfs") -> str:
+                 core: str, async_scheduling: bool = False, policy: str = "fcfs") -> str:
+    """core: the engine core that ran (engine.core_name)."""
     mode = "async" if async_scheduling else "synchronous"
-    core = "compiled (mypyc)" if compiled else "pure Python"
     lines = [
         f"Engine host work per step, no model work (NoWorkRunner), {context}-token contexts,"
         f" {mode} scheduling, {policy} policy, engine core {core}, median of {repeats}"
@@ -288,14 +289,14 @@ def report(args: argparse.Namespace) -> int:
     sampler = bench_sampler.run(args.batches, args.steps, args.repeats, args.seed)
     device = _device_report(args) if args.device else None
     load_after = os.getloadavg()[0]
-    compiled = is_compiled()
+    core = core_name()
     if args.json:
         out: dict[str, Any] = {
             "decode": [asdict(r) for r in decode], "short": asdict(short),
             "sampler": [asdict(r) for r in sampler],
             "context": args.context, "repeats": args.repeats,
             "async_scheduling": args.async_scheduling,
-            "engine_core_compiled": compiled, "policy": args.policy,
+            "engine_core": core, "policy": args.policy,
             "load_average_1m": [load_before, load_after],
         }
         if device is not None:
@@ -307,8 +308,8 @@ def report(args: argparse.Namespace) -> int:
             }
         print(json.dumps(out, indent=2))
     else:
-        print(format_table(decode, short, args.context, args.repeats, args.async_scheduling,
-                           compiled, args.policy))
+        print(format_table(decode, short, args.context, args.repeats, core,
+                           args.async_scheduling, args.policy))
         print()
         print(bench_sampler.format_table(sampler, args.repeats))
         if device is not None:

@@ -8,7 +8,7 @@ model configs, checkpoints) are imported on first use, so `import engine` stays 
 import importlib
 from typing import TYPE_CHECKING
 
-from engine.compiled_core import is_compiled as core_is_compiled
+from engine.compiled_core import core_name
 from engine.config import (
     CPU_DECODE_MAX_ROWS,
     CacheConfig,
@@ -103,7 +103,7 @@ __all__ = [
     "Verdict",
     "WaitingQueue",
     "bounded_numbers",
-    "core_is_compiled",
+    "core_name",
     "tier_allowance",
     "write_demo_model",
 ]

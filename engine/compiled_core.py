@@ -4,15 +4,16 @@ whether this process runs them so.
 Every running request passes through these modules several times a step (scheduling, the
 runner's view, metering, outputs), and in Python that host work grows with the batch while
 the device waits. Built with `TIERGATE_MYPYC=1` (setup.py, `make compiled`), the same source
-runs as C extensions: on a 2-core AMD EPYC host, 0.58-0.64x the host work per running
-request of the pure-Python build at 128 and 256 decodes (ops/bench/README.md). The source is
-the same either way; a default install is pure Python.
+runs as C extensions: on a 2-core AMD EPYC host, about 0.6x the host work per running request
+of the pure-Python build (medians of 12 pairs: 0.61 at 128 decodes, 0.57 at 256;
+ops/bench/README.md). The source is the same either way; a default install is pure Python.
 
 What compiled modules may not do, and so the source here does not: replace a method on an
 instance (a compiled class has no per-instance methods; tests wrap an engine instead), add
 attributes a class does not declare, or build an Enum member with an `__init__`.
 
-This module imports nothing: setup.py reads MODULES without importing the engine.
+This module imports nothing of the project: setup.py reads MODULES without importing the
+engine.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from __future__ import annotations
 import importlib
 import sys
 
-__all__ = ["MODULES", "compiled_modules", "is_compiled"]
+__all__ = ["MODULES", "compiled_modules", "core_name", "is_compiled"]
 
-# Paths from the repository root; the order is mypyc's build order.
+# Paths from the repository root.
 MODULES = (
     "engine/block_hash.py",
     "engine/block_pool.py",
@@ -61,3 +62,8 @@ def is_compiled() -> bool:
     for path in MODULES:
         importlib.import_module(_module_name(path))
     return len(compiled_modules()) == len(MODULES)
+
+
+def core_name() -> str:
+    """How logs and benchmark tables name the core this process runs."""
+    return "compiled (mypyc)" if is_compiled() else "pure Python"

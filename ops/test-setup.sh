@@ -5,7 +5,8 @@
 #   elsewhere), then waited for;
 # - promtool (Debian's prometheus package) for the ops/prometheus rule tests and chromium
 #   (Debian's chromium package) for the admin console's browser tests, installed with apt-get
-#   when missing. Without root or apt-get a missing tool is an error naming its package.
+#   when missing, and gcc (Debian's gcc package) for the compiled engine core's build. Without
+#   root or apt-get a missing tool is an error naming its package.
 # Idempotent: when everything is there it only checks (no apt-get update).
 set -euo pipefail
 
@@ -64,6 +65,7 @@ need() {
 }
 
 need promtool prometheus "the ops/prometheus rule tests"
+need gcc gcc "the compiled engine core's build, make compiled"
 # Playwright drives Debian's chromium (no browser download); TIERGATE_CHROMIUM may name another.
 if [ ! -x "${TIERGATE_CHROMIUM:-/nonexistent}" ]; then
     need chromium chromium "the admin console's browser tests"

@@ -29,7 +29,7 @@ from engine import (
     TenantContext,
     Tokenizer,
     TorchModelRunner,
-    core_is_compiled,
+    core_name,
 )
 from gateway.openai.tool_calls import ToolCallFormat, format_for_template
 from gateway.server.model_source import resolve_model
@@ -93,7 +93,7 @@ def load_served_model(
         "%s, engine core %s (engine process %s)",
         name, model_dir, settings.device, served.num_kv_blocks, served.kv_block_size,
         served.max_model_len, settings.async_scheduling,
-        "compiled (mypyc)" if core_is_compiled() else "pure Python", engine.pid,
+        core_name(), engine.pid,
     )
     return served, engine
 

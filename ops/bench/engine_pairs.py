@@ -24,21 +24,32 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+from bench.engine import POLICIES
+
+# Runs in each tree: trees older than the compiled core and --policy know neither.
 _MEASURE = r"""
 import json, sys
 from bench.engine import measure_decode, measure_short
-from engine import core_is_compiled
+try:
+    from engine import core_name
+except ImportError:
+    core_name = lambda: "pure Python"
+import inspect
 runs, policy = int(sys.argv[1]), sys.argv[2]
-row = {"compiled": core_is_compiled()}
+kwargs = {} if policy == "fcfs" else {"policy": policy}
+if kwargs and "policy" not in inspect.signature(measure_decode).parameters:
+    sys.exit("this tree's bench.engine measures the FCFS policy only")
+row = {"core": core_name()}
 for n in (128, 256):
-    row[str(n)] = min(measure_decode(n, 1024, 50, s, policy=policy) for s in range(runs)) / n * 1e6
-row["short"] = min(measure_short(32, s, policy=policy) for s in range(runs)) * 1e6
+    row[str(n)] = min(measure_decode(n, 1024, 50, s, **kwargs) for s in range(runs)) / n * 1e6
+row["short"] = min(measure_short(32, s, **kwargs) for s in range(runs)) * 1e6
 print(json.dumps(row))
 """
 
 
-def measure(tree: Path, runs: int, policy: str) -> dict[str, float]:
+def measure(tree: Path, runs: int, policy: str) -> dict[str, Any]:
     tree = tree.resolve()
     done = subprocess.run(
         [sys.executable, "-c", _MEASURE, str(runs), policy],
@@ -47,7 +58,7 @@ def measure(tree: Path, runs: int, policy: str) -> dict[str, float]:
     )
     if done.returncode != 0:
         raise SystemExit(f"{tree}: {done.stderr[-2000:]}")
-    row: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
+    row: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     return row
 
 
@@ -56,27 +67,31 @@ def main() -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--before", type=Path, required=True)
     parser.add_argument("--after", type=Path, required=True)
-    parser.add_argument("--pairs", type=int, default=6)
+    parser.add_argument("--pairs", type=int, default=6, choices=range(1, 101),
+                        metavar="1..100")
     parser.add_argument("--runs", type=int, default=7, help="runs per process (their minimum)")
-    parser.add_argument("--policy", choices=["fcfs", "tiered"], default="fcfs")
+    parser.add_argument("--policy", choices=POLICIES, default="fcfs")
     args = parser.parse_args()
     keys = ["128", "256", "short"]
     print("us per running request (short: per request); after / before per pair")
     print("| pair | first | " + " | ".join(f"{k} before / after" for k in keys) + " |")
     print("|---" * (len(keys) + 2) + "|")
     ratios: dict[str, list[float]] = {k: [] for k in keys}
+    cores: dict[str, set[str]] = {"before": set(), "after": set()}
     for pair in range(args.pairs):
         first, second = ("before", "after") if pair % 2 == 0 else ("after", "before")
         rows = {name: measure(getattr(args, name), args.runs, args.policy)
                 for name in (first, second)}
+        for name, row in rows.items():
+            cores[name].add(row["core"])
         cells = []
         for key in keys:
             before, after = rows["before"][key], rows["after"][key]
             ratios[key].append(after / before)
             cells.append(f"{before:.2f} / {after:.2f} ({after / before:.3f})")
         print(f"| {pair} | {first} | " + " | ".join(cells) + " |", flush=True)
-    print("compiled core: " + ", ".join(f"{name} {bool(row['compiled'])}"
-                                        for name, row in rows.items()))
+    print("engine core: " + ", ".join(f"{name} {' / '.join(sorted(found))}"
+                                      for name, found in cores.items()))
     print("median after / before: " + ", ".join(
         f"{k} {statistics.median(v):.3f}" for k, v in ratios.items()))
     return 0

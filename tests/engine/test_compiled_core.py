@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 import engine
-from engine.compiled_core import MODULES, compiled_modules, is_compiled
+from engine.compiled_core import MODULES, compiled_modules, core_name, is_compiled
 
 _ROOT = Path(engine.__file__).parent.parent
 
@@ -24,3 +24,10 @@ def test_the_tests_run_on_the_build_they_expect() -> None:
     expect_compiled = os.environ.get("TIERGATE_EXPECT_COMPILED") == "1"
     assert is_compiled() is expect_compiled
     assert len(compiled_modules()) == (len(MODULES) if expect_compiled else 0)
+    assert core_name() == ("compiled (mypyc)" if expect_compiled else "pure Python")
+    # No engine module compiled but the listed ones: an extension left from an earlier list
+    # would shadow its module's source.
+    extensions = sorted(
+        f"engine/{p.name.split('.')[0]}.py" for p in (_ROOT / "engine").glob("*.so")
+    )
+    assert extensions == (sorted(MODULES) if expect_compiled else [])
