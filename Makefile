@@ -41,9 +41,9 @@ test-setup:
 # The compiled build (setup.py; engine/compiled_core.py names its modules), installed apart
 # in build/compiled with the tests beside it: never in the source tree, where a compiled
 # module would shadow every later edit of its source. Needs mypy (a test dependency) and gcc.
+# Built afresh each time (about 3.5 minutes on two cores): an old build/ could install the
+# extension of a module no longer listed.
 COMPILED := build/compiled
-# Built afresh each time (about 3.5 minutes on two cores): build/ holds setuptools' and mypyc's
-# intermediate files, whose extensions of a module no longer listed would be installed too.
 compiled: $(STAMP)
 	rm -rf build
 	TIERGATE_MYPYC=1 $(PIP) install -q --no-deps --no-build-isolation --target $(COMPILED) .
