@@ -23,8 +23,11 @@ from engine.errors import (
     EngineDeadError,
     EngineError,
     InvalidRequestError,
+    RequestErrorCode,
+    RequestFault,
 )
 from engine.fcfs_policy import FCFSPolicy
+from engine.grammar_budget import GrammarBudget
 from engine.grammar_compiler import GrammarCompiler
 from engine.kv_manager import tier_allowance
 from engine.llm_engine import LLMEngine, TenantContext
@@ -34,7 +37,12 @@ from engine.rates import Arrivals
 from engine.request import Request, RequestStatus
 from engine.request_limits import RequestLimits
 from engine.runner import ModelRunner, ModelRunnerOutput, TokenLogprobs
-from engine.sampling_params import MAX_STOP_STRING_CHARS, SamplingParams
+from engine.sampling_params import (
+    MAX_STOP_CHARS_PER_REQUEST,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_TOKEN_IDS,
+    SamplingParams,
+)
 from engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from engine.scheduler_stats import (
     EngineCounters,
@@ -59,7 +67,9 @@ if TYPE_CHECKING:
 __all__ = [
     "CPU_DECODE_MAX_ROWS",
     "JSON_OPTIONS",
+    "MAX_STOP_CHARS_PER_REQUEST",
     "MAX_STOP_STRING_CHARS",
+    "MAX_STOP_TOKEN_IDS",
     "AdmissionGate",
     "Arrivals",
     "CacheConfig",
@@ -74,6 +84,7 @@ __all__ = [
     "FCFSPolicy",
     "FCFSQueue",
     "GGUFCheckpoint",
+    "GrammarBudget",
     "GrammarCompiler",
     "InvalidRequestError",
     "LLMEngine",
@@ -82,6 +93,8 @@ __all__ = [
     "ModelRunner",
     "ModelRunnerOutput",
     "Request",
+    "RequestErrorCode",
+    "RequestFault",
     "RequestLimits",
     "RequestMetrics",
     "RequestOutput",

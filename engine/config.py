@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.errors import EngineError
+from engine.errors import ConfigError
+from engine.grammar_budget import GrammarBudget
 
-
-class ConfigError(EngineError):
-    """An engine setting out of range."""
+__all__ = ["CPU_DECODE_MAX_ROWS", "CacheConfig", "ConfigError", "EngineConfig", "SchedulerConfig"]
 
 
 # Most sequences a CPU decode step may run as one C++ call (engine.models.cpu_decode; the
@@ -57,7 +56,10 @@ class EngineConfig:
     # Schedule step N+1 while the device runs step N (its tokens feed N+1 on the device; stops
     # are found a step late). None: when the runner runs ahead of the host (CUDA).
     async_scheduling: bool | None = None
+    # What a constrained sample's grammar may cost on the host before it ends with an error.
+    grammar_budget: GrammarBudget = field(default_factory=GrammarBudget)
 
     def validate(self) -> None:
         self.scheduler.validate()
         self.cache.validate()
+        self.grammar_budget.validate()

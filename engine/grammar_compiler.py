@@ -6,11 +6,17 @@ The gateway holds one to check constraints before any engine work (`check`: a 40
 the field for a schema llguidance refuses, a keyword it does not implement, a grammar past
 its limits or naming tokens this tokenizer lacks); the engine holds another to compile them.
 Compilation runs in a worker thread (llguidance drops the GIL while it builds a grammar):
-the request waits for its grammar outside the scheduler, the step does not. Compiled
-grammars are cached per tenant cache salt and constraint (a hit is a copy of the compiled
+the request waits for its grammar outside the scheduler, the step does not. The worker
+takes its jobs in turns between tenants (engine.fair_worker): a tenant queuing many
+compiles delays another tenant's by one compile at most. Compiled grammars are cached per
+tenant cache salt and constraint, in a partition per tenant (engine.partitioned_lru: a
+tenant sending many distinct schemas evicts only its own; a hit is a copy of the compiled
 matcher, about 10 us here; the salt keeps one tenant from timing whether another used a
 schema), and requests that need a grammar being compiled wait for that compile. Each
-request is charged the compile time it caused (zero on a hit or a shared compile).
+request is charged the compile time it caused (the compile's own time: zero on a hit or a
+shared compile, and never the time it waited behind other tenants' compiles). The
+gateway's checks go through the same turns (`check_async`), and are remembered per
+tenant too.
 """
 
 from __future__ import annotations
@@ -18,22 +24,27 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import llguidance
 
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, is_fatal
+from engine.fair_worker import FairWorker
+from engine.partitioned_lru import PartitionedLru
 from engine.structured_output import StructuredOutput, grammar_limits
 from engine.tokenizer import Tokenizer
 
 __all__ = ["CompiledGrammar", "GrammarCompiler", "GrammarError", "GrammarResult"]
 
-# Compiled grammars kept for later requests (least recently used dropped first).
-DEFAULT_CACHE_SIZE = 256
-# Constraints `check` remembers as good (a schema sent again is not checked again).
-_CHECKED_SIZE = 1024
+# Compiled grammars kept for later requests, per tenant (least recently used dropped first),
+# for this many tenants at most.
+DEFAULT_CACHE_SIZE = 64
+MAX_CACHED_TENANTS = 64
+# Constraints `check` remembers as good per tenant (a schema sent again is not checked again).
+_CHECKED_SIZE = 256
+# The key of the compiler's own jobs (the tokenizer's index) in the worker's turns.
+_OWN_KEY = "\x00tiergate"
 
 
 class GrammarError(Exception):
@@ -68,35 +79,40 @@ class GrammarCompiler:
         vocab_size: int,
         eos_token_ids: list[int],
         cache_size: int = DEFAULT_CACHE_SIZE,
+        worker: FairWorker | None = None,
     ) -> None:
         """vocab_size: the logits' width (the model's vocabulary); eos_token_ids: the tokens
-        that may end a complete output (the engine's EOS first). The tokenizer's index
-        (about 0.25 s for 49,152 tokens) is built on first use or by warm_up."""
+        that may end a complete output (the engine's EOS first); cache_size: compiled grammars
+        kept per tenant; worker: the thread compiles and checks run in (its own if None).
+        The tokenizer's index (about 0.25 s for 49,152 tokens) is built on
+        first use or by warm_up."""
         self._source = tokenizer
         self._eos_token_ids = eos_token_ids
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._tokenizer_error: str | None = None
         self.vocab_size = vocab_size
-        self._cache: OrderedDict[tuple[str, StructuredOutput], CompiledGrammar] = OrderedDict()
-        self._compiling: dict[tuple[str, StructuredOutput], Future[CompiledGrammar]] = {}
-        self._checked: OrderedDict[tuple[str, str], None] = OrderedDict()
-        self._cache_size = cache_size
+        self._cache: PartitionedLru[StructuredOutput, CompiledGrammar] = PartitionedLru(
+            cache_size, MAX_CACHED_TENANTS)
+        self._compiling: dict[tuple[str, StructuredOutput],
+                              Future[tuple[CompiledGrammar, float]]] = {}
+        self._checked: PartitionedLru[tuple[str, str], bool] = PartitionedLru(
+            _CHECKED_SIZE, MAX_CACHED_TENANTS)
         self._lock = threading.Lock()
         self._tokenizer_lock = threading.Lock()
-        self._executor: ThreadPoolExecutor | None = None
+        self._worker = worker or FairWorker("tiergate-grammar")
         self.num_compiled = 0
         self.num_cache_hits = 0
 
     # -- the gateway's check ---------------------------------------------------------------
 
-    def check(self, constraint: StructuredOutput) -> None:
+    def check(self, constraint: StructuredOutput, salt: str = "") -> None:
         """InvalidRequestError (naming the constraint's field) unless llguidance takes the
         constraint with this tokenizer within its limits. Blocking (up to ~20 ms for a large
-        schema): call it off the event loop."""
+        schema): call it off the event loop, or through check_async. salt: the tenant's cache
+        salt (what it remembers as good is the tenant's)."""
         key = (constraint.kind, constraint.source)
         with self._lock:
-            if key in self._checked:
-                self._checked.move_to_end(key)
+            if self._checked.get(salt, key):
                 return
         grammar = constraint.grammar()
         try:
@@ -107,9 +123,17 @@ class GrammarCompiler:
         if error:
             raise InvalidRequestError(constraint.error_message(error), param=constraint.param)
         with self._lock:
-            self._checked[key] = None
-            while len(self._checked) > _CHECKED_SIZE:
-                self._checked.popitem(last=False)
+            self._checked.put(salt, key, True)
+
+    def check_async(self, constraints: list[StructuredOutput], salt: str) -> Future[None]:
+        """check each constraint in the worker thread, in the tenant's turn (salt: its cache
+        salt); the future fails with the first InvalidRequestError."""
+
+        def check_all() -> None:
+            for constraint in constraints:
+                self.check(constraint, salt)
+
+        return self._worker.submit(salt, check_all)
 
     # -- the engine's compile ----------------------------------------------------------------
 
@@ -119,28 +143,27 @@ class GrammarCompiler:
         request started). The future's exception is a GrammarError."""
         key = (salt, constraint)
         result: Future[GrammarResult] = Future()
-        started = time.perf_counter()
         with self._lock:
-            cached = self._cache.get(key)
+            cached = self._cache.get(salt, constraint)
             if cached is not None:
-                self._cache.move_to_end(key)
                 self.num_cache_hits += 1
                 result.set_result(GrammarResult(cached, 0.0))
                 return result
             shared = self._compiling.get(key)
             if shared is None:
-                shared = self._compiling[key] = self._worker().submit(self._compile, key)
+                shared = self._compiling[key] = self._worker.submit(
+                    salt, lambda: self._timed_compile(key))
                 charged = True
             else:
                 charged = False
 
-        def done(compiled: Future[CompiledGrammar]) -> None:
+        def done(compiled: Future[tuple[CompiledGrammar, float]]) -> None:
             error = compiled.exception()
             if error is not None:
                 result.set_exception(error)
                 return
-            seconds = time.perf_counter() - started if charged else 0.0
-            result.set_result(GrammarResult(compiled.result(), seconds))
+            grammar, seconds = compiled.result()
+            result.set_result(GrammarResult(grammar, seconds if charged else 0.0))
 
         shared.add_done_callback(done)
         return result
@@ -149,18 +172,23 @@ class GrammarCompiler:
         """Compile in the calling thread (and cache)."""
         return self._compile((salt, constraint))
 
+    def num_cached(self, salt: str) -> int:
+        """Compiled grammars kept for the tenant of this cache salt."""
+        with self._lock:
+            return self._cache.num_entries(salt)
+
     def warm_up(self) -> None:
         """Build the tokenizer's index in the worker thread now, not on the first request."""
-        self._worker().submit(self._warm_up)
+        self._worker.submit(_OWN_KEY, self._warm_up)
 
     def _warm_up(self) -> None:
         with contextlib.suppress(GrammarError):  # remembered: every constraint refused with it
             self._llg_tokenizer()
 
-    def _worker(self) -> ThreadPoolExecutor:
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="tiergate-grammar")
-        return self._executor
+    def _timed_compile(self, key: tuple[str, StructuredOutput]) -> tuple[CompiledGrammar, float]:
+        started = time.perf_counter()
+        grammar = self._compile(key)
+        return grammar, time.perf_counter() - started
 
     def _llg_tokenizer(self) -> llguidance.LLTokenizer:
         with self._tokenizer_lock:
@@ -186,18 +214,15 @@ class GrammarCompiler:
             )
             if matcher.is_error():
                 raise GrammarError(constraint.error_message(matcher.get_error()))
-        except Exception as exc:  # anything llguidance raises fails the request, not the engine
-            with self._lock:
+        except BaseException as exc:  # anything llguidance raises (a panic too) fails the
+            with self._lock:          # request, not the engine
                 self._compiling.pop(key, None)
-            if isinstance(exc, GrammarError):
+            if isinstance(exc, GrammarError) or is_fatal(exc):
                 raise
             raise GrammarError(f"{type(exc).__name__}: {exc}") from exc
         grammar = CompiledGrammar(constraint, matcher)
         with self._lock:
             self.num_compiled += 1
-            self._cache[key] = grammar
-            self._cache.move_to_end(key)
-            while len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
+            self._cache.put(key[0], constraint, grammar)
             self._compiling.pop(key, None)
         return grammar

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from engine.config import EngineConfig
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, RequestErrorCode, RequestFault, is_fatal
 from engine.fcfs_policy import FCFSPolicy
 from engine.grammar_compiler import GrammarCompiler, GrammarResult
 from engine.kv_manager import KVCacheManager
@@ -217,12 +218,15 @@ class LLMEngine:
         samples = self._groups[request_id]
         try:
             result = compiling.result()
-        except Exception as exc:  # GrammarError; whatever it is, it ends this request only
+        except BaseException as exc:  # a GrammarError, or a native panic: this request only
+            if is_fatal(exc):
+                raise
             for sample in samples:
                 sample.status = RequestStatus.FINISHED_ERROR
             outputs: list[RequestOutput] = []
+            fault = RequestFault(RequestErrorCode.GRAMMAR_INVALID, f"grammar: {exc}")
             for sample in samples:
-                self._error_output(sample, f"grammar: {exc}", outputs)
+                self._error_output(sample, fault, outputs)
             return outputs
         samples[0].grammar_compile_s = result.compile_time_s
         for sample in samples:
@@ -320,7 +324,9 @@ class LLMEngine:
         started = self.clock()
         try:
             step = self.runner.execute(scheduler_output)
-        except Exception as exc:  # a failed step fails its requests, not the engine
+        except BaseException as exc:  # a failed step (a native panic too) fails its requests
+            if is_fatal(exc):
+                raise
             self._step_failed(scheduler_output, requests, high_water, started, exc, outputs)
             return None
         admissions = [r.admission_seq for r in requests] if self.async_scheduling else None
@@ -335,7 +341,9 @@ class LLMEngine:
             runner_output = flight.step.result()
             if not self.async_scheduling:
                 self.runner.synchronize()  # the step's busy time ends when the device is done
-        except Exception as exc:
+        except BaseException as exc:
+            if is_fatal(exc):
+                raise
             self._step_failed(scheduler_output, flight.requests, flight.high_water,
                               flight.started, exc, outputs)
         else:
@@ -347,7 +355,8 @@ class LLMEngine:
             else:  # the runner did the work in execute (CPU)
                 step_time_s = flight.queued - flight.started
             self._meter(scheduler_output, flight.requests, flight.high_water, flight.started,
-                        step_time_s)
+                        step_time_s, runner_output.grammar_seconds,
+                        grammar_in_step=runner_output.device_time_s is None)
             self.scheduler.record_step(scheduler_output,
                                        self._rate_interval_s(flight.started, now),
                                        flight.blocked_priority)
@@ -365,13 +374,13 @@ class LLMEngine:
         requests: list[Request],
         high_water: dict[str, int],
         started: float,
-        exc: Exception,
+        exc: BaseException,
         outputs: list[RequestOutput],
     ) -> None:
-        logger.exception("engine step %d failed", scheduler_output.step_id, exc_info=exc)
+        logger.error("engine step %d failed", scheduler_output.step_id, exc_info=exc)
         self.scheduler.step_failed(scheduler_output)
         self._meter(scheduler_output, requests, high_water, started,
-                    max(self.clock() - started, 0.0), failed=True)
+                    max(self.clock() - started, 0.0), {}, failed=True)
         self._fail_step(scheduler_output, exc, outputs)
 
     def _rate_interval_s(self, started: float, now: float) -> float:
@@ -392,13 +401,25 @@ class LLMEngine:
         high_water: dict[str, int],
         started: float,
         step_time_s: float,
+        grammar_seconds: dict[str, float],
+        grammar_in_step: bool = True,
         failed: bool = False,
     ) -> None:
-        """Charge the step's time to the requests in it (their final outputs wait for it)."""
+        """Charge the step's time to the requests in it (their final outputs wait for it):
+        each constrained request its own grammar time (grammar_seconds), the rest by FLOPs.
+        grammar_in_step: the step's time includes the grammar work (measured on the host);
+        otherwise (a device's time) the grammar time is charged and counted on top."""
         chunks = scheduler_output.chunks
         if not chunks:
             return  # block copies only: nobody to charge, next to no time
         step_time_s = max(step_time_s, 0.0)
+        grammar_s = 0.0
+        if grammar_seconds:
+            grammar_s = math.fsum(grammar_seconds.values())
+            if grammar_in_step:
+                grammar_s = min(grammar_s, step_time_s)
+                step_time_s -= grammar_s
+            self._charge_grammar(requests, grammar_seconds)
         split = split_step_time(chunks, high_water, step_time_s, self.runner.estimate_flops)
         own, recompute, num_old = (split.gpu_seconds, split.recompute_gpu_seconds,
                                    split.num_recomputed_tokens)
@@ -419,8 +440,17 @@ class LLMEngine:
                 counters.num_prompt_tokens += min(chunk.num_context_tokens, num_prompt) - first_new
         counters.num_steps += 1
         counters.num_failed_steps += int(failed)
-        counters.busy_time_s += step_time_s
-        counters.last_step_time_s = step_time_s
+        counters.busy_time_s += step_time_s + grammar_s
+        counters.last_step_time_s = step_time_s + grammar_s
+
+    @staticmethod
+    def _charge_grammar(requests: list[Request], grammar_seconds: dict[str, float]) -> None:
+        """Each constrained request's grammar time, on its bill and its budget."""
+        for request in requests:
+            seconds = grammar_seconds.get(request.request_id)
+            if seconds is not None:
+                request.gpu_seconds += seconds
+                request.grammar_time_s += seconds
 
     def _process(
         self,
@@ -435,9 +465,10 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         all_logprobs = runner_output.logprobs
         texts = self._text
-        grammar_errors = runner_output.grammar_errors
+        faults = (self._grammar_faults(updated, runner_output)
+                  if runner_output.grammar_seconds or runner_output.grammar_faults else None)
         for request in updated:
-            if grammar_errors and request.request_id in grammar_errors and not request.is_finished:
+            if faults and request.request_id in faults and not request.is_finished:
                 self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ERROR)
                 request.finish_time = now
             new_tokens = request.output_token_ids[-1:]
@@ -456,13 +487,33 @@ class LLMEngine:
             output = self._make_output(
                 request, new_tokens, [logprobs] if logprobs else [], text_state
             )
-            if grammar_errors and request.status is RequestStatus.FINISHED_ERROR:
-                output.error = grammar_errors.get(request.request_id)
+            if faults and request.status is RequestStatus.FINISHED_ERROR:
+                fault = faults.get(request.request_id)
+                if fault is not None:
+                    output.error, output.error_code = fault.message, fault.code
             if output.finished:
                 self._final(request, output, outputs)
             else:
                 outputs.append(output)
         return outputs
+
+    def _grammar_faults(
+        self, updated: list[Request], runner_output: ModelRunnerOutput
+    ) -> dict[str, RequestFault]:
+        """The constrained requests that must end this step: their matcher failed, or their
+        grammar is past its budget (`GrammarBudget`)."""
+        faults = dict(runner_output.grammar_faults)
+        seconds = runner_output.grammar_seconds
+        budget = self.config.grammar_budget
+        for request in updated:
+            step_s = seconds.get(request.request_id)
+            if step_s is None or request.request_id in faults:
+                continue
+            fault = budget.fault(step_s, request.grammar_time_s, len(request.output_token_ids))
+            if fault is not None:
+                logger.warning("a request's grammar is past its budget: %s", fault.message)
+                faults[request.request_id] = fault
+        return faults
 
     def _final(self, request: Request, output: RequestOutput, outputs: list[RequestOutput]) -> None:
         """A finished request's last output goes to outputs, unless a step computing for it
@@ -477,20 +528,23 @@ class LLMEngine:
             outputs.append(output)
 
     def _fail_step(
-        self, scheduler_output: SchedulerOutput, exc: Exception, outputs: list[RequestOutput]
+        self, scheduler_output: SchedulerOutput, exc: BaseException, outputs: list[RequestOutput]
     ) -> None:
+        fault = RequestFault(RequestErrorCode.ENGINE_ERROR,
+                             f"engine step failed: {type(exc).__name__}")
         for chunk in scheduler_output.chunks:
             request = self.scheduler.finish_request(chunk.request_id, RequestStatus.FINISHED_ERROR)
             if request is not None:
-                self._error_output(request, f"engine step failed: {type(exc).__name__}",
-                                   outputs)
+                self._error_output(request, fault, outputs)
 
-    def _error_output(self, request: Request, error: str, outputs: list[RequestOutput]) -> None:
+    def _error_output(
+        self, request: Request, fault: RequestFault, outputs: list[RequestOutput]
+    ) -> None:
         """The final output of a request that ended in error (its status set already), to
         outputs through `_final`."""
         request.finish_time = self.clock()
         output = self._make_output(request, [], [], self._text.get(request.request_id))
-        output.error = error
+        output.error, output.error_code = fault.message, fault.code
         self._final(request, output, outputs)
 
     def _make_output(
@@ -538,6 +592,7 @@ class LLMEngine:
             recompute_charged_tenant_id=request.recompute_charged_tenant_id,
             recompute_gpu_seconds_by_tenant=dict(request.recompute_gpu_seconds_by_tenant),
             grammar_compile_s=request.grammar_compile_s,
+            grammar_time_s=request.grammar_time_s,
         )
 
     def _forget(self, request: Request) -> None:

@@ -28,6 +28,7 @@ class _Rare:
     logprobs: list[TokenLogprobs]
     error: str | None
     metrics: RequestMetrics | None
+    error_code: str | None
 
 
 @dataclass(frozen=True)
@@ -57,16 +58,16 @@ class OutputBatch:
             batch.num_output_tokens.append(output.num_output_tokens)
             if (output.finished or output.finish_reason is not None or output.logprobs
                     or output.metrics is not None or output.error is not None
-                    or output.stop_reason is not None):
+                    or output.stop_reason is not None or output.error_code is not None):
                 batch.rare[index] = _Rare(output.finished, output.finish_reason,
                                           output.stop_reason, output.logprobs, output.error,
-                                          output.metrics)
+                                          output.metrics, output.error_code)
         return batch
 
     def decode(self) -> list[RequestOutput]:
         outputs = []
         start = 0
-        common = _Rare(False, None, None, [], None, None)
+        common = _Rare(False, None, None, [], None, None, None)
         for index, request_id in enumerate(self.request_ids):
             end = start + self.num_new_tokens[index]
             rare = self.rare.get(index, common)
@@ -84,6 +85,7 @@ class OutputBatch:
                 logprobs=list(rare.logprobs),
                 error=rare.error,
                 metrics=rare.metrics,
+                error_code=rare.error_code,
             ))
             start = end
         return outputs

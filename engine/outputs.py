@@ -32,6 +32,8 @@ class RequestMetrics:
     # Structured output: the grammar compile time the request waited for (sample 0 carries
     # it; 0.0 when the grammar came from the cache or there is none).
     grammar_compile_s: float = 0.0
+    # Host time its grammar's masks and advances took (included in gpu_seconds).
+    grammar_time_s: float = 0.0
 
     @property
     def queue_time_s(self) -> float | None:
@@ -73,3 +75,5 @@ class RequestOutput:
     error: str | None = None  # set when finish_reason == "error"
     # With the first token, the end, and every llm_engine.METRICS_EVERY_TOKENS tokens between.
     metrics: RequestMetrics | None = None
+    # With error: a RequestErrorCode (whether the request caused it, and how).
+    error_code: str | None = None

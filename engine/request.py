@@ -81,6 +81,9 @@ class Request:
     # the request waited for (charged once, to sample 0 of a group).
     grammar: CompiledGrammar | None = None
     grammar_compile_s: float = 0.0
+    # Host time its grammar's masks and advances took so far (charged in gpu_seconds too,
+    # bounded by the engine's GrammarBudget).
+    grammar_time_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.group_id:

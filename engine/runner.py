@@ -7,6 +7,7 @@ from typing import Protocol
 
 import numpy as np
 
+from engine.errors import RequestFault
 from engine.scheduler_output import SchedulerOutput
 
 
@@ -26,9 +27,12 @@ class ModelRunnerOutput:
 
     sampled_token_ids: dict[str, int]  # request_id -> the token sampled this step
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # when requested
-    # Requests whose grammar matcher failed this step (past its step limits): they end with
-    # an error rather than go on unconstrained.
-    grammar_errors: dict[str, str] = field(default_factory=dict)
+    # Requests whose grammar matcher failed this step (past its limits, or the library
+    # raised): they end with an error rather than go on unconstrained.
+    grammar_faults: dict[str, RequestFault] = field(default_factory=dict)
+    # Host time each constrained request's matcher took this step (mask and advance): the
+    # request's to pay and bounded per request (engine.grammar_budget).
+    grammar_seconds: dict[str, float] = field(default_factory=dict)
     # The step's time on the device where the runner measured it (CUDA events); None: the
     # engine times the step on its clock.
     device_time_s: float | None = None

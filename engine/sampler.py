@@ -45,7 +45,8 @@ import numpy as np
 import torch
 
 from engine.device_copy import to_device_async
-from engine.grammar_mask import ConstrainedRow, advance_matchers, apply_grammar_masks
+from engine.errors import RequestFault
+from engine.grammar_mask import ConstrainedRow, GrammarWork, advance_matchers, apply_grammar_masks
 from engine.penalties import PenaltyCounts, PenaltyTable
 from engine.runner import ModelRunnerOutput, TokenLogprobs
 from engine.sampling_params import SamplingParams
@@ -137,7 +138,8 @@ class SampledTokens:
     token_ids: torch.Tensor  # int64[N]
     # The ids already read back (a grammar's matchers took them), else None.
     host_token_ids: list[int] | None = None
-    grammar_errors: dict[str, str] = field(default_factory=dict)
+    grammar_faults: dict[str, RequestFault] = field(default_factory=dict)
+    grammar_seconds: dict[str, float] = field(default_factory=dict)
     logprobs: _LogprobTensors | None = None
 
     def to_host(self) -> SampledTokens:
@@ -160,7 +162,7 @@ class SampledTokens:
                 None if logprobs.top_ids is None else copy(logprobs.top_ids),
             )
         return SampledTokens(self.request_ids, copy(self.token_ids), self.host_token_ids,
-                             self.grammar_errors, logprobs)
+                             self.grammar_faults, self.grammar_seconds, logprobs)
 
     def output(self) -> ModelRunnerOutput:
         """As the runner reports it (reads the tensors: on an accelerator, waits for them)."""
@@ -169,7 +171,8 @@ class SampledTokens:
             token_ids = self.token_ids.tolist()
         output = ModelRunnerOutput(
             sampled_token_ids=dict(zip(self.request_ids, token_ids, strict=True)),
-            grammar_errors=self.grammar_errors,
+            grammar_faults=self.grammar_faults,
+            grammar_seconds=self.grammar_seconds,
         )
         if self.logprobs is not None:
             output.logprobs = _read_logprobs(self.logprobs, self.request_ids, token_ids)
@@ -281,13 +284,14 @@ class Sampler:
             below_min = np.flatnonzero(columns.num_output_tokens < columns.min_tokens)
             logits = self._apply_min_tokens(logits, seqs, below_min)
         constrained: list[ConstrainedRow] = []
+        grammar = GrammarWork()
         if features & Feature.CONSTRAINED:
             rows = columns.rows_with(Feature.CONSTRAINED)
             constrained = [(i, m) for i in rows.tolist() if (m := seqs[i].matcher) is not None]
             # The grammar wins over min_tokens only where min_tokens suppresses something.
             suppressing = bool(np.isin(rows, below_min).any())
             logits = apply_grammar_masks(logits, constrained,
-                                         unsuppressed if suppressing else None)
+                                         unsuppressed if suppressing else None, grammar)
         params = self._batch_params(columns, logits.device)
         sampled = self._sample(logits, params)  # int64[N]
         if penalised is not None:  # the counts take the tokens where they are
@@ -296,8 +300,11 @@ class Sampler:
         result = SampledTokens(request_ids, sampled)
         if constrained:
             result.host_token_ids = sampled.tolist()
-            failed = advance_matchers(constrained, result.host_token_ids)
-            result.grammar_errors = {seqs[row].request_id: why for row, why in failed.items()}
+            advance_matchers(constrained, result.host_token_ids, grammar)
+            result.grammar_faults = {seqs[row].request_id: fault
+                                     for row, fault in grammar.faults.items()}
+            result.grammar_seconds = {seqs[row].request_id: seconds
+                                      for row, seconds in grammar.seconds.items()}
         if logprobs is not None:
             result.logprobs = self._logprob_tensors(logprobs, sampled, columns, logprob_rows)
         return result
@@ -311,15 +318,20 @@ class Sampler:
         """below_min: the rows with fewer outputs than their min_tokens."""
         rows: list[int] = []
         token_ids: list[int] = []
+        width = logits.shape[1]
         for i in below_min.tolist():
             seq = seqs[i]
             params = seq.sampling_params
-            suppressed = set(params.stop_token_ids)
-            if seq.eos_token_id is not None and not params.ignore_eos:
-                suppressed.add(seq.eos_token_id)
-            suppressed = {t for t in suppressed if t < logits.shape[1]}
+            # Built once per request (SamplingParams), not once per row per step.
+            suppressed = params.sorted_stop_token_ids
+            if suppressed and suppressed[-1] >= width:
+                suppressed = tuple(t for t in suppressed if t < width)
+            eos = seq.eos_token_id
+            if (eos is not None and not params.ignore_eos and eos < width
+                    and eos not in params.stop_token_set):
+                suppressed = (*suppressed, eos)
             rows.extend([i] * len(suppressed))
-            token_ids.extend(sorted(suppressed))
+            token_ids.extend(suppressed)
         if not rows:
             return logits
         logits = logits.clone()

@@ -10,9 +10,14 @@ from engine.structured_output import StructuredOutput
 # Temperatures below this are treated as greedy decoding.
 GREEDY_EPSILON = 1e-5
 
-# Longest stop string: every sampled token is matched against up to a stop string's length of
-# the decoded text, for every stop string of every sample.
+# Longest stop string.
 MAX_STOP_STRING_CHARS = 1024
+# n x the characters of all stop strings: each sample keeps a match state per stop string
+# and reads every new character against each (engine.stop_strings), so what a request may
+# make the engine do a step is bounded across its samples.
+MAX_STOP_CHARS_PER_REQUEST = 16 << 10
+# Most stop token ids of one request; they are held as a set (a check per sampled token).
+MAX_STOP_TOKEN_IDS = 1024
 
 
 @dataclass
@@ -38,9 +43,15 @@ class SamplingParams:
     # The output must match this (a JSON schema, a regex, ...); checked by the gateway
     # (GrammarCompiler.check) before it is sent, compiled by the engine (GrammarCompiler).
     structured: StructuredOutput | None = None
+    # Derived once from stop_token_ids, for the checks made per sampled token: the ids as a
+    # set (engine.stop_check), and sorted (what min_tokens suppresses, with EOS: the sampler).
+    stop_token_set: frozenset[int] = field(init=False, repr=False, compare=False)
+    sorted_stop_token_ids: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.validate()
+        self.stop_token_set = frozenset(self.stop_token_ids)
+        self.sorted_stop_token_ids = tuple(sorted(self.stop_token_set))
 
     @property
     def is_greedy(self) -> bool:
@@ -85,6 +96,17 @@ class SamplingParams:
                 all(len(s) <= MAX_STOP_STRING_CHARS for s in self.stop),
                 "stop",
                 f"each stop string must be at most {MAX_STOP_STRING_CHARS} characters",
+            ),
+            (
+                self.n * sum(len(s) for s in self.stop) <= MAX_STOP_CHARS_PER_REQUEST,
+                "stop",
+                f"n x the stop strings' characters must be at most "
+                f"{MAX_STOP_CHARS_PER_REQUEST}",
+            ),
+            (
+                len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+                "stop_token_ids",
+                f"stop_token_ids holds at most {MAX_STOP_TOKEN_IDS} ids",
             ),
             (
                 all(t >= 0 for t in self.stop_token_ids),

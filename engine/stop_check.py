@@ -14,7 +14,7 @@ def check_token_stop(request: Request, max_model_len: int) -> RequestStatus | No
         if token_id == request.eos_token_id and not params.ignore_eos:
             request.stop_reason = None
             return RequestStatus.FINISHED_STOPPED
-        if params.stop_token_ids and token_id in params.stop_token_ids:
+        if token_id in params.stop_token_set:
             request.stop_reason = token_id
             return RequestStatus.FINISHED_STOPPED
     if (num_outputs >= request.max_tokens

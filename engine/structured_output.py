@@ -21,6 +21,7 @@ it knows.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -104,6 +105,28 @@ def _bound(schema: dict[str, object], inclusive: str, exclusive: str) -> float |
     return numbers[0] if numbers else None
 
 
+# Integers at or past this do not convert to a double (float() raises OverflowError).
+_FLOAT_RANGE = 2**1024
+
+
+def _check_numbers(schema: object, param: str) -> None:
+    """InvalidRequestError naming the first number a double cannot hold (an infinity, NaN,
+    an integer of 309 digits or more), with its path under param. Iterative: a schema is
+    at most MAX_STRUCTURED_SOURCE_CHARS, but may nest deeper than Python recurses."""
+    stack: list[tuple[object, str]] = [(schema, param)]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, dict):
+            stack.extend((value, f"{path}.{key}") for key, value in item.items())
+        elif isinstance(item, list):
+            stack.extend((value, f"{path}[{index}]") for index, value in enumerate(item))
+        elif (isinstance(item, float) and not math.isfinite(item)) or (
+                isinstance(item, int) and not -_FLOAT_RANGE < item < _FLOAT_RANGE):
+            raise InvalidRequestError(
+                "the schema holds a number no double holds (numbers must be finite and below "
+                "1.8e308)", param=path)
+
+
 def grammar_limits() -> llguidance.LLParserLimits:
     """Bounds on one grammar's compilation and on each step's mask (llguidance's fuel):
     past them the grammar is refused (GrammarCompiler.check) or the request ends with an
@@ -131,6 +154,7 @@ class StructuredOutput:
     def json_schema(cls, schema: object, param: str) -> StructuredOutput:
         if not isinstance(schema, dict | bool):
             raise InvalidRequestError("the schema must be a JSON object", param=param)
+        _check_numbers(schema, param)
         try:
             source = json.dumps(schema, separators=(",", ":"))
         except RecursionError:

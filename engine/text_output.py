@@ -8,7 +8,7 @@ from typing import Protocol
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
-from engine.stop_strings import find_stop_string, num_held_back_chars
+from engine.stop_strings import StopStringMatcher, StopStrings
 
 
 class Tokenizer(Protocol):
@@ -21,12 +21,16 @@ class TextOutputState:
     def __init__(
         self, tokenizer: Tokenizer, prompt_token_ids: list[int], params: SamplingParams
     ) -> None:
-        self._stops = params.stop
+        self._stops = (
+            StopStringMatcher(StopStrings.of(tuple(params.stop))) if params.stop else None
+        )
         self._detokenizer = IncrementalDetokenizer(
             tokenizer, prompt_token_ids, params.skip_special_tokens
         )
-        self.text = ""  # output text so far, cut before a matched stop string
-        self._num_emitted = 0  # characters of text already handed out
+        # The output text not handed out yet (cut before a matched stop string): the whole
+        # text is never kept, so a long output costs no copy of itself per token.
+        self._pending = ""
+        self._num_chars = 0  # characters of the whole text, pending included
         self._finished = False
         self.stop_reason: str | None = None
 
@@ -38,10 +42,13 @@ class TextOutputState:
         if finished:
             delta += self._detokenizer.flush()
         self._finished = finished
-        self.text += delta
-        match = find_stop_string(self.text, len(delta), self._stops) if self._stops else None
+        self._pending += delta
+        self._num_chars += len(delta)
+        match = self._stops.feed(delta) if self._stops is not None else None
         if match is not None:
-            self.text = match.text
+            # A stop never reaches the stream: it starts within what is pending.
+            self._pending = self._pending[: len(self._pending) - (self._num_chars - match.index)]
+            self._num_chars = match.index
             self.stop_reason = match.stop
             self._finished = True
             return True
@@ -49,10 +56,12 @@ class TextOutputState:
 
     def take_delta(self) -> str:
         """Text not handed out yet; holds back a tail that could begin a stop string."""
-        end = len(self.text)
-        if not self._finished and self._stops:
-            end -= num_held_back_chars(self.text, self._stops)
-        end = max(end, self._num_emitted)
-        delta = self.text[self._num_emitted : end]
-        self._num_emitted = end
-        return delta
+        pending = self._pending
+        held = 0
+        if not self._finished and self._stops is not None:
+            held = min(self._stops.num_held_back_chars, len(pending))
+        if not held:
+            self._pending = ""
+            return pending
+        self._pending = pending[len(pending) - held:]
+        return pending[: len(pending) - held]

@@ -47,12 +47,13 @@ from tenants.snapshots import (
     quota_snapshot,
     tenant_snapshot,
 )
-from tenants.validation import DEFAULT_TIERS, QUOTA_FIELDS
+from tenants.validation import DEFAULT_TIERS, MAX_ROW_ID, QUOTA_FIELDS, is_row_id, validate_row_id
 
 __all__ = [
     "DATABASE_URL_ENV",
     "DEFAULT_DATABASE_URL",
     "DEFAULT_TIERS",
+    "MAX_ROW_ID",
     "QUOTA_FIELDS",
     "TENANT_UPDATE_FIELDS",
     "ApiKey",
@@ -86,6 +87,7 @@ __all__ = [
     "get_api_key",
     "get_tenant",
     "hash_key",
+    "is_row_id",
     "list_api_keys",
     "list_audit_entries",
     "list_tenants",
@@ -99,5 +101,6 @@ __all__ = [
     "set_tenant_status",
     "tenant_snapshot",
     "update_tenant",
+    "validate_row_id",
     "verify_key",
 ]

@@ -26,9 +26,11 @@ from tenants.models import ApiKey, AuditEntry, Quota, Tenant, TenantStatus, utc_
 from tenants.snapshots import api_key_snapshot, tenant_snapshot
 from tenants.validation import (
     DEFAULT_TIERS,
+    is_row_id,
     validate_cache_salt,
     validate_name,
     validate_quota,
+    validate_row_id,
     validate_tier,
     validate_weight,
 )
@@ -78,16 +80,16 @@ def create_tenant(
 
 
 def get_tenant(session: Session, tenant_id: int) -> Tenant:
-    tenant = session.get(Tenant, tenant_id)
+    tenant = session.get(Tenant, validate_row_id(tenant_id, "tenant_id"))
     if tenant is None:
         raise TenantNotFoundError(f"no tenant with id {tenant_id}")
     return tenant
 
 
 def find_tenant(session: Session, ref: str | int) -> Tenant:
-    """A tenant by id (an int or all digits) or by name; names never start with a digit."""
-    if isinstance(ref, int) or ref.isdigit():
-        return get_tenant(session, int(ref))
+    """A tenant by id (an int or ASCII digits) or by name; names never start with a digit."""
+    if isinstance(ref, int) or is_row_id(ref):
+        return get_tenant(session, validate_row_id(ref, "tenant"))
     tenant = session.scalars(select(Tenant).where(Tenant.name == ref)).one_or_none()
     if tenant is None:
         raise TenantNotFoundError(f"no tenant named {ref!r}")
@@ -190,7 +192,7 @@ def create_api_key(session: Session, tenant: Tenant, *, name: object, actor: str
 
 
 def get_api_key(session: Session, api_key_id: int) -> ApiKey:
-    api_key = session.get(ApiKey, api_key_id)
+    api_key = session.get(ApiKey, validate_row_id(api_key_id, "key_id"))
     if api_key is None:
         raise ApiKeyNotFoundError(f"no API key with id {api_key_id}")
     return api_key

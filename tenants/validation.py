@@ -34,6 +34,30 @@ QUOTA_FIELDS: tuple[str, ...] = (*QUOTA_COUNT_LIMITS, "kv_cap_share")
 QuotaValue = int | float | None
 
 
+# An id as a client writes it: ASCII digits only (str.isdigit takes "²" and other digits
+# int() refuses or reads otherwise), no more than the largest id holds.
+_ROW_ID_PATTERN = re.compile(r"[0-9]{1,19}")
+MAX_ROW_ID = _INT32_MAX  # tenants, API keys and audit entries have INTEGER ids
+
+
+def is_row_id(value: str) -> bool:
+    """Whether value is written as an id (ASCII digits), whatever its size."""
+    return value.isascii() and value.isdigit()
+
+
+def validate_row_id(value: str | int, param: str) -> int:
+    """An id a caller names (a path segment, a query parameter, a CLI argument), in
+    1..MAX_ROW_ID: anything else is an InvalidFieldError naming param (a 400), never a
+    database overflow."""
+    if isinstance(value, str):
+        if not _ROW_ID_PATTERN.fullmatch(value):
+            raise InvalidFieldError(f"{param} must be a positive integer", param)
+        value = int(value)
+    if not 1 <= value <= MAX_ROW_ID:
+        raise InvalidFieldError(f"{param} must be between 1 and {MAX_ROW_ID}", param)
+    return value
+
+
 def validate_name(value: object, param: str = "name") -> str:
     if not isinstance(value, str) or not _NAME_PATTERN.fullmatch(value):
         raise InvalidFieldError(
@@ -87,7 +111,10 @@ def _as_number(value: object, param: str) -> float:
     # bool is an int subclass; true/false is never a meaningful weight or share.
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise InvalidFieldError("must be a number", param)
-    number = float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an integer of 309 digits or more
+        raise InvalidFieldError("must be a finite number", param) from None
     if not math.isfinite(number):
         raise InvalidFieldError("must be a finite number", param)
     return number

@@ -70,7 +70,8 @@ class FakeModelRunner:
         self.advance_clock = advance_clock
         self.sleep = sleep  # real time: sleep for the modelled step time
         self.extra_delay_s = 0.0  # test-only slow-down added to every step
-        self.fail_next_step = False  # test-only: raise in the next execute
+        # Test-only: raise in the next execute (this exception, or a RuntimeError for True).
+        self.fail_next_step: bool | BaseException = False
         self.num_steps = 0
         # The requests it runs, kept as the real runner keeps them (engine.input_batch): a
         # wrong incremental update reads the wrong context and changes the tokens.
@@ -113,7 +114,9 @@ class FakeModelRunner:
         elif self.sleep:
             time.sleep(step_time)
         if self.fail_next_step:  # after the step's time, like a real step failing in sampling
-            self.fail_next_step = False
+            failure, self.fail_next_step = self.fail_next_step, False
+            if isinstance(failure, BaseException):
+                raise failure
             raise RuntimeError("FakeModelRunner: injected step failure")
         self.num_steps += 1
         batch = self.input_batch

@@ -32,7 +32,7 @@ from gateway.http.errors import (
     NotFoundError,
     PayloadTooLargeError,
 )
-from gateway.http.json_body import parse_json_body
+from gateway.http.json_body import declared_length, parse_json_body
 from tenants import DEFAULT_TIERS, TenantStatus
 
 logger = logging.getLogger(__name__)
@@ -242,7 +242,8 @@ class _AdminApi:
     async def list_audit(self, request: Request) -> Response:
         query = request.query_params
         limit = _int_param(query.get("limit"), "limit", low=1, high=MAX_AUDIT_PAGE)
-        before_id = _int_param(query.get("before"), "before", low=1)
+        before = query.get("before")
+        before_id = None if before is None else _row_id(before, "before")
         target_type, target_id = query.get("target_type"), query.get("target_id")
         data = await self._in_session(
             lambda s: [
@@ -278,8 +279,8 @@ def _list_response(data: list[dict[str, Any]]) -> JSONResponse:
 
 
 async def _json_object(request: Request, *, allow_empty: bool = False) -> dict[str, Any]:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+    declared = declared_length(request)
+    if declared is not None and declared > MAX_BODY_BYTES:
         raise PayloadTooLargeError(f"request body is larger than {MAX_BODY_BYTES} bytes")
     raw = await request.body()
     if len(raw) > MAX_BODY_BYTES:
@@ -310,15 +311,19 @@ def _status_param(value: str | None) -> TenantStatus | None:
         raise BadRequestError(f"status must be one of: {choices}", param="status") from None
 
 
-def _int_param(value: str | None, param: str, *, low: int, high: int | None = None) -> int | None:
-    """A query parameter as an int in [low, high], or None when absent."""
+def _int_param(value: str | None, param: str, *, low: int, high: int) -> int | None:
+    """A query parameter as an int in [low, high] (ASCII digits), or None when absent."""
     if value is None:
         return None
+    if not tenants.is_row_id(value) or len(value) > len(str(high)) or not (
+            low <= int(value) <= high):
+        raise BadRequestError(f"{param} must be an integer between {low} and {high}",
+                              param=param)
+    return int(value)
+
+
+def _row_id(value: str, param: str) -> int:
     try:
-        number = int(value)
-    except ValueError:
-        raise BadRequestError(f"{param} must be an integer", param=param) from None
-    if number < low or (high is not None and number > high):
-        bounds = f"between {low} and {high}" if high is not None else f"at least {low}"
-        raise BadRequestError(f"{param} must be {bounds}", param=param)
-    return number
+        return tenants.validate_row_id(value, param)
+    except tenants.InvalidFieldError as exc:
+        raise BadRequestError(str(exc), param=exc.param) from None

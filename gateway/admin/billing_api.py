@@ -27,6 +27,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
+import tenants
 from billing import (
     MICROS_PER_USD,
     DailyUsage,
@@ -157,9 +158,10 @@ def _tenant_id(query: QueryParams) -> int | None:
     value = query.get("tenant_id")
     if value is None or value == "":
         return None
-    if not value.isdigit() or int(value) < 1:
-        raise BadRequestError("tenant_id must be a positive integer", param="tenant_id")
-    return int(value)
+    try:
+        return tenants.validate_row_id(value, "tenant_id")
+    except tenants.InvalidFieldError as exc:
+        raise BadRequestError(str(exc), param=exc.param) from None
 
 
 def _export_format(value: str) -> ExportFormat:

@@ -94,7 +94,9 @@ def _tenant_id(session: Session, ref: str | None) -> int | None:
     # An id is taken as given: the records of a deleted tenant can still be exported.
     if ref is None:
         return None
-    return int(ref) if ref.isdigit() else tenants.find_tenant(session, ref).id
+    if tenants.is_row_id(ref):
+        return tenants.validate_row_id(ref, "--tenant")
+    return tenants.find_tenant(session, ref).id
 
 
 @contextmanager

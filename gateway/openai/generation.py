@@ -163,22 +163,19 @@ async def check_constraints(
     request: GenerationRequest,
     params: SamplingParams,
     model: ServedModel,
-    limiter: anyio.CapacityLimiter,
+    cache_salt: str,
 ) -> None:
     """400 naming the field for a schema or grammar llguidance does not take with this
-    model's tokenizer (checked in a worker thread: a large schema takes up to ~20 ms)."""
+    model's tokenizer. Checked in the grammar worker thread (a large schema takes up to
+    ~20 ms), in the tenant's turn (cache_salt names it): a tenant sending many schemas
+    delays its own checks, not another tenant's."""
     constraints = request.constraints()
     if params.structured is not None and params.structured not in constraints:
         constraints.append(params.structured)  # a forced tool call's grammar
     if not constraints:
         return
-
-    def check_all() -> None:
-        for constraint in constraints:
-            model.grammars.check(constraint)
-
     try:
-        await anyio.to_thread.run_sync(check_all, limiter=limiter)
+        await asyncio.wrap_future(model.grammars.check_async(constraints, cache_salt))
     except EngineError as exc:
         raise _translate(exc) from exc
 
@@ -211,6 +208,7 @@ class ChoiceState:
     num_output_tokens: int = 0
     finish_reason: str | None = None
     error: str | None = None
+    error_code: str | None = None  # a RequestErrorCode, with error
 
 
 @dataclass
@@ -312,6 +310,7 @@ class GenerationJob:
         if output.finished:
             state.finish_reason = output.finish_reason
             state.error = output.error
+            state.error_code = output.error_code
 
     @property
     def is_finished(self) -> bool:

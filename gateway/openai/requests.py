@@ -17,7 +17,12 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from engine import MAX_STOP_STRING_CHARS, StructuredOutput
+from engine import (
+    MAX_STOP_CHARS_PER_REQUEST,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_TOKEN_IDS,
+    StructuredOutput,
+)
 from gateway.http.errors import BadRequestError
 from gateway.openai.structured import (
     NO_TOOLS,
@@ -33,6 +38,7 @@ MAX_STOP_STRINGS = 4
 MAX_CHAT_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
 _INT64 = 2**63
+_FLOAT_RANGE = 2**1024  # integers at or past this do not convert to a double
 
 
 @dataclass(frozen=True)
@@ -238,7 +244,7 @@ def _sampling(fields: _Fields, max_tokens: int | None, num_logprobs: int | None)
     min_tokens = _default(fields.integer("min_tokens", 0, 2**31 - 1), 0)
     if max_tokens is not None and min_tokens > max_tokens:
         raise BadRequestError("min_tokens must not exceed max_tokens", param="min_tokens")
-    return SamplingFields(
+    sampling = SamplingFields(
         n=_default(fields.integer("n", 1, MAX_N), 1),
         temperature=_default(fields.number("temperature", 0.0, 2.0), 1.0),
         top_p=top_p,
@@ -253,11 +259,13 @@ def _sampling(fields: _Fields, max_tokens: int | None, num_logprobs: int | None)
         max_tokens=max_tokens,
         min_tokens=min_tokens,
         stop=_stop(fields.raw("stop")),
-        stop_token_ids=tuple(_int_list(fields.raw("stop_token_ids"), "stop_token_ids")),
+        stop_token_ids=_stop_token_ids(fields.raw("stop_token_ids")),
         ignore_eos=fields.boolean("ignore_eos") or False,
         skip_special_tokens=_default(fields.boolean("skip_special_tokens"), True),
         num_logprobs=num_logprobs,
     )
+    _check_stop_chars(sampling)
+    return sampling
 
 
 def _structured(fields: _Fields) -> StructuredOutput | None:
@@ -309,6 +317,29 @@ def _stop(value: object) -> tuple[str, ...]:
             )
     # An empty stop string would end every request at once: treated as absent.
     return tuple(s for s in items if s)
+
+
+def _stop_token_ids(value: object) -> tuple[int, ...]:
+    """At most MAX_STOP_TOKEN_IDS, counted before each is read (a 3 MB list of ids is
+    refused from its length), without repeats."""
+    if isinstance(value, list) and len(value) > MAX_STOP_TOKEN_IDS:
+        raise BadRequestError(
+            f"stop_token_ids holds {len(value)} ids; this server takes at most "
+            f"{MAX_STOP_TOKEN_IDS}",
+            param="stop_token_ids",
+        )
+    return tuple(dict.fromkeys(_int_list(value, "stop_token_ids")))
+
+
+def _check_stop_chars(sampling: SamplingFields) -> None:
+    num_chars = sampling.n * sum(len(stop) for stop in sampling.stop)
+    if num_chars > MAX_STOP_CHARS_PER_REQUEST:
+        raise BadRequestError(
+            f"n={sampling.n} x {num_chars // sampling.n} characters of stop strings is "
+            f"{num_chars}; this server takes at most {MAX_STOP_CHARS_PER_REQUEST} (every "
+            "sample matches every stop string)",
+            param="stop",
+        )
 
 
 def _check_choices(num_prompts: int, n: int, bounds: RequestBounds) -> None:
@@ -497,12 +528,15 @@ class _Fields:
         self, name: str, minimum: float, maximum: float, *, exclusive_minimum: bool = False
     ) -> float | None:
         value = self._typed(
-            name,
-            lambda v: isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v),
-            "a number",
+            name, lambda v: isinstance(v, int | float) and not isinstance(v, bool), "a number"
         )
         if value is None:
             return None
+        if isinstance(value, int) and not -_FLOAT_RANGE < value < _FLOAT_RANGE:
+            # An integer of 309 digits or more: no double holds it (float() would raise).
+            raise BadRequestError(f"{name} is out of range", param=name)
+        if not math.isfinite(value):
+            raise BadRequestError(f"{name} must be a finite number", param=name)
         too_low = value <= minimum if exclusive_minimum else value < minimum
         if too_low or value > maximum:
             low = "(" if exclusive_minimum else "["

@@ -31,10 +31,11 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 from starlette.types import Message, Receive, Scope, Send
 
-from engine import RequestMetrics, RequestOutput
+from engine import RequestErrorCode, RequestMetrics, RequestOutput
 from gateway.access.admission import AdmissionGrant, AdmissionRefusal, GatewayAdmission
 from gateway.access.auth import TenantPrincipal
 from gateway.http.errors import (
+    BadRequestError,
     GatewayError,
     InternalServerError,
     NotFoundError,
@@ -42,11 +43,12 @@ from gateway.http.errors import (
     ServiceUnavailableError,
     error_body,
 )
-from gateway.http.json_body import parse_json_body
+from gateway.http.json_body import declared_length, parse_json_body
 from gateway.http.protocol import abort_connection
 from gateway.observability.telemetry import GenAiRequest, GenAiResponse, RequestTrace
 from gateway.openai.generation import (
     MAX_UNREAD_OUTPUTS_PER_CHOICE,
+    ChoiceState,
     GenerationJob,
     check_constraints,
     check_fits,
@@ -89,6 +91,10 @@ def openai_routes(runtime: GatewayRuntime, admission: GatewayAdmission) -> list[
     ]
 
 
+# Tool calls are read out of a reply this long (in characters) in a worker thread: the
+# parse is linear, but a long reply's JSON is still milliseconds of work.
+TOOL_PARSE_OFF_LOOP_CHARS = 64 << 10
+
 # A body this large may hold prompts that take tens of milliseconds or more to tokenize: it
 # is read only when the tenant's rate limits have room (AdmissionController.screen), and its
 # prompts are rendered and tokenized in a worker thread instead of on the event loop.
@@ -101,11 +107,11 @@ async def read_json_body(
     """The body parsed as JSON and its size; 413 above max_bytes (checked while reading), 400
     if not JSON (gateway.http.json_body). on_large runs once, before the body is read on, when it
     is declared or found to be larger than LARGE_BODY_BYTES."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+    declared = declared_length(request)
+    if declared is not None and declared > max_bytes:
         raise PayloadTooLargeError(f"the request body is larger than {max_bytes} bytes")
-    if on_large is not None and declared is not None and declared.isdigit():
-        if int(declared) > LARGE_BODY_BYTES:
+    if on_large is not None and declared is not None:
+        if declared > LARGE_BODY_BYTES:
             await on_large()
         on_large = None
     chunks, size = [], 0
@@ -173,7 +179,7 @@ class _OpenAIApi:
             prompts = await prepare_prompts(parsed, served, off_loop)
             num_prompt_tokens = sum(len(p.token_ids) for p in prompts)
             params = sampling_params(parsed, served)
-            await check_constraints(parsed, params, served, self._encoder_threads())
+            await check_constraints(parsed, params, served, principal.cache_salt)
             tenant = tenant_context(
                 served,
                 self.runtime.tiers,
@@ -387,12 +393,21 @@ class _Run:
         if not is_recorded:
             raise _record_lost_error()
         if status is RequestEnd.FAILED:
+            fault = self._request_fault()
+            if fault is not None:  # what the request asked for cost more than it may
+                raise BadRequestError(fault.error or "", param=self._constraint_param(),
+                                      code=fault.error_code)
             logger.error("request %s failed in the engine: %s", self.job.request_id, error)
             raise InternalServerError(
                 "the engine failed while generating this request", code="engine_error"
             )
-        body = full_response(self.context, choices, self.job.summary(), self.served.tokenizer,
-                             self._tool_format, self._tool_names)
+        args = (self.context, choices, self.job.summary(), self.served.tokenizer,
+                self._tool_format, self._tool_names)
+        if self._tool_format is not None and sum(len(c.text) for c in choices) > (
+                TOOL_PARSE_OFF_LOOP_CHARS):
+            body = await anyio.to_thread.run_sync(full_response, *args)
+        else:
+            body = full_response(*args)
         return JSONResponse(body, headers=self.grant.headers)
 
     # -- streamed --------------------------------------------------------------------------------
@@ -420,10 +435,14 @@ class _Run:
                         yield _sse(_record_lost_error().body())
                         return
                     if status is RequestEnd.FAILED:
-                        yield _sse(error_body(
-                            "the engine failed while generating this request",
-                            "server_error", code="engine_error",
-                        ))
+                        fault = self._request_fault()
+                        yield _sse(
+                            error_body("the engine failed while generating this request",
+                                       "server_error", code="engine_error")
+                            if fault is None else
+                            error_body(fault.error or "", "invalid_request_error",
+                                       param=self._constraint_param(), code=fault.error_code)
+                        )
                         return
                     if self.job.is_stopped_unread:
                         yield _sse(error_body(
@@ -439,7 +458,12 @@ class _Run:
                 if tool_streams is not None:
                     text = tool_streams[index].feed(text)
                     if output.finished:
-                        rest, calls = tool_streams[index].finish()
+                        streamed = tool_streams[index]
+                        rest, calls = (
+                            await anyio.to_thread.run_sync(streamed.finish)
+                            if streamed.num_chars > TOOL_PARSE_OFF_LOOP_CHARS
+                            else streamed.finish()
+                        )
                         text += rest
                         if calls:
                             tool_calls = [call.as_openai(i) for i, call in enumerate(calls)]
@@ -486,6 +510,19 @@ class _Run:
                 self.trace.first_token(now)
             self._token_times[index].append(now)
 
+    def _request_fault(self) -> ChoiceState | None:
+        """The first choice that ended with an error the request itself caused (its grammar
+        past its budget or limits), which its client gets as a bad request."""
+        for choice in self.job.choices:
+            if choice.finish_reason == "error" and (
+                    choice.error_code in RequestErrorCode.CAUSED_BY_REQUEST):
+                return choice
+        return None
+
+    def _constraint_param(self) -> str | None:
+        structured = self.job.params.structured
+        return None if structured is None else structured.param
+
     def _outcome(self) -> tuple[RequestEnd, str | None]:
         errors = [c.error for c in self.job.choices if c.finish_reason == "error"]
         if errors:
@@ -526,7 +563,8 @@ class _Run:
         if status is RequestEnd.ABORTED:
             return 499  # the client closed the connection before the end (nginx's convention)
         if status is RequestEnd.FAILED and not self.request.stream:
-            return 500  # a stream that started stays 200; its error is an event
+            # a stream that started stays 200; its error is an event
+            return 400 if self._request_fault() is not None else 500
         return 200
 
     def _record(self, status: RequestEnd) -> RequestRecord:

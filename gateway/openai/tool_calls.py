@@ -22,7 +22,6 @@ JSON schema, then the end; so the arguments always parse and validate.
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
@@ -117,11 +116,15 @@ def _call(
             if isinstance(arguments, str):  # some models write the JSON as a string
                 try:
                     arguments = json.loads(arguments)
-                except ValueError:
+                except (ValueError, RecursionError):
                     return None
             if not isinstance(arguments, dict):
                 return None
-            return ParsedCall(data["name"], json.dumps(arguments, ensure_ascii=False))
+            try:
+                text = json.dumps(arguments, ensure_ascii=False)
+            except RecursionError:  # nested deeper than the encoder recurses: not a call
+                return None
+            return ParsedCall(data["name"], text)
     return None if needs_arguments else ParsedCall(data["name"], "{}")
 
 
@@ -149,16 +152,12 @@ class ToolCallFormat:
         head, found, body = text.partition(self.marker)
         return (head, True, body) if found else ("", False, text)
 
-    def call_start(self, text: str) -> int | None:
-        """Where calls may begin in text (the marker, or a prefix of it at the end): what
-        comes before can be streamed as content, the rest must wait for the end."""
-        found = text.find(self.marker)
-        if found >= 0:
-            return found
-        for size in range(min(len(self.marker) - 1, len(text)), 0, -1):
-            if self.marker.startswith(text[-size:]):
-                return len(text) - size
-        return None
+    def holds_all(self, head: str) -> bool:
+        """Whether a reply whose first non-whitespace characters are head (at most the
+        marker's length + 1 of them) may be calls from its start, so that nothing of it can
+        be streamed as content before the end (a format whose calls may come without their
+        marker)."""
+        return False
 
     def grammar(self, tools: Sequence[FunctionTool], parallel: bool) -> str:
         """A Lark grammar (llguidance's) of one call, or one or more with parallel."""
@@ -179,19 +178,32 @@ def _any_call(tools: Sequence[FunctionTool], arguments_key: str) -> dict[str, An
 class HermesFormat(ToolCallFormat):
     name: ToolFormatName = "hermes"
     marker = "<tool_call>"
-    _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+    _CLOSE = "</tool_call>"
 
     def split(self, text: str, names: Collection[str]) -> tuple[str, list[ParsedCall]]:
-        calls = []
-        for match in self._CALL.finditer(text):
+        # A scan for the tags, each character read at most twice: a regular expression
+        # with lazy and greedy whitespace around the body (`<tool_call>\s*(.*?)\s*</...>`)
+        # took time cubic in a run of spaces after an opening tag, on the event loop.
+        calls: list[ParsedCall] = []
+        outside: list[str] = []
+        position = 0
+        while (start := text.find(self.marker, position)) >= 0:
+            body_start = start + len(self.marker)
+            end = text.find(self._CLOSE, body_start)
+            if end < 0:
+                break  # an unclosed call (cut by max_tokens) is left as text
             try:
-                call = _call(json.loads(match.group(1)), ("arguments", "parameters"), names)
+                call = _call(json.loads(text[body_start:end]), ("arguments", "parameters"),
+                             names)
             except (ValueError, RecursionError):
                 call = None
             if call is None:
                 return "", []
             calls.append(call)
-        return (self._CALL.sub("", text), calls) if calls else ("", [])
+            outside.append(text[position:start])
+            position = end + len(self._CLOSE)
+        outside.append(text[position:])
+        return ("".join(outside), calls) if calls else ("", [])
 
     def grammar(self, tools: Sequence[FunctionTool], parallel: bool) -> str:
         repeat = f"{{0,{MAX_PARALLEL_CALLS - 1}}}"
@@ -230,11 +242,9 @@ class Llama3JsonFormat(ToolCallFormat):
                 position += 1
         return head, calls
 
-    def call_start(self, text: str) -> int | None:
-        stripped = text.lstrip()
-        if not stripped or stripped.startswith("{") or self.marker.startswith(stripped):
-            return 0  # a reply that opens with a JSON object may be a call
-        return super().call_start(text)
+    def holds_all(self, head: str) -> bool:
+        # A reply that opens with a JSON object (or the marker's text) may be a call.
+        return not head or head.startswith("{") or self.marker.startswith(head)
 
     def grammar(self, tools: Sequence[FunctionTool], parallel: bool) -> str:
         repeat = f"{{0,{MAX_PARALLEL_CALLS - 1}}}"
@@ -259,10 +269,8 @@ class MistralFormat(ToolCallFormat):
             return "", []
         return head, [c for c in calls if c is not None]
 
-    def call_start(self, text: str) -> int | None:
-        if text.lstrip().startswith("[") or not text.strip():
-            return 0
-        return super().call_start(text)
+    def holds_all(self, head: str) -> bool:
+        return not head or head.startswith("[")
 
     def grammar(self, tools: Sequence[FunctionTool], parallel: bool) -> str:
         array = {"type": "array", "items": _any_call(tools, "arguments"), "minItems": 1,
@@ -387,33 +395,77 @@ def required_call_grammar(
 
 class StreamedToolCalls:
     """Splits one choice's streamed text into content to send now and calls held for the
-    end: text before the format's marker goes out as it comes, the rest waits."""
+    end: text before the format's marker goes out as it comes, the rest waits.
+
+    Linear in the text: each delta is searched for the marker together with the few
+    characters before it that could hold the marker's start, never the whole text again."""
 
     def __init__(self, tool_format: ToolCallFormat, names: Collection[str]) -> None:
         self._format = tool_format
         self._names = names
-        self._text = ""
-        self._sent = 0  # characters of _text already sent as content
-        self._held_from: int | None = None
+        self._marker = tool_format.marker
+        self._pieces: list[str] = []  # the whole text, as it came
+        self._num_chars = 0
+        self._unsent: list[str] = []  # the text from _num_sent on, in pieces
+        self._num_sent = 0  # characters already sent as content
+        self._held_from: int | None = None  # where calls start: nothing from here is sent
+        self._head = ""  # the text's first non-whitespace characters (the marker's length + 1)
+        self._tail = ""  # the text's last len(marker) - 1 characters
 
     def feed(self, delta: str) -> str:
         """The content that can be sent now."""
-        self._text += delta
-        if self._held_from is None:
-            start = self._format.call_start(self._text)
-            if start is not None and self._text.find(self._format.marker) >= 0:
-                self._held_from = start
-            upto = len(self._text) if start is None else start
+        if not delta:
+            return ""
+        delta_start = self._num_chars
+        self._pieces.append(delta)
+        self._num_chars += len(delta)
+        if self._held_from is not None:
+            return ""
+        self._unsent.append(delta)
+        marker = self._marker
+        window = self._tail + delta
+        found = window.find(marker)
+        self._tail = window[1 - len(marker):] if len(marker) > 1 else ""
+        if len(self._head) <= len(marker):
+            self._head = (self._head + delta if self._head else delta.lstrip())[: len(marker) + 1]
+        if self._format.holds_all(self._head):
+            if found >= 0:
+                self._held_from = 0
+            return ""
+        if found >= 0:
+            upto = self._held_from = delta_start - (len(window) - len(delta)) + found
         else:
-            upto = self._held_from
-        content = self._text[self._sent:upto] if upto > self._sent else ""
-        self._sent = max(self._sent, upto)
+            upto = self._num_chars - _partial_marker(window, marker)
+        return self._send_upto(upto)
+
+    @property
+    def num_chars(self) -> int:
+        """Characters fed so far."""
+        return self._num_chars
+
+    def _send_upto(self, upto: int) -> str:
+        if upto <= self._num_sent:
+            return ""
+        unsent = "".join(self._unsent)
+        content, rest = unsent[: upto - self._num_sent], unsent[upto - self._num_sent:]
+        self._unsent = [rest] if rest else []
+        self._num_sent = upto
         return content
 
     def finish(self) -> tuple[str, list[ParsedCall]]:
         """At the end: (the content not sent yet, the calls)."""
-        outside, calls = self._format.split(self._text, self._names)
+        text = "".join(self._pieces)
+        outside, calls = self._format.split(text, self._names)
         if not calls:
-            return self._text[self._sent:], []
+            return text[self._num_sent:], []
         # What was sent came before the first call: it starts the text outside the calls.
-        return outside[self._sent:].rstrip(), calls
+        return outside[self._num_sent:].rstrip(), calls
+
+
+def _partial_marker(text: str, marker: str) -> int:
+    """The length of the longest end of text that begins the marker (and is shorter): it
+    waits, for the marker may be completed by the next delta."""
+    for size in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[len(text) - size:]):
+            return size
+    return 0

@@ -76,6 +76,35 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on() -> None:
     assert run_to_completion(engine)[("b", 0)] == reference_output([5, 6, 7], 4)
 
 
+class PanicException(BaseException):
+    """What a Rust panic inside a native library surfaces as through pyo3 (a BaseException,
+    which `except Exception` lets through)."""
+
+
+def test_a_native_panic_in_a_step_fails_its_requests_and_the_engine_goes_on() -> None:
+    engine = make_engine(num_blocks=32, block_size=4)
+    runner = engine.runner
+    assert isinstance(runner, FakeModelRunner)
+    engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))
+    runner.fail_next_step = PanicException("called `Option::unwrap()` on a `None` value")
+    (failed,) = engine.step()
+    assert (failed.finish_reason, failed.error_code) == ("error", "engine_error")
+    assert failed.error == "engine step failed: PanicException"
+    assert engine.kv.num_used_blocks == 0
+    engine.add_request("b", [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert run_to_completion(engine)[("b", 0)] == reference_output([5, 6, 7], 4)
+
+
+def test_an_interrupt_is_not_taken_for_a_failed_step() -> None:
+    engine = make_engine(num_blocks=32, block_size=4)
+    runner = engine.runner
+    assert isinstance(runner, FakeModelRunner)
+    engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))
+    runner.fail_next_step = KeyboardInterrupt()
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+
+
 def test_eos_and_stop_token_ids_end_a_request() -> None:
     engine = make_engine()
     prompt = [5, 6, 7]

@@ -37,6 +37,7 @@ _output = st.builds(
     logprobs=st.lists(_logprobs, max_size=2),
     error=st.none() | st.text(max_size=5),
     metrics=st.none() | _metrics,
+    error_code=st.none() | st.sampled_from(["engine_error", "grammar_budget_exceeded"]),
 )
 
 

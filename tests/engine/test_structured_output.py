@@ -7,6 +7,9 @@ from __future__ import annotations
 import ctypes
 import json
 import re
+import threading
+import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import jsonschema
@@ -14,11 +17,15 @@ import pytest
 import torch
 
 from engine import (
+    ConfigError,
     InvalidRequestError,
     LLMEngine,
     SamplingParams,
 )
-from engine.grammar_compiler import GrammarCompiler, GrammarError
+from engine.errors import RequestFault
+from engine.fair_worker import FairWorker
+from engine.grammar_budget import GrammarBudget
+from engine.grammar_compiler import CompiledGrammar, GrammarCompiler, GrammarError, GrammarResult
 from engine.models.config import ModelConfig
 from engine.sampler import Sampler
 from engine.seeded_noise import seeded_exponential
@@ -149,6 +156,51 @@ def test_one_compile_serves_the_requests_waiting_for_it_per_tenant(
     assert (hit.grammar, hit.compile_time_s) == (results[0].grammar, 0.0)
 
 
+def test_compiles_take_turns_between_tenants_and_are_charged_their_own_time(
+    demo: tuple[Path, Tokenizer, ModelConfig],
+) -> None:
+    """A tenant with 40 compiles queued delays another tenant's first compile by one of
+    them, and the other is charged its own compile's time, not its wait."""
+    _, tokenizer, config = demo
+    assert tokenizer.eos_token_id is not None
+    worker = FairWorker("test-grammar")
+    compiler = GrammarCompiler(tokenizer, config.vocab_size, [tokenizer.eos_token_id],
+                               worker=worker)
+    compiler.compile_now(StructuredOutput("regex", "warm"))  # the tokenizer's index
+    gate = threading.Event()
+    worker.submit("first", gate.wait)  # holds the thread while both tenants queue
+    order: list[str] = []
+    heavy = []
+    for i in range(40):
+        heavy.append(compiler.compile(StructuredOutput("regex", f"[a-z]{{{i},{i + 40}}}x"),
+                                      "heavy"))
+        heavy[-1].add_done_callback(lambda _, i=i: order.append(f"heavy{i}"))
+    light = compiler.compile(StructuredOutput("regex", "[0-9]{4}"), "light")
+    light.add_done_callback(lambda _: order.append("light"))
+    time.sleep(0.3)  # a wait behind the others that its bill must not hold
+    gate.set()
+    assert light.result(timeout=60).compile_time_s < 0.2
+    for future in heavy:
+        future.result(timeout=60)
+    assert order.index("light") == 1, order[:4]  # after heavy's first, not its fortieth
+
+
+def test_one_tenants_schemas_do_not_evict_anothers_grammars(
+    demo: tuple[Path, Tokenizer, ModelConfig],
+) -> None:
+    _, tokenizer, config = demo
+    assert tokenizer.eos_token_id is not None
+    compiler = GrammarCompiler(tokenizer, config.vocab_size, [tokenizer.eos_token_id],
+                               cache_size=4)
+    victim = StructuredOutput("regex", "[0-9]{3}")
+    compiler.compile(victim, "victim").result(timeout=60)
+    for i in range(30):
+        compiler.compile(StructuredOutput("regex", f"a{{{i}}}"), "attacker").result(timeout=60)
+    assert compiler.num_cached("attacker") == 4
+    hit = compiler.compile(victim, "victim")
+    assert hit.done() and hit.result().compile_time_s == 0.0  # still cached
+
+
 def test_a_matcher_that_fails_ends_its_request_with_an_error() -> None:
     class FailingMatcher:
         """Allows every token, then refuses the one sampled (a grammar past its limits)."""
@@ -181,7 +233,140 @@ def test_a_matcher_that_fails_ends_its_request_with_an_error() -> None:
             return []
 
     out = Sampler(64)(torch.randn(1, 64), [Row()])  # type: ignore[list-item]
-    assert out.grammar_errors == {"r": "grammar: step fuel exhausted"}
+    assert out.grammar_faults == {
+        "r": RequestFault("grammar_limit_exceeded", "grammar: step fuel exhausted")}
+    assert out.grammar_seconds["r"] > 0  # its mask and advance, timed
+
+
+class PanicException(BaseException):
+    """What a Rust panic inside llguidance surfaces as through pyo3 (a BaseException)."""
+
+
+class _PanickingMatcher:
+    """A matcher whose native code panics, in its mask or in its advance."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def unsafe_compute_mask_ptr(self, pointer: int, size: int) -> None:
+        if self.where == "mask":
+            raise PanicException("index out of bounds")
+        ctypes.memset(pointer, 0xFF, size)
+
+    def consume_token(self, token: int) -> bool:
+        raise PanicException("attempt to subtract with overflow")
+
+    def is_error(self) -> bool:
+        return False
+
+    def deep_copy(self) -> _PanickingMatcher:
+        return self
+
+
+@pytest.mark.parametrize("where", ["mask", "advance"])
+def test_a_panicking_matcher_fails_its_row_only(
+    demo: tuple[Path, Tokenizer, ModelConfig], where: str
+) -> None:
+    _, tokenizer, config = demo
+    good = _compiler(demo).compile_now(StructuredOutput("choice", '["yes", "no"]')).matcher()
+
+    class Row:
+        sampling_params = SamplingParams(temperature=0.0, max_tokens=5)
+        eos_token_id = None
+        sample_index = 0
+        penalty_counts = None
+        num_output_tokens = 0
+
+        def __init__(self, request_id: str, matcher: object) -> None:
+            self.request_id = request_id
+            self.matcher = matcher
+            self.prompt_token_ids = [1]
+
+        def output_tokens_since(self, start: int) -> list[int]:
+            return []
+
+    rows = [Row("bad", _PanickingMatcher(where)), Row("good", good)]
+    out = Sampler(config.vocab_size)(torch.randn(2, config.vocab_size), rows)  # type: ignore[arg-type]
+    assert out.grammar_faults["bad"].code == "grammar_internal_error"
+    assert "PanicException" in out.grammar_faults["bad"].message
+    assert "good" not in out.grammar_faults
+    first = tokenizer.decode([out.sampled_token_ids["good"]])
+    assert first and ("yes".startswith(first) or "no".startswith(first)), first
+
+
+def test_a_grammar_panic_ends_its_request_and_the_engine_goes_on(
+    demo: tuple[Path, Tokenizer, ModelConfig],
+) -> None:
+    class PanickingCompiler(GrammarCompiler):
+        def compile(self, constraint: StructuredOutput, salt: str = "") -> Future[GrammarResult]:
+            done: Future[GrammarResult] = Future()
+            done.set_result(GrammarResult(
+                CompiledGrammar(constraint, _PanickingMatcher("mask")),  # type: ignore[arg-type]
+                0.0))
+            return done
+
+    path, tokenizer, config = demo
+    assert tokenizer.eos_token_id is not None
+    engine = model_engine(path, num_kv_blocks=64, max_model_len=512, max_num_batched_tokens=64,
+                          async_scheduling=False, tokenizer=tokenizer,
+                          grammars=PanickingCompiler(tokenizer, config.vocab_size,
+                                                     [tokenizer.eos_token_id]))
+    prompt = tokenizer.encode("hi")
+    engine.add_request("bad", prompt, SamplingParams(
+        max_tokens=5, structured=StructuredOutput("regex", "[0-9]{3}")))
+    engine.add_request("plain", prompt, SamplingParams(max_tokens=5, ignore_eos=True))
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    assert (finals["bad"].finish_reason, finals["bad"].error_code) == (
+        "error", "grammar_internal_error")
+    assert finals["plain"].finish_reason == "length" and finals["plain"].num_output_tokens == 5
+    engine.add_request("after", prompt, SamplingParams(max_tokens=3, ignore_eos=True))
+    assert _run(engine)[("after", 0)][2] == "length"
+
+
+def test_a_grammar_past_its_budget_ends_with_a_clear_error_and_is_billed(
+    demo: tuple[Path, Tokenizer, ModelConfig],
+) -> None:
+    """A budget no mask fits: the constrained request ends at its first token with
+    grammar_budget_exceeded, its grammar time on its bill; the plain one in the same steps
+    runs to its end."""
+    engine = _engine(demo)
+    engine.config.grammar_budget = GrammarBudget(max_mean_s_per_token=1e-9, num_free_tokens=1)
+    prompt = demo[1].encode("hi")
+    engine.add_request("costly", prompt, SamplingParams(
+        max_tokens=50, structured=StructuredOutput("regex", "[a-z ]{1,200}")))
+    engine.add_request("plain", prompt, SamplingParams(max_tokens=8, ignore_eos=True))
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    costly = finals["costly"]
+    assert (costly.finish_reason, costly.error_code) == ("error", "grammar_budget_exceeded")
+    assert "a token on average" in (costly.error or "")
+    assert costly.num_output_tokens == 1
+    assert costly.metrics is not None
+    assert 0 < costly.metrics.grammar_time_s <= costly.metrics.gpu_seconds
+    assert finals["plain"].finish_reason == "length"
+    # The grammar's time came out of the steps' time: the bills still add up to it.
+    billed = sum(out.metrics.gpu_seconds for out in finals.values() if out.metrics is not None)
+    assert billed == pytest.approx(engine.busy_time_s, rel=1e-9)
+
+
+def test_grammar_budget_limits() -> None:
+    budget = GrammarBudget(max_step_s=0.02, max_mean_s_per_token=0.002, num_free_tokens=32)
+    assert budget.fault(0.019, 0.019, 1) is None
+    fault = budget.fault(0.021, 0.021, 1)  # one step past its limit
+    assert fault is not None and "for one token" in fault.message
+    assert budget.fault(0.010, 0.063, 10) is None  # the first 32 tokens share 64 ms
+    assert budget.fault(0.010, 0.065, 10) is not None
+    assert budget.fault(0.001, 0.199, 100) is None  # 2 ms a token on average
+    assert budget.fault(0.001, 0.201, 100) is not None
+    with pytest.raises(ConfigError):
+        GrammarBudget(max_step_s=0).validate()
 
 
 def _engine(demo: tuple[Path, Tokenizer, ModelConfig], num_kv_blocks: int = 256,

@@ -264,7 +264,33 @@ def test_unknown_tenant_or_key_is_404(admin: TestClient) -> None:
         assert _error(admin.request(method, path), 404)["code"] == "not_found"
 
 
-# --- keys ----------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("method", "path", "param"),
+    [
+        ("GET", "/admin/v1/tenants/12345678901234567890123", "tenant"),
+        ("GET", "/admin/v1/tenants/2147483648", "tenant"),
+        ("POST", "/admin/v1/tenants/99999999999999999999/disable", "tenant"),
+        ("GET", "/admin/v1/keys/12345678901234567890123", "key_id"),
+        ("DELETE", "/admin/v1/keys/2147483648", "key_id"),
+        ("GET", "/admin/v1/audit?before=12345678901234567890123", "before"),
+        ("GET", "/admin/v1/audit?before=%C2%B2", "before"),
+        ("GET", "/admin/v1/audit?limit=%C2%B2", "limit"),
+        ("GET", "/admin/v1/audit?limit=10000000000000000000000", "limit"),
+        ("GET", "/admin/v1/audit?limit=+5", "limit"),
+    ],
+)
+def test_ids_past_the_database_or_not_ascii_digits_are_400(
+    admin: TestClient, method: str, path: str, param: str
+) -> None:
+    """Each was a 500: a database overflow, or int() refusing what isdigit() took."""
+    error = _error(admin.request(method, path), 400)
+    assert (error["type"], error["param"]) == ("invalid_request_error", param)
+
+
+def test_a_tenant_ref_of_other_digits_is_a_name(admin: TestClient) -> None:
+    """'²' is a digit to str.isdigit but not an id: it is looked up (and not found) by
+    name, a 404 instead of a 500."""
+    assert _error(admin.get("/admin/v1/tenants/%C2%B2"), 404)["code"] == "not_found"
 
 
 def test_key_plaintext_is_returned_once(admin: TestClient) -> None:

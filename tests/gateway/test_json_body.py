@@ -45,3 +45,32 @@ def test_a_deep_but_parseable_body_is_walked_without_recursion() -> None:
 def test_not_json_is_a_400() -> None:
     with pytest.raises(BadRequestError, match="not valid JSON"):
         parse_json_body(b"{not json")
+
+
+@pytest.mark.parametrize(
+    ("raw", "param"),
+    [
+        (b'{"temperature": 1e400}', "temperature"),
+        (b'{"response_format": {"json_schema": {"schema": {"minimum": -1e400}}}}',
+         "response_format.json_schema.schema.minimum"),
+        (b'{"tools": [{"function": {"parameters": {"maximum": 1' + b"0" * 400 + b'.5}}}]}',
+         "tools[0].function.parameters.maximum"),
+        (b"[1, 2.5, 9e999]", "[2]"),
+    ],
+)
+def test_numbers_past_a_double_are_refused_with_their_field(raw: bytes, param: str) -> None:
+    with pytest.raises(BadRequestError, match="out of range") as caught:
+        parse_json_body(raw)
+    assert caught.value.param == param and caught.value.status_code == 400
+
+
+@pytest.mark.parametrize("literal", [b"NaN", b"Infinity", b"-Infinity"])
+def test_non_json_number_literals_are_refused(literal: bytes) -> None:
+    """Python's parser reads them; JSON has no such values."""
+    with pytest.raises(BadRequestError, match="not a JSON value"):
+        parse_json_body(b'{"top_p": ' + literal + b"}")
+
+
+def test_numbers_within_a_double_pass() -> None:
+    body = parse_json_body(b'{"a": 1.7e308, "b": -1e-400, "c": 1' + b"0" * 400 + b"}")
+    assert body == {"a": 1.7e308, "b": -0.0, "c": 10**400}  # an integer is exact in Python

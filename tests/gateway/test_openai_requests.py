@@ -168,6 +168,15 @@ def test_completion_prompt_forms(prompt: Any, expected: tuple[Any, ...]) -> None
         ({**COMPLETION, "best_of": 3}, "best_of", "unsupported_parameter"),
         ({**COMPLETION, "suffix": "x"}, "suffix", "unsupported_parameter"),
         ({**COMPLETION, "min_tokens": 5, "max_tokens": 2}, "min_tokens", None),
+        # Integers no double holds: an OverflowError (a 500) before.
+        ({**CHAT, "temperature": 10**400}, "temperature", None),
+        ({**CHAT, "top_p": -(10**309)}, "top_p", None),
+        ({**COMPLETION, "frequency_penalty": 10**500}, "frequency_penalty", None),
+        ({**CHAT, "seed": 10**400}, "seed", None),
+        ({**CHAT, "stop_token_ids": list(range(1025))}, "stop_token_ids", None),
+        ({**CHAT, "stop_token_ids": ["x"] * 400_000}, "stop_token_ids", None),
+        # n x the stop strings' characters: 8 x 3,072 > 16,384.
+        ({**CHAT, "n": 8, "stop": ["x" * 1024, "y" * 1024, "z" * 1024]}, "stop", None),
     ],
 )
 def test_invalid_bodies_name_the_field(body: dict[str, Any], param: str, code: str | None) -> None:
@@ -177,6 +186,17 @@ def test_invalid_bodies_name_the_field(body: dict[str, Any], param: str, code: s
     assert raised.value.param == param
     assert raised.value.code == code
     assert raised.value.status_code == 400
+
+
+def test_stop_token_ids_are_kept_once_each_in_order() -> None:
+    request = parse_chat_request({**CHAT, "stop_token_ids": [7, 5, 7, 5, 9]})
+    assert request.sampling.stop_token_ids == (7, 5, 9)
+
+
+def test_stop_strings_within_the_bound_pass() -> None:
+    # n = 4 x 4,096 characters: exactly the bound.
+    request = parse_chat_request({**CHAT, "n": 4, "stop": ["x" * 1024] * 4})
+    assert len(request.sampling.stop) == 4
 
 
 def test_a_body_that_is_not_an_object_is_refused() -> None:

@@ -281,3 +281,48 @@ def test_usage_records_carry_the_grammar_compile_time(
         ).fetchall())
     assert compile_s[ids[0]] > 0.0
     assert compile_s[ids[1]] == 0.0
+
+
+# An ambiguous grammar whose masks grow slower with every token (from 1 ms to 450 ms within
+# 600 tokens on this model's tokenizer), and a request that keeps it going to the end.
+AMBIGUOUS_GRAMMAR = 's: s s | s s s | "a" | "aa"\nstart: s\n'
+AMBIGUOUS_BODY: dict[str, Any] = {
+    "guided_grammar": AMBIGUOUS_GRAMMAR, "min_tokens": 600, "n": 2,
+}
+
+
+def test_a_grammar_past_its_budget_is_a_400_not_a_500(
+    server: ServeProcess, client: openai.OpenAI
+) -> None:
+    """The grammar's own cost ends it (grammar_budget_exceeded, or llguidance's row limit
+    should it come first): a bad request, billed for what it used, never a server error."""
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=DEFAULT_MODEL_NAME, messages=[{"role": "user", "content": "Say a."}],
+            max_tokens=600, extra_body=AMBIGUOUS_BODY,
+        )
+    body = caught.value.body
+    assert isinstance(body, dict)
+    assert body["code"] in ("grammar_budget_exceeded", "grammar_limit_exceeded"), body
+    assert body["param"] == "guided_grammar" and body["type"] == "invalid_request_error"
+    path = server.database_url.removeprefix("sqlite:///")
+    with sqlite3.connect(path) as db:
+        gpu_seconds, completion = db.execute(
+            "SELECT gpu_seconds, num_completion_tokens FROM usage_records "
+            "WHERE status = 'failed' ORDER BY finished_at DESC LIMIT 1").fetchone()
+    assert gpu_seconds > 0 and completion > 0  # what it used is billed
+
+
+def test_a_streamed_grammar_past_its_budget_ends_with_an_error_event(
+    client: openai.OpenAI,
+) -> None:
+    stream = client.chat.completions.create(
+        model=DEFAULT_MODEL_NAME, messages=[{"role": "user", "content": "Say a."}],
+        max_tokens=600, stream=True, extra_body=AMBIGUOUS_BODY,
+    )
+    with pytest.raises(openai.APIError) as caught:
+        for _ in stream:
+            pass
+    body = caught.value.body
+    assert isinstance(body, dict)
+    assert body.get("code") in ("grammar_budget_exceeded", "grammar_limit_exceeded"), body

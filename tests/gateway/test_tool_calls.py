@@ -4,6 +4,8 @@ that force a call, and how tools and past calls reach a chat template."""
 from __future__ import annotations
 
 import json
+import time
+from collections.abc import Callable
 
 import llguidance
 import pytest
@@ -193,3 +195,76 @@ def test_a_template_with_tools_renders_them_itself() -> None:
     messages, tools = render_messages(HISTORY, [WEATHER], source)
     rendered = compile_chat_template(source).render(messages=messages, tools=tools)
     assert rendered == "[get_weather]Lyon"
+
+
+def _best_of_three_s(parse: Callable[[], object]) -> float:
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        parse()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+# Replies a model can be made to write (a guided_regex, say) that cost a backtracking
+# parser time polynomial in their length. 100,000 characters each.
+_LONG = 100_000
+ADVERSARIAL = {
+    "hermes": [
+        "<tool_call>" + " " * _LONG,  # the reported one: cubic with `\s*(.*?)\s*`
+        "<tool_call>" * (_LONG // 11),  # openings without a close
+        ("<tool_call> </tool_call>" * (_LONG // 24)),  # empty calls: not calls
+        "<tool_call>" + "[" * _LONG + "</tool_call>",  # nested past the parser's recursion
+        '<tool_call>{"name": "get_time", "arguments": ' + "[" * _LONG + "</tool_call>",
+    ],
+    "llama3_json": [
+        "{" + " " * _LONG,
+        "<|python_tag|>" + "{" * _LONG,
+        '{"name": "get_time", "parameters": {"a": ' + "[" * _LONG + "]" * _LONG + "}}",
+        '{"name": "get_time", "parameters": {}}; ' * (_LONG // 40),
+    ],
+    "mistral": [
+        "[" + " " * _LONG,
+        "[TOOL_CALLS]" + "[" * _LONG,
+        '[TOOL_CALLS][{"name": "get_time", "arguments": {"a": ' + "[" * 5_000 + "]" * 5_000
+        + "}}]",
+    ],
+}
+
+
+@pytest.mark.parametrize(
+    ("name", "text"), [(name, text) for name, texts in ADVERSARIAL.items() for text in texts]
+)
+def test_adversarial_replies_parse_in_linear_time(name: str, text: str) -> None:
+    """Each shape at 100,000 characters parses in under 50 ms (a linear parse takes about a
+    millisecond; the old hermes pattern took 2.9 s at 2,000 spaces), whole and streamed."""
+    tool_format = FORMATS[name]
+    assert _best_of_three_s(lambda: tool_format.parse(text, NAMES)) < 0.05
+
+    def streamed() -> None:
+        stream = StreamedToolCalls(tool_format, NAMES)
+        for i in range(0, len(text), 4):  # a token's worth of characters at a time
+            stream.feed(text[i:i + 4])
+        stream.finish()
+
+    # 25,000 deltas: a fixed cost each, never a search of the whole text so far.
+    assert _best_of_three_s(streamed) < 0.5
+
+
+def test_deeply_nested_arguments_are_not_calls() -> None:
+    """Arguments nested deeper than the JSON encoder recurses read as text, not a 500."""
+    nested = '{"a": ' * 5_000 + "1" + "}" * 5_000
+    for name, text in [
+        ("hermes", f'<tool_call>{{"name": "get_time", "arguments": {nested}}}</tool_call>'),
+        ("llama3_json", f'<|python_tag|>{{"name": "get_time", "parameters": {nested}}}'),
+        ("mistral", f'[TOOL_CALLS][{{"name": "get_time", "arguments": {nested}}}]'),
+    ]:
+        assert FORMATS[name].parse(text, NAMES) == (text, [])
+
+
+def test_streamed_marker_split_over_many_deltas() -> None:
+    stream = StreamedToolCalls(FORMATS["hermes"], NAMES)
+    text = 'ok <tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+    sent = "".join(stream.feed(ch) for ch in text)
+    assert sent == "ok "
+    assert stream.finish() == ("", [FORMATS["hermes"].parse(text, NAMES)[1][0]])
