@@ -25,6 +25,11 @@ records, or its waiters were told they were not written); only one held up insid
 commit may still land, and the spool's replay then skips its records. While
 MAX_STUCK_CALLS such calls are still running, the database is not called at all.
 
+What a previous process left in the spool is replayed the same way, a chunk per turn of
+the writer after it starts, so a large spool neither delays the start nor holds the records
+of the new process behind it; a tenant's monthly total that needs the spool in the database
+first waits for it chunk by chunk, the writes queued meanwhile going first.
+
 ``close()`` (the SIGTERM path) writes everything queued, then tries to empty the spool.
 """
 
@@ -179,7 +184,8 @@ class UsageLedger:
         return self._is_database_healthy
 
     async def start(self) -> None:
-        """Replay what a previous process left in the spool, then start the writer thread."""
+        """Start the writer thread; it replays what a previous process left in the spool a
+        chunk at a time, between batches."""
         if self._thread is not None:
             return
         await asyncio.to_thread(self._prepare)
@@ -247,25 +253,23 @@ class UsageLedger:
         with self._io_lock:
             self._spool.recover()
             self._replay_offset = 0
+            self._spool_has_records = not self._spool.is_empty()
+        if self._spool_has_records:
+            logger.info("usage ledger: %s holds %d bytes of records from an earlier run: "
+                        "replaying them a chunk at a time", self._spool.path, self.spool_bytes)
         try:
-            if not self._spool.is_empty():
-                report = self.replay_spool()
-                logger.info("usage ledger: replayed %s from %s", report, self._spool.path)
-            else:
-                with self._io_lock:
-                    self._probe()
-                self._mark_up()
-        except LedgerUnavailableError:
-            pass  # logged by _mark_down; records spool until the database is back
+            with self._io_lock:
+                self._probe()
+            self._mark_up()
         except SQLAlchemyError as exc:
-            self._mark_down(exc)
+            self._mark_down(exc)  # records spool until the database is back
 
     def _run(self) -> None:
         is_stopping = False
         while not is_stopping:
             items = self._next_items()
             is_stopping = any(isinstance(item, _Stop) for item in items)
-            self._handle(items)
+            self._handle(items, may_defer=not is_stopping)
             if not is_stopping:
                 self._retry_if_due()
         self._finish()
@@ -289,13 +293,15 @@ class UsageLedger:
             num_writes += isinstance(items[-1], _Write)
         return items
 
-    def _handle(self, items: Sequence[_Item]) -> None:
+    def _handle(self, items: Sequence[_Item], may_defer: bool = False) -> None:
+        """may_defer: a load that needs the spool replayed first replays one chunk and goes
+        back in the queue, behind the writes that came meanwhile."""
         writes = [item for item in items if isinstance(item, _Write)]
         if writes:
             self._write(writes)
         for item in items:
             if isinstance(item, _Load):
-                self._load(item)
+                self._load(item, may_defer)
 
     def _write(self, writes: Sequence[_Write]) -> None:
         error: BaseException | None = None
@@ -336,11 +342,16 @@ class UsageLedger:
         self._spool_has_records = True
         return records
 
-    def _load(self, load: _Load) -> None:
+    def _load(self, load: _Load, may_defer: bool) -> None:
         if self._totals.get(load.tenant_id, load.period) is None:
             try:
                 with self._io_lock:
                     # The spool first, so the database sum includes what only the spool holds.
+                    if self._spool_has_records and may_defer:
+                        self._replay_step(self._max_batch)
+                        if self._spool_has_records:
+                            self._queue.put(load)  # after the writes queued meanwhile
+                            return
                     if self._spool_has_records:
                         self._replay_all()
                     totals = self._call(

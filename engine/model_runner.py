@@ -20,6 +20,7 @@ from engine.cuda_graphs import DecodeCudaGraphs
 from engine.device_copy import to_device_async
 from engine.flops import FlopsCounter
 from engine.input_batch import InputBatch, RequestState
+from engine.kv_memory import KVCacheSize, allocate_kv_tensor, kv_cache_size
 from engine.loader import load_model, random_model
 from engine.models.config import ModelConfig, ModelConfigError
 from engine.models.cpu_decode import MAX_ROWS as CPU_DECODE_MAX_ROWS
@@ -56,8 +57,12 @@ class RunnerConfig:
     """How the runner sizes its KV cache and batches."""
 
     block_size: int = 16  # tokens per KV block
-    num_kv_blocks: int | None = None  # KV blocks to allocate; None: derive from kv_cache_bytes
-    kv_cache_bytes: int = 1 << 30  # KV budget over all layers, K and V (when num_kv_blocks is None)
+    num_kv_blocks: int | None = None  # KV blocks to allocate; None: derive from the budget
+    # KV budget over all layers, K and V (when num_kv_blocks is None); None: a share of the
+    # memory left once the model is loaded (engine.kv_memory), kv_cache_memory_fraction
+    # of it (None: the device's default)
+    kv_cache_bytes: int | None = None
+    kv_cache_memory_fraction: float | None = None
     max_num_batched_tokens: int = 2048  # most tokens one step may carry
     max_num_seqs: int = 64  # most sequences one step may carry (largest CUDA graph)
     max_model_len: int = 4096  # longest sequence (RoPE table, CUDA graph block tables)
@@ -91,6 +96,20 @@ def keep_freed_memory_in_heap() -> None:
     mallopt(m_trim_threshold, 1 << 30)
 
 
+def _weight_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _step_reserve_bytes(model: ModelConfig, config: RunnerConfig, dtype: torch.dtype) -> int:
+    """A bound on one step's activations, kept out of the KV cache's share: the widest
+    per-token tensors of a full step (the MLP's gate and up, the residual, norms and
+    attention's output) and the sampled rows' float32 logits, a few copies each."""
+    element_size = torch.empty(0, dtype=dtype).element_size()
+    per_token = (4 * model.hidden_size + 3 * model.intermediate_size) * element_size
+    logits = config.max_num_seqs * model.vocab_size * 4 * 4
+    return config.max_num_batched_tokens * per_token + logits
+
+
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes one KV block takes over all layers, K and V."""
     element_size = torch.empty(0, dtype=dtype).element_size()
@@ -114,27 +133,38 @@ class TorchModelRunner:
         self.device, self.dtype = weight.device, weight.dtype
         if config.max_model_len > model.max_positions:
             raise ModelConfigError("max_model_len exceeds the model's RoPE table")
+        decodes_in_cpp = (self.device.type == "cpu" and config.cpu_decode_rows > 0
+                          and supports_decode_forward(self.model_config, self.device,
+                                                      self.dtype))
+        per_block = kv_bytes_per_block(self.model_config, config.block_size, self.dtype)
         num_blocks = config.num_kv_blocks
+        self.kv_cache_size: KVCacheSize | None = None  # None: num_kv_blocks was given
         if num_blocks is None:
-            per_block = kv_bytes_per_block(self.model_config, config.block_size, self.dtype)
-            num_blocks = config.kv_cache_bytes // per_block
+            self.kv_cache_size = kv_cache_size(
+                self.device,
+                requested_bytes=config.kv_cache_bytes,
+                memory_fraction=config.kv_cache_memory_fraction,
+                most_useful_bytes=config.max_num_seqs * per_block * -(
+                    -config.max_model_len // config.block_size),
+                reserve_bytes=_step_reserve_bytes(self.model_config, config, self.dtype)
+                + (_weight_bytes(model) if decodes_in_cpp else 0),
+            )
+            num_blocks = self.kv_cache_size.num_bytes // per_block
         if num_blocks < 1:
             raise ModelConfigError("the KV cache budget holds no block")
         self._num_kv_blocks = int(num_blocks)
         shape = (num_blocks, config.block_size, self.model_config.num_kv_heads,
                  self.model_config.head_dim)
         self.kv_caches: list[KVCache] = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            (allocate_kv_tensor(shape, self.dtype, self.device),
+             allocate_kv_tensor(shape, self.dtype, self.device))
             for _ in range(self.model_config.num_layers)
         ]
         self.decode_forward: CpuDecodeForward | None = None
         if self.device.type == "cpu":
             if config.tune_cpu_allocator:
                 keep_freed_memory_in_heap()
-            if config.cpu_decode_rows > 0 and supports_decode_forward(
-                self.model_config, self.device, self.dtype
-            ):  # before packing: it copies the plain weights
+            if decodes_in_cpp:  # before packing: it copies the plain weights
                 self.decode_forward = CpuDecodeForward(model, self.kv_caches,
                                                        config.cpu_decode_rows)
                 model.lm_head = self.decode_forward.lm_head_module()  # one copy, not two

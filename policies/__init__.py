@@ -23,6 +23,7 @@ from policies.errors import (
     BudgetHeld,
     LimiterUnavailable,
     LimitName,
+    ParseTimeSpent,
     PolicyError,
     QueueFull,
     RateLimited,
@@ -32,6 +33,7 @@ from policies.errors import (
     UnknownTierError,
 )
 from policies.fair_queue import TieredFairQueue
+from policies.parse_time import ParseTimeBudget, ParseTimeConfig
 from policies.queue_wait import TenantShare, estimate_queue_wait_s
 from policies.rate_limiter_memory import MemoryRateLimiter
 from policies.rate_limiter_redis import FailurePolicy, RedisLimiterConfig, RedisRateLimiter
@@ -74,6 +76,9 @@ __all__ = [
     "MemoryRateLimiter",
     "MonthlyUsage",
     "MonthlyUsageSource",
+    "ParseTimeBudget",
+    "ParseTimeConfig",
+    "ParseTimeSpent",
     "PolicyError",
     "QueueFull",
     "RateLimitLease",

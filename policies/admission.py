@@ -199,6 +199,8 @@ class AdmissionController:
         nothing: asked before costly work (reading and tokenizing a large body), so a tenant
         out of quota is turned away before it makes the gateway work. Concurrency is left to
         admission (a slot may free meanwhile); an unreadable limiter lets the request on."""
+        if limits.requests_per_minute is None and limits.tokens_per_minute is None:
+            return  # no bucket to read (with Redis, no round trip)
         levels = await self._limiter.peek(tenant_id, limits)
         if levels is None:
             return

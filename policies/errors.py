@@ -41,6 +41,7 @@ class RefusalReason(StrEnum):
     SHED = "slo_shed"
     QUEUE_FULL = "queue_full"
     LIMITER_UNAVAILABLE = "limiter_unavailable"
+    PARSE_TIME = "parse_time"
 
 
 class AdmissionRefused(PolicyError):
@@ -94,6 +95,13 @@ class RateLimited(AdmissionRefused):
             LimitName.TOKENS: RefusalReason.TOKENS,
             LimitName.CONCURRENT_REQUESTS: RefusalReason.CONCURRENCY,
         }[limit_name]
+
+
+class ParseTimeSpent(AdmissionRefused):
+    """The tenant's large bodies took its share of this replica's event loop (429, retry
+    once the share has refilled)."""
+
+    reason = RefusalReason.PARSE_TIME
 
 
 class BudgetExhausted(AdmissionRefused):

@@ -22,6 +22,10 @@ class Tier:
     kv_reserved_fraction: float  # share of KV blocks only this tier (or a higher one) may use
     price_multiplier: float  # applied to the base prices by billing
     alert_ttft_p99_s: float | None  # pages when the windowed TTFT p99 goes over this
+    # Whether its requests may send a raw Lark or GBNF grammar (guided_grammar,
+    # structured_outputs.grammar), whose masks cost what the grammar makes them cost; JSON
+    # schemas, regexes and choices are always allowed.
+    raw_grammars: bool = True
 
     def may_preempt(self, other: Tier) -> bool:
         return self.priority < other.priority
@@ -44,6 +48,8 @@ class TierTable:
         if sum(t.kv_reserved_fraction for t in tiers) > 1.0:
             raise TierTableError("KV reservations add up to more than the whole pool")
         for tier in tiers:
+            if not isinstance(tier.raw_grammars, bool):
+                raise TierTableError(f"tier {tier.name}: raw_grammars must be true or false")
             if not 0.0 <= tier.kv_reserved_fraction <= 1.0:
                 raise TierTableError(f"tier {tier.name}: kv_reserved_fraction out of [0, 1]")
 

@@ -43,7 +43,13 @@ def _postgresql_timeouts(
 ) -> dict[str, Any]:
     # libpq counts connect_timeout in whole seconds (and uses at least 2).
     connect_args: dict[str, Any] = {
-        "connect_timeout": max(2, math.ceil(settings.connect_timeout_s))
+        "connect_timeout": max(2, math.ceil(settings.connect_timeout_s)),
+        # A peer that vanished is found by the kernel, not waited for (DatabaseSettings).
+        "keepalives": 1,
+        "keepalives_idle": settings.keepalive_idle_s,
+        "keepalives_interval": settings.keepalive_interval_s,
+        "keepalives_count": settings.keepalive_count,
+        "tcp_user_timeout": _ms(settings.tcp_user_timeout_s),
     }
     if with_statement_limits:
         connect_args["options"] = (

@@ -38,6 +38,15 @@ class DatabaseSettings:
     pool_timeout_s: float = 10.0
     lock_timeout_s: float = 5.0
     statement_timeout_s: float = 60.0
+    # PostgreSQL: TCP keepalives on every connection (idle seconds before the first probe,
+    # seconds between probes, probes lost before the connection is dropped) and the longest
+    # time sent data may stay unacknowledged (tcp_user_timeout). A server gone without a
+    # word (a host down, a network cut, a failover) leaves a half-open connection that would
+    # otherwise hold a ledger write or a key lookup until the process restarts.
+    keepalive_idle_s: int = 30
+    keepalive_interval_s: int = 10
+    keepalive_count: int = 3
+    tcp_user_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         try:
@@ -49,7 +58,8 @@ class DatabaseSettings:
         if self.max_overflow < 0:
             raise InvalidFieldError("max_overflow must not be negative", "max_overflow")
         for name in ("connect_timeout_s", "pool_timeout_s", "lock_timeout_s",
-                     "statement_timeout_s"):
+                     "statement_timeout_s", "keepalive_idle_s", "keepalive_interval_s",
+                     "keepalive_count", "tcp_user_timeout_s"):
             if not getattr(self, name) > 0:
                 raise InvalidFieldError(f"{name} must be positive", name)
 

@@ -78,6 +78,8 @@ class PeerConfig:
     max_num_seqs: int  # tiergate's --max-num-seqs and llama-server's --parallel
     llamacpp_cache_dir: Path | None
     model_cache_dir: Path | None
+    # tiergate's --kv-cache-bytes; None: its default sizing (a share of the memory left)
+    tiergate_kv_cache_bytes: int | None = None
     llamacpp_extra_args: tuple[str, ...] = ()
     build_jobs: int = 2
 
@@ -126,6 +128,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="more llama-server flags, as one shell-quoted string; give it "
                         "with '=' when it starts with a dash (--llamacpp-extra-args=--kv-unified)")
     parser.add_argument("--build-jobs", type=int, default=2, help="parallel compile jobs")
+    parser.add_argument("--tiergate-kv-cache-bytes", type=int, default=None,
+                        help="tiergate's KV cache (default: its own default sizing, as a "
+                             "user gets it)")
     parser.add_argument("--model-cache-dir", type=Path, default=None,
                         help="tiergate's model cache (its --model-cache-dir)")
     parser.add_argument("--json", action="store_true", help="print the JSON document")
@@ -175,6 +180,7 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
         max_num_seqs=args.max_num_seqs or max(32, *concurrency),
         llamacpp_cache_dir=args.llamacpp_cache_dir,
         model_cache_dir=args.model_cache_dir,
+        tiergate_kv_cache_bytes=args.tiergate_kv_cache_bytes,
         llamacpp_extra_args=tuple(shlex.split(args.llamacpp_extra_args)),
         build_jobs=args.build_jobs,
     )
@@ -471,11 +477,12 @@ def run_peer(config: PeerConfig, command: str) -> PeerReport:
         report.llamacpp_version = build.version
 
     for dtype in config.tiergate_dtypes:
-        server = _tiergate_server(config, checkpoint, dtype, max_seq_len, work_root,
-                                  model_cache_dir)
+        server = _tiergate_server(config, dtype, work_root, model_cache_dir)
+        kv_flag = ("" if server.kv_cache_bytes is None
+                   else f" --kv-cache-bytes {server.kv_cache_bytes}")
         report.tiergate_flags[dtype] = (
-            f"--max-num-seqs {server.max_num_seqs} --kv-cache-bytes {server.kv_cache_bytes} "
-            f"(other flags at their defaults; tenant of tier {PEER_TENANT_TIER}, no quota)"
+            f"--max-num-seqs {server.max_num_seqs}{kv_flag} (other flags at their defaults; "
+            f"tenant of tier {PEER_TENANT_TIER}, no quota)"
         )
         _measure_into(report, server, TIERGATE, dtype, level_requests, warmup)
 
@@ -498,27 +505,13 @@ def run_peer(config: PeerConfig, command: str) -> PeerReport:
     return report
 
 
-def _tiergate_server(config: PeerConfig, checkpoint: Any, dtype: str, max_seq_len: int,
-                     work_root: Path, model_cache_dir: Path) -> Any:
-    from bench.serve.peer_servers import (
-        PEER_TENANT_TIER,
-        TiergateServer,
-        kv_bytes_per_token,
-        tiergate_kv_cache_bytes,
-    )
-    from gateway.server.settings import GatewaySettings
-    from policies import DEFAULT_TIERS
+def _tiergate_server(config: PeerConfig, dtype: str, work_root: Path,
+                     model_cache_dir: Path) -> Any:
+    from bench.serve.peer_servers import TiergateServer
 
-    # Enough for every sequence of the largest level at once, within the share of blocks the
-    # tenant's tier may use (the others' reservations excluded); never below the default.
-    reserved = sum(t.kv_reserved_fraction for t in DEFAULT_TIERS if t.name != PEER_TENANT_TIER)
-    kv_bytes = max(GatewaySettings().kv_cache_bytes, tiergate_kv_cache_bytes(
-        kv_bytes_per_token(checkpoint.hf_config(), dtype), max_seq_len,
-        max(config.concurrency), 1.0 - reserved,
-    ))
     return TiergateServer(
         work_root / f"tiergate-{dtype}", config.threads, dtype=dtype,
-        max_num_seqs=config.max_num_seqs, kv_cache_bytes=kv_bytes,
+        max_num_seqs=config.max_num_seqs, kv_cache_bytes=config.tiergate_kv_cache_bytes,
         model_cache_dir=model_cache_dir,
     )
 

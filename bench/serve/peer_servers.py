@@ -11,7 +11,6 @@ count; -tb follows -t).
 
 from __future__ import annotations
 
-import math
 import os
 import secrets
 import sys
@@ -26,16 +25,13 @@ __all__ = [
     "LlamaServer",
     "PeerServer",
     "TiergateServer",
-    "kv_bytes_per_token",
     "openmp_wait_label",
     "thread_env",
-    "tiergate_kv_cache_bytes",
 ]
 
 # The tier of the benchmark's tenant on tiergate: one with no latency objectives, so SLO
 # shedding (on by default) never refuses a request of a closed loop; its quota is unlimited.
 PEER_TENANT_TIER = "batch"
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def thread_env(threads: int, base: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -51,24 +47,6 @@ def openmp_wait_label(env: Mapping[str, str]) -> str:
     """How the servers' OpenMP workers wait, for the table's header."""
     given = [f"{name}={env[name]}" for name in WAIT_VARIABLES if name in env]
     return " ".join(given) + " for both" if given else "each server's default"
-
-
-def kv_bytes_per_token(hf_config: Mapping[str, object], dtype: str) -> int:
-    """K and V of every layer for one token, in dtype's size."""
-    num_layers = int(str(hf_config["num_hidden_layers"]))
-    num_heads = int(str(hf_config["num_attention_heads"]))
-    num_kv_heads = int(str(hf_config.get("num_key_value_heads") or num_heads))
-    hidden_size = int(str(hf_config["hidden_size"]))
-    head_dim = int(str(hf_config.get("head_dim") or hidden_size // num_heads))
-    return 2 * num_layers * num_kv_heads * head_dim * _DTYPE_BYTES[dtype]
-
-
-def tiergate_kv_cache_bytes(bytes_per_token: int, max_seq_len: int, max_concurrency: int,
-                            usable_share: float) -> int:
-    """A KV cache that holds max_concurrency sequences of max_seq_len tokens (plus a block of
-    slack each) within the share of blocks the benchmark's tier may use."""
-    tokens = max_concurrency * (max_seq_len + 32)
-    return math.ceil(tokens * bytes_per_token / usable_share / (1 << 20)) << 20
 
 
 class PeerServer(ServerProcess):
@@ -90,7 +68,7 @@ class TiergateServer(PeerServer):
     ready_path = "/health/ready"
 
     def __init__(self, work_dir: Path, threads: int, *, dtype: str, max_num_seqs: int,
-                 kv_cache_bytes: int, model_cache_dir: Path | None = None,
+                 kv_cache_bytes: int | None, model_cache_dir: Path | None = None,
                  start_timeout_s: float = 900.0) -> None:
         super().__init__(work_dir, threads, start_timeout_s=start_timeout_s)
         self.dtype = dtype
@@ -109,9 +87,10 @@ class TiergateServer(PeerServer):
             "--database-url", f"sqlite:///{self.work_dir / 'tiergate.db'}",
             "--data-dir", str(self.work_dir / "data"),
             "--max-num-seqs", str(self.max_num_seqs),
-            "--kv-cache-bytes", str(self.kv_cache_bytes),
             "--log-level", "warning",
         ]  # fmt: skip
+        if self.kv_cache_bytes is not None:
+            command += ["--kv-cache-bytes", str(self.kv_cache_bytes)]
         if self.model_cache_dir is not None:
             command += ["--model-cache-dir", str(self.model_cache_dir)]
         return command

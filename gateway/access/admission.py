@@ -32,6 +32,7 @@ from policies import (
     LimiterUnavailable,
     MemoryRateLimiter,
     MonthlyUsageSource,
+    ParseTimeBudget,
     RateLimiter,
     RedisLimiterConfig,
     RedisRateLimiter,
@@ -112,10 +113,14 @@ class GatewayAdmission:
     """The controller as the routes use it: refusals become GatewayErrors with headers."""
 
     def __init__(
-        self, controller: AdmissionController, redis: RedisRateLimiter | None = None
+        self,
+        controller: AdmissionController,
+        redis: RedisRateLimiter | None = None,
+        parse_time: ParseTimeBudget | None = None,
     ) -> None:
         self.controller = controller
         self._redis = redis  # the controller's limiter when it is Redis's
+        self.parse_time = parse_time or ParseTimeBudget()
 
     @property
     def redis_up(self) -> bool | None:
@@ -149,6 +154,18 @@ class GatewayAdmission:
             await self.controller.screen(str(principal.tenant_id), _limits(principal))
         except AdmissionRefused as refused:
             raise _translate(refused) from None
+
+    def check_parse_time(self, principal: TenantPrincipal) -> None:
+        """429 now, before a large body is read, when the tenant's large bodies have taken
+        their share of this replica's event loop (policies.parse_time)."""
+        try:
+            self.parse_time.check(str(principal.tenant_id))
+        except AdmissionRefused as refused:
+            raise _translate(refused) from None
+
+    def spend_parse_time(self, principal: TenantPrincipal, seconds: float) -> None:
+        """A large body of the tenant's took this long to parse, on the event loop."""
+        self.parse_time.spend(str(principal.tenant_id), seconds)
 
     async def charge_refused(self, principal: TenantPrincipal, num_tokens: int) -> None:
         """A request refused with a 4xx after authentication still costs its tenant one

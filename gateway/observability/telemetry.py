@@ -62,7 +62,9 @@ class GenAiRequest:
     """The request attributes a span starts with."""
 
     operation: str  # gen_ai.operation.name: "chat" or "text_completion"
-    request_model: str  # the model the client asked for
+    # The model the client asked for; None when the request was refused before its body was
+    # read (the span is then named by its operation alone, as the conventions say).
+    request_model: str | None
     tier: str
     tenant_id: str
     max_tokens: int | None = None
@@ -205,8 +207,11 @@ class RequestTrace:
         self._scheduled_s: float | None = None
         self._first_token_s: float | None = None
         self._is_finished = False
+        name = request.operation
+        if request.request_model is not None:
+            name = f"{name} {request.request_model}"
         self.span: Span = tracer.start_span(
-            f"{request.operation} {request.request_model}",
+            name,
             kind=SpanKind.SERVER,
             start_time=self._epoch_ns(self._start_s),
             attributes=_request_attributes(request),
@@ -230,6 +235,18 @@ class RequestTrace:
                 yield span
         finally:
             span.end(end_time=self._epoch_ns(time.monotonic()))
+
+    def admission_refused(self, exc: BaseException, start_s: float) -> None:
+        """An admission decision taken from start_s until now, before this trace began,
+        refused the request with exc (the screen before the body is read)."""
+        span = self._tracer.start_span(
+            "admission",
+            context=trace.set_span_in_context(self.span),
+            start_time=self._epoch_ns(start_s),
+        )
+        span.record_exception(exc)
+        span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+        span.end(end_time=self._epoch_ns(time.monotonic()))
 
     def queued(self, at_s: float | None = None) -> None:
         """The request was handed to the engine."""
@@ -273,9 +290,10 @@ class RequestTrace:
         attributes: dict[str, AttributeValue] = {
             "gen_ai.operation.name": self._request.operation,
             "gen_ai.provider.name": PROVIDER_NAME,
-            "gen_ai.request.model": self._request.request_model,
             "tiergate.tier": self._request.tier,
         }
+        if self._request.request_model is not None:
+            attributes["gen_ai.request.model"] = self._request.request_model
         if response.response_model:
             attributes["gen_ai.response.model"] = response.response_model
         if response.error_type is not None:
@@ -307,12 +325,12 @@ def _request_attributes(request: GenAiRequest) -> dict[str, AttributeValue]:
     attributes: dict[str, AttributeValue] = {
         "gen_ai.operation.name": request.operation,
         "gen_ai.provider.name": PROVIDER_NAME,
-        "gen_ai.request.model": request.request_model,
         "gen_ai.request.stream": request.is_stream,
         "tiergate.tier": request.tier,
         "tiergate.tenant_id": request.tenant_id,
     }
     optional: dict[str, AttributeValue | None] = {
+        "gen_ai.request.model": request.request_model,
         "gen_ai.request.max_tokens": request.max_tokens,
         "gen_ai.request.temperature": request.temperature,
         "gen_ai.request.top_p": request.top_p,

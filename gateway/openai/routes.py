@@ -1,11 +1,15 @@
 """POST /v1/chat/completions, POST /v1/completions and GET /v1/models.
 
 Order of work for a generation request: accepting (not draining, model loaded), the caller's
-key, the body (size, JSON, schema and the operator's bounds: messages, prompts x n), the model
-name, tokenization, whether it can ever fit the context, admission, then the engine. A body
-over LARGE_BODY_BYTES is read only if the tenant's rate limits have room (a 429 otherwise),
-and its prompts are tokenized off the event loop; a text that cannot fit the context is
-refused from its size, before it is encoded. A request refused with a 4xx once its tenant is
+key, the screen (the tenant's rate limits have a request and a token left, read without
+charging; for a body over LARGE_BODY_BYTES, its large bodies have not spent their share of
+the loop's parse time: policies.parse_time), the body (size, JSON, schema and the
+operator's bounds: messages, prompts x n), the model name, tokenization, the schema and
+grammar checks (in the grammar worker, in the tenant's turn), whether it can ever fit the
+context, admission, then the engine. A tenant out of quota is refused before its body is
+read: it gets no parsing, tokenizing or checking for free. A large body's prompts are
+tokenized off the event loop; a text that cannot fit the context is refused from its size,
+before it is encoded. A request refused with a 4xx once its tenant is
 known costs that tenant one request and the prompt tokens it was found to hold, taken from
 its buckets as far as they go: bad requests are rate-limited like good ones. Nothing else is
 charged or queued before every check that can refuse it has passed. A finished request's
@@ -67,7 +71,7 @@ from gateway.openai.responses import ChoiceText, ResponseContext, chunk, full_re
 from gateway.openai.tool_calls import StreamedToolCalls
 from gateway.server.runtime import GatewayRuntime, RecordLostError
 from gateway.server.served_model import ServedModel, tenant_context
-from policies import RefusalReason
+from policies import RefusalReason, Tier
 
 logger = logging.getLogger(__name__)
 
@@ -101,19 +105,15 @@ TOOL_PARSE_OFF_LOOP_CHARS = 64 << 10
 LARGE_BODY_BYTES = 64 << 10
 
 
-async def read_json_body(
+async def read_body(
     request: Request, max_bytes: int, on_large: Callable[[], Awaitable[None]] | None = None
-) -> tuple[Any, int]:
-    """The body parsed as JSON and its size; 413 above max_bytes (checked while reading), 400
-    if not JSON (gateway.http.json_body). on_large runs once, before the body is read on, when it
-    is declared or found to be larger than LARGE_BODY_BYTES."""
+) -> bytes:
+    """The body's bytes; 413 above max_bytes (checked while reading). on_large runs once,
+    before the body is read on, when it is found to be larger than LARGE_BODY_BYTES (a body
+    that declares its size is screened before reading starts)."""
     declared = declared_length(request)
     if declared is not None and declared > max_bytes:
         raise PayloadTooLargeError(f"the request body is larger than {max_bytes} bytes")
-    if on_large is not None and declared is not None:
-        if declared > LARGE_BODY_BYTES:
-            await on_large()
-        on_large = None
     chunks, size = [], 0
     async for piece in request.stream():
         size += len(piece)
@@ -123,7 +123,7 @@ async def read_json_body(
             await on_large()
             on_large = None
         chunks.append(piece)
-    return parse_json_body(b"".join(chunks)), size
+    return b"".join(chunks)
 
 
 class _OpenAIApi:
@@ -159,18 +159,33 @@ class _OpenAIApi:
         principal = await self.runtime.key_resolver.authenticate(http_request)
         settings = self.runtime.settings
         num_prompt_tokens = 0  # what a refused request is found to hold, charged to it
+        declared = declared_length(http_request)
+        # Before any of the body is read: a tenant out of requests or tokens, or (for a large
+        # body) out of its share of the loop's parse time, is refused without costing more.
+        await self._screen(principal, endpoint, served, arrival,
+                           is_large=declared is not None and declared > LARGE_BODY_BYTES)
         try:
-            body, body_bytes = await read_json_body(
+            raw = await read_body(
                 http_request,
                 settings.max_body_bytes,
-                on_large=lambda: self._screen(principal, endpoint, served, arrival),
+                on_large=None if declared is not None else lambda: self._screen(
+                    principal, endpoint, served, arrival, is_large=True, check_limits=False),
             )
-            parsed = (
-                parse_chat_request(body, self._bounds) if endpoint is Endpoint.CHAT
-                else parse_completion_request(body, self._bounds)
-            )
+            body_bytes = len(raw)
+            started = time.perf_counter()
+            try:
+                parsed = (
+                    parse_chat_request(parse_json_body(raw), self._bounds)
+                    if endpoint is Endpoint.CHAT
+                    else parse_completion_request(parse_json_body(raw), self._bounds)
+                )
+            finally:
+                if body_bytes > LARGE_BODY_BYTES:
+                    self.admission.spend_parse_time(principal, time.perf_counter() - started)
+            del raw
             if parsed.model != served.name:
                 raise _unknown_model(parsed.model)
+            _check_tier_allows(parsed, self.runtime.tiers[principal.tier])
             # A small body's prompts are tokenized on the event loop: the hand-over to a thread
             # cost a request up to 16 ms before admission under 2x load on the CPU benchmark.
             # A large body's go to a thread whose encoder releases the GIL (1 MiB of text: about
@@ -204,7 +219,7 @@ class _OpenAIApi:
         response_id = _response_id(endpoint)
         trace = self.runtime.telemetry.start_request(
             GenAiRequest(
-                operation="chat" if endpoint is Endpoint.CHAT else "text_completion",
+                operation=_operation(endpoint),
                 request_model=parsed.model,
                 tier=principal.tier,
                 tenant_id=str(principal.tenant_id),
@@ -246,21 +261,34 @@ class _OpenAIApi:
         return await run.respond(http_request)
 
     async def _screen(
-        self, principal: TenantPrincipal, endpoint: Endpoint, served: ServedModel, arrival: float
+        self, principal: TenantPrincipal, endpoint: Endpoint, served: ServedModel,
+        arrival: float, *, is_large: bool, check_limits: bool = True,
     ) -> None:
-        """Before a large body is read: 429 (recorded like any refusal) when the tenant's rate
-        limits have nothing left."""
+        """Before a body is read: 429 (recorded and traced like any refusal) when the
+        tenant's rate limits have nothing left (check_limits), or, for a large body, when
+        its large bodies have spent its share of the loop's parse time."""
+        started = time.monotonic()
         try:
-            await self.admission.screen(principal)
+            if check_limits:
+                await self.admission.screen(principal)
+            if is_large:
+                self.admission.check_parse_time(principal)
         except AdmissionRefusal as refusal:
-            # The body is not read: closing the connection stops its bytes (up to
-            # --max-body-bytes a request) at the socket instead of draining them.
-            refusal.headers["connection"] = "close"
-            await self.runtime.publish(
-                refused_record(_response_id(endpoint), principal, endpoint, served, 0, arrival,
-                               refusal)
+            trace = self.runtime.telemetry.start_request(
+                GenAiRequest(operation=_operation(endpoint), request_model=None,
+                             tier=principal.tier, tenant_id=str(principal.tenant_id)),
+                start_s=arrival,
             )
-            await self._hold(refusal)
+            trace.admission_refused(refusal, started)
+            record = refused_record(_response_id(endpoint), principal, endpoint, served, 0,
+                                    arrival, refusal)
+            trace.finished(_trace_response(record, served))
+            await self.runtime.publish(record)
+            if is_large:
+                # The body is not read: closing the connection stops its bytes (up to
+                # --max-body-bytes a request) at the socket instead of draining them.
+                refusal.headers["connection"] = "close"
+                await self._hold(refusal)
             raise
 
     async def _hold(self, refusal: AdmissionRefusal) -> None:
@@ -626,6 +654,11 @@ def _record_lost_error() -> ServiceUnavailableError:
     )
 
 
+def _operation(endpoint: Endpoint) -> str:
+    """gen_ai.operation.name."""
+    return "chat" if endpoint is Endpoint.CHAT else "text_completion"
+
+
 def _response_id(endpoint: Endpoint) -> str:
     prefix = "chatcmpl" if endpoint is Endpoint.CHAT else "cmpl"
     return f"{prefix}-{uuid.uuid4().hex}"
@@ -734,6 +767,17 @@ async def _cancel_on_disconnect(request: Request, scope: anyio.CancelScope) -> N
         if message["type"] == "http.disconnect":
             scope.cancel()
             return
+
+
+def _check_tier_allows(request: GenerationRequest, tier: Tier) -> None:
+    """400 for a raw grammar from a tier whose requests may not send one."""
+    structured = request.structured
+    if structured is not None and structured.kind == "grammar" and not tier.raw_grammars:
+        raise BadRequestError(
+            f"raw Lark and GBNF grammars are not available to the {tier.name} tier; use a "
+            "JSON schema, a regex or a list of choices",
+            param=structured.param, code="unsupported_parameter",
+        )
 
 
 def _model_card(served: ServedModel) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from engine import (
     EngineConfig,
     EngineProcess,
     FCFSPolicy,
+    GrammarBudget,
     GrammarCompiler,
     LLMEngine,
     ModelConfig,
@@ -103,6 +104,7 @@ def build_engine(settings: GatewaySettings, tiers: TierTable, model_dir: Path) -
     model_config = ModelConfig.from_file(model_dir)
     runner_config = RunnerConfig(
         kv_cache_bytes=settings.kv_cache_bytes,
+        kv_cache_memory_fraction=settings.kv_cache_memory_fraction,
         max_num_batched_tokens=settings.max_num_batched_tokens,
         max_num_seqs=settings.max_num_seqs,
         max_model_len=context_length(settings, model_config),
@@ -115,6 +117,13 @@ def build_engine(settings: GatewaySettings, tiers: TierTable, model_dir: Path) -
         dtype=_DTYPES[settings.dtype],
         device=settings.device,
     )
+    size = runner.kv_cache_size
+    if size is not None:
+        logger.info(
+            "KV cache %.2f GiB (%s): %d blocks of %d tokens, %d tokens",
+            size.num_bytes / (1 << 30), size.source, runner.num_kv_blocks, runner.block_size,
+            runner.num_kv_blocks * runner.block_size,
+        )
     engine = new_engine(settings, tiers, runner, model_config, Tokenizer.from_dir(model_dir))
     if engine.grammars is not None:
         engine.grammars.warm_up()  # while the server starts, not on the first request
@@ -143,6 +152,10 @@ def new_engine(
         ),
         eos_token_id=eos_ids[0] if eos_ids else None,
         async_scheduling={"auto": None, "on": True, "off": False}[settings.async_scheduling],
+        grammar_budget=GrammarBudget(
+            max_step_s=settings.grammar_max_step_ms / 1000,
+            max_mean_s_per_token=settings.grammar_max_ms_per_token / 1000,
+        ),
     )
     policy: SchedulingPolicy = TieredPolicy() if tiered else FCFSPolicy()
     grammars = GrammarCompiler(tokenizer, model_config.vocab_size, list(eos_ids))

@@ -56,7 +56,23 @@ _OPTIONS: dict[str, _Option] = {
     "run_migrations": _Option(
         "--migrate", "TIERGATE_RUN_MIGRATIONS", "run Alembic upgrade head at start"
     ),
-    "kv_cache_bytes": _Option("--kv-cache-bytes", "TIERGATE_KV_CACHE_BYTES", "KV cache size"),
+    "kv_cache_bytes": _Option(
+        "--kv-cache-bytes", "TIERGATE_KV_CACHE_BYTES",
+        "KV cache size in bytes (default: a share of the memory left once the model is loaded)",
+    ),
+    "kv_cache_memory_fraction": _Option(
+        "--kv-cache-memory-fraction", "TIERGATE_KV_CACHE_MEMORY_FRACTION",
+        "without --kv-cache-bytes: the KV cache's share of the memory the engine may use "
+        "(default 0.9 of a CUDA device's, less what it holds; 0.25 of the RAM available)",
+    ),
+    "grammar_max_step_ms": _Option(
+        "--grammar-max-step-ms", "TIERGATE_GRAMMAR_MAX_STEP_MS",
+        "longest one constrained token's grammar mask and advance may take (default 20)",
+    ),
+    "grammar_max_ms_per_token": _Option(
+        "--grammar-max-ms-per-token", "TIERGATE_GRAMMAR_MAX_MS_PER_TOKEN",
+        "most a constrained output's grammar may take per token on average (default 2)",
+    ),
     "max_model_len": _Option(
         "--max-model-len", "TIERGATE_MAX_MODEL_LEN", "longest prompt + output in tokens"
     ),
@@ -134,7 +150,12 @@ class GatewaySettings:
     dtype: str = "float32"
     config: Path | None = None
     run_migrations: bool = True
-    kv_cache_bytes: int = 256 << 20
+    # None: a share of the memory the engine may use (engine.kv_memory).
+    kv_cache_bytes: int | None = None
+    kv_cache_memory_fraction: float | None = None
+    # What a constrained sample's grammar may cost on the host (engine.GrammarBudget).
+    grammar_max_step_ms: float = 20.0
+    grammar_max_ms_per_token: float = 2.0
     # None: the model's own context length.
     max_model_len: int | None = None
     max_num_seqs: int = 64
@@ -171,11 +192,19 @@ class GatewaySettings:
         if self.tool_call_parser not in ("auto", "hermes", "llama3_json", "mistral"):
             raise SettingsError("--tool-call-parser must be auto, hermes, llama3_json or mistral")
         for name in (
-            "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens", "max_body_bytes",
-            "max_messages", "max_choices",
+            "max_num_seqs", "max_num_batched_tokens", "max_body_bytes", "max_messages",
+            "max_choices",
         ):
             if getattr(self, name) < 1:
                 raise SettingsError(f"{_OPTIONS[name].flag} must be >= 1")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
+            raise SettingsError("--kv-cache-bytes must be >= 1")
+        if self.kv_cache_memory_fraction is not None and not (
+                0 < self.kv_cache_memory_fraction <= 1):
+            raise SettingsError("--kv-cache-memory-fraction must be in (0, 1]")
+        if not (self.grammar_max_step_ms > 0 and self.grammar_max_ms_per_token > 0):
+            raise SettingsError("--grammar-max-step-ms and --grammar-max-ms-per-token must "
+                                "be > 0")
         if self.cpu_decode_rows is not None and not (
             0 <= self.cpu_decode_rows <= CPU_DECODE_MAX_ROWS
         ):

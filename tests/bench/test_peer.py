@@ -39,10 +39,8 @@ from bench.serve.peer_client import (
 from bench.serve.peer_prompts import CORPUS, PromptBuilder, PromptBuildError
 from bench.serve.peer_servers import (
     LlamaServer,
-    kv_bytes_per_token,
     openmp_wait_label,
     thread_env,
-    tiergate_kv_cache_bytes,
 )
 from gateway.cli import build_parser
 
@@ -398,16 +396,6 @@ def test_both_servers_get_the_same_thread_environment() -> None:
                          alias="SmolLM2-135M-Instruct")
     assert server.flags() == ["-t", "2", "--parallel", "32", "-c", "32768", "--no-webui",
                               "--alias", "SmolLM2-135M-Instruct"]
-
-
-def test_the_kv_cache_holds_every_concurrent_sequence() -> None:
-    smollm2 = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
-               "hidden_size": 576}
-    assert kv_bytes_per_token(smollm2, "float32") == 2 * 30 * 3 * 64 * 4 == 46080
-    assert kv_bytes_per_token(smollm2, "bfloat16") == 23040
-    size = tiergate_kv_cache_bytes(46080, 1000, 32, 0.7)
-    assert size % (1 << 20) == 0
-    assert size * 0.7 >= 32 * 1032 * 46080 > (size - (1 << 20)) * 0.7
 
 
 CHANGELOG = """# Changelog

@@ -409,6 +409,41 @@ def test_crash_between_commit_and_spool_truncation_replays_without_duplicates(
 # --- monthly totals ------------------------------------------------------------------------------
 
 
+def test_a_large_spool_is_replayed_in_chunks_between_new_records(
+    session_factory: sessionmaker[Session], tmp_path: Path
+) -> None:
+    """20 chunks left by an earlier process: start() returns without replaying them, a new
+    record is committed while most of them are still waiting (one chunk at a time between
+    batches, not the whole spool in front of it), and a monthly total that needs them all
+    waits for them while records go on being written."""
+    spool_path = tmp_path / "spool.jsonl"
+    old = [make_record(f"old{i}", finished_at=NOW) for i in range(2_000)]
+    Spool(spool_path).append(old)
+    full_size = spool_path.stat().st_size
+
+    async def scenario() -> tuple[int, int, MonthlyUsage]:
+        ledger = _ledger(session_factory, spool_path, max_batch=100)
+        await ledger.start()
+        at_start = ledger.spool_bytes
+        await ledger.record(make_record("new", finished_at=NOW))
+        after_new = ledger.spool_bytes
+        totals = ledger.monthly_usage(1)
+        await ledger.record(make_record("newer", finished_at=NOW))
+        usage = await totals
+        await ledger.close()
+        return at_start, after_new, usage
+
+    at_start, after_new, usage = _run(scenario)
+    assert at_start == full_size  # nothing replayed before the writer started
+    assert after_new > 0  # the new record did not wait for the whole spool
+    stored = _stored_ids(session_factory)
+    assert len(stored) == 2_002 and len(set(stored)) == 2_002
+    assert spool_path.stat().st_size == 0
+    # Every old record and the first new one, each counted once (the second new one too if
+    # it was written before the total was read).
+    assert usage.num_tokens in (2_001 * 120, 2_002 * 120)
+
+
 def test_monthly_usage_loads_once_then_counts_new_records(
     session_factory: sessionmaker[Session], tmp_path: Path
 ) -> None:

@@ -574,12 +574,16 @@ def test_streamed_chat_span_carries_the_genai_attributes(
 def test_refused_chat_span_is_an_admission_error(
     gateway: InProcessGateway, spans: InMemorySpanExporter
 ) -> None:
-    caller = new_caller(gateway, "traced-refused", "standard", ONE_PER_MINUTE)
+    """Refused by admission once its body is read: 60 tokens a minute, the first request
+    takes some of them, the second's long prompt does not fit what is left (its tenant
+    still had tokens, so the screen before its body let it through)."""
+    caller = new_caller(gateway, "traced-refused", "standard",
+                        {"tokens_per_minute": 60, "burst_tokens": 60})
     caller.client.chat.completions.create(model=MODEL, messages=_messages("first"), max_tokens=2)
     spans.clear()
     with pytest.raises(openai.RateLimitError):
         caller.client.chat.completions.create(
-            model=MODEL, messages=_messages("second"), max_tokens=MAX_TOKENS,
+            model=MODEL, messages=_messages("second " * 60), max_tokens=MAX_TOKENS,
             temperature=TEMPERATURE, top_p=TOP_P, seed=SEED,
         )
     root, children = _request_spans(spans)
@@ -587,12 +591,39 @@ def test_refused_chat_span_is_an_admission_error(
     assert root.name == f"chat {MODEL}"
     assert root.status.status_code is StatusCode.ERROR
     attributes = dict(root.attributes or {})
-    assert attributes["error.type"] == "rate_limit_requests"
+    assert attributes["error.type"] == "rate_limit_tokens"
     assert gen_ai.GEN_AI_RESPONSE_ID not in attributes
     assert attributes[gen_ai.GEN_AI_USAGE_OUTPUT_TOKENS] == 0
     assert {k: attributes[k] for k in _expected_attributes(caller, stream=False)} == (
         _expected_attributes(caller, stream=False)
     )
+    admission = children["admission"]
+    assert admission.status.status_code is StatusCode.ERROR
+    assert [event.name for event in admission.events] == ["exception"]
+
+
+def test_a_chat_refused_before_its_body_is_read_is_traced_without_it(
+    gateway: InProcessGateway, spans: InMemorySpanExporter
+) -> None:
+    """One request a minute: the second is refused by the screen before its body is read,
+    so its span knows the operation, tier and tenant but not the model or the sampling."""
+    caller = new_caller(gateway, "traced-screened", "standard", ONE_PER_MINUTE)
+    caller.client.chat.completions.create(model=MODEL, messages=_messages("first"), max_tokens=2)
+    spans.clear()
+    with pytest.raises(openai.RateLimitError):
+        caller.client.chat.completions.create(
+            model=MODEL, messages=_messages("second"), max_tokens=MAX_TOKENS,
+            temperature=TEMPERATURE,
+        )
+    root, children = _request_spans(spans)
+    assert set(children) == {"admission"}
+    assert root.name == "chat" and root.status.status_code is StatusCode.ERROR
+    attributes = dict(root.attributes or {})
+    assert attributes["error.type"] == "rate_limit_requests"
+    assert gen_ai.GEN_AI_REQUEST_MODEL not in attributes
+    assert gen_ai.GEN_AI_REQUEST_TEMPERATURE not in attributes
+    assert attributes["tiergate.tenant_id"] == str(caller.tenant_id)
+    assert attributes[gen_ai.GEN_AI_OPERATION_NAME] == "chat"
     admission = children["admission"]
     assert admission.status.status_code is StatusCode.ERROR
     assert [event.name for event in admission.events] == ["exception"]

@@ -226,3 +226,38 @@ def test_the_ledger_spools_past_a_database_that_never_answers(
           f"{durable_s:.2f} s (the ledger's deadline {call_timeout_s} s), replayed after")
     assert sorted(stored) == sorted(f"r{i}" for i in range(20))  # each once
     assert durable_s < call_timeout_s + 1.0
+
+
+@pytest.mark.parametrize("pooled", [True, False], ids=["serving", "cli"])
+def test_every_connection_has_keepalives_and_a_user_timeout(
+    postgresql_url: str, pooled: bool
+) -> None:
+    """Read back from the connection's own socket: a server that vanishes is noticed by
+    the kernel in keepalive_idle + interval x count seconds (sent data unacknowledged for
+    tcp_user_timeout), instead of holding the connection's caller until a restart."""
+    settings = dataclasses.replace(_settings(postgresql_url), keepalive_idle_s=7,
+                                   keepalive_interval_s=3, keepalive_count=4,
+                                   tcp_user_timeout_s=9.5)
+    engine = create_db_engine(settings, pooled=pooled)
+    try:
+        with engine.connect() as connection:
+            raw = connection.connection.dbapi_connection
+            assert raw is not None
+            probe = socket.socket(fileno=os.dup(raw.fileno()))
+            try:
+                options = {
+                    name: probe.getsockopt(level, option)
+                    for name, level, option in [
+                        ("keepalive", socket.SOL_SOCKET, socket.SO_KEEPALIVE),
+                        ("idle", socket.IPPROTO_TCP, socket.TCP_KEEPIDLE),
+                        ("interval", socket.IPPROTO_TCP, socket.TCP_KEEPINTVL),
+                        ("count", socket.IPPROTO_TCP, socket.TCP_KEEPCNT),
+                        ("user_timeout_ms", socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT),
+                    ]
+                }
+            finally:
+                probe.close()  # the duplicate only
+    finally:
+        engine.dispose()
+    assert options == {"keepalive": 1, "idle": 7, "interval": 3, "count": 4,
+                       "user_timeout_ms": 9500}
