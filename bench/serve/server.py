@@ -23,7 +23,7 @@ import yaml
 from bench.serve.server_process import ServerProcess
 
 if TYPE_CHECKING:
-    from policies import TierTable
+    from policies import Tier, TierTable
 
 __all__ = ["VARIANTS", "BenchServer", "EngineLimits", "ServerVariant"]
 
@@ -130,6 +130,17 @@ class BenchServer(ServerProcess):
     def config_file(self) -> dict[str, object]:
         """The `--config` contents: the tier table and the admission section."""
         return {
-            "tiers": [dataclasses.asdict(tier) for tier in self.tiers],
+            "tiers": [_tier_entry(tier) for tier in self.tiers],
             "admission": {"enable_shedding": self.variant.enable_shedding},
         }
+
+
+def _tier_entry(tier: Tier) -> dict[str, object]:
+    """A tier as the config file writes it: the fields with a default only where they
+    differ from it, so that a checkout older than such a field reads the file too."""
+    from policies import Tier
+
+    defaults = {f.name: f.default for f in dataclasses.fields(Tier)
+                if f.default is not dataclasses.MISSING}
+    return {name: value for name, value in dataclasses.asdict(tier).items()
+            if name not in defaults or value != defaults[name]}

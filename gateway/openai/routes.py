@@ -163,13 +163,15 @@ class _OpenAIApi:
         # Before any of the body is read: a tenant out of requests or tokens, or (for a large
         # body) out of its share of the loop's parse time, is refused without costing more.
         await self._screen(principal, endpoint, served, arrival,
-                           is_large=declared is not None and declared > LARGE_BODY_BYTES)
+                           is_large=declared is not None and declared > LARGE_BODY_BYTES,
+                           may_be_large=declared is None or declared > LARGE_BODY_BYTES)
         try:
             raw = await read_body(
                 http_request,
                 settings.max_body_bytes,
                 on_large=None if declared is not None else lambda: self._screen(
-                    principal, endpoint, served, arrival, is_large=True, check_limits=False),
+                    principal, endpoint, served, arrival, is_large=True, may_be_large=True,
+                    check_limits=False),
             )
             body_bytes = len(raw)
             started = time.perf_counter()
@@ -262,11 +264,13 @@ class _OpenAIApi:
 
     async def _screen(
         self, principal: TenantPrincipal, endpoint: Endpoint, served: ServedModel,
-        arrival: float, *, is_large: bool, check_limits: bool = True,
+        arrival: float, *, is_large: bool, may_be_large: bool, check_limits: bool = True,
     ) -> None:
         """Before a body is read: 429 (recorded and traced like any refusal) when the
-        tenant's rate limits have nothing left (check_limits), or, for a large body, when
-        its large bodies have spent its share of the loop's parse time."""
+        tenant's rate limits have nothing left (check_limits), or, for a large body
+        (is_large), when its large bodies have spent its share of the loop's parse time. A
+        refused body that may be large (its size declared so, or not declared) is not read:
+        its connection is closed and the refusal held (_hold)."""
         started = time.monotonic()
         try:
             if check_limits:
@@ -284,7 +288,7 @@ class _OpenAIApi:
                                     arrival, refusal)
             trace.finished(_trace_response(record, served))
             await self.runtime.publish(record)
-            if is_large:
+            if may_be_large:
                 # The body is not read: closing the connection stops its bytes (up to
                 # --max-body-bytes a request) at the socket instead of draining them.
                 refusal.headers["connection"] = "close"
