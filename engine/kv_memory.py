@@ -96,7 +96,7 @@ def kv_cache_size(
         budget = int(fraction * max(0, available - reserve_bytes))
         where = f"{fraction:g} of {_gib(available - reserve_bytes)} of RAM available"
         if reserve_bytes:
-            where += f" (after {_gib(reserve_bytes)} the model still takes)"
+            where += f" once the model has taken {_gib(reserve_bytes)} more"
     if budget >= most_useful_bytes:
         return KVCacheSize(most_useful_bytes,
                            f"max_num_seqs x max_model_len tokens, within {where}")

@@ -120,7 +120,7 @@ def build_engine(settings: GatewaySettings, tiers: TierTable, model_dir: Path) -
     size = runner.kv_cache_size
     if size is not None:
         logger.info(
-            "KV cache %.2f GiB (%s): %d blocks of %d tokens, %d tokens",
+            "KV cache %.2f GiB, %s: %d blocks of %d tokens, %d tokens",
             size.num_bytes / (1 << 30), size.source, runner.num_kv_blocks, runner.block_size,
             runner.num_kv_blocks * runner.block_size,
         )
