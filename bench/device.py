@@ -21,16 +21,15 @@ from dataclasses import dataclass
 import torch
 
 from bench.engine import step_until_decoding
-from engine.attention import AttentionMetadata
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.flops import linear_params_per_token
-from engine.llm_engine import LLMEngine
-from engine.loader import random_model
-from engine.model_runner import RunnerConfig, TorchModelRunner, kv_bytes_per_block
+from engine.config import CacheConfig, EngineConfig, RunnerConfig, SchedulerConfig
+from engine.core.llm_engine import LLMEngine
 from engine.models.config import ModelConfig
 from engine.models.decoder import CausalLM
+from engine.models.loader import random_model
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ScheduledChunk
+from engine.worker.flops import linear_params_per_token
+from engine.worker.model_runner import TorchModelRunner, kv_bytes_per_block
 
 __all__ = [
     "DeviceRow",
@@ -106,20 +105,15 @@ def measure_device(
     blocks = num_running * -(-max_len // _BLOCK_SIZE) + 16
     if model is None:
         model = random_model(config, seed, dtype, device, max_len)
-    runner = TorchModelRunner(
-        model,
-        RunnerConfig(block_size=_BLOCK_SIZE, num_kv_blocks=blocks,
-                     max_num_batched_tokens=max(2048, num_running),
-                     max_num_seqs=max(num_running, 1), max_model_len=max_len),
+    engine_config = EngineConfig(
+        SchedulerConfig(max_num_batched_tokens=max(2048, num_running),
+                        max_num_seqs=num_running, max_model_len=max_len),
+        CacheConfig(block_size=_BLOCK_SIZE),
+        runner=RunnerConfig(num_kv_blocks=blocks),
     )
-    engine = LLMEngine(
-        EngineConfig(
-            SchedulerConfig(max_num_batched_tokens=max(2048, num_running),
-                            max_num_seqs=num_running, max_model_len=max_len),
-            CacheConfig(block_size=_BLOCK_SIZE),
-        ),
-        runner,
-    )
+    engine_config.validate()  # before the runner captures CUDA graphs for max_num_seqs
+    runner = TorchModelRunner(model, engine_config)
+    engine = LLMEngine(engine_config, runner)
     generator = torch.Generator().manual_seed(seed)
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=num_steps + 16)
     for index in range(num_running):
@@ -141,7 +135,7 @@ def measure_device(
             if runner.graphs is not None and runner.graphs.can_run(inputs):
                 runner.graphs.run(inputs, None)  # the step's one input copy, then the replay
             else:
-                runner.attention.prepare(AttentionMetadata.from_batch(batch))
+                runner.attention.prepare(batch.attention_metadata())
                 runner.model(batch, runner.kv_caches, runner.attention)
             _sync(device)
             forward_times.append(time.perf_counter() - started)

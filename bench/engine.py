@@ -39,12 +39,12 @@ from typing import Any
 
 from bench import sampler as bench_sampler
 from bench.offline import DEFAULT_MODEL
-from engine.compiled_core import core_name
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.llm_engine import LLMEngine, TenantContext
-from engine.request import Request
+from engine.config import CacheConfig, EngineConfig, RunnerConfig, SchedulerConfig
+from engine.core.llm_engine import LLMEngine
+from engine.core.request import Request
 from engine.sampling_params import SamplingParams
 from engine.testing.no_work_runner import NoWorkRunner
+from engine.types import TenantContext
 from policies import TieredPolicy
 
 __all__ = [
@@ -100,11 +100,9 @@ def _engine(num_seqs: int, context: int, async_scheduling: bool, policy: str = "
         ),
         CacheConfig(block_size=_BLOCK_SIZE),
         async_scheduling=async_scheduling,
+        runner=RunnerConfig(num_kv_blocks=num_seqs * blocks_per_request + 16),
     )
-    runner = NoWorkRunner(
-        num_seqs * blocks_per_request + 16, _BLOCK_SIZE, num_seqs, _MAX_MODEL_LEN
-    )
-    return LLMEngine(config, runner, TieredPolicy() if policy == "tiered" else None)
+    return LLMEngine(config, NoWorkRunner(config), TieredPolicy() if policy == "tiered" else None)
 
 
 def _tenant(index: int, policy: str) -> TenantContext | None:
@@ -178,12 +176,11 @@ def run(
 
 
 def format_table(decode: list[DecodeRow], short: ShortRow, context: int, repeats: int,
-                 core: str, async_scheduling: bool = False, policy: str = "fcfs") -> str:
-    """core: the engine core that ran (engine.core_name)."""
+                 async_scheduling: bool = False, policy: str = "fcfs") -> str:
     mode = "async" if async_scheduling else "synchronous"
     lines = [
         f"Engine host work per step, no model work (NoWorkRunner), {context}-token contexts,"
-        f" {mode} scheduling, {policy} policy, engine core {core}, median of {repeats}"
+        f" {mode} scheduling, {policy} policy, median of {repeats}"
         " (min-max)",
         "",
         "| running decodes | us per step | us per running request |",
@@ -246,8 +243,8 @@ def _device_report(args: argparse.Namespace) -> dict[str, Any]:
 
     from bench import device as bench_device
     from bench import offline as bench_offline
-    from engine.loader import random_model
     from engine.models.config import ModelConfig
+    from engine.models.loader import random_model
 
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
@@ -289,14 +286,13 @@ def report(args: argparse.Namespace) -> int:
     sampler = bench_sampler.run(args.batches, args.steps, args.repeats, args.seed)
     device = _device_report(args) if args.device else None
     load_after = os.getloadavg()[0]
-    core = core_name()
     if args.json:
         out: dict[str, Any] = {
             "decode": [asdict(r) for r in decode], "short": asdict(short),
             "sampler": [asdict(r) for r in sampler],
             "context": args.context, "repeats": args.repeats,
             "async_scheduling": args.async_scheduling,
-            "engine_core": core, "policy": args.policy,
+            "policy": args.policy,
             "load_average_1m": [load_before, load_after],
         }
         if device is not None:
@@ -308,7 +304,7 @@ def report(args: argparse.Namespace) -> int:
             }
         print(json.dumps(out, indent=2))
     else:
-        print(format_table(decode, short, args.context, args.repeats, core,
+        print(format_table(decode, short, args.context, args.repeats,
                            args.async_scheduling, args.policy))
         print()
         print(bench_sampler.format_table(sampler, args.repeats))

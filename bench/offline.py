@@ -36,14 +36,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from bench.workload import BENCH_INPUTS, Workload, WorkloadRequest
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.flops import forward_flops
-from engine.llm_engine import LLMEngine, TenantContext
-from engine.loader import random_hf_state_dict
-from engine.model_runner import RunnerConfig, TorchModelRunner
+from engine.config import EngineConfig, RunnerConfig, SchedulerConfig
+from engine.core.llm_engine import LLMEngine
+from engine.core.queues import FCFSQueue
 from engine.models.config import ModelConfig
-from engine.queues import FCFSQueue
+from engine.models.loader import random_hf_state_dict
 from engine.sampling_params import SamplingParams
+from engine.types import TenantContext
+from engine.worker.flops import forward_flops
+from engine.worker.model_runner import TorchModelRunner
 from policies import TieredPolicy
 
 if TYPE_CHECKING:  # transformers is a test/benchmark dependency, imported only when comparing
@@ -81,9 +82,9 @@ class BenchConfig:
     compare_hf: bool = False  # also run HF transformers static and continuous batching
     num_threads: int | None = None  # torch intra-op threads; None: one per available core
     # OMP_WAIT_POLICY of every measured process. "passive": an idle OpenMP worker sleeps at
-    # once. libgomp's default spins first, which on a shared 2-core machine burns the time
-    # slices the other thread needs (the engine ran 3x slower at load average 5); "default"
-    # leaves the variable as the environment has it.
+    # once. libgomp's default spins first, which on a shared machine with few cores burns the
+    # time slices the other thread needs (the engine ran several times slower on a loaded
+    # host); "default" leaves the variable as the environment has it.
     omp_wait_policy: str = "passive"
     device: str = "cpu"  # where the engine and HF run ("cuda" on a GPU machine)
     dtype: str = "float32"  # weights, activations and KV cache of both
@@ -158,24 +159,16 @@ def run_engine(
     prompts: dict[str, list[int]],
 ) -> BenchResult:
     max_model_len = max(r.prompt_len + r.output_len for r in requests) + 16
-    runner = TorchModelRunner.from_random(
-        config,
-        bench.seed,
-        RunnerConfig(
-            kv_cache_bytes=bench.kv_cache_bytes,
-            max_num_batched_tokens=bench.max_num_batched_tokens,
-            max_num_seqs=bench.max_num_seqs,
-            max_model_len=max_model_len,
-        ),
-        dtype=_dtype(bench), device=bench.device,
-    )
     engine_config = EngineConfig(
         scheduler=SchedulerConfig(
             max_num_batched_tokens=bench.max_num_batched_tokens,
             max_num_seqs=bench.max_num_seqs,
             max_model_len=max_model_len,
         ),
-        cache=CacheConfig(block_size=runner.block_size),
+        runner=RunnerConfig(kv_cache_bytes=bench.kv_cache_bytes),
+    )
+    runner = TorchModelRunner.from_random(
+        config, bench.seed, engine_config, dtype=_dtype(bench), device=bench.device
     )
     # Tiers by priority, in arrival order: what the engine did by default before its policy
     # became a choice of its own (FCFS now), so earlier runs compare.

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.input_batch import InputBatch
-from engine.sampler import Sampler
+from engine.sample.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import NewRequestData, ScheduledChunk, SchedulerOutput
+from engine.worker.input_batch import InputBatch
 
 __all__ = ["KINDS", "SamplerRow", "format_table", "measure"]
 

@@ -13,13 +13,14 @@ from pathlib import Path
 
 from bench.stats import percentile
 from bench.workload import Workload
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.fcfs_policy import FCFSPolicy
-from engine.llm_engine import LLMEngine, TenantContext
+from engine.config import CacheConfig, EngineConfig, RunnerConfig, SchedulerConfig
+from engine.core.fcfs_policy import FCFSPolicy
+from engine.core.llm_engine import LLMEngine
+from engine.core.scheduling_policy import SchedulingPolicy
 from engine.sampling_params import SamplingParams
-from engine.scheduling_policy import SchedulingPolicy
 from engine.testing.clock import SimulatedClock
 from engine.testing.fake_runner import CostModel, FakeModelRunner
+from engine.types import TenantContext
 
 
 @dataclass
@@ -106,13 +107,6 @@ def simulate(
     """Run the workload (arrival times multiplied by time_scale) to completion."""
     priorities = priorities or {"premium": 0, "standard": 1, "batch": 2}
     clock = SimulatedClock()
-    runner = FakeModelRunner(
-        machine.num_kv_blocks,
-        machine.block_size,
-        machine.vocab_size,
-        machine.cost_model,
-        advance_clock=clock.advance,
-    )
     config = EngineConfig(
         scheduler=SchedulerConfig(
             max_num_batched_tokens=machine.max_num_batched_tokens,
@@ -120,6 +114,10 @@ def simulate(
             max_model_len=4096,
         ),
         cache=CacheConfig(machine.block_size, reserved_fractions=policy.reserved_fractions),
+        runner=RunnerConfig(num_kv_blocks=machine.num_kv_blocks),
+    )
+    runner = FakeModelRunner(
+        config, machine.vocab_size, machine.cost_model, advance_clock=clock.advance
     )
     engine = LLMEngine(config, runner, policy.make_policy(), clock=clock)
     prompts = workload.prompts(machine.vocab_size)

@@ -8,16 +8,32 @@ model configs, checkpoints) are imported on first use, so `import engine` stays 
 import importlib
 from typing import TYPE_CHECKING
 
-from engine.compiled_core import core_name
 from engine.config import (
     CPU_DECODE_MAX_ROWS,
     CacheConfig,
     ConfigError,
     EngineConfig,
+    RunnerConfig,
     SchedulerConfig,
 )
-from engine.engine_client import EngineClient
-from engine.engine_process import EngineProcess
+from engine.core.fcfs_policy import FCFSPolicy
+from engine.core.kv_cache.kv_manager import tier_allowance
+from engine.core.llm_engine import LLMEngine
+from engine.core.queues import FCFSQueue, WaitingQueue
+from engine.core.rates import Arrivals
+from engine.core.request import Request, RequestStatus
+from engine.core.request_limits import RequestLimits
+from engine.core.scheduler_stats import (
+    EngineCounters,
+    SchedulerStats,
+    TierStats,
+)
+from engine.core.scheduling_policy import (
+    AdmissionGate,
+    SchedulingPolicy,
+    StepBuilder,
+    Verdict,
+)
 from engine.errors import (
     ContextLengthExceededError,
     EngineDeadError,
@@ -26,17 +42,10 @@ from engine.errors import (
     RequestErrorCode,
     RequestFault,
 )
-from engine.fcfs_policy import FCFSPolicy
 from engine.grammar_budget import GrammarBudget
-from engine.grammar_compiler import GrammarCompiler
-from engine.kv_manager import tier_allowance
-from engine.llm_engine import LLMEngine, TenantContext
-from engine.outputs import RequestMetrics, RequestOutput
-from engine.queues import FCFSQueue, WaitingQueue
-from engine.rates import Arrivals
-from engine.request import Request, RequestStatus
-from engine.request_limits import RequestLimits
-from engine.runner import ModelRunner, ModelRunnerOutput, TokenLogprobs
+from engine.output_spec import JSON_OPTIONS, StructuredOutput, bounded_numbers
+from engine.process.engine_client import EngineClient, OutputStream
+from engine.process.engine_process import EngineProcess
 from engine.sampling_params import (
     MAX_STOP_CHARS_PER_REQUEST,
     MAX_STOP_STRING_CHARS,
@@ -44,25 +53,24 @@ from engine.sampling_params import (
     SamplingParams,
 )
 from engine.scheduler_output import ScheduledChunk, SchedulerOutput
-from engine.scheduler_stats import (
-    EngineCounters,
-    SchedulerStats,
-    TierStats,
+from engine.step_outputs import OutputEnd, StepOutputs
+from engine.structured_output.grammar_compiler import GrammarCompiler
+from engine.text.detokenizer import IncrementalDetokenizer
+from engine.text.tokenizer import Tokenizer
+from engine.types import (
+    ModelRunner,
+    ModelRunnerOutput,
+    RequestMetrics,
+    RequestOutput,
+    TenantContext,
+    TokenLogprobs,
 )
-from engine.scheduling_policy import (
-    AdmissionGate,
-    SchedulingPolicy,
-    StepBuilder,
-    Verdict,
-)
-from engine.structured_output import JSON_OPTIONS, StructuredOutput, bounded_numbers
-from engine.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from engine.demo_model import write_demo_model
-    from engine.gguf_checkpoint import GGUFCheckpoint
-    from engine.model_runner import RunnerConfig, TorchModelRunner
+    from engine.checkpoints.demo_model import write_demo_model
+    from engine.checkpoints.gguf_checkpoint import GGUFCheckpoint
     from engine.models.config import ModelConfig, ModelConfigError
+    from engine.worker.model_runner import TorchModelRunner
 
 __all__ = [
     "CPU_DECODE_MAX_ROWS",
@@ -86,12 +94,15 @@ __all__ = [
     "GGUFCheckpoint",
     "GrammarBudget",
     "GrammarCompiler",
+    "IncrementalDetokenizer",
     "InvalidRequestError",
     "LLMEngine",
     "ModelConfig",
     "ModelConfigError",
     "ModelRunner",
     "ModelRunnerOutput",
+    "OutputEnd",
+    "OutputStream",
     "Request",
     "RequestErrorCode",
     "RequestFault",
@@ -107,6 +118,7 @@ __all__ = [
     "SchedulerStats",
     "SchedulingPolicy",
     "StepBuilder",
+    "StepOutputs",
     "StructuredOutput",
     "TenantContext",
     "TierStats",
@@ -116,19 +128,17 @@ __all__ = [
     "Verdict",
     "WaitingQueue",
     "bounded_numbers",
-    "core_name",
     "tier_allowance",
     "write_demo_model",
 ]
 
 # Public names whose modules import torch: each is imported by its first lookup.
 _LAZY_MODULES: dict[str, str] = {
-    "GGUFCheckpoint": "engine.gguf_checkpoint",
+    "GGUFCheckpoint": "engine.checkpoints.gguf_checkpoint",
     "ModelConfig": "engine.models.config",
     "ModelConfigError": "engine.models.config",
-    "RunnerConfig": "engine.model_runner",
-    "TorchModelRunner": "engine.model_runner",
-    "write_demo_model": "engine.demo_model",
+    "TorchModelRunner": "engine.worker.model_runner",
+    "write_demo_model": "engine.checkpoints.demo_model",
 }
 
 

@@ -7,20 +7,32 @@ from dataclasses import dataclass, field
 from engine.errors import ConfigError
 from engine.grammar_budget import GrammarBudget
 
-__all__ = ["CPU_DECODE_MAX_ROWS", "CacheConfig", "ConfigError", "EngineConfig", "SchedulerConfig"]
+__all__ = [
+    "CPU_DECODE_MAX_ROWS",
+    "CacheConfig",
+    "ConfigError",
+    "EngineConfig",
+    "RunnerConfig",
+    "SchedulerConfig",
+]
 
 
 # Most sequences a CPU decode step may run as one C++ call (engine.models.cpu_decode; the
 # runner's `cpu_decode_rows` and `tiergate serve --cpu-decode-rows`): the default number of
-# running requests, measured up to 48.
+# running requests.
 CPU_DECODE_MAX_ROWS = 64
 
 
 @dataclass
 class SchedulerConfig:
-    max_num_batched_tokens: int = 2048  # token budget of one step (decodes + prefill chunks)
-    max_num_seqs: int = 64  # requests running at once
-    max_model_len: int = 4096  # prompt + output tokens of one request
+    """Sizes of a step, read by the scheduler and the runner alike."""
+
+    # Token budget of one step (decodes + prefill chunks); the runner sizes its activation
+    # reserve by it.
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64  # requests running at once (the runner's largest CUDA graph)
+    # Prompt + output tokens of one request (the runner's RoPE table, CUDA graph block tables).
+    max_model_len: int = 4096
 
     def validate(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
@@ -31,7 +43,7 @@ class SchedulerConfig:
 
 @dataclass
 class CacheConfig:
-    block_size: int = 16  # tokens per KV block
+    block_size: int = 16  # tokens per KV block, of the block pool and the runner's KV tensors
     enable_prefix_caching: bool = True
     # priority -> share of the KV pool reserved for that tier (usable by it and higher tiers)
     reserved_fractions: dict[int, float] = field(default_factory=dict)
@@ -49,7 +61,32 @@ class CacheConfig:
 
 
 @dataclass
+class RunnerConfig:
+    """What only the model runner reads; the sizes it shares with the scheduler (block size,
+    step budget, sequences, context) are the EngineConfig's `scheduler` and `cache`."""
+
+    num_kv_blocks: int | None = None  # KV blocks to allocate; None: derive from the budget
+    # KV budget over all layers, K and V (when num_kv_blocks is None); None: a share of the
+    # memory left once the model is loaded (engine.worker.kv_memory), kv_cache_memory_fraction
+    # of it (None: the device's default)
+    kv_cache_bytes: int | None = None
+    kv_cache_memory_fraction: float | None = None
+    use_cuda_graphs: bool = True  # capture decode-only steps on CUDA
+    pack_cpu_weights: bool = True  # CPU: linear layers on oneDNN-prepacked weights
+    fuse_cpu_ops: bool = True  # CPU float32: norms, RoPE + KV write, SiLU-and-mul as C++ ops
+    # CPU float32: decode-only steps of at most this many sequences (up to
+    # CPU_DECODE_MAX_ROWS) run as one C++ call (engine.models.cpu_decode; a second copy of the
+    # weights); 0: never
+    cpu_decode_rows: int = CPU_DECODE_MAX_ROWS
+    fuse_cuda_ops: bool = True  # CUDA: residual add + RMSNorm as one Triton kernel
+    tune_cpu_allocator: bool = True  # CPU: keep freed memory in the heap (process-wide mallopt)
+    sampler_seed: int | None = None  # seed of the sampler's generator for unseeded requests
+
+
+@dataclass
 class EngineConfig:
+    """The one configuration of an engine: its scheduler and its runner read the same."""
+
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     eos_token_id: int | None = None  # ends a request unless ignore_eos
@@ -58,6 +95,7 @@ class EngineConfig:
     async_scheduling: bool | None = None
     # What a constrained sample's grammar may cost on the host before it ends with an error.
     grammar_budget: GrammarBudget = field(default_factory=GrammarBudget)
+    runner: RunnerConfig = field(default_factory=RunnerConfig)  # the runner's own options
 
     def validate(self) -> None:
         self.scheduler.validate()

@@ -2,12 +2,12 @@
 average per token, before the sample ends with an error.
 
 A grammar's mask is computed on the host for every token it constrains, and its cost is
-the request's to choose: a JSON schema's mask takes tens of microseconds here, a regex of
-free text a few tenths of a millisecond, an ambiguous Lark grammar (`s: s s | s s s | "a" |
-"aa"`) grew from 1 ms to 450 ms a mask within 600 tokens while llguidance's own limits
-(Earley items a step, lexer fuel) let it through. The time is charged to the sample that
-caused it (engine metering), and bounded here in two ways, each ending the sample with
-`grammar_budget_exceeded` (a 400 at the gateway, or an error event on a stream):
+the request's to choose: a JSON schema's mask is cheap, a regex of free text dearer, and an
+ambiguous Lark grammar's (`s: s s | s s s | "a" | "aa"`) grew with every token while
+llguidance's own limits (Earley items a step, lexer fuel) let it through (ops/bench/journal.md,
+"Costly but valid requests"). The time is charged to the sample that caused it (engine
+metering), and bounded here in two ways, each ending the sample with `grammar_budget_exceeded`
+(a 400 at the gateway, or an error event on a stream):
 
 - one step: its mask and advance together may take at most `max_step_s`;
 - its life: its grammar time may average at most `max_mean_s_per_token` over its outputs,
@@ -16,7 +16,7 @@ caused it (engine metering), and bounded here in two ways, each ending the sampl
   per-step limit alone would stop it.
 
 The defaults leave about five times the costliest mask measured on the benchmark schemas
-and free-text regexes (ops/bench/README.md, "Costly but valid requests").
+and free-text regexes (ops/bench/journal.md, "Costly but valid requests").
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequestError
-from engine.structured_output import StructuredOutput
+from engine.output_spec import StructuredOutput
 
 # Temperatures below this are treated as greedy decoding.
 GREEDY_EPSILON = 1e-5
@@ -40,6 +40,9 @@ class SamplingParams:
     ignore_eos: bool = False  # keep generating past the EOS token
     logprobs: int | None = None  # None: no logprobs; k: the sampled token's plus top-k
     skip_special_tokens: bool = True  # drop special tokens from the detokenized text
+    # The engine makes the text (RequestOutput.new_text). False: tokens only, the caller
+    # detokenizes (the gateway does, off the engine's step); stop strings need the engine's.
+    detokenize: bool = True
     # The output must match this (a JSON schema, a regex, ...); checked by the gateway
     # (GrammarCompiler.check) before it is sent, compiled by the engine (GrammarCompiler).
     structured: StructuredOutput | None = None
@@ -87,6 +90,7 @@ class SamplingParams:
                 "min_tokens",
                 "min_tokens must not exceed max_tokens",
             ),
+            (self.detokenize or not self.stop, "stop", "stop strings need detokenize"),
             (
                 len(self.stop) <= 16 and all(isinstance(s, str) and s for s in self.stop),
                 "stop",

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.grammar_compiler import CompiledGrammar
 from engine.sampling_params import SamplingParams
+from engine.types import GrammarTemplate
 
 
 @dataclass(slots=True)
@@ -44,7 +44,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     eos_token_id: int | None  # suppressed until min_tokens outputs exist
     sample_index: int = 0  # index among n parallel samples (seeded samples differ by index)
-    grammar: CompiledGrammar | None = None  # structured output: the runner's matcher's source
+    grammar: GrammarTemplate | None = None  # structured output: the runner's matcher's source
 
 
 @dataclass

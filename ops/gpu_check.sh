@@ -9,7 +9,7 @@
 #
 # In order, each with its own time limit, each log under $OUT (default /tmp/gpu-check):
 #   1. engine: the whole engine on the GPU against HF transformers (greedy tokens equal, with
-#      async scheduling on and off; CUDA graphs fed through engine.graph_inputs; every
+#      async scheduling on and off; CUDA graphs fed through engine.worker.graph_inputs; every
 #      sampling feature), tests/engine/models/test_engine_devices.py;
 #   2. bench-1b: `bench engine --device cuda --compare-hf` on the 1B Llama shape (bfloat16):
 #      host work, step against forward at 1, 32, 128, 256 decodes, copy-rate fractions, and

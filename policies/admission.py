@@ -14,32 +14,24 @@ request is both over its rate limit and shed, it is reported as shed (the server
 with the server's retry delay); its retry then meets the rate limit with the tenant's own
 reset time. A shed refusal reads the tenant's limits (peek) only for its headers.
 
-How long decisions take: `python -c "import policies.admission as a;
-print(a.format_latency_table(a.measure_decision_latency()))"` (seeded, prints a table).
+How long decisions take: `tiergate bench admission` (bench.admission; seeded, prints a table).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import dataclasses
-import random
-import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine import SchedulerStats, TierStats
+from engine import SchedulerStats
 from policies.budget_hold import BudgetHold, budget_period
 from policies.budgets import (
-    MonthlyUsage,
     MonthlyUsageSource,
     check_budgets,
     check_token_reservation,
 )
-from policies.errors import AdmissionRefused, QueueFull
+from policies.errors import QueueFull
 from policies.queue_wait import TenantShare, estimate_queue_wait_s
-from policies.rate_limiter_memory import MemoryRateLimiter
 from policies.rate_limits import (
     RateLimiter,
     RateLimitLease,
@@ -217,117 +209,6 @@ class AdmissionController:
 
     async def aclose(self) -> None:
         await self._limiter.aclose()
-
-
-# -- decision latency --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class LatencyRow:
-    name: str  # what was timed
-    num_decisions: int
-    mean_us: float
-    p50_us: float
-    p99_us: float
-
-
-class _FixedUsage:
-    """MonthlyUsageSource answering from a dict, as the ledger's running totals would."""
-
-    def __init__(self, totals: dict[str, MonthlyUsage]) -> None:
-        self._totals = totals
-
-    async def monthly_usage(self, tenant_id: str) -> MonthlyUsage:
-        return self._totals[tenant_id]
-
-
-def measure_decision_latency(num_decisions: int = 20_000, seed: int = 0) -> list[LatencyRow]:
-    """Time each admission check, and whole admit() calls on the memory limiter.
-
-    A seeded mix of 100 tenants over the default tiers and a busy engine: some requests are
-    shed, some refused by their limits, the rest admitted (and never released).
-    """
-    rng = random.Random(seed)
-    tiers = TierTable()
-    tenants = [f"t{i}" for i in range(100)]
-    totals = {t: MonthlyUsage(rng.randrange(10**6), rng.randrange(10**9)) for t in tenants}
-    stats = SchedulerStats(
-        tiers={
-            0: TierStats(0, "premium", 8, 2, 2_000, 300, 300),
-            1: TierStats(1, "standard", 40, 60, 30_000, 600, 0),
-            2: TierStats(2, "batch", 10, 200, 90_000, 100, 0),
-        },
-        num_kv_blocks_total=1_000,
-        num_kv_blocks_used=1_000,
-        prefill_tokens_per_s=20_000.0,
-    )
-    limits = TenantLimits(600, 200_000, None, None, 64, 10**6, 10**9)
-    requests = [
-        AdmissionRequest(
-            rng.choice(tenants),
-            rng.choice(tiers.names),
-            limits,
-            rng.randrange(10, 2_000),
-            rng.randrange(1, 512),
-        )
-        for _ in range(num_decisions)
-    ]
-    shedder = SloShedder(tiers)
-    limiter = MemoryRateLimiter()
-    controller = AdmissionController(MemoryRateLimiter(), tiers, _FixedUsage(totals), lambda: stats)
-
-    def timed(name: str, decide: Callable[[AdmissionRequest], object]) -> LatencyRow:
-        samples_ns = []
-        for request in requests:
-            start_ns = time.perf_counter_ns()
-            with contextlib.suppress(AdmissionRefused):
-                decide(request)
-            samples_ns.append(time.perf_counter_ns() - start_ns)
-        return _latency_row(name, samples_ns)
-
-    async def timed_admit() -> LatencyRow:
-        samples_ns = []
-        for request in requests:
-            start_ns = time.perf_counter_ns()
-            with contextlib.suppress(AdmissionRefused):
-                await controller.admit(request)
-            samples_ns.append(time.perf_counter_ns() - start_ns)
-        return _latency_row("admit (memory limiter, all checks)", samples_ns)
-
-    return [
-        timed(
-            "budget check",
-            lambda r: check_budgets(r.tenant_id, r.limits, totals[r.tenant_id]),
-        ),
-        timed(
-            "SLO shed decision",
-            lambda r: shedder.check(
-                stats, r.tier, r.num_prompt_tokens, TenantShare(r.tenant_id, r.weight)
-            ),
-        ),
-        timed(
-            "rate limits (memory)",
-            lambda r: limiter.acquire_now(r.tenant_id, r.limits, r.num_tokens_reserved),
-        ),
-        asyncio.run(timed_admit()),
-    ]
-
-
-def _latency_row(name: str, samples_ns: list[int]) -> LatencyRow:
-    samples_us = [ns / 1000 for ns in samples_ns]
-    quantiles = statistics.quantiles(samples_us, n=100)
-    return LatencyRow(
-        name, len(samples_us), statistics.fmean(samples_us), quantiles[49], quantiles[98]
-    )
-
-
-def format_latency_table(rows: list[LatencyRow]) -> str:
-    lines = [f"{'decision':<38} {'n':>7} {'mean us':>9} {'p50 us':>9} {'p99 us':>9}"]
-    lines += [
-        f"{r.name:<38} {r.num_decisions:>7} {r.mean_us:>9.2f} {r.p50_us:>9.2f} {r.p99_us:>9.2f}"
-        for r in rows
-    ]
-    return "\n".join(lines)
 
 
 def _add(counts: dict[str, int], tenant_id: str, delta: int) -> None:

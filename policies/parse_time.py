@@ -2,9 +2,10 @@
 take, as a bucket of seconds per tenant.
 
 Reading a body is the gateway's work before any limit can count what the body asks for:
-a 3 MB body of 400,000 stop token ids took 50 ms of the event loop to parse and refuse
-(JSON holds the GIL; no thread helps), and two connections sending such bodies back to
-back left other tenants' requests waiting for the loop (their time to first token 6.4x).
+a body of 400,000 stop token ids held the event loop while it was parsed and refused (JSON
+holds the GIL; no thread helps), and two connections sending such bodies back to back left
+other tenants' requests waiting for the loop, their time to first token a multiple of what
+it was alone (ops/bench/journal.md, "Costly but valid requests").
 A tenant's rate limits bound how many requests it sends; this bounds what its large bodies
 cost the loop, whatever its limits: each large body's parse is timed and taken from its
 tenant's bucket (which may go below zero: the body was already read), and a large body

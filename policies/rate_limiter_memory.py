@@ -8,8 +8,8 @@ they die with the process that holds them.
 from __future__ import annotations
 
 import dataclasses
+import secrets
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -90,7 +90,7 @@ class MemoryRateLimiter:
             state.requests.take(1)
         if state.tokens is not None and levels.tokens is not None:
             state.tokens.take(num_tokens)
-        lease_id = uuid.uuid4().hex
+        lease_id = secrets.token_hex(16)
         state.lease_ids.add(lease_id)
         return RateLimitLease(
             tenant_id=tenant_id,

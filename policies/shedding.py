@@ -5,8 +5,8 @@ until its prompt is computed (the prefill backlog ahead of it plus its own promp
 engine's measured drain rate) and the time until it has a place in the batch (the requests
 waiting ahead of it beyond the free places, over the rate requests leave the batch). Both
 rates are less what the tiers above keep bringing in while it waits. On a decode-heavy load
-the batch is what runs out: in a probed 2x run of the CPU benchmark, 20-25 queued standard
-prompts looked like 1-3 s of prefill and waited 7-10 s for places. Ahead of it are the
+the batch is what runs out: queued standard prompts waited for places several times as long
+as their prefill backlog promised (ops/bench/journal.md, "Runs 12-15"). Ahead of it are the
 tiers above and, inside its own tier, what fair sharing serves before it: the tenant's own
 backlog and at most as much (weight-scaled) of each other tenant's. Under FCFS everything
 queued is ahead and later arrivals behind. Over `slo_fraction` of the tier's TTFT objective
@@ -131,8 +131,8 @@ class SloShedder:
         share_s = max(own_s, place_s)
         # How long until little enough is ahead of it to be admitted with its own share to
         # spare (promised the moment its estimate reaches the threshold, a retry is as likely
-        # to find it just over as under: in the test of shedding such retries were refused
-        # again at 802-831 ms against 800 ms); a share of half the threshold or more: until
+        # to find it just over as under, and such retries were refused again just over it:
+        # ops/bench/journal.md, "Run 18"); a share of half the threshold or more: until
         # nothing is ahead. What is ahead drains at the rates the estimate divides by, so the
         # wait falls a second per second.
         drain_s = wait_s - max(threshold_s - share_s, share_s)

@@ -5,7 +5,7 @@ another sends gets few places by right of arrival, but each of its requests deco
 beside the heavy tenant's full batch, so its requests pile up: on the CPU benchmark server the
 light tenant's twelve slowest first tokens of run 30 all came while it held half its share of
 places or more, so it could neither take a place from the heavy tenant nor put its prompt
-before the heavy decodes (ops/bench/README.md, "Run 30"). What a tenant sends, not only what
+before the heavy decodes (ops/bench/journal.md, "Run 30"). What a tenant sends, not only what
 it holds, says whether it is light: a tenant sending under half its weighted share of its
 tier's prompt tokens keeps those rights until it holds its whole share of places.
 

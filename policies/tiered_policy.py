@@ -135,7 +135,7 @@ class TieredPolicy:
     def _takes_lane(self, step: StepBuilder) -> bool:
         """Whether this step carries only the under-share prompts scheduled so far: they left
         budget over that other tenants' work would fill (a heavy tenant's decodes make the step
-        cost several times what the light prompt costs alone: ops/bench/README.md), and the
+        cost several times what the light prompt costs alone: ops/bench/journal.md), and the
         previous lane step is at least `under_share_lane_every_steps` steps back."""
         every = self.config.under_share_lane_every_steps
         if not step.scheduled or step.budget == 0 or every == 0:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from engine.demo_model import write_demo_model
+from engine.checkpoints.demo_model import write_demo_model
 
 ADMIN_TOKEN = "test-admin-token-0123456789"
 _KEY_PATTERN = re.compile(r"tg-[A-Za-z0-9]{8}_[A-Za-z0-9_-]+")

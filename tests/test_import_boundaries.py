@@ -184,3 +184,108 @@ def test_the_check_sees_a_private_import(tmp_path: Path, monkeypatch: pytest.Mon
     assert [str(v) for v in check_file(policies_module, "policies")] == [
         "policies/example.py:1: from tenants import Tenant: policies may not import tenants"
     ]
+
+
+# The engine's rooms (docs/ARCHITECTURE.md, "The engine's rooms"): each sub-package may import
+# the neutral modules, the rooms listed here and nothing else of the engine, so imports run
+# one way, from the process down to the kernels. The neutral modules import only each other.
+ENGINE_NEUTRAL = frozenset({
+    "config", "device_copy", "errors", "grammar_budget", "output_spec", "sampling_params",
+    "scheduler_output", "step_outputs", "types",
+})
+ENGINE_ROOMS: dict[str, frozenset[str]] = {
+    "attention": frozenset(),
+    "models": frozenset({"attention"}),
+    "text": frozenset(),
+    "checkpoints": frozenset({"models", "text"}),
+    "structured_output": frozenset({"text"}),
+    "sample": frozenset(),
+    "worker": frozenset({"sample", "models", "attention", "checkpoints"}),
+    "core": frozenset({"structured_output", "text"}),
+    "process": frozenset({"core", "structured_output", "text"}),
+    "testing": frozenset({"worker", "sample", "models", "attention", "checkpoints", "core"}),
+}
+
+
+def engine_part(module: str) -> str | None:
+    """The room or neutral module an engine module belongs to (None: the package's facade)."""
+    parts = module.split(".")
+    if parts[0] != "engine" or len(parts) == 1:
+        return None
+    if parts[1] not in ENGINE_ROOMS and parts[1] not in ENGINE_NEUTRAL:
+        raise AssertionError(f"{module}: in no room and not neutral (ENGINE_ROOMS)")
+    return parts[1]
+
+
+def check_engine_layering(path: Path) -> list[Violation]:
+    """Every import in an engine module of a room its own may not import, in line order."""
+    relative = path.relative_to(ROOT).with_suffix("")
+    own = engine_part(".".join(relative.parts).removesuffix(".__init__"))
+    if own is None:
+        return []
+    allowed = (frozenset() if own in ENGINE_NEUTRAL else ENGINE_ROOMS[own] | {own})
+    allowed |= ENGINE_NEUTRAL
+    found: list[Violation] = []
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            modules = [node.module]
+        else:
+            continue
+        for module in modules:
+            target = engine_part(module)
+            if target is None or target in allowed:
+                continue
+            kind = "a neutral module" if own in ENGINE_NEUTRAL else f"engine.{own}"
+            found.append(Violation(
+                relative.with_suffix(".py").as_posix(), node.lineno,
+                f"{module}: {kind} may not import engine.{target}"))
+    return sorted(found, key=lambda v: v.line)
+
+
+def test_the_engine_rooms_import_one_way() -> None:
+    found = [v for path in package_files("engine") for v in check_engine_layering(path)]
+    assert not found, "imports against the engine's layering:\n" + "\n".join(map(str, found))
+
+
+def test_the_engine_layering_has_no_cycle() -> None:
+    """The rooms form a partial order: no room reaches itself through others."""
+    def reach(room: str, seen: frozenset[str]) -> None:
+        for lower in ENGINE_ROOMS[room]:
+            assert lower not in seen, f"a cycle through engine.{lower}"
+            reach(lower, seen | {lower})
+    for room in ENGINE_ROOMS:
+        reach(room, frozenset({room}))
+
+
+def test_the_check_sees_a_backward_import(tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checker itself: the scheduler reaching up into the worker, a neutral module into a
+    room, a module in no room."""
+    monkeypatch.setattr(f"{__name__}.ROOT", tmp_path)
+    core = tmp_path / "engine" / "core" / "example.py"
+    core.parent.mkdir(parents=True)
+    core.write_text(
+        "from engine.types import ModelRunnerOutput\n"
+        "from engine.core.kv_cache.kv_manager import KVCacheManager\n"
+        "from engine.worker.input_batch import InputBatch\n"
+        "import engine.process.engine_loop\n"
+    )
+    assert [str(v) for v in check_engine_layering(core)] == [
+        "engine/core/example.py:3: engine.worker.input_batch: engine.core may not import "
+        "engine.worker",
+        "engine/core/example.py:4: engine.process.engine_loop: engine.core may not import "
+        "engine.process",
+    ]
+    neutral = tmp_path / "engine" / "types.py"
+    neutral.write_text("from engine.sample.sampler import Sampler\n")
+    assert [str(v) for v in check_engine_layering(neutral)] == [
+        "engine/types.py:1: engine.sample.sampler: a neutral module may not import "
+        "engine.sample"
+    ]
+    stray = tmp_path / "engine" / "stray.py"
+    stray.write_text("")
+    with pytest.raises(AssertionError, match="in no room"):
+        check_engine_layering(stray)

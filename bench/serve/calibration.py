@@ -25,7 +25,7 @@ fastest attempt of each was kept, for hosts whose other guests take CPU time in 
 label. On the hosts since (no steal, but a speed that drifts both ways by 10-30 % within a
 quarter of an hour) the fastest of three was an outlier at times: run 54 kept an attempt of
 2,806 output tokens/s against the other two's 2,483 and 2,432, and its "2x" offered 2.6-3.3x
-of what FCFS sustained in its later repetitions (ops/bench/README.md). The middle attempt
+of what FCFS sustained in its later repetitions (ops/bench/journal.md). The middle attempt
 is the host's usual speed whether the outlier is a burst of steal or a fast moment, as long
 as it is one attempt of three.
 """

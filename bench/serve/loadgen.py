@@ -9,7 +9,7 @@ server reported. Each streamed chunk carries one engine output, i.e. one token.
 The client is aiohttp (its response parser is compiled): the generator shares the machine
 with the server it measures, and each of its own milliseconds per chunk is both a
 millisecond the server's steps lose to it and a delay it adds to the times it reports
-(ops/bench/README.md, "The load generator's own cost").
+(ops/bench/journal.md, "The load generator's own cost").
 """
 
 from __future__ import annotations
@@ -342,11 +342,10 @@ async def _read_stream(
 def collector_paused() -> Iterator[None]:
     """Cyclic garbage collection kept out of a timed stretch: a collection pauses the event
     loop, and the pause lands in the latencies it measures (full collections over the
-    imports, torch and transformers, took 150-200 ms; over a run's own objects, ~45 ms on two
-    busy cores; over a late test session's heap, 0.63 s). What came before is collected
-    first, then automatic collection is off until the stretch ends. Objects are still freed
-    by reference counting; only reference cycles wait for the end, which bounds what they
-    can hold."""
+    imports, torch and transformers, and over a run's own objects did: ops/bench/journal.md,
+    "Runs 5 and 6" and "Runs 7 and 8"). What came before is collected first, then automatic
+    collection is off until the stretch ends. Objects are still freed by reference counting;
+    only reference cycles wait for the end, which bounds what they can hold."""
     was_enabled = gc.isenabled()
     gc.collect()
     gc.disable()

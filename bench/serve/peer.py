@@ -425,7 +425,7 @@ def run_peer(config: PeerConfig, command: str) -> PeerReport:
     from bench.serve.peer_prompts import PromptBuilder
     from bench.serve.peer_servers import openmp_wait_label
     from bench.workload import Workload
-    from engine.gguf_checkpoint import GGUFCheckpoint
+    from engine.checkpoints.gguf_checkpoint import GGUFCheckpoint
     from gateway.server.model_source import default_model_file
     from gateway.server.settings import GatewaySettings
 

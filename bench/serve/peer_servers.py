@@ -4,9 +4,9 @@
 
 Both get the same environment for their threads: OMP_NUM_THREADS=<threads>, and how OpenMP
 workers wait as the caller's environment says (OMP_WAIT_POLICY, GOMP_SPINCOUNT) or else each
-server's own default: tiergate's engine process spins a bounded while (`engine.openmp_wait`),
-llama-server keeps libgomp's default. llama-server also gets `-t <threads>` (its own thread
-count; -tb follows -t).
+server's own default: tiergate's engine process spins a bounded while
+(`engine.process.openmp_wait`), llama-server keeps libgomp's default. llama-server also
+gets `-t <threads>` (its own thread count; -tb follows -t).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from bench.serve.server_process import ServerProcess
-from engine.openmp_wait import WAIT_VARIABLES
+from engine.process.openmp_wait import WAIT_VARIABLES
 
 __all__ = [
     "PEER_TENANT_TIER",

@@ -117,8 +117,9 @@ class BenchServer(ServerProcess):
         # rate limiter stays in the process, as quotas are unlimited anyway.
         env = {
             # OpenMP threads that spin between parallel regions (the default) take the cores
-            # from the engine: on the 2-core CI machine a server that had served one heavy
-            # load then ran 3-10x slower, for good. Passive waiting, unless the caller chose.
+            # from the engine: on a machine with few cores a server that had served one heavy
+            # load then ran several times slower, for good. Passive waiting, unless the caller
+            # chose.
             "OMP_WAIT_POLICY": "PASSIVE",
             **os.environ,
             "TIERGATE_ADMIN_TOKEN": self.admin_token,

@@ -48,13 +48,18 @@ class ServerProcess:
     def env(self) -> dict[str, str]:
         return dict(os.environ)
 
+    def cwd(self) -> Path | None:
+        """The working directory to start in (None: this process's)."""
+        return None
+
     def start(self) -> Self:
         """Start on a free port and return once ready_path answers 200."""
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         with self.log_path.open("wb") as log:
             self.process = subprocess.Popen(
-                self.command(), env=self.env(), stdin=subprocess.DEVNULL, stdout=log,
+                self.command(), env=self.env(), cwd=self.cwd(), stdin=subprocess.DEVNULL,
+                stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # a Ctrl-C reaches the benchmark, which stops us
             )

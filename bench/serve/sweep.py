@@ -6,10 +6,10 @@ measured capacity to each server configuration, every run on a server started fo
    middle one of each kept (see calibration.py). With capacity_each_turn, the capacity is
    measured again before every turn (one load's repetition on every configuration), one
    attempt on a fresh FCFS server of its own (`capacity-<load>x-<repetition>`), and that
-   turn's loads are multiples of it: on a host whose speed drifts by a quarter within a
-   command, a load labelled 2x stays 2x of what the host does minutes before the runs,
-   not of what it did at the start (FCFS sustained 0.72-0.92 of the calibration's tokens/s
-   over run 57's ten repetitions, its steps slowing from 23 to 30 ms). The SLO scale and
+   turn's loads are multiples of it: on a host whose speed drifts within a command, a load
+   labelled 2x stays 2x of what the host does minutes before the runs, not of what it did at
+   the start (FCFS sustained ever less of the calibration's tokens/s over run 57's ten
+   repetitions, its steps slowing: ops/bench/journal.md, "Runs 57-61"). The SLO scale and
    the fairness test keep the calibration's figures.
 2. Every load run on a fresh server of its configuration (tiered, fcfs, tiered-noshed;
    server.py) with the scaled tier table, stopped after it. A fresh process per run makes the

@@ -20,7 +20,7 @@ __all__ = ["MIN_RUN_DURATION_S", "OBJECTIVES_PER_RUN", "SweepConfig", "run_durat
 # would make a slow host's overload a shorter one in units of its own objectives, and the
 # policies' comparison at 2x-3x depends on that ratio: FCFS's requests within objective are
 # the ones sent before its queue outgrows the objective, a fixed count, while a shedding
-# policy's grow with the window (ops/bench/README.md, "Why standard goodput moves").
+# policy's grow with the window (ops/bench/journal.md, "Why standard goodput moves").
 OBJECTIVES_PER_RUN = 5.0
 MIN_RUN_DURATION_S = 20.0
 

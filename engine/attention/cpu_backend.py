@@ -1,9 +1,13 @@
-"""Paged attention on the CPU: the C++ kernel for decode rows, the PyTorch path for the rest.
+"""Paged attention on the CPU: the C++ kernel for decodes and short chunks, the PyTorch path
+for the rest.
 
 Decodes are memory-bound: the kernel (engine.attention.cpu_kernel) reads each sequence's K/V
-blocks in place, where the PyTorch path copies them out first. Prefill chunks are
-compute-bound and SDPA's tiled matrix products beat the kernel's row-at-a-time loop, so
-sequences with more than KERNEL_MAX_ROWS query rows stay on the PyTorch path. Without the
+blocks in place, where the PyTorch path copies them out first. A short prefill chunk pays the
+PyTorch path's fixed cost per sequence (a gather, a mask, one SDPA call) for little work, and
+the kernel takes it in place too. Long chunks are compute-bound and SDPA's tiled matrix
+products beat the kernel's tiles of rows, so a chunk of more than KERNEL_MAX_PAIRS (query row,
+context token) pairs stays on the PyTorch path: below that the kernel was as fast or faster
+for every shape measured (ops/bench/journal.md, "The engine in rooms"). Without the
 kernel (no compiler), for dtypes other than float32 or head sizes the kernel does not take,
 everything runs on the PyTorch path.
 """
@@ -16,10 +20,10 @@ from engine.attention import cpu_kernel, torch_paged
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_paged import AttentionPlan, TorchPagedAttention
 
-__all__ = ["KERNEL_MAX_ROWS", "CpuPagedAttention", "plan"]
+__all__ = ["KERNEL_MAX_PAIRS", "CpuPagedAttention", "plan"]
 
-# Sequences with at most this many query rows go to the kernel.
-KERNEL_MAX_ROWS = 1
+# Decodes, and chunks of at most this many query rows x context tokens, go to the kernel.
+KERNEL_MAX_PAIRS = 256 * 256
 
 
 def plan(metadata: AttentionMetadata, k_cache: torch.Tensor) -> AttentionPlan:
@@ -30,11 +34,12 @@ def plan(metadata: AttentionMetadata, k_cache: torch.Tensor) -> AttentionPlan:
         and cpu_kernel.supports_head_dim(k_cache.shape[3])
         and cpu_kernel.load() is not None
     )
-    return torch_paged.plan_attention(metadata, k_cache, KERNEL_MAX_ROWS if uses_kernel else 0)
+    return torch_paged.plan_attention(metadata, k_cache,
+                                      KERNEL_MAX_PAIRS if uses_kernel else None)
 
 
 class CpuPagedAttention(TorchPagedAttention):
-    """The PyTorch path with its plan's decode rows set apart for the kernel."""
+    """The PyTorch path with its plan's decodes and short chunks set apart for the kernel."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -1,7 +1,7 @@
 """Paged attention on the CPU through a small C++ kernel that reads K/V blocks in place.
 
 The PyTorch path gathers every sequence's blocks into contiguous memory before SDPA; on a
-2-core CPU that copy cost as much as the attention itself. cpu_paged_attention.cpp walks each
+CPU that copy can cost as much as the attention itself. cpu_paged_attention.cpp walks each
 block table instead. engine.attention.cpp_build builds it at first use; a missing compiler, a
 failed build or a result that disagrees with the PyTorch path leaves `load()` returning None,
 and callers keep the PyTorch path.

@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:  # the models import attention
-    from engine.models.batch import ForwardBatch
 
 
 @dataclass(frozen=True)
@@ -23,10 +19,6 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # int64[T] cache slot of each token (block * size + offset)
     num_tokens: int  # T
 
-    @classmethod
-    def from_batch(cls, batch: ForwardBatch) -> AttentionMetadata:
-        return cls(batch.block_tables, batch.query_start_loc, batch.context_lens,
-                   batch.slot_mapping, batch.num_tokens)
 
     @classmethod
     def of(

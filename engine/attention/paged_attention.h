@@ -63,8 +63,8 @@ struct Span {
 // floats of the same token one block ahead: blocks are scattered, so the hardware prefetchers
 // lose the stream at every block boundary. The prefetches fill L2, not L1: a block's rows are
 // more cache lines than L1 has misses in flight, and prefetches to L1 held up the loads behind
-// them: decode attention of 63 sequences over 300-700 tokens, 2 EPYC cores, medians of 40 calls,
-// 2.05-2.36 ms with L2 prefetches against 2.69-3.26 ms with L1 ones and 2.81-3.19 ms with none.
+// them, doing no better than none, where L2 ones made decode attention faster
+// (ops/bench/journal.md, "Two engine changes before runs 10 and 11").
 template <typename Visit>
 inline void for_keys(const Layout& L, const Span& span, int64_t first_block, int64_t end_block,
                      Visit visit, const float* prefetch_cache = nullptr, int64_t row_floats = 0) {

@@ -13,7 +13,7 @@ into padded groups, each one gather of K and V into a buffer small enough to sta
 cache and one SDPA call, the G query heads of a KV head acting as G query rows (no K/V repeat).
 
 (Reading the cache in place with torch.sparse.sampled_addmm and torch.sparse.mm over a CSR
-pattern of each head's key rows was tried: faster in isolation, slower end to end on 2 cores.)
+pattern of each head's key rows was tried: faster in isolation, slower end to end.)
 """
 
 from __future__ import annotations
@@ -36,10 +36,10 @@ __all__ = [
 
 # Cost model of a padded decode group, in units of one (sequence, key) pair gathered and
 # attended: a group costs GROUP_OVERHEAD + num_seqs * padded_len. The overhead is the host time
-# of a group's few tensor ops expressed in pairs (measured on a 2-core CPU).
+# of a group's few tensor ops expressed in pairs, as measured on a CPU.
 GROUP_OVERHEAD = 1024
 # A group's gathered K and V stay under this many bytes, so that SDPA reads them back from the
-# CPU's cache instead of memory (40 % faster than one big group on 2 cores).
+# CPU's cache instead of memory (faster than one big group).
 MAX_GROUP_BYTES = 4 << 20
 
 
@@ -89,7 +89,7 @@ class AttentionPlan:
     block_size: int
     decode_groups: list[_DecodeGroup]
     prefills: list[_PrefillSeq]
-    # int32[K] sequences left to a kernel (see plan_attention's kernel_max_rows); their rows are
+    # int32[K] sequences left to a kernel (see plan_attention's kernel_max_pairs); their rows are
     # not in decode_groups or prefills. None when the plan covers every sequence.
     kernel_seq_ids: torch.Tensor | None = None
     # (kind, index, sliding_window) -> additive or boolean mask, built on first use.
@@ -112,10 +112,11 @@ class AttentionPlan:
 def plan_attention(
     metadata: AttentionMetadata,
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D] of any layer (layout and dtype)
-    kernel_max_rows: int = 0,
+    kernel_max_pairs: int | None = None,
 ) -> AttentionPlan:
-    """Split the batch into padded decode groups and per-sequence prefills; sequences with at
-    most kernel_max_rows query rows go to plan.kernel_seq_ids instead, for a kernel to attend."""
+    """Split the batch into padded decode groups and per-sequence prefills. With
+    kernel_max_pairs, decodes and the sequences of at most kernel_max_pairs query rows x
+    context tokens go to plan.kernel_seq_ids instead, for a kernel to attend."""
     block_tables, query_start_loc = metadata.block_tables, metadata.query_start_loc
     context_lens = metadata.context_lens
     block_size = k_cache.shape[1]
@@ -129,7 +130,8 @@ def plan_attention(
     for seq, ctx in enumerate(lens):
         num_rows = starts[seq + 1] - starts[seq]
         assert 1 <= num_rows <= ctx, "every sequence needs 1..context_len query rows"
-        if num_rows <= kernel_max_rows:
+        if kernel_max_pairs is not None and (num_rows == 1
+                                             or num_rows * ctx <= kernel_max_pairs):
             kernel_seqs.append(seq)
         elif num_rows == 1:
             decodes.append(seq)

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.attention.metadata import AttentionMetadata
+
 
 @dataclass
 class ForwardBatch:
@@ -30,3 +32,8 @@ class ForwardBatch:
     @property
     def num_seqs(self) -> int:
         return int(self.context_lens.shape[0])
+
+    def attention_metadata(self) -> AttentionMetadata:
+        """The batch's layout as attention reads it."""
+        return AttentionMetadata(self.block_tables, self.query_start_loc, self.context_lens,
+                                 self.slot_mapping, self.num_tokens)

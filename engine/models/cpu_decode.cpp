@@ -4,10 +4,10 @@
 // A batch-1 decode step of a small model runs ~120 matrix products and ~100 element-wise ops of
 // a few hundred floats each. Issued one by one from Python, each pays the interpreter, torch's
 // dispatcher and a parallel region of its own, and pays them with cold caches: the products
-// stream the weights through every cache level, evicting the interpreter's working set
-// (measured on an Intel Xeon host: a fused RMSNorm call takes 6.6 us in a loop, 27-41 us after
-// a weight stream). Here the layers run back to back on the OpenMP threads, with barriers
-// between the phases that need every thread's output.
+// stream the weights through every cache level, evicting the interpreter's working set (a
+// fused RMSNorm call right after a weight stream takes several times what it takes in a loop:
+// ops/bench/journal.md, "The decode step as one C++ call"). Here the layers run back to back
+// on the OpenMP threads, with barriers between the phases that need every thread's output.
 //
 // Weights are in panels: a matrix W [N, K] (out, in features) is stored as [N / 16][K][16], so a
 // product walks each panel once, front to back, with one multiply-add of 16 outputs per input
@@ -34,8 +34,8 @@ namespace {
 constexpr int64_t kPanel = 16;  // outputs per weight panel
 constexpr int64_t kRowBlock = 8;  // rows one panel product takes at a time
 // Panel rows (64-byte lines) a product prefetches ahead in each panel it walks: the panels are
-// separate streams, more than the hardware prefetchers follow well (an Intel Xeon host, lm_head
-// 49,152 x 576 on 2 threads, M = 4: 24.6-29.9 GB/s without, 31.2-38.7 with 16).
+// separate streams, more than the hardware prefetchers follow well (ops/bench/journal.md, "The
+// decode step as one C++ call").
 constexpr int64_t kPrefetchRows = 16;
 
 typedef float vec16 __attribute__((vector_size(64), aligned(4), may_alias));
@@ -134,8 +134,7 @@ inline void row_block(int64_t rows, const float* x, int64_t K, const float* pane
 
 // Panels [begin, end) of out[M, N] for M <= kRowBlock rows, P panels at a time: P streams of
 // weights in flight, M x P accumulators in registers (more streams read faster, up to what the
-// registers hold: on an Intel Xeon host, M = 1 read 33-36 GB/s with P = 8 against 24-32 with
-// P = 4).
+// registers hold: ops/bench/journal.md, "The decode step as one C++ call").
 template <int M>
 void few_rows(const float* x, int64_t K, const float* panels, int64_t N, float* out,
               int64_t begin, int64_t end) {

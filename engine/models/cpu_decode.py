@@ -1,11 +1,11 @@
 """A decode step of up to 64 rows as one C++ call on the CPU (cpu_decode.cpp), float32 only.
 
 At batch 1 the decoder's Python, torch's dispatcher and one OpenMP region per operation cost a
-float32 model on a 2-core CPU a quarter of its step (the default model on an Intel Xeon host:
-forward 46.7 ms, of which 33.9 in the packed products), much of it in cache misses after each
-product has streamed its weights. `CpuDecodeForward` runs the whole forward of a decode-only
-step of up to MAX_ROWS sequences in one parallel region instead: its own products over weights
-in 16-wide panels, the fused row ops, the paged attention kernel, the lm_head.
+small float32 model on a CPU a large share of its step (ops/bench/journal.md, "The decode step
+as one C++ call"), much of it in cache misses after each product has streamed its weights.
+`CpuDecodeForward` runs the whole forward of a decode-only step of up to MAX_ROWS sequences in
+one parallel region instead: its own products over weights in 16-wide panels, the fused row
+ops, the paged attention kernel, the lm_head.
 
 The panels are a second copy of the layers' weights (the packed oneDNN copies still serve
 prefills, mixed steps and decode batches above the limit) and the lm_head's only packed copy
@@ -92,9 +92,8 @@ def _library() -> ctypes.CDLL | None:
 def _agrees_with_layers() -> bool:
     """The kernel on a tiny random model against that model's layers in plain torch (catches
     a miscompiled library before it serves)."""
-    from engine.attention import AttentionMetadata
     from engine.attention.torch_paged import TorchPagedAttention
-    from engine.loader import random_model
+    from engine.models.loader import random_model
 
     model = random_model(ModelConfig.from_dict(_CHECK_CONFIG), seed=0, max_model_len=64)
     config, block_size = model.config, 4
@@ -116,7 +115,7 @@ def _agrees_with_layers() -> bool:
         logits_indices=torch.arange(_CHECK_ROWS),
     )
     attention = TorchPagedAttention()
-    attention.prepare(AttentionMetadata.from_batch(batch))
+    attention.prepare(batch.attention_metadata())
     with torch.inference_mode():
         expected = model(batch, [(k.clone(), v.clone()) for k, v in caches], attention)
         got = CpuDecodeForward(model, caches, _CHECK_ROWS)(batch)

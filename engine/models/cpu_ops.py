@@ -1,6 +1,6 @@
 """Fused element-wise steps of the decoder on the CPU (cpu_ops.cpp), float32 only.
 
-A decode step on a 2-core CPU runs a few dozen rows through each layer; there the torch forms of
+A decode step on a CPU runs a few dozen rows through each layer; there the torch forms of
 RMSNorm (eight ops), RoPE (five) and SiLU-and-multiply (two, with a strided result) cost more
 in dispatch and passes over memory than in arithmetic. The C++ versions make one pass each, and
 RoPE also writes the token's K and V into the paged cache. engine.attention.cpp_build builds them

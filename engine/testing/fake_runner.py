@@ -19,11 +19,14 @@ from typing import TypeVar
 import numpy as np
 import torch
 
-from engine.input_batch import InputBatch
-from engine.queued_step import QueuedStep
-from engine.runner import FinishedStep, ModelRunnerOutput, RunnerStep
-from engine.sampler import SampledTokens
-from engine.scheduler_output import SchedulerOutput
+from engine.config import EngineConfig
+from engine.sample.sampler import SampledTokens
+from engine.scheduler_output import ScheduledChunk, SchedulerOutput
+from engine.types import RunnerStep
+from engine.worker.batch_runner import BatchRunner, given_num_kv_blocks
+from engine.worker.input_batch import RequestState, StepInputs
+
+__all__ = ["CostModel", "FakeModelRunner", "fake_next_token"]
 
 
 @dataclass
@@ -50,20 +53,22 @@ def fake_next_token(context: list[int], vocab_size: int) -> int:
     return 3 + int.from_bytes(digest, "little") % (vocab_size - 3)
 
 
-class FakeModelRunner:
+class FakeModelRunner(BatchRunner):
     """Test and simulation tool implementing the ModelRunner protocol."""
 
     def __init__(
         self,
-        num_kv_blocks: int,
-        block_size: int = 16,
+        config: EngineConfig,
         vocab_size: int = 32000,
         cost_model: CostModel | None = None,
         advance_clock: Callable[[float], None] | None = None,
         sleep: bool = False,
     ) -> None:
-        self._num_kv_blocks = num_kv_blocks
-        self._block_size = block_size
+        """config: the engine's; its runner.num_kv_blocks (required) sizes the fake cache."""
+        num_kv_blocks = given_num_kv_blocks(config, "FakeModelRunner")
+        # The requests it runs are kept as the real runner keeps them (BatchRunner): a wrong
+        # incremental update reads the wrong context and changes the tokens.
+        super().__init__(config, num_kv_blocks, torch.device("cpu"))
         self.vocab_size = vocab_size
         self.cost_model = cost_model or CostModel()
         # Simulation: advance a virtual clock by the modelled step time instead of sleeping.
@@ -73,19 +78,8 @@ class FakeModelRunner:
         # Test-only: raise in the next execute (this exception, or a RuntimeError for True).
         self.fail_next_step: bool | BaseException = False
         self.num_steps = 0
-        # The requests it runs, kept as the real runner keeps them (engine.input_batch): a
-        # wrong incremental update reads the wrong context and changes the tokens.
-        self.input_batch = InputBatch(block_size)
         # kv[block][offset] = token id written there, or -1
-        self._kv: list[list[int]] = [[-1] * block_size for _ in range(num_kv_blocks)]
-
-    @property
-    def num_kv_blocks(self) -> int:
-        return self._num_kv_blocks
-
-    @property
-    def block_size(self) -> int:
-        return self._block_size
+        self._kv: list[list[int]] = [[-1] * self.block_size for _ in range(num_kv_blocks)]
 
     def estimate_flops(
         self, num_new: np.ndarray, num_context: np.ndarray, num_sampled: np.ndarray
@@ -96,15 +90,8 @@ class FakeModelRunner:
                  + cost.flops_per_context_token * _num_attended(num_new, num_context))
         return np.asarray(flops, dtype=np.float64)
 
-    @property
-    def runs_ahead(self) -> bool:
-        """Its steps are done when execute returns."""
-        return False
-
-    def synchronize(self) -> None:
-        """Nothing runs asynchronously here."""
-
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerStep:
+        """The modelled step time passes (or fails the step if told to), then the step."""
         chunks = scheduler_output.chunks
         num_attended = sum(_num_attended(c.num_tokens, c.num_context_tokens) for c in chunks)
         step_time = self.cost_model.step_time_s(scheduler_output.num_batched_tokens, num_attended)
@@ -119,33 +106,38 @@ class FakeModelRunner:
                 raise failure
             raise RuntimeError("FakeModelRunner: injected step failure")
         self.num_steps += 1
-        batch = self.input_batch
-        batch.update(scheduler_output)
-        for src, dst in scheduler_output.blocks_to_copy:
-            self._kv[dst] = list(self._kv[src])
-        if not chunks:
-            return FinishedStep(ModelRunnerOutput(sampled_token_ids={}))
+        return super().execute(scheduler_output)
+
+    # -- BatchRunner ---------------------------------------------------------------------------
+
+    def _forward_and_sample(
+        self, chunks: list[ScheduledChunk], inputs: StepInputs, states: list[RequestState]
+    ) -> SampledTokens:
+        """Write the step's tokens into the fake cache, then a hash of each sampling chunk's
+        context as read back through its block table."""
         # The KV writes come from the step's inputs as the real runner builds them, the ids of
         # tokens sampled by a step whose output is not back yet included.
-        inputs = batch.prepare(chunks)
-        forward_batch = inputs.to_device(torch.device("cpu"), batch.sampled_on_device)
-        bs = self._block_size
+        forward_batch = self._to_device(inputs)
+        bs = self.block_size
         for token_id, slot in zip(forward_batch.input_ids.tolist(),
                                   forward_batch.slot_mapping.tolist(), strict=True):
             self._kv[slot // bs][slot % bs] = token_id
-        states = batch.sample_states(chunks)
         context_lens = [c.num_context_tokens for c in chunks if c.needs_sample]
         sampled = [
-            fake_next_token(self._read_context(batch.block_table(s.request_id), num),
+            fake_next_token(self._read_context(self.input_batch.block_table(s.request_id), num),
                             self.vocab_size)
             for s, num in zip(states, context_lens, strict=True)
         ]
-        tokens = SampledTokens([s.request_id for s in states], torch.tensor(sampled), sampled)
-        pending = batch.mark_sampled(states, tokens.token_ids, inputs.sample_rows)
-        return QueuedStep(batch, pending, tokens)
+        return SampledTokens([s.request_id for s in states], torch.tensor(sampled), sampled)
+
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        for src, dst in pairs:
+            self._kv[dst] = list(self._kv[src])
+
+    # -- helpers -------------------------------------------------------------------------------
 
     def _read_context(self, block_table: Sequence[int] | np.ndarray, num_tokens: int) -> list[int]:
-        bs = self._block_size
+        bs = self.block_size
         context: list[int] = []
         for index in range(-(-num_tokens // bs)):
             context.extend(self._kv[block_table[index]])

@@ -11,13 +11,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine.flops import FlopsCounter
-from engine.input_batch import InputBatch
+from engine.config import EngineConfig
 from engine.models.config import ModelConfig
-from engine.queued_step import QueuedStep
-from engine.runner import FinishedStep, ModelRunnerOutput, RunnerStep
-from engine.sampler import SampledTokens
-from engine.scheduler_output import SchedulerOutput
+from engine.sample.sampler import SampledTokens
+from engine.scheduler_output import ScheduledChunk
+from engine.worker.batch_runner import BatchRunner, given_num_kv_blocks
+from engine.worker.flops import FlopsCounter
+from engine.worker.input_batch import RequestState, StepInputs
 
 __all__ = ["LLAMA_1B", "NoWorkRunner"]
 
@@ -39,53 +39,40 @@ LLAMA_1B = {
 }
 
 
-class NoWorkRunner:
+class NoWorkRunner(BatchRunner):
     """The ModelRunner protocol with the forward left out (a measuring tool)."""
 
     def __init__(
         self,
-        num_kv_blocks: int,
-        block_size: int = 16,
-        max_num_seqs: int = 256,
-        max_model_len: int = 4096,
+        config: EngineConfig,
         model_config: ModelConfig | None = None,
         token_id: int = 7,
     ) -> None:
-        """model_config: the model whose FLOPs metering splits a step by (as the real runner
+        """config: the engine's, whose runner.num_kv_blocks (required) the runner reports;
+        model_config: the model whose FLOPs metering splits a step by (as the real runner
         would); None: a 1B Llama shape (hidden 2048, 16 layers)."""
-        self.num_kv_blocks = num_kv_blocks
-        self.block_size = block_size
+        super().__init__(config, given_num_kv_blocks(config, "NoWorkRunner"),
+                         torch.device("cpu"))
         self.token_id = token_id  # what every sampling request gets
-        self.input_batch = InputBatch(block_size, max_num_seqs, max_model_len)
         self.num_tokens_built = 0  # tokens whose inputs were built (proof the work happened)
         self._flops = FlopsCounter(model_config or ModelConfig.from_dict(LLAMA_1B))
-        self._device = torch.device("cpu")
 
     def estimate_flops(
         self, num_new: np.ndarray, num_context: np.ndarray, num_sampled: np.ndarray
     ) -> np.ndarray:
         return self._flops.many(num_new, num_context, num_sampled)
 
-    @property
-    def runs_ahead(self) -> bool:
-        """Its steps are done when execute returns."""
-        return False
+    # -- BatchRunner ---------------------------------------------------------------------------
 
-    def synchronize(self) -> None:
-        """Nothing runs asynchronously."""
-
-    def execute(self, scheduler_output: SchedulerOutput) -> RunnerStep:
-        batch = self.input_batch
-        batch.update(scheduler_output)
-        chunks = scheduler_output.chunks
-        if not chunks:
-            return FinishedStep(ModelRunnerOutput(sampled_token_ids={}))
-        inputs = batch.prepare(chunks)
-        forward_batch = inputs.to_device(self._device, batch.sampled_on_device)
+    def _forward_and_sample(
+        self, chunks: list[ScheduledChunk], inputs: StepInputs, states: list[RequestState]
+    ) -> SampledTokens:
+        """The forward's inputs built on the CPU, then the one token for every sampler."""
+        forward_batch = self._to_device(inputs)
         self.num_tokens_built += int(forward_batch.input_ids.shape[0])
-        states = batch.sample_states(chunks)
         sampled = [self.token_id] * len(states)
         on_device = torch.full((len(states),), self.token_id, dtype=torch.int64)
-        tokens = SampledTokens([s.request_id for s in states], on_device, sampled)
-        pending = batch.mark_sampled(states, tokens.token_ids, inputs.sample_rows)
-        return QueuedStep(batch, pending, tokens)
+        return SampledTokens([s.request_id for s in states], on_device, sampled)
+
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """No KV cache: nothing to copy."""

@@ -1,5 +1,5 @@
-"""`tiergate bench offline`, `tiergate bench engine`, `tiergate bench serve` and
-`tiergate bench peer`: seeded benchmarks with a printed table.
+"""`tiergate bench offline`, `tiergate bench engine`, `tiergate bench admission`,
+`tiergate bench serve` and `tiergate bench peer`: seeded benchmarks with a printed table.
 
 Each benchmark is a module of the top-level `bench` package (the `bench` extra brings what
 they import: aiohttp, matplotlib) with `add_arguments(parser)`, its description as its
@@ -42,6 +42,9 @@ _BENCHMARKS = (
                ()),
     _Benchmark("engine", "bench.engine", "report",
                "the engine's host work per step and per request, without model work", ()),
+    _Benchmark("admission", "bench.admission", "report",
+               "how long admission's decisions take (budgets, shedding, rate limits, admit())",
+               ()),
     _Benchmark("serve", "bench.serve.command", "run_command",
                "open-loop HTTP/SSE load against tiergate serve; --sweep compares configurations",
                ("aiohttp", "matplotlib")),

@@ -7,8 +7,8 @@ request to sending the response headers, as OpenAI reports it.
 
 from __future__ import annotations
 
+import secrets
 import time
-import uuid
 
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -36,7 +36,7 @@ class RequestContextMiddleware:
             if name == b"x-request-id":
                 presented = value.decode("latin-1")
                 break
-        request_id = presented if _usable(presented) else f"req_{uuid.uuid4().hex}"
+        request_id = presented if _usable(presented) else f"req_{secrets.token_hex(16)}"
         scope.setdefault("state", {})["request_id"] = request_id
 
         async def send_with_headers(message: Message) -> None:

@@ -3,8 +3,8 @@
 A collection holds the GIL from start to end: the event loop (every refusal, every token
 written to a stream) and the engine loop stand still meanwhile. The startup heap is frozen
 out of its reach (`serve.freeze_startup_heap`); what requests create since is not, and under
-load a full collection over it took 30-41 ms about every 30 s on the CPU benchmark host,
-enough to take an ordinary 429 past 50 ms (ops/bench/README.md, "Runs 24 and 25").
+load full collections over it came again and again, each long enough to take an ordinary
+429 past its 50 ms (ops/bench/journal.md, "Runs 24 and 25").
 
 The callback runs inside whatever allocation set the collection off, in any thread, possibly
 while a prometheus_client lock is held: it only adds to plain counters, and the exposition
@@ -25,7 +25,7 @@ from prometheus_client.registry import Collector
 
 __all__ = ["PAUSE_BUCKETS_S", "GcPauseCollector", "GcPauses", "process_gc_pauses"]
 
-# From sub-millisecond young collections to the 100-300 ms full ones of an unfrozen heap.
+# From the young collections' sub-millisecond pauses to the full ones of an unfrozen heap.
 PAUSE_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
 NUM_GENERATIONS = 3
 

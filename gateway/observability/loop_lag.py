@@ -49,9 +49,8 @@ logger = logging.getLogger(__name__)
 
 # From timer jitter to multi-second stalls; 0.05 is the bound on a refusal's answer.
 LAG_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
-# 100 wake-ups a second. On the CPU benchmark host an idle process doing only this used
-# 2.3-2.7 % of a core (117-134 ms of CPU in 5 s), the same as a bare asyncio.sleep(0.01)
-# loop there: the price of any 100 Hz timer; a busy loop is awake anyway.
+# 100 wake-ups a second. An idle process doing only this uses as much CPU as a bare
+# asyncio.sleep(0.01) loop: the price of any 100 Hz timer; a busy loop is awake anyway.
 DEFAULT_TICK_S = 0.01
 # The bound on a refusal's answer: a stall this long is one that a refusal can miss it by.
 DEFAULT_STALL_S = 0.05
@@ -242,9 +241,8 @@ class LoopLagWatch:
         # Sleeps until the beat in progress would be a stall, then looks once: a beat that
         # ended meanwhile gives the next deadline, one still running is caught as it turns
         # into a stall. So the watcher takes the GIL (from another thread, as like as not)
-        # at most about once per tick_s + stall_s (19.4 times a second measured on an idle
-        # loop at the defaults; fewer while the process is busy), not once per heartbeat,
-        # and never misses the moment by a polling period.
+        # at most about once per tick_s + stall_s (fewer times while the process is busy),
+        # not once per heartbeat, and never misses the moment by a polling period.
         number, began_s = self._beat
         while not self._stopping.wait(
             max(0.0, began_s + self.tick_s + self.stall_s - time.perf_counter())

@@ -4,9 +4,9 @@ A thread that is runnable but not running (its process's other threads, or other
 have the CPUs) adds to the second field of ``/proc/<pid>/task/<tid>/schedstat``, in
 nanoseconds, since the thread began. A thread asleep (on I/O, a lock, the GIL) does not. So
 the difference over an interval tells a thread that could not get a CPU from one that was
-held some other way. The file stays open and is re-read from its start (1-2 microseconds a
-read on the CPU benchmark host); where the kernel does not have it (not Linux, schedstat not
-built in) every read is None.
+held some other way. The file stays open and is re-read from its start (a cheap read:
+ops/bench/journal.md, "Runs 62-68"); where the kernel does not have it (not Linux, schedstat
+not built in) every read is None.
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ A read is one ``clock_gettime`` of each thread's CPU clock; the list of clocks i
 when the number of threads has changed or a clock has gone with its thread (so a thread
 that started as another ended is not missed). Where the platform has no per-thread CPU
 clocks, a sample is empty. Sampled at every beat of the event loop's heartbeat
-(gateway.observability.loop_lag), with ten threads, it raised an idle process's CPU time
-from 392-444 to 474-483 ms in 20 s on the CPU benchmark host: 0.2-0.4 % of a core.
+(gateway.observability.loop_lag), with ten threads, it costs an idle process a fraction of
+a percent of a core (ops/bench/journal.md, "Runs 69-72").
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ frees their KV blocks before the engine's next step.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -19,12 +20,15 @@ from engine import (
     ContextLengthExceededError,
     EngineClient,
     EngineError,
+    IncrementalDetokenizer,
     InvalidRequestError,
+    OutputStream,
     RequestMetrics,
     RequestOutput,
     SamplingParams,
     StructuredOutput,
     TenantContext,
+    Tokenizer,
 )
 from gateway.http.errors import BadRequestError
 from gateway.openai.requests import Endpoint, GenerationRequest
@@ -145,6 +149,9 @@ def sampling_params(request: GenerationRequest, model: ServedModel) -> SamplingP
             ignore_eos=fields.ignore_eos,
             logprobs=fields.num_logprobs,
             skip_special_tokens=fields.skip_special_tokens,
+            # Text is made where it is cheapest (docs/ARCHITECTURE.md, "Where text is made"):
+            # here, by the job, unless stop strings need it in the engine's step.
+            detokenize=bool(fields.stop),
         )
     except EngineError as exc:
         raise _translate(exc) from exc
@@ -233,6 +240,7 @@ class GenerationJob:
         prompts: list[PreparedPrompt],
         params: SamplingParams,
         tenant: TenantContext,
+        tokenizer: Tokenizer,
     ) -> None:
         self.request_id = request_id
         self.prompts = prompts
@@ -245,11 +253,16 @@ class GenerationJob:
         self.last_metrics: list[RequestMetrics | None] = [None] * self.num_choices
         self._engine = engine
         self._tenant = tenant
-        self._queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = (
-            asyncio.Queue()
-        )
-        self._tasks: list[asyncio.Task[None]] = []
-        self._max_unread = MAX_UNREAD_OUTPUTS_PER_CHOICE * self.num_choices
+        self._stream: OutputStream | None = None
+        self._num_open = 0  # choices not finished yet, once started
+        # The engine makes no text for these params: each choice's is made here.
+        self._detokenizers: list[IncrementalDetokenizer] | None = None
+        if not params.detokenize:
+            self._detokenizers = [
+                IncrementalDetokenizer(tokenizer, prompts[choice // params.n].token_ids,
+                                       params.skip_special_tokens)
+                for choice in range(self.num_choices)
+            ]
         # Stopped because its consumer fell MAX_UNREAD_OUTPUTS_PER_CHOICE outputs behind.
         self.is_stopped_unread = False
 
@@ -259,19 +272,18 @@ class GenerationJob:
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Every output of every choice, in arrival order; ends when all have finished.
         An engine failure arrives as an output with finish_reason "error"."""
-        for index, prompt in enumerate(self.prompts):
-            self._tasks.append(asyncio.create_task(self._pump(index, prompt)))
-        num_running = len(self._tasks)
+        stream = self._stream = OutputStream(
+            MAX_UNREAD_OUTPUTS_PER_CHOICE * self.num_choices, self._stop_unread
+        )
+        self._num_open = self.num_choices
         try:
-            while num_running:
-                item = await self._queue.get()
-                if item is None:
-                    num_running -= 1
-                    continue
-                if isinstance(item, BaseException):
-                    raise item
-                self._apply(*item)
-                yield item
+            for index, prompt in enumerate(self.prompts):
+                self._engine.submit(self.engine_request_id(index), prompt.token_ids,
+                                    self.params, self._tenant, stream, index * self.params.n)
+            while self._num_open:
+                choice, output = await stream.get()
+                self._apply(choice, output)
+                yield choice, output
         finally:
             await self.cancel()
 
@@ -279,20 +291,20 @@ class GenerationJob:
         """Abort whatever still runs: the engine frees its blocks before its next step and
         sends each sample's final output, whose metering (the GPU time spent so far) this
         waits for, briefly, so an aborted request is billed for what it used."""
-        pending = [task for task in self._tasks if not task.done()]
-        if pending:
+        stream = self._stream
+        if stream is None:
+            return
+        if self._num_open and self._engine.is_running:
             for index in range(len(self.prompts)):
                 self._engine.abort(self.engine_request_id(index))
-            _, late = await asyncio.wait(pending, timeout=_ABORT_WAIT_S)
-            for task in late:
-                task.cancel()
-            if late:
-                await asyncio.gather(*late, return_exceptions=True)
+            with contextlib.suppress(TimeoutError, EngineError):
+                async with asyncio.timeout(_ABORT_WAIT_S):
+                    while self._num_open:
+                        self._apply(*await stream.get())
+        self._engine.release([self.engine_request_id(i) for i in range(len(self.prompts))])
         # Outputs that arrived after the consumer left.
-        while not self._queue.empty():
-            item = self._queue.get_nowait()
-            if isinstance(item, tuple):
-                self._apply(*item)
+        while (item := stream.get_nowait()) is not None:
+            self._apply(*item)
 
     def _stop_unread(self) -> None:
         """Abort the engine requests of a consumer that does not read: the engine frees
@@ -302,12 +314,15 @@ class GenerationJob:
             self._engine.abort(self.engine_request_id(index))
 
     def _apply(self, choice: int, output: RequestOutput) -> None:
+        if self._detokenizers is not None:
+            self._detokenize(choice, output)
         state = self.choices[choice]
         state.num_output_tokens = output.num_output_tokens
         self.last_outputs[choice] = output
         if output.metrics is not None:
             self.last_metrics[choice] = output.metrics
-        if output.finished:
+        if output.finished and state.finish_reason is None:
+            self._num_open -= 1
             state.finish_reason = output.finish_reason
             state.error = output.error
             state.error_code = output.error_code
@@ -341,21 +356,14 @@ class GenerationJob:
             finish_reasons=[c.finish_reason for c in self.choices],
         )
 
-    async def _pump(self, prompt_index: int, prompt: PreparedPrompt) -> None:
-        base = prompt_index * self.params.n
-        try:
-            async for output in self._engine.generate(
-                self.engine_request_id(prompt_index), prompt.token_ids, self.params, self._tenant
-            ):
-                self._queue.put_nowait((base + output.sample_index, output))
-                if self._queue.qsize() > self._max_unread and not self.is_stopped_unread:
-                    self._stop_unread()
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:  # the engine loop died: the consumer reports it
-            self._queue.put_nowait(exc)
-        finally:
-            self._queue.put_nowait(None)
+    def _detokenize(self, choice: int, output: RequestOutput) -> None:
+        """The output's text, made from its tokens (the engine made none)."""
+        assert self._detokenizers is not None
+        detokenizer = self._detokenizers[choice]
+        text = detokenizer.add_tokens(output.new_token_ids)
+        if output.finish_reason in ("stop", "length"):
+            text += detokenizer.flush()
+        output.new_text = text
 
 
 def _translate(exc: EngineError) -> BadRequestError:

@@ -15,74 +15,46 @@ its buckets as far as they go: bad requests are rate-limited like good ones. Not
 charged or queued before every check that can refuse it has passed. A finished request's
 record reaches the ledger before the client sees its final chunk (or its body), so a client
 that saw the end is always billed.
+
+Here: the routes, the screen and the order above. The body is read and parsed by
+gateway.openai.body, an admitted request runs in gateway.openai.admitted_request, and every
+request's record, refused or run, is built by gateway.openai.record_builder.
 """
 
 from __future__ import annotations
 
-import asyncio
-import itertools
-import json
-import logging
+import secrets
 import time
-import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
-from datetime import UTC, datetime
 from typing import Any
 
 import anyio
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
-from starlette.types import Message, Receive, Scope, Send
 
-from engine import RequestErrorCode, RequestMetrics, RequestOutput
-from gateway.access.admission import AdmissionGrant, AdmissionRefusal, GatewayAdmission
+from gateway.access.admission import AdmissionRefusal, GatewayAdmission
 from gateway.access.auth import TenantPrincipal
-from gateway.http.errors import (
-    BadRequestError,
-    GatewayError,
-    InternalServerError,
-    NotFoundError,
-    PayloadTooLargeError,
-    ServiceUnavailableError,
-    error_body,
-)
-from gateway.http.json_body import declared_length, parse_json_body
-from gateway.http.protocol import abort_connection
-from gateway.observability.telemetry import GenAiRequest, GenAiResponse, RequestTrace
+from gateway.access.refusal_hold import RefusalHold
+from gateway.http.errors import BadRequestError, GatewayError, NotFoundError
+from gateway.http.event_stream import SSE_HEADERS, EventStream
+from gateway.http.json_body import declared_length
+from gateway.observability.telemetry import GenAiRequest, RequestTrace
+from gateway.openai.admitted_request import AdmittedRequest
+from gateway.openai.body import LARGE_BODY_BYTES, parse_body, read_body
 from gateway.openai.generation import (
-    MAX_UNREAD_OUTPUTS_PER_CHOICE,
-    ChoiceState,
     GenerationJob,
+    JobSummary,
     check_constraints,
     check_fits,
     prepare_prompts,
     sampling_params,
 )
-from gateway.openai.request_record import RequestEnd, RequestRecord
-from gateway.openai.requests import (
-    Endpoint,
-    GenerationRequest,
-    RequestBounds,
-    parse_chat_request,
-    parse_completion_request,
-)
-from gateway.openai.responses import ChoiceText, ResponseContext, chunk, full_response, usage_chunk
-from gateway.openai.tool_calls import StreamedToolCalls
-from gateway.server.runtime import GatewayRuntime, RecordLostError
+from gateway.openai.record_builder import build_record, trace_response
+from gateway.openai.request_record import RequestEnd
+from gateway.openai.requests import Endpoint, GenerationRequest, RequestBounds
+from gateway.server.runtime import GatewayRuntime
 from gateway.server.served_model import ServedModel, tenant_context
 from policies import RefusalReason, Tier
-
-logger = logging.getLogger(__name__)
-
-_SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
-# A large body refused before it is read (its tenant's rate limits spent) is answered after
-# its retry delay, up to this long: a client sending such bodies back to back then costs the
-# server a refusal a second per connection instead of hundreds, at no CPU while it waits.
-SCREEN_HOLD_MAX_S = 1.0
-# Refusals held at once, at most (past it they are answered at once): a client opening
-# connection after connection holds a bounded number of them.
-MAX_HELD_REFUSALS = 256
 
 
 def openai_routes(runtime: GatewayRuntime, admission: GatewayAdmission) -> list[BaseRoute]:
@@ -95,43 +67,12 @@ def openai_routes(runtime: GatewayRuntime, admission: GatewayAdmission) -> list[
     ]
 
 
-# Tool calls are read out of a reply this long (in characters) in a worker thread: the
-# parse is linear, but a long reply's JSON is still milliseconds of work.
-TOOL_PARSE_OFF_LOOP_CHARS = 64 << 10
-
-# A body this large may hold prompts that take tens of milliseconds or more to tokenize: it
-# is read only when the tenant's rate limits have room (AdmissionController.screen), and its
-# prompts are rendered and tokenized in a worker thread instead of on the event loop.
-LARGE_BODY_BYTES = 64 << 10
-
-
-async def read_body(
-    request: Request, max_bytes: int, on_large: Callable[[], Awaitable[None]] | None = None
-) -> bytes:
-    """The body's bytes; 413 above max_bytes (checked while reading). on_large runs once,
-    before the body is read on, when it is found to be larger than LARGE_BODY_BYTES (a body
-    that declares its size is screened before reading starts)."""
-    declared = declared_length(request)
-    if declared is not None and declared > max_bytes:
-        raise PayloadTooLargeError(f"the request body is larger than {max_bytes} bytes")
-    chunks, size = [], 0
-    async for piece in request.stream():
-        size += len(piece)
-        if size > max_bytes:
-            raise PayloadTooLargeError(f"the request body is larger than {max_bytes} bytes")
-        if on_large is not None and size > LARGE_BODY_BYTES:
-            await on_large()
-            on_large = None
-        chunks.append(piece)
-    return b"".join(chunks)
-
-
 class _OpenAIApi:
     def __init__(self, runtime: GatewayRuntime, admission: GatewayAdmission) -> None:
         self.runtime = runtime
         self.admission = admission
         self._encoder_limiter: anyio.CapacityLimiter | None = None
-        self._num_held_refusals = 0
+        self._refusal_hold = RefusalHold()
         settings = runtime.settings
         self._bounds = RequestBounds(settings.max_messages, settings.max_choices)
 
@@ -176,11 +117,7 @@ class _OpenAIApi:
             body_bytes = len(raw)
             started = time.perf_counter()
             try:
-                parsed = (
-                    parse_chat_request(parse_json_body(raw), self._bounds)
-                    if endpoint is Endpoint.CHAT
-                    else parse_completion_request(parse_json_body(raw), self._bounds)
-                )
+                parsed = parse_body(raw, endpoint, self._bounds)
             finally:
                 if body_bytes > LARGE_BODY_BYTES:
                     self.admission.spend_parse_time(principal, time.perf_counter() - started)
@@ -245,20 +182,21 @@ class _OpenAIApi:
             if refusal.reason == RefusalReason.SHED:  # demand all the same (policies.tenant_demand)
                 for prompt in prompts:
                     engine.record_refused(len(prompt.token_ids), tenant)
-            record = refused_record(
-                response_id, principal, endpoint, served, num_prompt_tokens, arrival, refusal
+            await self._publish_refusal(
+                trace, response_id, principal, endpoint, served, num_prompt_tokens, arrival,
+                refusal,
             )
-            trace.finished(_trace_response(record, served))
-            await self.runtime.publish(record)  # counted, not written: no wait on the ledger
             raise
         trace.queued()
-        job = GenerationJob(engine, response_id, prompts, params, tenant)
-        run = _Run(self, served, principal, parsed, job, grant, arrival, trace)
+        job = GenerationJob(engine, response_id, prompts, params, tenant, served.tokenizer)
+        run = AdmittedRequest(
+            self.runtime, self.admission, served, principal, parsed, job, grant, arrival, trace
+        )
         self.runtime.request_started()
         if parsed.stream:
-            return _EventStream(
+            return EventStream(
                 run.stream(), settings.stream_write_timeout_s,
-                headers={**_SSE_HEADERS, **grant.headers},
+                headers={**SSE_HEADERS, **grant.headers},
             )
         return await run.respond(http_request)
 
@@ -270,7 +208,7 @@ class _OpenAIApi:
         tenant's rate limits have nothing left (check_limits), or, for a large body
         (is_large), when its large bodies have spent its share of the loop's parse time. A
         refused body that may be large (its size declared so, or not declared) is not read:
-        its connection is closed and the refusal held (_hold)."""
+        its connection is closed and the refusal held (gateway.access.refusal_hold)."""
         started = time.monotonic()
         try:
             if check_limits:
@@ -284,28 +222,30 @@ class _OpenAIApi:
                 start_s=arrival,
             )
             trace.admission_refused(refusal, started)
-            record = refused_record(_response_id(endpoint), principal, endpoint, served, 0,
-                                    arrival, refusal)
-            trace.finished(_trace_response(record, served))
-            await self.runtime.publish(record)
+            await self._publish_refusal(
+                trace, _response_id(endpoint), principal, endpoint, served, 0, arrival, refusal
+            )
             if may_be_large:
                 # The body is not read: closing the connection stops its bytes (up to
                 # --max-body-bytes a request) at the socket instead of draining them.
                 refusal.headers["connection"] = "close"
-                await self._hold(refusal)
+                await self._refusal_hold.wait(refusal)
             raise
 
-    async def _hold(self, refusal: AdmissionRefusal) -> None:
-        """Wait out the refusal's retry delay (SCREEN_HOLD_MAX_S at most) before it is
-        answered, unless MAX_HELD_REFUSALS are waiting already."""
-        delay_s = min(refusal.retry_after_s or 0.0, SCREEN_HOLD_MAX_S)
-        if delay_s <= 0 or self._num_held_refusals >= MAX_HELD_REFUSALS:
-            return
-        self._num_held_refusals += 1
-        try:
-            await asyncio.sleep(delay_s)
-        finally:
-            self._num_held_refusals -= 1
+    async def _publish_refusal(
+        self, trace: RequestTrace, response_id: str, principal: TenantPrincipal,
+        endpoint: Endpoint, served: ServedModel, num_prompt_tokens: int, arrival: float,
+        refusal: AdmissionRefusal,
+    ) -> None:
+        """The refused request's record, to its trace and the runtime: counted, not written
+        (no wait on the ledger)."""
+        record = build_record(
+            response_id, principal, served.name, endpoint, RequestEnd.REFUSED,
+            JobSummary(num_prompt_tokens, num_cached_prompt_tokens=0, num_completion_tokens=0),
+            arrival=arrival, http_status=refusal.status_code, refusal_reason=refusal.reason,
+        )
+        trace.finished(trace_response(record, served.name))
+        await self.runtime.publish(record)
 
     def _encoder_threads(self) -> anyio.CapacityLimiter:
         """One worker thread tokenizes large prompts at a time, leaving the other cores to
@@ -315,349 +255,6 @@ class _OpenAIApi:
         return self._encoder_limiter
 
 
-class _EventStream(StreamingResponse):
-    """A request's event stream, whose client must keep reading: a chunk left unread for
-    write_timeout_s (the socket's buffers full) ends the request as the client's leaving
-    would (cancelled in the engine, recorded as aborted) and drops the connection, so a
-    client that never reads holds no slot, memory or drain for longer than that."""
-
-    def __init__(
-        self,
-        events: AsyncGenerator[str, None],
-        write_timeout_s: float,
-        headers: Mapping[str, str],
-    ) -> None:
-        super().__init__(events, media_type="text/event-stream", headers=headers)
-        self._events = events
-        self._write_timeout_s = write_timeout_s
-        self._scope: Scope = {}
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        self._scope = scope
-        await super().__call__(scope, receive, send)
-
-    async def stream_response(self, send: Send) -> None:
-        async def send_in_time(message: Message) -> None:
-            with anyio.fail_after(self._write_timeout_s):
-                await send(message)
-
-        try:
-            await super().stream_response(send_in_time)
-        except TimeoutError:
-            logger.warning("a stream's client left a chunk unread for %.0f s: aborting it",
-                           self._write_timeout_s)
-            await self._events.aclose()  # the request ends (and is recorded) here
-            # Reset, not closed: a close would wait for the unread buffers to drain.
-            if not await abort_connection(self._scope):
-                logger.warning("the server cannot reset a connection: it stays open until "
-                               "its client reads or leaves")
-
-
-class _Run:
-    """One admitted generation request, from the first engine output to its record."""
-
-    def __init__(
-        self,
-        api: _OpenAIApi,
-        served: ServedModel,
-        principal: TenantPrincipal,
-        request: GenerationRequest,
-        job: GenerationJob,
-        grant: AdmissionGrant,
-        arrival: float,
-        trace: RequestTrace,
-    ) -> None:
-        self.api = api
-        self.trace = trace
-        self.served = served
-        self.principal = principal
-        self.request = request
-        self.job = job
-        self.grant = grant
-        self.arrival = arrival
-        self.created_at = datetime.now(UTC)
-        self.context = ResponseContext(
-            endpoint=request.endpoint,
-            response_id=job.request_id,
-            created=int(time.time()),
-            model=served.name,
-            include_usage=request.include_usage,
-        )
-        self.first_token_time: float | None = None
-        # Per choice: arrival times of its outputs that carried tokens (TPOT).
-        self._token_times: list[list[float]] = [[] for _ in range(job.num_choices)]
-        self._finalized = False
-        self._has_started = False
-        # Tools offered: calls are read out of each choice's text (gateway.openai.tool_calls).
-        self._tool_format = served.tool_format if request.tools.is_active else None
-        self._tool_names = frozenset(tool.name for tool in request.tools.tools)
-
-    # -- non-streamed ----------------------------------------------------------------------------
-
-    async def respond(self, http_request: Request) -> Response:
-        choices = [ChoiceText() for _ in range(self.job.num_choices)]
-        if self.request.echo:
-            for index, choice in enumerate(choices):
-                choice.text = self._prompt_text(index)
-        status, error = RequestEnd.ABORTED, None
-        try:
-            async with anyio.create_task_group() as group:
-                group.start_soon(_cancel_on_disconnect, http_request, group.cancel_scope)
-                async for index, output in self.job.outputs():
-                    self._observe(index, output)
-                    choice = choices[index]
-                    choice.text += output.new_text
-                    choice.logprobs.extend(output.logprobs)
-                    if output.finished:
-                        choice.finish_reason = output.finish_reason
-                group.cancel_scope.cancel()
-            status, error = self._outcome()
-        except Exception as exc:  # the engine loop died
-            status, error = RequestEnd.FAILED, f"{type(exc).__name__}"
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self.job.cancel()  # a disconnect: wait for the abort's metering
-                if status is RequestEnd.ABORTED:
-                    status, error = self._outcome()
-                is_recorded = await self._finalize(status)
-        if status is RequestEnd.ABORTED:
-            return Response(status_code=499)  # nobody is listening
-        if not is_recorded:
-            raise _record_lost_error()
-        if status is RequestEnd.FAILED:
-            fault = self._request_fault()
-            if fault is not None:  # what the request asked for cost more than it may
-                raise BadRequestError(fault.error or "", param=self._constraint_param(),
-                                      code=fault.error_code)
-            logger.error("request %s failed in the engine: %s", self.job.request_id, error)
-            raise InternalServerError(
-                "the engine failed while generating this request", code="engine_error"
-            )
-        args = (self.context, choices, self.job.summary(), self.served.tokenizer,
-                self._tool_format, self._tool_names)
-        if self._tool_format is not None and sum(len(c.text) for c in choices) > (
-                TOOL_PARSE_OFF_LOOP_CHARS):
-            body = await anyio.to_thread.run_sync(full_response, *args)
-        else:
-            body = full_response(*args)
-        return JSONResponse(body, headers=self.grant.headers)
-
-    # -- streamed --------------------------------------------------------------------------------
-
-    async def stream(self) -> AsyncGenerator[str, None]:
-        status = RequestEnd.ABORTED
-        started = [False] * self.job.num_choices
-        offsets = [0] * self.job.num_choices
-        tool_streams = (
-            None if self._tool_format is None
-            else [StreamedToolCalls(self._tool_format, self._tool_names)
-                  for _ in range(self.job.num_choices)]
-        )
-        try:
-            async for index, output in self.job.outputs():
-                self._observe(index, output)
-                text = output.new_text
-                if not started[index] and self.request.echo:
-                    text = self._prompt_text(index) + text
-                if self.job.is_finished:
-                    # The request's last output: its record is durable before the client
-                    # sees the end, or the client sees an error instead of the end.
-                    status, _ = self._outcome()
-                    if not await self._finalize(status):
-                        yield _sse(_record_lost_error().body())
-                        return
-                    if status is RequestEnd.FAILED:
-                        fault = self._request_fault()
-                        yield _sse(
-                            error_body("the engine failed while generating this request",
-                                       "server_error", code="engine_error")
-                            if fault is None else
-                            error_body(fault.error or "", "invalid_request_error",
-                                       param=self._constraint_param(), code=fault.error_code)
-                        )
-                        return
-                    if self.job.is_stopped_unread:
-                        yield _sse(error_body(
-                            f"this stream was stopped: its client left more than "
-                            f"{MAX_UNREAD_OUTPUTS_PER_CHOICE} chunks a choice unread",
-                            "invalid_request_error", code="stream_not_read",
-                        ))
-                        return
-                if output.finished and output.finish_reason not in ("stop", "length"):
-                    continue  # an error ends the stream above, not as a choice
-                finish_reason = output.finish_reason if output.finished else None
-                tool_calls = None
-                if tool_streams is not None:
-                    text = tool_streams[index].feed(text)
-                    if output.finished:
-                        streamed = tool_streams[index]
-                        rest, calls = (
-                            await anyio.to_thread.run_sync(streamed.finish)
-                            if streamed.num_chars > TOOL_PARSE_OFF_LOOP_CHARS
-                            else streamed.finish()
-                        )
-                        text += rest
-                        if calls:
-                            tool_calls = [call.as_openai(i) for i, call in enumerate(calls)]
-                            finish_reason = "tool_calls" if finish_reason == "stop" else (
-                                finish_reason)
-                yield _choice_chunk(self, index, text, output, started, offsets,
-                                    finish_reason, tool_calls)
-            if self.request.include_usage:
-                yield _sse(usage_chunk(self.context, self.job.summary()))
-            yield "data: [DONE]\n\n"
-        except Exception as exc:  # the engine loop died mid-stream
-            logger.error("stream %s failed: %s", self.job.request_id, exc)
-            status = RequestEnd.FAILED
-            with anyio.CancelScope(shield=True):
-                await self._finalize(status)
-            yield _sse(error_body(
-                "the engine failed while generating this request", "server_error",
-                code="engine_error",
-            ))
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self.job.cancel()
-                await self._finalize(status)
-
-    # -- shared ----------------------------------------------------------------------------------
-
-    def _prompt_text(self, choice_index: int) -> str:
-        prompt = self.job.prompts[choice_index // self.job.params.n]
-        if prompt.text is not None:
-            return prompt.text
-        return self.served.tokenizer.decode(prompt.token_ids, skip_special_tokens=False)
-
-    def _observe(self, index: int, output: RequestOutput) -> None:
-        if not self._has_started:  # the engine runs it: no longer queued (max_queued_requests)
-            self._has_started = True
-            self.api.admission.started(self.grant)
-        if output.new_token_ids:
-            now = time.monotonic()
-            if self.first_token_time is None:
-                self.first_token_time = now
-                metrics = output.metrics
-                if metrics is not None and metrics.first_scheduled_time is not None:
-                    self.trace.scheduled(metrics.first_scheduled_time)
-                self.trace.first_token(now)
-            self._token_times[index].append(now)
-
-    def _request_fault(self) -> ChoiceState | None:
-        """The first choice that ended with an error the request itself caused (its grammar
-        past its budget or limits), which its client gets as a bad request."""
-        for choice in self.job.choices:
-            if choice.finish_reason == "error" and (
-                    choice.error_code in RequestErrorCode.CAUSED_BY_REQUEST):
-                return choice
-        return None
-
-    def _constraint_param(self) -> str | None:
-        structured = self.job.params.structured
-        return None if structured is None else structured.param
-
-    def _outcome(self) -> tuple[RequestEnd, str | None]:
-        errors = [c.error for c in self.job.choices if c.finish_reason == "error"]
-        if errors:
-            return RequestEnd.FAILED, errors[0]
-        if self.job.is_complete:
-            return RequestEnd.COMPLETED, None
-        return RequestEnd.ABORTED, None
-
-    async def _finalize(self, status: RequestEnd) -> bool:
-        """Once per request: publish the record, release admission, end in-flight. Shielded:
-        a client that goes away meanwhile cannot skip the record. The release comes after
-        the record, whose usage is then in the ledger's monthly totals: the budget it held
-        is never counted by neither. False when the record could not be written (the client
-        must then get an error, not the result)."""
-        if self._finalized:
-            return True
-        self._finalized = True
-        runtime = self.api.runtime
-        is_recorded = False
-        with anyio.CancelScope(shield=True):
-            try:
-                record = self._record(status)
-                self.trace.finished(_trace_response(record, self.served))
-                try:
-                    await runtime.publish(record)
-                    is_recorded = True
-                except RecordLostError:
-                    pass  # logged by publish
-                summary = self.job.summary()
-                await self.api.admission.release(
-                    self.grant, summary.num_prompt_tokens + summary.num_completion_tokens
-                )
-            finally:
-                runtime.request_ended()
-        return is_recorded
-
-    def _http_status(self, status: RequestEnd) -> int:
-        if status is RequestEnd.ABORTED:
-            return 499  # the client closed the connection before the end (nginx's convention)
-        if status is RequestEnd.FAILED and not self.request.stream:
-            # a stream that started stays 200; its error is an event
-            return 400 if self._request_fault() is not None else 500
-        return 200
-
-    def _record(self, status: RequestEnd) -> RequestRecord:
-        summary = self.job.summary()
-        now = time.monotonic()
-        metrics = [m for m in self.job.last_metrics if m is not None]
-        reasons = {r for r in summary.finish_reasons if r is not None}
-        finish_reason = (
-            None if not reasons else "length" if reasons == {"length"}
-            else "stop" if reasons <= {"stop", "length"} else sorted(reasons)[0]
-        )
-        gpu = sum(m.gpu_seconds for m in metrics)
-        recompute = sum(m.recompute_gpu_seconds for m in metrics)
-        charged = _most_charged_tenant(metrics)
-        gaps = [
-            (times[-1] - times[0]) / (len(times) - 1)
-            for times in self._token_times
-            if len(times) >= 2
-        ]
-        inter_token_gaps = tuple(
-            later - earlier
-            for times in self._token_times
-            for earlier, later in itertools.pairwise(times)
-        )
-        queue_times = [m.queue_time_s for m in metrics if m.queue_time_s is not None]
-        return RequestRecord(
-            request_id=self.job.request_id,
-            tenant_id=self.principal.tenant_id,
-            api_key_id=self.principal.api_key_id,
-            model=self.served.name,
-            tier=self.principal.tier,
-            endpoint=self.request.endpoint,
-            status=status,
-            finish_reason=finish_reason,
-            num_prompt_tokens=summary.num_prompt_tokens,
-            num_cached_prompt_tokens=summary.num_cached_prompt_tokens,
-            num_completion_tokens=summary.num_completion_tokens,
-            gpu_seconds=gpu,
-            recompute_gpu_seconds=recompute,
-            recompute_charged_tenant_id=int(charged) if charged else None,
-            num_preemptions=summary.num_preemptions,
-            queue_time_s=max(queue_times) if queue_times else None,
-            ttft_s=None if self.first_token_time is None else self.first_token_time - self.arrival,
-            e2e_time_s=now - self.arrival,
-            tpot_s=sum(gaps) / len(gaps) if gaps else None,
-            inter_token_gaps_s=inter_token_gaps,
-            created_at=self.created_at,
-            finished_at=datetime.now(UTC),
-            http_status=self._http_status(status),
-            grammar_compile_s=sum(m.grammar_compile_s for m in metrics),
-        )
-
-
-def _record_lost_error() -> ServiceUnavailableError:
-    return ServiceUnavailableError(
-        "the usage of this request could not be recorded, so its result is withheld; "
-        "retry later",
-        code="usage_not_recorded",
-    )
-
-
 def _operation(endpoint: Endpoint) -> str:
     """gen_ai.operation.name."""
     return "chat" if endpoint is Endpoint.CHAT else "text_completion"
@@ -665,112 +262,7 @@ def _operation(endpoint: Endpoint) -> str:
 
 def _response_id(endpoint: Endpoint) -> str:
     prefix = "chatcmpl" if endpoint is Endpoint.CHAT else "cmpl"
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def refused_record(
-    request_id: str,
-    principal: TenantPrincipal,
-    endpoint: Endpoint,
-    served: ServedModel,
-    num_prompt_tokens: int,
-    arrival: float,
-    refusal: AdmissionRefusal,
-) -> RequestRecord:
-    now = datetime.now(UTC)
-    return RequestRecord(
-        request_id=request_id,
-        tenant_id=principal.tenant_id,
-        api_key_id=principal.api_key_id,
-        model=served.name,
-        tier=principal.tier,
-        endpoint=endpoint,
-        status=RequestEnd.REFUSED,
-        finish_reason=None,
-        num_prompt_tokens=num_prompt_tokens,
-        num_cached_prompt_tokens=0,
-        num_completion_tokens=0,
-        gpu_seconds=0.0,
-        recompute_gpu_seconds=0.0,
-        recompute_charged_tenant_id=None,
-        num_preemptions=0,
-        queue_time_s=None,
-        ttft_s=None,
-        e2e_time_s=time.monotonic() - arrival,
-        tpot_s=None,
-        inter_token_gaps_s=(),
-        created_at=now,
-        finished_at=now,
-        http_status=refusal.status_code,
-        refusal_reason=refusal.reason,
-    )
-
-
-def _most_charged_tenant(metrics: list[RequestMetrics]) -> int | None:
-    """The tenant charged the most recompute over the request's samples."""
-    charges: dict[str, float] = {}
-    for m in metrics:
-        for tenant_id, seconds in m.recompute_gpu_seconds_by_tenant.items():
-            charges[tenant_id] = charges.get(tenant_id, 0.0) + seconds
-    if not charges:
-        return None
-    return int(max(charges, key=lambda tenant_id: charges[tenant_id]))
-
-
-def _trace_response(record: RequestRecord, served: ServedModel) -> GenAiResponse:
-    error_type = {
-        RequestEnd.FAILED: "engine_error",
-        RequestEnd.ABORTED: "client_disconnected",
-        RequestEnd.REFUSED: record.refusal_reason or "refused",
-    }.get(record.status)
-    return GenAiResponse(
-        response_id=record.request_id if record.status is not RequestEnd.REFUSED else None,
-        response_model=served.name,
-        finish_reasons=[record.finish_reason] if record.finish_reason else [],
-        num_input_tokens=record.num_prompt_tokens,
-        num_output_tokens=record.num_completion_tokens,
-        num_cached_input_tokens=record.num_cached_prompt_tokens,
-        error_type=error_type,
-    )
-
-
-def _choice_chunk(
-    run: _Run,
-    index: int,
-    text: str,
-    output: RequestOutput,
-    started: list[bool],
-    offsets: list[int],
-    finish_reason: str | None,
-    tool_calls: list[dict[str, Any]] | None,
-) -> str:
-    body = chunk(
-        run.context,
-        index,
-        text=text,
-        role=not started[index],
-        logprobs=output.logprobs or None,
-        finish_reason=finish_reason,
-        text_offset=offsets[index],
-        tokenizer=run.served.tokenizer,
-        tool_calls=tool_calls,
-    )
-    started[index] = True
-    offsets[index] += len(text)
-    return _sse(body)
-
-
-def _sse(body: dict[str, Any]) -> str:
-    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
-
-
-async def _cancel_on_disconnect(request: Request, scope: anyio.CancelScope) -> None:
-    """Cancel scope when the client goes away (non-streamed requests)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            scope.cancel()
-            return
+    return f"{prefix}-{secrets.token_hex(16)}"
 
 
 def _check_tier_allows(request: GenerationRequest, tier: Tier) -> None:

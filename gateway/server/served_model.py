@@ -30,8 +30,8 @@ from engine import (
     TenantContext,
     Tokenizer,
     TorchModelRunner,
-    core_name,
 )
+from gateway.openai.chat_template import ChatTokenizer
 from gateway.openai.tool_calls import ToolCallFormat, format_for_template
 from gateway.server.model_source import resolve_model
 from gateway.server.settings import GatewaySettings
@@ -48,7 +48,8 @@ class ServedModel:
 
     # The id of /v1/models and of the `model` field clients send.
     name: str
-    tokenizer: Tokenizer
+    # The engine's tokenizer, with chat prompts rendered from the model's template.
+    tokenizer: ChatTokenizer
     # Token ids that end a generation (config eos ids and the tokenizer's eos).
     eos_token_ids: tuple[int, ...]
     vocab_size: int
@@ -83,7 +84,7 @@ def load_served_model(
     )
     model_dir = source.model_dir
     model_config = ModelConfig.from_file(model_dir)
-    tokenizer = Tokenizer.from_dir(model_dir)
+    tokenizer = ChatTokenizer.from_dir(model_dir)
     engine = EngineProcess(functools.partial(build_engine, settings, tiers, model_dir))
     name = settings.served_model_name or source.default_name
     served = describe_model(model_config, tokenizer, name, created, engine.limits,
@@ -91,10 +92,10 @@ def load_served_model(
     served.grammars.warm_up()  # the tokenizer's index, before the first structured request
     logger.info(
         "serving %s from %s on %s: %d KV blocks of %d tokens, context %d, async scheduling "
-        "%s, engine core %s (engine process %s)",
+        "%s (engine process %s)",
         name, model_dir, settings.device, served.num_kv_blocks, served.kv_block_size,
         served.max_model_len, settings.async_scheduling,
-        core_name(), engine.pid,
+        engine.pid,
     )
     return served, engine
 
@@ -102,53 +103,48 @@ def load_served_model(
 def build_engine(settings: GatewaySettings, tiers: TierTable, model_dir: Path) -> LLMEngine:
     """The engine over the checkpoint in model_dir (what the engine's process runs)."""
     model_config = ModelConfig.from_file(model_dir)
-    runner_config = RunnerConfig(
-        kv_cache_bytes=settings.kv_cache_bytes,
-        kv_cache_memory_fraction=settings.kv_cache_memory_fraction,
-        max_num_batched_tokens=settings.max_num_batched_tokens,
-        max_num_seqs=settings.max_num_seqs,
-        max_model_len=context_length(settings, model_config),
-    )
-    if settings.cpu_decode_rows is not None:
-        runner_config.cpu_decode_rows = settings.cpu_decode_rows
+    tokenizer = Tokenizer.from_dir(model_dir)
+    config = engine_config(settings, tiers, model_config, tokenizer)
     runner = TorchModelRunner.from_model_dir(
         model_dir,
-        runner_config,
+        config,
         dtype=_DTYPES[settings.dtype],
         device=settings.device,
     )
     size = runner.kv_cache_size
     if size is not None:
+        block_size = config.cache.block_size
         logger.info(
             "KV cache %.2f GiB, %s: %d blocks of %d tokens, %d tokens",
-            size.num_bytes / (1 << 30), size.source, runner.num_kv_blocks, runner.block_size,
-            runner.num_kv_blocks * runner.block_size,
+            size.num_bytes / (1 << 30), size.source, runner.num_kv_blocks, block_size,
+            runner.num_kv_blocks * block_size,
         )
-    engine = new_engine(settings, tiers, runner, model_config, Tokenizer.from_dir(model_dir))
+    engine = new_engine(settings, config, runner, model_config, tokenizer)
     if engine.grammars is not None:
         engine.grammars.warm_up()  # while the server starts, not on the first request
     return engine
 
 
-def new_engine(
-    settings: GatewaySettings,
-    tiers: TierTable,
-    runner: ModelRunner,
-    model_config: ModelConfig,
-    tokenizer: Tokenizer,
-) -> LLMEngine:
-    """The engine over runner with the replica's scheduling policy."""
+def engine_config(
+    settings: GatewaySettings, tiers: TierTable, model_config: ModelConfig, tokenizer: Tokenizer
+) -> EngineConfig:
+    """The replica's engine configuration, read by its scheduler and its runner."""
     eos_ids = eos_token_ids(model_config, tokenizer)
-    tiered = settings.scheduling == "tiered"
-    engine_config = EngineConfig(
+    runner = RunnerConfig(
+        kv_cache_bytes=settings.kv_cache_bytes,
+        kv_cache_memory_fraction=settings.kv_cache_memory_fraction,
+    )
+    if settings.cpu_decode_rows is not None:
+        runner.cpu_decode_rows = settings.cpu_decode_rows
+    return EngineConfig(
         scheduler=SchedulerConfig(
             max_num_batched_tokens=settings.max_num_batched_tokens,
             max_num_seqs=settings.max_num_seqs,
             max_model_len=context_length(settings, model_config),
         ),
         cache=CacheConfig(
-            block_size=runner.block_size,
-            reserved_fractions=tiers.reserved_fractions() if tiered else {},
+            reserved_fractions=tiers.reserved_fractions() if settings.scheduling == "tiered"
+            else {},
         ),
         eos_token_id=eos_ids[0] if eos_ids else None,
         async_scheduling={"auto": None, "on": True, "off": False}[settings.async_scheduling],
@@ -156,15 +152,27 @@ def new_engine(
             max_step_s=settings.grammar_max_step_ms / 1000,
             max_mean_s_per_token=settings.grammar_max_ms_per_token / 1000,
         ),
+        runner=runner,
     )
-    policy: SchedulingPolicy = TieredPolicy() if tiered else FCFSPolicy()
-    grammars = GrammarCompiler(tokenizer, model_config.vocab_size, list(eos_ids))
-    return LLMEngine(engine_config, runner, policy, tokenizer, grammars=grammars)
+
+
+def new_engine(
+    settings: GatewaySettings,
+    config: EngineConfig,
+    runner: ModelRunner,
+    model_config: ModelConfig,
+    tokenizer: Tokenizer,
+) -> LLMEngine:
+    """The engine over runner (built from config) with the replica's scheduling policy."""
+    policy: SchedulingPolicy = TieredPolicy() if settings.scheduling == "tiered" else FCFSPolicy()
+    grammars = GrammarCompiler(tokenizer, model_config.vocab_size,
+                               list(eos_token_ids(model_config, tokenizer)))
+    return LLMEngine(config, runner, policy, tokenizer, grammars=grammars)
 
 
 def describe_model(
     model_config: ModelConfig,
-    tokenizer: Tokenizer,
+    tokenizer: ChatTokenizer,
     name: str,
     created: int,
     limits: RequestLimits,

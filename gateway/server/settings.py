@@ -150,7 +150,7 @@ class GatewaySettings:
     dtype: str = "float32"
     config: Path | None = None
     run_migrations: bool = True
-    # None: a share of the memory the engine may use (engine.kv_memory).
+    # None: a share of the memory the engine may use (engine.worker.kv_memory).
     kv_cache_bytes: int | None = None
     kv_cache_memory_fraction: float | None = None
     # What a constrained sample's grammar may cost on the host (engine.GrammarBudget).
@@ -160,7 +160,7 @@ class GatewaySettings:
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
-    # None: the runner's default (engine.model_runner.RunnerConfig.cpu_decode_rows).
+    # None: the runner's default (engine.RunnerConfig.cpu_decode_rows).
     cpu_decode_rows: int | None = None
     async_scheduling: str = "auto"  # auto | on | off (engine.EngineConfig.async_scheduling)
     scheduling: str = "tiered"

@@ -7,7 +7,7 @@ imports the engine of its tree (its working directory and PYTHONPATH), takes the
 --runs runs of `bench.engine.measure_decode` (the function behind `tiergate bench engine`'s
 decode table) at 128 and 256 running decodes of 1,024-token contexts and of
 `bench.engine.measure_short` at 32 requests, and prints them. A tree is a checkout (a git
-worktree of an older commit) or the compiled build (`make compiled`: build/compiled). On a
+worktree of an older commit, say). On a
 noisy 2-core host two processes run minutes apart differ by up to 2x: only the per-pair ratios
 compare.
 
@@ -28,20 +28,16 @@ from typing import Any
 
 from bench.engine import POLICIES
 
-# Runs in each tree: trees older than the compiled core and --policy know neither.
+# Runs in each tree: trees older than --policy measure FCFS only.
 _MEASURE = r"""
 import json, sys
 from bench.engine import measure_decode, measure_short
-try:
-    from engine import core_name
-except ImportError:
-    core_name = lambda: "pure Python"
 import inspect
 runs, policy = int(sys.argv[1]), sys.argv[2]
 kwargs = {} if policy == "fcfs" else {"policy": policy}
 if kwargs and "policy" not in inspect.signature(measure_decode).parameters:
     sys.exit("this tree's bench.engine measures the FCFS policy only")
-row = {"core": core_name()}
+row = {}
 for n in (128, 256):
     row[str(n)] = min(measure_decode(n, 1024, 50, s, **kwargs) for s in range(runs)) / n * 1e6
 row["short"] = min(measure_short(32, s, **kwargs) for s in range(runs)) * 1e6
@@ -77,21 +73,16 @@ def main() -> int:
     print("| pair | first | " + " | ".join(f"{k} before / after" for k in keys) + " |")
     print("|---" * (len(keys) + 2) + "|")
     ratios: dict[str, list[float]] = {k: [] for k in keys}
-    cores: dict[str, set[str]] = {"before": set(), "after": set()}
     for pair in range(args.pairs):
         first, second = ("before", "after") if pair % 2 == 0 else ("after", "before")
         rows = {name: measure(getattr(args, name), args.runs, args.policy)
                 for name in (first, second)}
-        for name, row in rows.items():
-            cores[name].add(row["core"])
         cells = []
         for key in keys:
             before, after = rows["before"][key], rows["after"][key]
             ratios[key].append(after / before)
             cells.append(f"{before:.2f} / {after:.2f} ({after / before:.3f})")
         print(f"| {pair} | {first} | " + " | ".join(cells) + " |", flush=True)
-    print("engine core: " + ", ".join(f"{name} {' / '.join(sorted(found))}"
-                                      for name, found in cores.items()))
     print("median after / before: " + ", ".join(
         f"{k} {statistics.median(v):.3f}" for k, v in ratios.items()))
     return 0

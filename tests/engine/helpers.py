@@ -14,13 +14,14 @@ from engine import (
     FCFSPolicy,
     FCFSQueue,
     LLMEngine,
+    RunnerConfig,
     SamplingParams,
     SchedulerConfig,
     SchedulingPolicy,
     TenantContext,
     WaitingQueue,
 )
-from engine.request import RequestStatus
+from engine.core.request import RequestStatus
 from engine.testing.clock import SimulatedClock
 from engine.testing.fake_runner import FakeModelRunner, fake_next_token
 from policies import TieredPolicy, TieredPolicyConfig
@@ -58,12 +59,13 @@ def make_engine(
         ),
         cache=CacheConfig(block_size, prefix_caching, reserved or {}),
         async_scheduling=ASYNC_SCHEDULING if async_scheduling is None else async_scheduling,
+        runner=RunnerConfig(num_kv_blocks=num_blocks),
     )
     if clock is None:
         clock = SimulatedClock()
-        runner = FakeModelRunner(num_blocks, block_size, VOCAB, advance_clock=clock.advance)
+        runner = FakeModelRunner(config, VOCAB, advance_clock=clock.advance)
     else:
-        runner = FakeModelRunner(num_blocks, block_size, VOCAB)
+        runner = FakeModelRunner(config, VOCAB)
     waiting = queue if queue is not None else FCFSQueue()
     lane_steps = under_share_lane_every_steps
     policy: SchedulingPolicy = (
@@ -226,6 +228,6 @@ class _WrappedEngine:
 
 def wrapped_engine(engine: LLMEngine, **methods: Callable[..., Any]) -> LLMEngine:
     """engine, with the given methods in place of its own: a test that observes or replaces
-    an engine method wraps the engine, since the compiled build's LLMEngine (mypyc,
-    engine/compiled_core.py) has no per-instance methods to patch."""
+    an engine method wraps the engine rather than patch it, so the engine under test stays
+    the class it is."""
     return cast(LLMEngine, _WrappedEngine(engine, methods))

@@ -24,17 +24,22 @@ from starlette.types import ASGIApp
 
 import migrations
 import tenants
-from engine.async_engine import AsyncLLMEngine
 from engine.models.config import ModelConfig
+from engine.process.async_engine import AsyncLLMEngine
 from engine.testing.fake_runner import FakeModelRunner
-from engine.tokenizer import Tokenizer
 from gateway.http.protocol import GatewayHttpProtocol
 from gateway.observability.telemetry import Telemetry
+from gateway.openai.chat_template import ChatTokenizer
 from gateway.server.model_source import DEMO_MODEL_NAME
 from gateway.server.observability_wiring import Observability
 from gateway.server.replica import compose_replica
 from gateway.server.runtime import GatewayRuntime
-from gateway.server.served_model import ServedModel, describe_model, new_engine
+from gateway.server.served_model import (
+    ServedModel,
+    describe_model,
+    engine_config,
+    new_engine,
+)
 from gateway.server.settings import GatewaySettings
 from policies import TierTable
 from tests.serve_process import ADMIN_TOKEN, shared_demo_model_dir
@@ -57,14 +62,15 @@ class FakeModelLoader:
         self, settings: GatewaySettings, tiers: TierTable, created: int
     ) -> tuple[ServedModel, AsyncLLMEngine]:
         model_config = ModelConfig.from_file(self.model_dir)
-        tokenizer = Tokenizer.from_dir(self.model_dir)
+        tokenizer = ChatTokenizer.from_dir(self.model_dir)
         # The fake's tokens are hashes of the context: keep them ids the tokenizer decodes.
         vocab_size = min(tokenizer.vocab_size, model_config.vocab_size)
-        runner = FakeModelRunner(
-            self.num_kv_blocks, _KV_BLOCK_SIZE, vocab_size=vocab_size, sleep=True
-        )
+        config = engine_config(settings, tiers, model_config, tokenizer)
+        config.cache.block_size = _KV_BLOCK_SIZE
+        config.runner.num_kv_blocks = self.num_kv_blocks
+        runner = FakeModelRunner(config, vocab_size=vocab_size, sleep=True)
         # The engine in a thread of this process, so tests can reach the fake runner.
-        engine = AsyncLLMEngine(new_engine(settings, tiers, runner, model_config, tokenizer))
+        engine = AsyncLLMEngine(new_engine(settings, config, runner, model_config, tokenizer))
         served = describe_model(
             model_config, tokenizer, DEMO_MODEL_NAME, created, engine.limits, vocab_size
         )

@@ -17,9 +17,9 @@ import torch
 from tokenizers import pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine.tokenizer import Tokenizer
+from gateway.openai.chat_template import ChatTokenizer
 from gateway.server.model_source import DEFAULT_MODEL_NAME, default_model_file, gguf_model_dir
-from tests.engine.tokenizer_strings import tokenizer_strings
+from tests.engine.text.tokenizer_strings import tokenizer_strings
 from tests.serve_process import ServeProcess, default_model_server
 
 pytestmark = pytest.mark.slow
@@ -74,7 +74,7 @@ def test_the_tokenizer_matches_hf_on_200_strings(model_dir: Path, hf_tokenizer: 
     where whitespace runs into a digit ("  1" is "ĠĠ" "1" in SmolLM2, "Ġ" "Ġ1"-less pieces
     in transformers). With that split restored, every string tokenizes the same; without it,
     only such strings differ."""
-    ours = Tokenizer.from_dir(model_dir)
+    ours = ChatTokenizer.from_dir(model_dir)
     hf_as_written = hf_tokenizer
     hf_tokenizer = copy.deepcopy(hf_tokenizer)  # the module's fixture stays as HF reads it
     hf_tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(

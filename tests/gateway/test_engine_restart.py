@@ -21,7 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import gateway.observability.engine_health as engine_health
-from engine.async_engine import AsyncLLMEngine
+from engine.process.async_engine import AsyncLLMEngine
 from gateway.server.model_source import DEMO_MODEL_NAME
 from tests.gateway.app_harness import start_gateway
 from tests.gateway.serve_harness import billing_periods, detail_export

@@ -12,15 +12,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from engine.demo_model import write_demo_model
-from engine.loader import load_model
+from engine.checkpoints.demo_model import write_demo_model
+from engine.models.loader import load_model
 from gateway.server.model_source import (
     DEFAULT_MODEL_NAME,
     DEMO_MODEL_NAME,
     ModelSourceError,
     resolve_model,
 )
-from tests.engine.gguf_files import byte_tokens, write_gguf
+from tests.engine.checkpoints.gguf_files import byte_tokens, write_gguf
 
 
 def _gguf(tmp_path: Path) -> Path:

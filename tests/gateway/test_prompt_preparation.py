@@ -26,8 +26,9 @@ import openai
 import pytest
 
 import gateway.openai.generation as generation
-from engine.tokenizer import Tokenizer
-from gateway.openai.routes import LARGE_BODY_BYTES, SCREEN_HOLD_MAX_S
+from engine.text.tokenizer import Tokenizer
+from gateway.access.refusal_hold import SCREEN_HOLD_MAX_S
+from gateway.openai.body import LARGE_BODY_BYTES
 from gateway.server.model_source import DEMO_MODEL_NAME
 from tests.gateway.app_harness import InProcessGateway, start_gateway
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import openai
 
-from engine.async_engine import AsyncLLMEngine
-from engine.llm_engine import TenantContext
+from engine.process.async_engine import AsyncLLMEngine
+from engine.types import TenantContext
 from gateway.server.model_source import DEMO_MODEL_NAME
 from policies import TieredPolicy, TierTable
 from tests.gateway.app_harness import start_gateway

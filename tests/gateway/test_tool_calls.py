@@ -10,7 +10,7 @@ from collections.abc import Callable
 import llguidance
 import pytest
 
-from engine.tokenizer import compile_chat_template
+from gateway.openai.chat_template import compile_chat_template
 from gateway.openai.tool_calls import (
     FORMATS,
     MAX_PARALLEL_CALLS,

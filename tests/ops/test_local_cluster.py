@@ -16,7 +16,7 @@ from types import TracebackType
 import httpx
 import pytest
 
-from engine.demo_model import write_demo_model
+from engine.checkpoints.demo_model import write_demo_model
 from ops.local_cluster import UPSTREAM_HEADER, LocalCluster, LocalClusterError, RoundRobinProxy
 from tests.tenants.conftest import scratch_database
 

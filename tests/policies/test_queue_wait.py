@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine import SchedulerStats, TierStats
-from engine.rates import ArrivalRates, Arrivals, StepRates
+from engine.core.rates import ArrivalRates, Arrivals, StepRates
 from policies.queue_wait import (
     TenantShare,
     Unseen,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine import SchedulerStats, TierStats
-from engine.rates import Arrivals
+from engine.core.rates import Arrivals
 from policies import AdmissionConfigError, RefusalReason, ShedConfig, SloShedder, TierTable
 from policies.queue_wait import TenantShare, estimate_queue_wait_s
 

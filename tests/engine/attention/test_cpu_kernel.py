@@ -82,18 +82,23 @@ def test_selected_sequences_leave_other_rows_alone() -> None:
     assert out[1:5].eq(7.0).all()
 
 
-def test_backend_sends_decodes_to_the_kernel_and_prefills_to_the_torch_path() -> None:
-    k_cache = torch.zeros(4, BLOCK_SIZE, 2, 16)
+def test_backend_sends_decodes_and_short_chunks_to_the_kernel_and_long_ones_to_torch() -> None:
+    long_rows = cpu_backend.KERNEL_MAX_PAIRS // 300 + 1  # x 300 tokens of context: too many
+    num_blocks = -(-300 // BLOCK_SIZE)
+    k_cache = torch.zeros(num_blocks + 2, BLOCK_SIZE, 2, 16)
+    tables = torch.zeros(4, num_blocks, dtype=torch.int32)
     metadata = AttentionMetadata.of(
-        torch.tensor([[0, 1], [2, 3], [1, 0]], dtype=torch.int32),
-        torch.tensor([0, 1, 9, 10], dtype=torch.int32),  # decode, 8-row chunk, decode
-        torch.tensor([20, 30, 5], dtype=torch.int32),
+        tables,
+        # decode, 8-row chunk, decode, long chunk
+        torch.tensor([0, 1, 9, 10, 10 + long_rows], dtype=torch.int32),
+        torch.tensor([20, 30, 5, 300], dtype=torch.int32),
     )
     plan = cpu_backend.plan(metadata, k_cache)
-    assert plan.kernel_seq_ids is not None and plan.kernel_seq_ids.tolist() == [0, 2]
-    assert [p.row_start for p in plan.prefills] == [1] and not plan.decode_groups
+    assert plan.kernel_seq_ids is not None and plan.kernel_seq_ids.tolist() == [0, 1, 2]
+    assert [p.row_start for p in plan.prefills] == [10] and not plan.decode_groups
     half = cpu_backend.plan(metadata, k_cache.to(torch.bfloat16))  # no kernel: all torch
     assert half.kernel_seq_ids is None and len(half.decode_groups) == 1
+    assert [p.row_start for p in half.prefills] == [1, 10]
 
 
 def test_kernel_refuses_other_dtypes() -> None:

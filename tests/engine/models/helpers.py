@@ -22,17 +22,17 @@ from transformers import (
     Qwen3Config,
 )
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.grammar_compiler import GrammarCompiler
-from engine.input_batch import RequestState
-from engine.llm_engine import LLMEngine
-from engine.model_runner import RunnerConfig, TorchModelRunner
-from engine.runner import RunnerStep
-from engine.sampler import SampledTokens, Sampler
+from engine.config import CacheConfig, EngineConfig, RunnerConfig, SchedulerConfig
+from engine.core.llm_engine import LLMEngine
+from engine.sample.sampler import SampledTokens, Sampler
+from engine.sample.sampling_table import SamplingColumns
 from engine.sampling_params import SamplingParams
-from engine.sampling_table import SamplingColumns
 from engine.scheduler_output import NewRequestData, ScheduledChunk, SchedulerOutput
-from engine.tokenizer import Tokenizer
+from engine.structured_output.grammar_compiler import GrammarCompiler
+from engine.text.tokenizer import Tokenizer
+from engine.types import RunnerStep
+from engine.worker.input_batch import RequestState
+from engine.worker.model_runner import TorchModelRunner
 
 VOCAB = 256
 BLOCK_SIZE = 16
@@ -136,8 +136,12 @@ def make_runner(
     """cpu_decode_rows: None for the default (0 when the fused ops are off: the torch path)."""
     if cpu_decode_rows is None:
         cpu_decode_rows = RunnerConfig.cpu_decode_rows if fuse_cpu_ops else 0
-    config = RunnerConfig(block_size=BLOCK_SIZE, num_kv_blocks=num_kv_blocks, max_model_len=512,
-                          fuse_cpu_ops=fuse_cpu_ops, cpu_decode_rows=cpu_decode_rows)
+    config = EngineConfig(
+        SchedulerConfig(max_model_len=512),
+        CacheConfig(block_size=BLOCK_SIZE),
+        runner=RunnerConfig(num_kv_blocks=num_kv_blocks, fuse_cpu_ops=fuse_cpu_ops,
+                            cpu_decode_rows=cpu_decode_rows),
+    )
     return TorchModelRunner.from_model_dir(model_dir, config, sampler=sampler)
 
 
@@ -154,19 +158,14 @@ def model_engine(
 ) -> LLMEngine:
     """An LLMEngine over a checkpoint's TorchModelRunner on device: at most 8 sequences a
     step, the sampler's generator seeded, the tokenizer's EOS (if any) ending requests."""
-    runner = TorchModelRunner.from_model_dir(
-        model_dir,
-        RunnerConfig(num_kv_blocks=num_kv_blocks, max_num_batched_tokens=max_num_batched_tokens,
-                     max_num_seqs=8, max_model_len=max_model_len, sampler_seed=0),
-        device=device,
-    )
     config = EngineConfig(
         SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=8,
                         max_model_len=max_model_len),
-        CacheConfig(block_size=runner.block_size),
         eos_token_id=tokenizer.eos_token_id if tokenizer is not None else None,
         async_scheduling=async_scheduling,
+        runner=RunnerConfig(num_kv_blocks=num_kv_blocks, sampler_seed=0),
     )
+    runner = TorchModelRunner.from_model_dir(model_dir, config, device=device)
     return LLMEngine(config, runner, tokenizer=tokenizer, grammars=grammars)
 
 

@@ -15,7 +15,7 @@ import torch
 from transformers import PreTrainedModel
 
 from engine import LLMEngine, SamplingParams
-from engine.model_runner import TorchModelRunner
+from engine.worker.model_runner import TorchModelRunner
 from tests.engine.models.helpers import (
     hf_greedy,
     make_checkpoint,

@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from engine.loader import load_model, random_hf_state_dict, random_model
 from engine.models.config import ModelConfig, ModelConfigError
+from engine.models.loader import load_model, random_hf_state_dict, random_model
 from tests.engine.models.helpers import make_checkpoint
 
 

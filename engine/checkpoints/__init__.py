@@ -1,0 +1,13 @@
+"""Checkpoints in other shapes than the engine's: GGUF files (tensors, rope factors, tokenizer)
+read into HF-shaped ones, and the random-weight demo model written as one.
+
+May import models, text and the neutral modules.
+"""
+
+from engine.checkpoints.demo_model import write_demo_model
+from engine.checkpoints.gguf_checkpoint import GGUFCheckpoint
+
+__all__ = [
+    "GGUFCheckpoint",
+    "write_demo_model",
+]

@@ -1,0 +1,27 @@
+"""Runs a scheduled step of a real model: `TorchModelRunner` on the step every runner shares
+(`BatchRunner`), the input batch it keeps, graph inputs and CUDA graphs, the KV cache's
+memory, the FLOPs a step costs.
+
+May import sample, models, attention, checkpoints and the neutral modules.
+"""
+
+from engine.worker.batch_runner import BatchRunner, given_num_kv_blocks
+from engine.worker.flops import FlopsCounter, forward_flops
+from engine.worker.input_batch import InputBatch, StepInputs
+from engine.worker.kv_memory import KVCacheSize, kv_cache_size
+from engine.worker.model_runner import TorchModelRunner
+from engine.worker.queued_step import QueuedStep, StepEvents
+
+__all__ = [
+    "BatchRunner",
+    "FlopsCounter",
+    "InputBatch",
+    "KVCacheSize",
+    "QueuedStep",
+    "StepEvents",
+    "StepInputs",
+    "TorchModelRunner",
+    "forward_flops",
+    "given_num_kv_blocks",
+    "kv_cache_size",
+]

@@ -1,0 +1,91 @@
+"""The KV cache's default size (a share of the memory left), its source in the start-up log,
+and CPU caches committed as they are written."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.config import EngineConfig, RunnerConfig, SchedulerConfig
+from engine.errors import ConfigError
+from engine.models.config import ModelConfig
+from engine.worker.kv_memory import allocate_kv_tensor, available_memory_bytes, kv_cache_size
+from engine.worker.model_runner import TorchModelRunner, kv_bytes_per_block
+from gateway.server.served_model import build_engine
+from gateway.server.settings import GatewaySettings
+from policies import TierTable
+from tests.serve_process import shared_demo_model_dir
+
+CPU = torch.device("cpu")
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * 4096
+
+
+def test_bytes_given_win() -> None:
+    size = kv_cache_size(CPU, requested_bytes=123 << 20, memory_fraction=0.5,
+                         most_useful_bytes=1 << 40, reserve_bytes=0)
+    assert (size.num_bytes, size.source) == (123 << 20, "--kv-cache-bytes")
+
+
+def test_the_default_is_a_share_of_the_ram_available_less_what_the_model_still_takes() -> None:
+    available, total = available_memory_bytes(CPU)
+    assert 0 < available <= total
+    reserve = 512 << 20
+    size = kv_cache_size(CPU, requested_bytes=None, memory_fraction=None,
+                         most_useful_bytes=1 << 50, reserve_bytes=reserve)
+    assert size.num_bytes == pytest.approx(0.25 * (available - reserve), rel=0.05)
+    assert "0.25 of" in size.source and "RAM available" in size.source
+    half = kv_cache_size(CPU, requested_bytes=None, memory_fraction=0.5,
+                         most_useful_bytes=1 << 50, reserve_bytes=reserve)
+    assert half.num_bytes == pytest.approx(2 * size.num_bytes, rel=0.05)
+
+
+def test_never_more_than_every_sequence_can_fill() -> None:
+    size = kv_cache_size(CPU, requested_bytes=None, memory_fraction=None,
+                         most_useful_bytes=8 << 20, reserve_bytes=0)
+    assert size.num_bytes == 8 << 20 and "max_num_seqs x max_model_len" in size.source
+
+
+def test_no_memory_left_is_a_clear_error() -> None:
+    with pytest.raises(ConfigError, match="--kv-cache-bytes"):
+        kv_cache_size(CPU, requested_bytes=None, memory_fraction=0.5,
+                      most_useful_bytes=1 << 40, reserve_bytes=1 << 60)
+    with pytest.raises(ConfigError, match="fraction"):
+        kv_cache_size(CPU, requested_bytes=None, memory_fraction=1.5,
+                      most_useful_bytes=1 << 40, reserve_bytes=0)
+
+
+def test_a_cpu_cache_is_zero_and_committed_as_it_is_written() -> None:
+    before = _rss_bytes()
+    cache = allocate_kv_tensor((4096, 16, 8, 128), torch.float32, CPU)  # 256 MiB
+    assert _rss_bytes() - before < 16 << 20  # reserved, not yet resident
+    cache[7].fill_(1.5)
+    assert cache[7].eq(1.5).all() and cache[6].eq(0).all() and cache[4095].eq(0).all()
+    assert _rss_bytes() - before < 32 << 20
+
+
+def test_the_runner_sizes_its_cache_by_default_and_build_engine_logs_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    model_dir: Path = shared_demo_model_dir()
+    config = ModelConfig.from_file(model_dir)
+    runner = TorchModelRunner.from_model_dir(
+        model_dir, EngineConfig(SchedulerConfig(max_num_seqs=4, max_model_len=256),
+                                runner=RunnerConfig(cpu_decode_rows=0)))
+    assert runner.kv_cache_size is not None
+    # The demo model's few layers: 4 sequences of 256 tokens take less than a share of RAM.
+    per_block = kv_bytes_per_block(config, 16, torch.float32)
+    assert runner.num_kv_blocks == 4 * 256 // 16
+    assert runner.kv_cache_size.num_bytes == runner.num_kv_blocks * per_block
+    with caplog.at_level(logging.INFO, logger="gateway.server.served_model"):
+        build_engine(GatewaySettings(max_num_seqs=4, max_model_len=256), TierTable(),
+                     model_dir)
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache")]
+    assert "max_num_seqs x max_model_len tokens, within 0.25 of" in line
+    assert "64 blocks of 16 tokens" in line
