@@ -1,6 +1,14 @@
 """A real `tiergate serve` process for tests: started with its own database, port and
 demo-model directory, stopped with SIGTERM (or SIGKILL), its output kept for asserts.
 
+A started one is a context manager, so a fixture is
+
+    with ServeProcess(database_url, args=[...]).start() as server:
+        yield server
+
+and the server is stopped (exit status 0, or the test fails with its output) and, whatever
+happened, not left running.
+
 Shared by the gateway, admission, billing, console and deployment tests.
 """
 
@@ -18,6 +26,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import TracebackType
 
 import httpx
 
@@ -83,8 +92,29 @@ class ServeProcess:
             self.process = subprocess.Popen(
                 command, env=env, stdout=log, stderr=subprocess.STDOUT
             )
-        self.wait_ready(timeout_s)
+        try:
+            self.wait_ready(timeout_s)
+        except BaseException:
+            self.kill()  # not ready in time: it must not outlive the test
+            raise
         return self
+
+    def __enter__(self) -> ServeProcess:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        """Stopped with SIGTERM, which it must answer with exit status 0 (unless the block
+        raised: that error is the one to see); killed if it is still running."""
+        try:
+            if exc_type is None and self.process is not None:
+                assert self.stop() == 0, self.output()
+        finally:
+            self.kill()
 
     def wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

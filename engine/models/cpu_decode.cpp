@@ -32,7 +32,27 @@ using namespace tiergate;  // NOLINT: the shared row and vector helpers
 namespace {
 
 constexpr int64_t kPanel = 16;  // outputs per weight panel
+// A product keeps M rows x P panels of accumulators, P weight vectors and one broadcast input
+// in registers, 16 floats each: one register with AVX-512 (32 of them), two without (16 of
+// 8 floats). Past what the registers hold the accumulators spill to memory on every input
+// element, several times slower (ops/bench/journal.md, "The engine in rooms"), so the rows
+// and panels a product takes at once follow the register file.
+#if defined(__AVX512F__)
+constexpr int kVectors = 32;  // 16-float vectors the registers hold
 constexpr int64_t kRowBlock = 8;  // rows one panel product takes at a time
+#else
+constexpr int kVectors = 8;
+constexpr int64_t kRowBlock = 4;
+#endif
+// Panels a product of M rows takes at once: one or two rows are bound by the weights' streams,
+// and take 8 at once even where their accumulators spill; more rows take what the registers
+// hold.
+template <int M>
+constexpr int panels_at_once() {
+  if (M <= 2) return 8;
+  if (kVectors >= 32) return M <= 4 ? 4 : 3;
+  return std::max(1, (kVectors - 1) / (M + 1));
+}
 // Panel rows (64-byte lines) a product prefetches ahead in each panel it walks: the panels are
 // separate streams, more than the hardware prefetchers follow well (ops/bench/journal.md, "The
 // decode step as one C++ call").
@@ -125,10 +145,14 @@ inline void row_block(int64_t rows, const float* x, int64_t K, const float* pane
     case 2: panel_product<2, P>(x, K, panels, first, out, out_stride); break;
     case 3: panel_product<3, P>(x, K, panels, first, out, out_stride); break;
     case 4: panel_product<4, P>(x, K, panels, first, out, out_stride); break;
+#if defined(__AVX512F__)
     case 5: panel_product<5, P>(x, K, panels, first, out, out_stride); break;
     case 6: panel_product<6, P>(x, K, panels, first, out, out_stride); break;
     case 7: panel_product<7, P>(x, K, panels, first, out, out_stride); break;
     default: panel_product<8, P>(x, K, panels, first, out, out_stride); break;
+#else
+    default: panel_product<4, P>(x, K, panels, first, out, out_stride); break;
+#endif
   }
 }
 
@@ -138,7 +162,7 @@ inline void row_block(int64_t rows, const float* x, int64_t K, const float* pane
 template <int M>
 void few_rows(const float* x, int64_t K, const float* panels, int64_t N, float* out,
               int64_t begin, int64_t end) {
-  constexpr int P = M <= 2 ? 8 : M <= 4 ? 4 : 3;
+  constexpr int P = panels_at_once<M>();
   int64_t p = begin;
   for (; p + P <= end; p += P) panel_product<M, P>(x, K, panels, p, out, N);
   for (; p < end; ++p) panel_product<M, 1>(x, K, panels, p, out, N);
@@ -164,12 +188,14 @@ Share product_share(int64_t M, const float* x, int64_t K, const float* panels, c
     case 2: few_rows<2>(x, K, panels, N, out, begin, end); break;
     case 3: few_rows<3>(x, K, panels, N, out, begin, end); break;
     case 4: few_rows<4>(x, K, panels, N, out, begin, end); break;
+#if defined(__AVX512F__)
     case 5: few_rows<5>(x, K, panels, N, out, begin, end); break;
     case 6: few_rows<6>(x, K, panels, N, out, begin, end); break;
     case 7: few_rows<7>(x, K, panels, N, out, begin, end); break;
     case 8: few_rows<8>(x, K, panels, N, out, begin, end); break;
+#endif
     default: {
-      constexpr int P = 3;
+      constexpr int P = panels_at_once<kRowBlock>();
       int64_t p = begin;
       for (; p + P <= end; p += P) {
         for (int64_t m = 0; m < M; m += kRowBlock) {

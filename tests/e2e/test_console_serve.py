@@ -25,15 +25,8 @@ READY_TIMEOUT_S = 240.0
 def serve_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """`tiergate serve` in a subprocess on a free port and a scratch SQLite file, ready."""
     database_url = f"sqlite:///{tmp_path_factory.mktemp('serve') / 'tiergate.db'}"
-    server = ServeProcess(database_url)
-    try:
-        yield server.start(timeout_s=READY_TIMEOUT_S).base_url
-    finally:
-        if server.process is not None:
-            try:
-                server.stop(timeout_s=30)
-            finally:
-                server.kill()
+    with ServeProcess(database_url).start(timeout_s=READY_TIMEOUT_S) as server:
+        yield server.base_url
 
 
 @pytest.fixture

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import TYPE_CHECKING
+
 import pytest
 
 from tests.engine import helpers
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 @pytest.fixture(params=[False, True], ids=["sync", "async"])
@@ -16,3 +22,16 @@ def scheduling_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPa
         pytest.skip("reads each step's outputs as that step's: synchronous scheduling only")
     monkeypatch.setattr(helpers, "ASYNC_SCHEDULING", request.param)
     return bool(request.param)
+
+
+@pytest.fixture(scope="module")
+def llama(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, PreTrainedModel]:
+    """A tiny random llama checkpoint (models/helpers.py's make_checkpoint) and the HF model it
+    holds, written once per test module with the seed the module sets as LLAMA_SEED (else 0)."""
+    # Imported here: transformers takes seconds to import, and most engine tests need no model.
+    from tests.engine.models.helpers import make_checkpoint
+
+    path = tmp_path_factory.mktemp("llama")
+    return path, make_checkpoint(path, "llama", seed=getattr(request.module, "LLAMA_SEED", 0))

@@ -1,4 +1,4 @@
-"""Helpers for the end-to-end admission tests (tests/gateway/test_admission_*.py): config
+"""Helpers for the end-to-end admission tests (tests/gateway/access/test_admission_*.py): config
 files, replicas started side by side, tenants made through the admin API, load sent with
 httpx, and the numbers printed for the report.
 """

@@ -80,7 +80,8 @@ class FakeModelLoader:
 
 @dataclass
 class InProcessGateway:
-    """A running replica in this process; stop() shuts it down (lifespan included)."""
+    """A running replica in this process; stop(), or leaving a `with` block on it, shuts it
+    down (lifespan included)."""
 
     base_url: str
     runtime: GatewayRuntime
@@ -129,6 +130,12 @@ class InProcessGateway:
         self._server.should_exit = True
         self._thread.join(timeout_s)
         assert not self._thread.is_alive(), "uvicorn did not stop"
+
+    def __enter__(self) -> InProcessGateway:
+        return self
+
+    def __exit__(self, *_exc_info: object) -> None:
+        self.stop()
 
 
 def start_gateway(

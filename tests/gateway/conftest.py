@@ -23,6 +23,7 @@ from gateway.access.auth import TenantKeyResolver
 from gateway.admin.api import admin_routes
 from gateway.http.errors import exception_handlers
 from tenants import DEFAULT_TIERS
+from tests.manual_clock import ManualClock
 from tests.tenants.conftest import (
     database_url,
     db,
@@ -47,26 +48,13 @@ __all__ = [
 ADMIN_TOKEN = "admin-token-for-tests-0123456789"
 
 
-class ManualClock:
-    """A monotonic clock the test moves by hand, to step past the key cache TTL."""
-
-    def __init__(self) -> None:
-        self.now_s = 1000.0
-
-    def __call__(self) -> float:
-        return self.now_s
-
-    def advance(self, seconds: float) -> None:
-        self.now_s += seconds
-
-
 @dataclass
 class GatewayHarness:
     """A small app: the admin API plus one tenant-authenticated route, /v1/whoami."""
 
     app: Starlette
     resolver: TenantKeyResolver
-    clock: ManualClock
+    clock: ManualClock  # moved past the key cache TTL by the tests
     admin_headers: dict[str, str]
 
 

@@ -1,6 +1,6 @@
 """Clients of a real `tiergate serve` for the server-level billing tests, and the detail
-export to hold what they saw against. No tests of its own: test_serve_crash, test_serve_outage,
-test_serve_conservation and test_serve_budgets share it.
+export to hold what they saw against. No tests of its own: server/test_serve_crash.py,
+test_serve_outage.py, test_serve_conservation.py and test_serve_budgets.py share it.
 
 Traffic is seeded: each client draws chat or completions, streamed or not, n = 1 or 2, and
 (if asked) leaves some streams after their first chunk. Every request remembers what its
@@ -20,6 +20,7 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -200,6 +201,12 @@ async def run_for(traffic: Traffic, duration_s: float) -> None:
 
 
 # --- the server's side ----------------------------------------------------------------------------
+
+
+def start_replica(database_url: str, data_dir: Path) -> ServeProcess:
+    """A started `tiergate serve` on database_url whose data (the usage spool) is in data_dir,
+    so that a replica started again on the same folder replays what the last one left."""
+    return ServeProcess(database_url, env={"TIERGATE_DATA_DIR": str(data_dir)}).start()
 
 
 def admin_client(server: ServeProcess) -> httpx.Client:

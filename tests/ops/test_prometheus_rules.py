@@ -16,7 +16,7 @@ import yaml
 
 from gateway.observability.metrics import GatewayMetrics
 from policies.alerts import ALERT_NAME, DEFAULT_FOR_S, DEFAULT_MIN_SAMPLES, DEFAULT_WINDOW_S
-from tests.gateway.test_metrics import populated_metrics
+from tests.gateway.observability.test_metrics import populated_metrics
 
 OPS = Path(__file__).resolve().parents[2] / "ops"
 PROMETHEUS = OPS / "prometheus"

@@ -23,19 +23,6 @@ import redis
 REDIS_URL = os.environ.get("TIERGATE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
 
-class ManualClock:
-    """A monotonic clock the test moves by hand (seconds)."""
-
-    def __init__(self, now_s: float = 1000.0) -> None:
-        self.now_s = now_s
-
-    def __call__(self) -> float:
-        return self.now_s
-
-    def advance(self, seconds: float) -> None:
-        self.now_s += seconds
-
-
 class ThrowawayRedis:
     """A redis-server subprocess on a free loopback port, without persistence."""
 

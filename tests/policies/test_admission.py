@@ -31,7 +31,7 @@ from policies import (
     check_budgets,
     rate_limit_headers,
 )
-from tests.policies.conftest import ManualClock
+from tests.manual_clock import ManualClock
 
 LIMITS = TenantLimits(
     requests_per_minute=60,

@@ -18,14 +18,10 @@ from policies.alerts import (
     TtftAlertRule,
     rules_from_tiers,
 )
+from tests.manual_clock import ManualClock
 
-
-class FakeClock:
-    def __init__(self, now_s: float = 1_700_000_000.0) -> None:
-        self.now_s = now_s
-
-    def __call__(self) -> float:
-        return self.now_s
+# Where the tests' clocks start: a wall-clock time, as the alerts' timestamps are.
+START_S = 1_700_000_000.0
 
 
 def test_window_quantile_is_nearest_rank_and_forgets_old_samples() -> None:
@@ -92,14 +88,14 @@ def test_bad_rule_config_raises(overrides: dict[str, dict[str, float]], message:
 
 
 def _evaluator(
-    clock: FakeClock, window_s: float = 60.0, for_s: float = 10.0, min_samples: int = 20
+    clock: ManualClock, window_s: float = 60.0, for_s: float = 10.0, min_samples: int = 20
 ) -> AlertEvaluator:
     rule = TtftAlertRule("premium", 0.4, window_s=window_s, for_s=for_s, min_samples=min_samples)
     return AlertEvaluator([rule], replica="gw-1", clock=clock)
 
 
 def _traffic(
-    evaluator: AlertEvaluator, clock: FakeClock, ttft_s: float, seconds: int
+    evaluator: AlertEvaluator, clock: ManualClock, ttft_s: float, seconds: int
 ) -> list[AlertEvent]:
     """10 premium requests a second for `seconds`, evaluating every second."""
     events = []
@@ -113,7 +109,7 @@ def _traffic(
 
 
 def test_breach_fires_once_after_for_s_and_resolves_once() -> None:
-    clock = FakeClock()
+    clock = ManualClock(START_S)
     evaluator = _evaluator(clock)
     assert _traffic(evaluator, clock, 0.1, 30) == []
     (status,) = evaluator.statuses()
@@ -147,7 +143,7 @@ def test_breach_fires_once_after_for_s_and_resolves_once() -> None:
 
 
 def test_short_breach_stays_pending_and_recovers_silently() -> None:
-    clock = FakeClock()
+    clock = ManualClock(START_S)
     evaluator = _evaluator(clock, window_s=5.0, for_s=30.0)
     assert _traffic(evaluator, clock, 0.9, 10) == []
     assert evaluator.statuses()[0].state is AlertState.PENDING
@@ -156,7 +152,7 @@ def test_short_breach_stays_pending_and_recovers_silently() -> None:
 
 
 def test_too_few_samples_never_breach_and_silence_resolves() -> None:
-    clock = FakeClock()
+    clock = ManualClock(START_S)
     evaluator = _evaluator(clock, window_s=10.0, for_s=0.0, min_samples=20)
     for _ in range(19):
         evaluator.observe("premium", 3.0)
@@ -170,7 +166,7 @@ def test_too_few_samples_never_breach_and_silence_resolves() -> None:
 
 
 def test_a_second_incident_fires_again_with_the_same_dedup_key() -> None:
-    clock = FakeClock()
+    clock = ManualClock(START_S)
     evaluator = _evaluator(clock, window_s=5.0, for_s=2.0)
     kinds = []
     keys = set()
@@ -185,4 +181,4 @@ def test_a_second_incident_fires_again_with_the_same_dedup_key() -> None:
 def test_one_rule_per_tier() -> None:
     rule = TtftAlertRule("premium", 0.4)
     with pytest.raises(AlertRuleError, match="one TTFT alert rule per tier"):
-        AlertEvaluator([rule, rule], replica="r", clock=FakeClock())
+        AlertEvaluator([rule, rule], replica="r", clock=ManualClock(START_S))

@@ -19,7 +19,8 @@ from policies import (
     RedisRateLimiter,
     TenantLimits,
 )
-from tests.policies.conftest import ManualClock, ThrowawayRedis
+from tests.manual_clock import ManualClock
+from tests.policies.conftest import ThrowawayRedis
 
 PREFIX = "tiergate"
 # Short enough to find a paused Redis quickly; lease renewals come after the test.

@@ -5,18 +5,11 @@ from __future__ import annotations
 import pytest
 
 from policies import ParseTimeBudget, ParseTimeConfig, ParseTimeSpent, RefusalReason
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now_s = 100.0
-
-    def __call__(self) -> float:
-        return self.now_s
+from tests.manual_clock import ManualClock
 
 
 def test_a_tenant_past_its_share_waits_for_it_to_refill_and_others_do_not() -> None:
-    clock = Clock()
+    clock = ManualClock(100.0)
     budget = ParseTimeBudget(ParseTimeConfig(capacity_s=0.25, refill_per_s=0.1), clock)
     for _ in range(5):  # five 60 ms parses: the burst spent, 50 ms owed
         budget.check("heavy")
@@ -31,7 +24,7 @@ def test_a_tenant_past_its_share_waits_for_it_to_refill_and_others_do_not() -> N
 
 
 def test_a_parse_longer_than_the_bucket_leaves_a_debt_to_wait_out() -> None:
-    clock = Clock()
+    clock = ManualClock(100.0)
     budget = ParseTimeBudget(ParseTimeConfig(capacity_s=0.25, refill_per_s=0.1), clock)
     budget.spend("t", 0.45)  # the body was read already: 0.2 s of debt
     with pytest.raises(ParseTimeSpent) as refused:
@@ -42,7 +35,7 @@ def test_a_parse_longer_than_the_bucket_leaves_a_debt_to_wait_out() -> None:
 
 
 def test_the_tenants_remembered_stay_bounded() -> None:
-    clock = Clock()
+    clock = ManualClock(100.0)
     budget = ParseTimeBudget(clock=clock)
     for index in range(ParseTimeBudget.MAX_TENANTS + 10):
         budget.spend(f"t{index}", 0.001)

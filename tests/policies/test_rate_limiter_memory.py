@@ -8,7 +8,7 @@ import random
 import pytest
 
 from policies import LimiterBackend, LimitName, MemoryRateLimiter, RateLimited, TenantLimits
-from tests.policies.conftest import ManualClock
+from tests.manual_clock import ManualClock
 
 
 def _admitted(limiter: MemoryRateLimiter, tenant: str, limits: TenantLimits, n: int) -> bool:

@@ -27,7 +27,8 @@ from policies import (
     TenantLimits,
 )
 from policies.rate_limits import EMPTY_SNAPSHOT
-from tests.policies.conftest import ManualClock, ThrowawayRedis
+from tests.manual_clock import ManualClock
+from tests.policies.conftest import ThrowawayRedis
 
 T = TypeVar("T")
 

@@ -22,7 +22,8 @@ from policies import (
     TenantLimits,
     TierTable,
 )
-from tests.policies.conftest import ManualClock, ThrowawayRedis
+from tests.manual_clock import ManualClock
+from tests.policies.conftest import ThrowawayRedis
 
 # 6 requests and 600 tokens a minute: a charge's refill during a test is far below one unit
 # of the figures compared (0.1 request, 10 tokens a second).

@@ -18,7 +18,8 @@ from policies import (
     TenantLimits,
     TierTable,
 )
-from tests.policies.conftest import ManualClock, ThrowawayRedis
+from tests.manual_clock import ManualClock
+from tests.policies.conftest import ThrowawayRedis
 
 RATE = 1000.0
 

@@ -43,14 +43,16 @@ def dense_attention(
     scale: float,
     sliding_window: int | None,
 ) -> torch.Tensor:  # [n, H, D]
+    """Causal attention of one sequence, in float64 on the query's device, returned in the
+    query's dtype: the reference every paged implementation is checked against."""
     n, num_heads, _ = query.shape
     ctx, num_kv_heads, _ = keys.shape
     group = num_heads // num_kv_heads
     k = keys.repeat_interleave(group, dim=1).transpose(0, 1).double()  # [H, ctx, D]
     v = values.repeat_interleave(group, dim=1).transpose(0, 1).double()
     scores = torch.matmul(query.transpose(0, 1).double(), k.transpose(1, 2)) * scale  # [H, n, ctx]
-    row = torch.arange(ctx - n, ctx)[:, None]
-    col = torch.arange(ctx)[None, :]
+    row = torch.arange(ctx - n, ctx, device=query.device)[:, None]
+    col = torch.arange(ctx, device=query.device)[None, :]
     visible = col <= row
     if sliding_window is not None:
         visible &= col > row - sliding_window

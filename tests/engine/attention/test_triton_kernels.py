@@ -24,6 +24,7 @@ from engine.attention.triton_decode import paged_decode
 from engine.attention.triton_kv_write import write_kv
 from engine.attention.triton_paged_tile import is_interpreting
 from engine.attention.triton_prefill import _prefill_kernel, paged_prefill
+from tests.engine.attention.dense import dense_attention
 
 if not torch.cuda.is_available() and type(_prefill_kernel).__name__ != "InterpretedFunction":
     raise RuntimeError(
@@ -103,24 +104,16 @@ def make_batch(
     )
 
 
-def dense_attention(batch: PagedBatch, sliding_window: int | None = None) -> torch.Tensor:
-    """Plain float32 attention per sequence, from the dense K/V (no paging involved)."""
-    out = torch.empty(batch.query.shape, dtype=torch.float32, device=batch.query.device)
+def dense_output(batch: PagedBatch, sliding_window: int | None = None) -> torch.Tensor:
+    """Dense attention of each sequence (dense.dense_attention) from its dense K/V, no paging
+    involved, in float32: [T, H, D]."""
     starts = batch.query_start_loc.tolist()
-    for seq, num_ctx in enumerate(batch.context_lens.tolist()):
-        start, end = starts[seq], starts[seq + 1]
-        group = batch.query.shape[1] // batch.keys[seq].shape[1]
-        key = batch.keys[seq].float().repeat_interleave(group, dim=1)  # [C, H, D]
-        value = batch.values[seq].float().repeat_interleave(group, dim=1)
-        scores = torch.einsum("thd,chd->htc", batch.query[start:end].float(), key) * batch.scale
-        q_pos = torch.arange(num_ctx - (end - start), num_ctx, device=key.device)[:, None]
-        k_pos = torch.arange(num_ctx, device=key.device)[None, :]
-        visible = k_pos <= q_pos
-        if sliding_window is not None:
-            visible &= k_pos > q_pos - sliding_window
-        probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
-        out[start:end] = torch.einsum("htc,chd->thd", probs, value)
-    return out
+    return torch.cat([
+        dense_attention(batch.query[start:end].float(), keys.float(), values.float(),
+                        batch.scale, sliding_window)
+        for start, end, keys, values in zip(starts[:-1], starts[1:], batch.keys, batch.values,
+                                            strict=True)
+    ])
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -147,7 +140,7 @@ def check(out: torch.Tensor, batch: PagedBatch, sliding_window: int | None = Non
     """Against dense attention and against the PyTorch path over the paged layout."""
     assert out.shape == batch.query.shape and out.dtype == batch.query.dtype
     tolerance = TOLERANCE[batch.query.dtype]
-    assert relative_error(out, dense_attention(batch, sliding_window)) <= tolerance
+    assert relative_error(out, dense_output(batch, sliding_window)) <= tolerance
     expected = torch_paged.paged_attention(*batch_args(batch), batch.scale, sliding_window)
     assert relative_error(out, expected) <= tolerance
 

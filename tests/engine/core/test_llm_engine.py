@@ -29,6 +29,7 @@ from policies.queue_wait import (
     prefill_service_rate,
 )
 from tests.engine.helpers import make_engine, reference_output, run_to_completion, wrapped_engine
+from tests.manual_clock import ManualClock
 
 # Every test here runs with synchronous and with async scheduling.
 pytestmark = pytest.mark.usefixtures("scheduling_mode")
@@ -168,22 +169,22 @@ def test_stats_show_a_full_batch_and_the_rate_places_free_up() -> None:
 @pytest.mark.step_by_step
 def test_rates_count_the_loops_time_between_steps_but_not_idle_time() -> None:
     engine = make_engine()
-    now = [100.0]
-    engine.clock = lambda: now[0]
+    clock = ManualClock(100.0)
+    engine.clock = clock
     execute = engine.runner.execute
 
     def slow_execute(output: SchedulerOutput) -> ModelRunnerOutput:
-        now[0] += 0.02  # the model step
+        clock.advance(0.02)  # the model step
         return execute(output)
 
     engine.runner.execute = slow_execute  # type: ignore[method-assign]
     params = SamplingParams(max_tokens=2, ignore_eos=True)
     engine.add_request("a", [5] * 8, params)
     engine.step()  # the first step: its own 20 ms
-    now[0] += 0.03  # the loop's work before the next step
+    clock.advance(0.03)  # the loop's work before the next step
     engine.step()  # "a" finishes: 50 ms since the step before
     assert engine.stats().mean_step_time_s == pytest.approx((0.02 + 0.05) / 2)
-    now[0] += 10.0  # idle: nothing to do
+    clock.advance(10.0)  # idle: nothing to do
     engine.add_request("b", [6] * 8, params)
     engine.step()  # after idle time only the step counts
     assert engine.stats().mean_step_time_s == pytest.approx((0.02 + 0.05 + 0.02) / 3)
@@ -194,12 +195,12 @@ def test_the_drain_rate_counts_prompt_tokens_found_in_the_prefix_cache() -> None
     """The backlog counts whole prompts, so the rate it drains at must too: a prompt found in
     the prefix cache leaves the backlog with its last block computed, not slowly."""
     engine = make_engine(block_size=4)
-    now = [100.0]
-    engine.clock = lambda: now[0]
+    clock = ManualClock(100.0)
+    engine.clock = clock
     execute = engine.runner.execute
 
     def slow_execute(output: SchedulerOutput) -> ModelRunnerOutput:
-        now[0] += 0.02
+        clock.advance(0.02)
         return execute(output)
 
     engine.runner.execute = slow_execute  # type: ignore[method-assign]

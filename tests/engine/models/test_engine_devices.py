@@ -16,20 +16,11 @@ from transformers import PreTrainedModel
 
 from engine import LLMEngine, SamplingParams
 from engine.worker.model_runner import TorchModelRunner
-from tests.engine.models.helpers import (
-    hf_greedy,
-    make_checkpoint,
-    model_engine,
-    random_prompts,
-)
+from tests.engine.models.helpers import hf_greedy, model_engine, random_prompts
 
+# The seed of this module's `llama` checkpoint (the fixture in tests/engine/conftest.py).
+LLAMA_SEED = 21
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, PreTrainedModel]:
-    path = tmp_path_factory.mktemp("llama")
-    return path, make_checkpoint(path, "llama", seed=21)
 
 
 def _engine(path: Path, device: str, async_scheduling: bool) -> LLMEngine:

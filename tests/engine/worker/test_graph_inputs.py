@@ -26,11 +26,12 @@ from tests.engine.models.helpers import (
     PagedDriver,
     Sequence,
     hf_greedy,
-    make_checkpoint,
     make_runner,
     random_prompts,
 )
 
+# The seed of this module's `llama` checkpoint (the fixture in tests/engine/conftest.py).
+LLAMA_SEED = 5
 BLOCK_SIZE = 4
 CPU = torch.device("cpu")
 
@@ -144,12 +145,6 @@ def test_what_does_not_fit_is_left_to_the_plain_path() -> None:
     assert graph_inputs.fits(batch.prepare(chunks[:2]))
     with pytest.raises(AssertionError, match="does not fit"):
         graph_inputs.load(batch.prepare(chunks), 2, None)
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, PreTrainedModel]:
-    path = tmp_path_factory.mktemp("llama")
-    return path, make_checkpoint(path, "llama", seed=5)
 
 
 @pytest.mark.parametrize("ahead", [False, True], ids=["in-step", "ahead"])

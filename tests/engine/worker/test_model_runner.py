@@ -29,22 +29,18 @@ from tests.engine.models.helpers import (
     RecordingSampler,
     Sequence,
     hf_greedy,
-    make_checkpoint,
     make_runner,
     random_prompts,
 )
+
+# The seed of this module's `llama` checkpoint (the fixture in tests/engine/conftest.py).
+LLAMA_SEED = 11
 
 
 def _config(max_model_len: int, **runner: object) -> EngineConfig:
     """The engine configuration of a runner test: BLOCK_SIZE blocks, runner's options."""
     return EngineConfig(SchedulerConfig(max_model_len=max_model_len),
                         CacheConfig(block_size=BLOCK_SIZE), runner=RunnerConfig(**runner))
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, PreTrainedModel]:
-    path = tmp_path_factory.mktemp("llama")
-    return path, make_checkpoint(path, "llama", seed=11)
 
 
 def test_kv_blocks_from_memory_budget(llama: tuple[Path, PreTrainedModel]) -> None:

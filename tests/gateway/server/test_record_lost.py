@@ -31,7 +31,7 @@ from billing import UsageRecordRow
 from gateway.server.billing_wiring import LedgerSink
 from gateway.server.model_source import DEMO_MODEL_NAME
 from tests.gateway.app_harness import InProcessGateway, start_gateway
-from tests.gateway.test_serve_outage import SqliteWriteLock
+from tests.gateway.server.test_serve_outage import SqliteWriteLock
 
 
 def _stored_ids(gateway: InProcessGateway) -> set[str]:

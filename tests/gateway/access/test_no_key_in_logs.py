@@ -11,9 +11,9 @@ from tests.serve_process import ADMIN_TOKEN, ServeProcess
 
 
 def test_served_requests_never_log_the_key(tmp_path: Path) -> None:
-    server = ServeProcess(f"sqlite:///{tmp_path / 'logs.db'}", args=["--log-level", "debug"])
-    server.start()
-    try:
+    with ServeProcess(
+        f"sqlite:///{tmp_path / 'logs.db'}", args=["--log-level", "debug"]
+    ).start() as server:
         admin = {"x-admin-token": ADMIN_TOKEN}
         tenant = httpx.post(f"{server.base_url}/admin/v1/tenants", headers=admin,
                             json={"name": "quiet", "tier": "standard"}).json()
@@ -35,8 +35,6 @@ def test_served_requests_never_log_the_key(tmp_path: Path) -> None:
         assert httpx.post(f"{server.base_url}/admin/v1/keys/{created['id']}/revoke",
                           headers=admin).status_code == 200
         assert httpx.get(f"{server.base_url}/v1/models", headers=auth).status_code == 403
-    finally:
-        assert server.stop() == 0
     output = server.output()
     assert "POST /v1/completions" in output  # debug logging was on
     secret = key.split("_", 1)[1]

@@ -21,6 +21,7 @@ from tests.gateway.serve_harness import (
     billing_periods,
     cli_detail_export,
     detail_export,
+    start_replica,
 )
 from tests.serve_process import ServeProcess
 from tests.tenants.conftest import BACKENDS, scratch_database
@@ -31,10 +32,6 @@ NUM_CLIENTS = 8
 # The kill comes this long after the first request finished (seeded uniform draw).
 KILL_AFTER_S = (0.2, 3.0)
 MIX = TrafficMix(stream_fraction=0.5, multi_sample_fraction=0.25, max_max_tokens=48)
-
-
-def _serve(database_url: str, data_dir: Path) -> ServeProcess:
-    return ServeProcess(database_url, env={"TIERGATE_DATA_DIR": str(data_dir)}).start()
 
 
 async def _load_then_kill(traffic: Traffic, server: ServeProcess, kill_after_s: float) -> None:
@@ -60,7 +57,7 @@ def test_kill_9_under_load_bills_every_finished_request_exactly_once(
     seen: list[ClientRequest] = []
     exported: list[dict[str, Any]] = []
     with scratch_database(backend, tmp_path) as database_url:
-        server = _serve(database_url, data_dir)
+        server = start_replica(database_url, data_dir)
         api_key = server.printed_keys()[0]
         try:
             for round_index in range(NUM_ROUNDS):
@@ -72,7 +69,7 @@ def test_kill_9_under_load_bills_every_finished_request_exactly_once(
                 seen += traffic.requests
                 # The kill caught requests mid-flight, and some had finished before it.
                 assert traffic.cut_off and traffic.completed, traffic.requests
-                server = _serve(database_url, data_dir)  # replays the spool, if any
+                server = start_replica(database_url, data_dir)  # replays the spool, if any
                 exported = detail_export(server, billing_periods(since))
                 check = assert_billed_exactly_once(seen, exported)
                 print(

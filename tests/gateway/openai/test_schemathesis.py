@@ -14,7 +14,7 @@ import pytest
 
 from tests.serve_process import ServeProcess
 
-SPEC = Path(__file__).with_name("openai_spec") / "openai-subset.json"
+SPEC = Path(__file__).parents[1] / "openai_spec" / "openai-subset.json"
 MODEL = "tiergate-demo"
 
 
@@ -22,9 +22,8 @@ MODEL = "tiergate-demo"
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
     db = tmp_path_factory.mktemp("schemathesis") / "tiergate.db"
     # A short context keeps the fuzzer's n=128, max_tokens=huge requests cheap on a CPU.
-    process = ServeProcess(f"sqlite:///{db}", args=["--max-model-len", "128"]).start()
-    yield process
-    assert process.stop() == 0
+    with ServeProcess(f"sqlite:///{db}", args=["--max-model-len", "128"]).start() as process:
+        yield process
 
 
 def _spec_for_served_model(directory: Path) -> Path:

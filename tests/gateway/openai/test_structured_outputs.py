@@ -25,7 +25,7 @@ from tests.serve_process import ServeProcess, default_model_server
 pytestmark = pytest.mark.slow
 
 SCHEMAS: dict[str, dict[str, Any]] = json.loads(
-    (Path(__file__).parents[2] / "ops/bench/inputs/structured-schemas.json").read_text()
+    (Path(__file__).parents[3] / "ops/bench/inputs/structured-schemas.json").read_text()
 )
 WEATHER_TOOL = {
     "type": "function",
@@ -64,9 +64,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
         pytest.fail("the default model's package is missing: `make install` installs it")
     cache_dir = tmp_path_factory.mktemp("model-cache")
     gguf_model_dir(default_model_file(Path("/nonexistent")), cache_dir, torch.float32)
-    process = default_model_server(cache_dir, tmp_path_factory.mktemp("structured") / "db")
-    yield process
-    assert process.stop() == 0, process.output()
+    with default_model_server(cache_dir, tmp_path_factory.mktemp("structured") / "db") as process:
+        yield process
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ from gateway.admin.auth import (
 )
 from gateway.http.errors import AuthenticationError
 from tenants.keys import PREFIX_LENGTH
+from tests.manual_clock import ManualClock
 
 if TYPE_CHECKING:
     from tests.gateway.conftest import GatewayHarness
@@ -130,8 +131,8 @@ def test_failed_admin_logins_are_logged_without_the_token(
 def test_a_flood_of_failures_is_counted_not_logged_line_by_line(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    now = [100.0]
-    guard = AdminGuard(secrets.token_hex(16), clock=lambda: now[0])
+    clock = ManualClock(100.0)
+    guard = AdminGuard(secrets.token_hex(16), clock=clock)
     request = Request({"type": "http", "method": "GET", "path": "/admin/v1/tenants",
                        "headers": [(b"x-admin-token", b"nope")], "client": ("10.0.0.9", 5),
                        "query_string": b"", "server": ("test", 80), "scheme": "http"})
@@ -139,7 +140,7 @@ def test_a_flood_of_failures_is_counted_not_logged_line_by_line(
         for _ in range(MAX_FAILURE_LOG_LINES_PER_S + 7):
             with pytest.raises(AuthenticationError):
                 guard.check(request)
-        now[0] += 1.0
+        clock.advance(1.0)
         with pytest.raises(AuthenticationError):
             guard.check(request)
     lines = [r.getMessage() for r in caplog.records if r.name == "gateway.admin.auth"]

@@ -37,7 +37,7 @@ from gateway.server.observability_wiring import UNKNOWN_TIER
 from policies.alerts import ALERT_NAME
 from tests.gateway.app_harness import InProcessGateway, start_gateway
 from tests.gateway.loopback_receiver import LoopbackReceiver
-from tests.gateway.test_metrics import histogram_quantile
+from tests.gateway.observability.test_metrics import histogram_quantile
 
 MODEL = DEMO_MODEL_NAME
 MAX_BODY_BYTES = 32 * 1024
@@ -112,14 +112,13 @@ def spans() -> InMemorySpanExporter:
 def gateway(
     tmp_path_factory: pytest.TempPathFactory, spans: InMemorySpanExporter
 ) -> Iterator[InProcessGateway]:
-    running = start_gateway(
+    with start_gateway(
         tmp_path_factory.mktemp("observability"),
         file_config=NO_SHEDDING,
         telemetry=setup_telemetry(TelemetrySettings(), span_exporter=spans),
         max_body_bytes=MAX_BODY_BYTES,
-    )
-    yield running
-    running.stop()
+    ) as running:
+        yield running
 
 
 @dataclass

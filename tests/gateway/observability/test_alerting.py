@@ -33,8 +33,11 @@ from policies.alerts import ALERT_NAME, AlertEvaluator, AlertEvent, AlertEventKi
 from tests.engine.helpers import make_engine
 from tests.gateway.conftest import ADMIN_TOKEN
 from tests.gateway.loopback_receiver import LoopbackReceiver
+from tests.manual_clock import ManualClock
 
 ROUTING_KEY = "R0123456789abcdef0123456789abcde"  # 32 characters, as PagerDuty's
+# Where the tests' clocks start: a wall-clock time, as the alerts' timestamps are.
+START_S = 1_763_700_000.0
 
 
 @pytest.fixture
@@ -42,14 +45,6 @@ def receiver() -> Iterator[LoopbackReceiver]:
     server = LoopbackReceiver()
     yield server
     server.close()
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now_s = 1_763_700_000.0
-
-    def __call__(self) -> float:
-        return self.now_s
 
 
 # Alertmanager's OpenAPI v2 (api/v2/openapi.yaml): postableAlerts, postableAlert, labelSet.
@@ -130,7 +125,7 @@ async def _wait_for(condition: Any, timeout_s: float = 10.0) -> None:
 
 
 def test_slow_premium_ttft_pages_once_and_resolves_once(receiver: LoopbackReceiver) -> None:
-    clock = FakeClock()
+    clock = ManualClock(START_S)
     settings = _settings(receiver)
     metrics = GatewayMetrics(DEFAULT_TIERS, alert_rules=settings.rules)
     firing = {"alertname": ALERT_NAME, "tier": "premium"}
@@ -258,7 +253,7 @@ def test_deliveries_retry_server_errors_and_give_up_on_refusals(
 
 def test_unreachable_webhook_does_not_block_evaluation(receiver: LoopbackReceiver) -> None:
     receiver.delay_s = 2.0  # it records a post after this, then answers
-    clock = FakeClock()
+    clock = ManualClock(START_S)
     settings = _settings(receiver, rules=(TtftAlertRule("premium", 0.4, for_s=0.0, min_samples=1),))
 
     async def main() -> None:
@@ -316,7 +311,7 @@ def test_bad_config_raises(section: dict[str, Any], message: str) -> None:
 
 
 def test_alerts_and_live_routes() -> None:
-    clock = FakeClock()
+    clock = ManualClock(START_S)
     rule = TtftAlertRule("premium", 0.4, for_s=0.0, min_samples=5)
     monitor = AlertMonitor(
         AlertEvaluator([rule], replica="r", clock=clock),

@@ -17,6 +17,7 @@ from gateway.observability.gc_pauses import GcPauses
 from gateway.observability.loop_lag import LoopLagWatch, LoopStall, StallLog
 from gateway.observability.metrics import GatewayMetrics
 from policies.tiers import TierTable
+from tests.manual_clock import ManualClock
 
 BLOCK_S = 0.3
 STALL_S = 0.15
@@ -208,8 +209,8 @@ def test_invalid_periods_are_refused() -> None:
 
 
 def test_stalls_are_logged_at_most_once_per_interval(caplog: pytest.LogCaptureFixture) -> None:
-    now = [100.0]
-    log = StallLog(every_s=10.0, clock=lambda: now[0])
+    clock = ManualClock(100.0)
+    log = StallLog(every_s=10.0, clock=clock)
     stall = LoopStall(
         late_s=0.412, loop_cpu_s=0.003, process_cpu_s=0.015, gc_s=0.0,
         stacks={"event loop": ("base_events.py:1922 _run_once", "selectors.py:468 select"),
@@ -217,10 +218,10 @@ def test_stalls_are_logged_at_most_once_per_interval(caplog: pytest.LogCaptureFi
     )  # fmt: skip
     with caplog.at_level(logging.WARNING, logger="gateway.observability.loop_lag"):
         log(stall)
-        now[0] += 4.0
+        clock.advance(4.0)
         log(stall)  # within 10 s of the last record: counted, not logged
         log(stall)
-        now[0] += 6.0
+        clock.advance(6.0)
         log(stall)
     records = [r.getMessage() for r in caplog.records]
     assert len(records) == 2

@@ -34,6 +34,7 @@ from gateway.access.auth import (
 from gateway.http.errors import ServiceUnavailableError
 from tenants import DatabaseSettings, create_db_engine, create_session_factory
 from tenants.keys import PREFIX_LENGTH
+from tests.manual_clock import ManualClock
 
 if TYPE_CHECKING:
     from tests.gateway.conftest import GatewayHarness
@@ -366,27 +367,25 @@ def _database_down(*_args: object, **_kwargs: object) -> None:
 
 def _resolver_on_a_clock(
     session_factory: sessionmaker[Session],
-) -> tuple[list[float], TenantKeyResolver]:
-    """A resolver (TTL 5 s, answers kept 60 s through an outage) on a clock set through
-    now[0]."""
-    now = [0.0]
-    resolver = TenantKeyResolver(
-        session_factory, ttl_s=5.0, max_stale_s=60.0, clock=lambda: now[0]
-    )
-    return now, resolver
+) -> tuple[ManualClock, TenantKeyResolver]:
+    """A resolver (TTL 5 s, answers kept 60 s through an outage) on a clock the test sets,
+    starting at 0."""
+    clock = ManualClock(0.0)
+    resolver = TenantKeyResolver(session_factory, ttl_s=5.0, max_stale_s=60.0, clock=clock)
+    return clock, resolver
 
 
 def test_a_known_key_keeps_its_answer_through_a_database_outage(
     session: Session, session_factory: sessionmaker[Session]
 ) -> None:
     _, key = _tenant_key(session)
-    now, resolver = _resolver_on_a_clock(session_factory)
+    clock, resolver = _resolver_on_a_clock(session_factory)
     principal = resolver.resolve(f"Bearer {key}")
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr("gateway.access.auth.find_api_key", _database_down)
-        now[0] = 6.0
+        clock.now_s = 6.0
         assert resolver.resolve(f"Bearer {key}") == principal
-        now[0] = 61.0
+        clock.now_s = 61.0
         with pytest.raises(ServiceUnavailableError):
             resolver.resolve(f"Bearer {key}")
         with pytest.raises(ServiceUnavailableError):
@@ -408,7 +407,7 @@ def test_a_key_in_use_is_reloaded_in_the_background_before_it_expires(
     session: Session, session_factory: sessionmaker[Session]
 ) -> None:
     key_id, key = _tenant_key(session)
-    now, resolver = _resolver_on_a_clock(session_factory)
+    clock, resolver = _resolver_on_a_clock(session_factory)
     principal = resolver.resolve(f"Bearer {key}")
     tenants.revoke_api_key(session, tenants.get_api_key(session, key_id), actor="elsewhere")
     session.commit()
@@ -417,7 +416,7 @@ def test_a_key_in_use_is_reloaded_in_the_background_before_it_expires(
     original = tenants.find_api_key
 
     def held_find(*args: object, **kwargs: object) -> object:
-        lookups.append(now[0])
+        lookups.append(clock.now_s)
         started.set()
         assert release.wait(10), "the test never released the lookup"
         return original(*args, **kwargs)  # type: ignore[arg-type]
@@ -425,11 +424,11 @@ def test_a_key_in_use_is_reloaded_in_the_background_before_it_expires(
     try:
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr("gateway.access.auth.find_api_key", held_find)
-            now[0] = 3.9  # before the last fifth of the entry's life: no reload
+            clock.now_s = 3.9  # before the last fifth of the entry's life: no reload
             assert resolver.resolve(f"Bearer {key}") == principal
             resolver.wait_for_refreshes()
             assert lookups == []
-            now[0] = 4.5  # in it: answered from the entry, the reload runs in the background
+            clock.now_s = 4.5  # in it: answered from the entry, the reload runs in the background
             assert resolver.resolve(f"Bearer {key}") == principal
             assert started.wait(10)
             assert not release.is_set()  # the request above did not wait for the database
@@ -449,13 +448,13 @@ def test_a_background_reload_during_an_outage_keeps_the_entry(
     session: Session, session_factory: sessionmaker[Session]
 ) -> None:
     _, key = _tenant_key(session)
-    now, resolver = _resolver_on_a_clock(session_factory)
+    clock, resolver = _resolver_on_a_clock(session_factory)
     try:
         principal = resolver.resolve(f"Bearer {key}")
         tries: list[float] = []
 
         def database_down(*args: object, **kwargs: object) -> None:
-            tries.append(now[0])
+            tries.append(clock.now_s)
             _database_down(*args, **kwargs)
 
         with pytest.MonkeyPatch.context() as patch:
@@ -463,11 +462,11 @@ def test_a_background_reload_during_an_outage_keeps_the_entry(
             # Each request near its entry's end tries the database in the background; the
             # failed try keeps the entry and gives it another ttl_s (up to max_stale_s).
             for at_s in (4.5, 9.0, 13.6):
-                now[0] = at_s
+                clock.now_s = at_s
                 assert resolver.resolve(f"Bearer {key}") == principal
                 resolver.wait_for_refreshes(timeout_s=10)
             assert tries == [4.5, 9.0, 13.6]  # each before its entry expired: in the background
-            now[0] = 61.0  # past max_stale_s since the last answer: the database's outage shows
+            clock.now_s = 61.0  # past max_stale_s since the last answer: the outage shows
             with pytest.raises(ServiceUnavailableError):
                 resolver.resolve(f"Bearer {key}")
     finally:
@@ -481,8 +480,8 @@ def test_a_database_that_never_answers_is_waited_for_at_most_the_lookup_timeout(
     request waits lookup_timeout_s, then a known key keeps its last answer and an unseen one
     gets 503; past MAX_STUCK_LOOKUPS hung lookups no new one starts."""
     _, key = _tenant_key(session)
-    now = [0.0]
-    resolver = TenantKeyResolver(session_factory, ttl_s=5.0, clock=lambda: now[0],
+    clock = ManualClock(0.0)
+    resolver = TenantKeyResolver(session_factory, ttl_s=5.0, clock=clock,
                                  lookup_timeout_s=0.2)
     principal = resolver.resolve(f"Bearer {key}")
     release = threading.Event()
@@ -494,14 +493,14 @@ def test_a_database_that_never_answers_is_waited_for_at_most_the_lookup_timeout(
             started = time.monotonic()
             assert (await resolver.authenticate(_request(key))) == principal
             waits.append(time.monotonic() - started)
-            now[0] += 5.0  # expired again: the next request looks it up
+            clock.advance(5.0)  # expired again: the next request looks it up
         started = time.monotonic()
         with pytest.raises(ServiceUnavailableError):
             await resolver.authenticate(_request("tg-abcdefgh_" + "x" * 43))
         waits.append(time.monotonic() - started)
         return waits
 
-    now[0] = 6.0
+    clock.now_s = 6.0
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr("gateway.access.auth.find_api_key", hung_find)
         try:

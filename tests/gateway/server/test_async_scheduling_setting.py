@@ -43,10 +43,9 @@ def _served_outputs(database_path: Path, async_scheduling: str) -> list[object]:
     """What the official client gets from `tiergate serve` on the demo model: a greedy chat
     with logprobs, the same streamed and cut by a stop string, two seeded samples, with their
     usage."""
-    server = ServeProcess(f"sqlite:///{database_path}",
-                          args=["--async-scheduling", async_scheduling,
-                                "--log-level", "info"]).start()
-    try:
+    with ServeProcess(f"sqlite:///{database_path}",
+                      args=["--async-scheduling", async_scheduling,
+                            "--log-level", "info"]).start() as server:
         assert f"async scheduling {async_scheduling}" in server.output()
         (key,) = server.printed_keys()  # an empty database: serve made the demo tenant's key
         with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=key,
@@ -75,8 +74,6 @@ def _served_outputs(database_path: Path, async_scheduling: str) -> list[object]:
                     finish, usage.completion_tokens,
                     [(c.text, c.finish_reason) for c in samples.choices],
                     samples.usage.completion_tokens]
-    finally:
-        assert server.stop() == 0, server.output()
 
 
 def test_a_server_answers_the_same_with_async_scheduling(tmp_path: Path) -> None:

@@ -17,7 +17,13 @@ import httpx2
 import openai
 import pytest
 
-from tests.gateway.serve_harness import MODEL, admin_client, billing_periods, detail_export
+from tests.gateway.serve_harness import (
+    MODEL,
+    admin_client,
+    billing_periods,
+    detail_export,
+    start_replica,
+)
 from tests.serve_process import ServeProcess
 
 BUDGET_TOKENS = 120
@@ -65,10 +71,6 @@ class CountingClient:
         return caught.value
 
 
-def _serve(database_url: str, data_dir: Path) -> ServeProcess:
-    return ServeProcess(database_url, env={"TIERGATE_DATA_DIR": str(data_dir)}).start()
-
-
 @pytest.fixture
 def sqlite_url(tmp_path: Path) -> str:
     return f"sqlite:///{tmp_path / 'tiergate.db'}"
@@ -76,9 +78,8 @@ def sqlite_url(tmp_path: Path) -> str:
 
 @pytest.fixture
 def server(sqlite_url: str, tmp_path: Path) -> Iterator[ServeProcess]:
-    process = _serve(sqlite_url, tmp_path / "data")
-    yield process
-    process.kill()
+    with start_replica(sqlite_url, tmp_path / "data") as process:
+        yield process
 
 
 def _tenant_records(
@@ -142,17 +143,15 @@ def test_budget_exhausted_from_the_ledger_is_429_without_retry(
 
     # A new process reads the month's usage back from the ledger.
     assert server.stop() == 0, server.output()
-    restarted = _serve(sqlite_url, tmp_path / "data")
-    try:
-        with closing(CountingClient(restarted, api_key)) as client:
-            _assert_budget_refusal(client.refused(), used)
-            with admin_client(restarted) as admin:
-                patched = admin.patch(
-                    f"/admin/v1/tenants/{tenant_id}",
-                    json={"quota": {"monthly_token_budget": used + 1000}},
-                )
-                assert patched.status_code == 200, patched.text
-            assert client.chat() > 0
-        assert restarted.stop() == 0, restarted.output()
-    finally:
-        restarted.kill()
+    with (
+        start_replica(sqlite_url, tmp_path / "data") as restarted,
+        closing(CountingClient(restarted, api_key)) as client,
+    ):
+        _assert_budget_refusal(client.refused(), used)
+        with admin_client(restarted) as admin:
+            patched = admin.patch(
+                f"/admin/v1/tenants/{tenant_id}",
+                json={"quota": {"monthly_token_budget": used + 1000}},
+            )
+            assert patched.status_code == 200, patched.text
+        assert client.chat() > 0

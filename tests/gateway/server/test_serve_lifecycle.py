@@ -30,27 +30,21 @@ def _curl_line(output: str) -> str:
 
 def test_first_run_creates_demo_tenant_and_the_curl_line_works(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'first.db'}"
-    first = ServeProcess(url).start()
-    try:
+    with ServeProcess(url).start() as first:
         curl = _curl_line(first.output())
         result = subprocess.run(shlex.split(curl), capture_output=True, text=True, timeout=60)
         body = json.loads(result.stdout)
         assert body["object"] == "chat.completion", result.stdout
         assert body["choices"][0]["message"]["content"]
         assert body["usage"]["completion_tokens"] > 0
-    finally:
-        assert first.stop() == 0
     # A database with a tenant: nothing is created and no key is printed.
-    second = ServeProcess(url).start()
-    try:
+    with ServeProcess(url).start() as second:
         assert second.printed_keys() == []
         assert "curl " not in second.output()
         tenants = httpx.get(
             f"{second.base_url}/admin/v1/tenants", headers={"x-admin-token": ADMIN_TOKEN}
         ).json()
         assert [t["name"] for t in tenants["data"]] == ["demo"]
-    finally:
-        assert second.stop() == 0
 
 
 def test_sigterm_drains_in_flight_requests_then_exits_zero(tmp_path: Path) -> None:
@@ -98,17 +92,14 @@ def test_a_thousand_disconnects_leave_no_kv_blocks_held(tmp_path: Path) -> None:
     # Shedding off: this test is about disconnects; a 429 would never reach mid-stream.
     config = tmp_path / "tiergate.yaml"
     config.write_text("admission:\n  enable_shedding: false\n")
-    server = ServeProcess(
+    with ServeProcess(
         f"sqlite:///{tmp_path / 'disconnect.db'}", args=["--config", str(config)]
-    ).start()
-    key = server.printed_keys()[0]
-    try:
+    ).start() as server:
+        key = server.printed_keys()[0]
         asyncio.run(_disconnect_many(server.base_url, key, total=1000, concurrency=32))
         live = _wait_idle(server.base_url)
         assert live["kv_blocks_used"] == 0, live
         assert all(t["num_running"] == 0 and t["num_waiting"] == 0 for t in live["tiers"]), live
-    finally:
-        assert server.stop() == 0
 
 
 async def _disconnect_many(base_url: str, key: str, total: int, concurrency: int) -> None:

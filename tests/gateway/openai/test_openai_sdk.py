@@ -18,11 +18,10 @@ MAX_BODY_BYTES = 64 * 1024
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
     db = tmp_path_factory.mktemp("sdk") / "tiergate.db"
-    process = ServeProcess(
+    with ServeProcess(
         f"sqlite:///{db}", args=["--max-body-bytes", str(MAX_BODY_BYTES)]
-    ).start()
-    yield process
-    assert process.stop() == 0, process.output()
+    ).start() as process:
+        yield process
 
 
 @pytest.fixture(scope="module")

@@ -130,11 +130,10 @@ def server(
     model_dir: Path, cache_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServeProcess]:
     # TIERGATE_MODEL empty: the default model, from the cache the fixture converted into.
-    process = default_model_server(
+    with default_model_server(
         cache_dir, tmp_path_factory.mktemp("default-model") / "tiergate.db"
-    )
-    yield process
-    assert process.stop() == 0, process.output()
+    ) as process:
+        yield process
 
 
 def test_greedy_chat_answers_equal_hf_through_the_openai_sdk(

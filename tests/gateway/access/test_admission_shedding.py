@@ -37,14 +37,13 @@ from gateway.access.admission import AdmissionSettings
 from policies import TierTable
 from tests.gateway.admission_support import (
     RATE_LIMIT_HEADERS,
+    SERVER_START_TIMEOUT_S,
     assert_openai_error,
     completion_body,
     create_tenant,
     quantiles_ms,
     report,
     send_all,
-    start_all,
-    stop_all,
     write_config,
 )
 from tests.serve_process import ServeProcess
@@ -69,15 +68,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
     directory = tmp_path_factory.mktemp("admission-shedding")
     tiers = [asdict(tier) for tier in TIERS]
     config = write_config(directory / "config.json", {"tiers": tiers})
-    process = ServeProcess(f"sqlite:///{directory / 'tiergate.db'}", args=["--config", str(config)])
-    try:
-        start_all([process])
+    with ServeProcess(
+        f"sqlite:///{directory / 'tiergate.db'}", args=["--config", str(config)]
+    ).start(SERVER_START_TIMEOUT_S) as process:
         yield process
-    finally:
-        try:
-            stop_all([process])
-        finally:
-            process.kill()
 
 
 @dataclass

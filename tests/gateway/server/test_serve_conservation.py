@@ -34,11 +34,10 @@ PREMIUM_MIX = TrafficMix(multi_sample_fraction=0.3, max_max_tokens=32)
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
     database = tmp_path_factory.mktemp("conservation") / "tiergate.db"
-    process = ServeProcess(
+    with ServeProcess(
         f"sqlite:///{database}", args=["--kv-cache-bytes", str(KV_CACHE_BYTES)]
-    ).start()
-    yield process
-    assert process.stop() == 0, process.output()
+    ).start() as process:
+        yield process
 
 
 def _premium_key(server: ServeProcess) -> str:

@@ -21,6 +21,7 @@ from tests.gateway.admission_support import (
     MODEL,
     RATE_LIMIT_HEADERS,
     REQUEST_LIMIT_HEADERS,
+    SERVER_START_TIMEOUT_S,
     admit_n_of_3n,
     assert_openai_error,
     check_token_limit_under_concurrency,
@@ -28,8 +29,6 @@ from tests.gateway.admission_support import (
     create_tenant,
     post_completion,
     report,
-    start_all,
-    stop_all,
 )
 from tests.serve_process import ServeProcess
 
@@ -39,15 +38,10 @@ N = 100
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
     directory = tmp_path_factory.mktemp("admission-single")
-    process = ServeProcess(f"sqlite:///{directory / 'tiergate.db'}")
-    try:
-        start_all([process])
+    with ServeProcess(f"sqlite:///{directory / 'tiergate.db'}").start(
+        SERVER_START_TIMEOUT_S
+    ) as process:
         yield process
-    finally:
-        try:
-            stop_all([process])
-        finally:
-            process.kill()
 
 
 # -- exact limits --------------------------------------------------------------------------------

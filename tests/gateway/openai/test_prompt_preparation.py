@@ -79,11 +79,8 @@ class _EncodeCounter:
 
 @pytest.fixture
 def gateway(tmp_path: Path) -> Iterator[InProcessGateway]:
-    running = start_gateway(tmp_path, max_messages=4, max_choices=16)
-    try:
+    with start_gateway(tmp_path, max_messages=4, max_choices=16) as running:
         yield running
-    finally:
-        running.stop()
 
 
 def _client(gateway: InProcessGateway, key: str) -> openai.OpenAI:

@@ -29,6 +29,7 @@ from tests.gateway.serve_harness import (
     assert_billed_exactly_once,
     billing_periods,
     detail_export,
+    start_replica,
 )
 from tests.serve_process import ServeProcess
 from tests.tenants.conftest import BACKENDS, scratch_database
@@ -77,10 +78,6 @@ class OutageLog:
 
     ready_codes: list[int] = field(default_factory=list)  # GET /health/ready answers
     spool_peak_bytes: int = 0
-
-
-def _serve(database_url: str, data_dir: Path) -> ServeProcess:
-    return ServeProcess(database_url, env={"TIERGATE_DATA_DIR": str(data_dir)}).start()
 
 
 def _spool_bytes(data_dir: Path) -> int:
@@ -139,7 +136,7 @@ def test_database_outage_under_load_fails_no_request_and_bills_each_once(
     data_dir = tmp_path / "data"
     with scratch_database(backend, tmp_path) as database_url:
         outage = _outage(backend, database_url)
-        server = _serve(database_url, data_dir)
+        server = start_replica(database_url, data_dir)
         api_key = server.printed_keys()[0]
         try:
             # 1. The database comes back while the replica runs: it replays the spool itself.
@@ -174,7 +171,7 @@ def test_database_outage_under_load_fails_no_request_and_bills_each_once(
             assert set(log.ready_codes) == {200}
             spooled_bytes = _spool_bytes(data_dir)
             assert spooled_bytes > 0
-            server = _serve(database_url, data_dir)
+            server = start_replica(database_url, data_dir)
             assert _spool_bytes(data_dir) == 0  # replayed before the replica became ready
             seen = traffic.requests + second.requests
             check = assert_billed_exactly_once(seen, detail_export(server, billing_periods(since)))

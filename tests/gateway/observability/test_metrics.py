@@ -34,7 +34,7 @@ from policies import DEFAULT_TIERS
 from policies.alerts import ALERT_NAME, AlertState, AlertStatus, TtftAlertRule
 from tests.engine.helpers import make_engine, preempting_engine
 
-METRICS_MD = Path(__file__).resolve().parents[2] / "ops" / "METRICS.md"
+METRICS_MD = Path(__file__).resolve().parents[3] / "ops" / "METRICS.md"
 # Pool-wide series: the only ones without a tier label.
 POOL_WIDE = {
     "tiergate_kv_blocks_total",

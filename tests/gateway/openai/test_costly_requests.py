@@ -28,9 +28,8 @@ CHAT: dict[str, Any] = {"model": DEMO_MODEL_NAME, "max_tokens": 2,
 def gateway(tmp_path: Path) -> Iterator[InProcessGateway]:
     # The batch tier may not send raw grammars; the others may.
     tiers = TierTable(tuple(replace(t, raw_grammars=t.name != "batch") for t in DEFAULT_TIERS))
-    running = start_gateway(tmp_path, tiers=tiers)
-    yield running
-    running.stop()
+    with start_gateway(tmp_path, tiers=tiers) as running:
+        yield running
 
 
 def _post(gateway: InProcessGateway, key: str, body: bytes | dict[str, Any]) -> httpx.Response:
