@@ -193,10 +193,11 @@ class EngineClient(ABC):
         contest for the GIL."""
         starts = outputs.token_starts()
         num_rows = len(outputs)
-        firsts = [row for row in range(num_rows) if outputs.is_first_token(row)]
-        rows: Sequence[int] = range(num_rows)
-        if firsts and len(firsts) < num_rows:
-            rows = firsts + [row for row in range(num_rows) if not outputs.is_first_token(row)]
+        firsts: list[int] = []
+        laters: list[int] = []
+        for row in range(num_rows):
+            (firsts if outputs.is_first_token(row) else laters).append(row)
+        rows: Sequence[int] = firsts + laters if firsts and laters else range(num_rows)
         batches: dict[asyncio.AbstractEventLoop, list[tuple[OutputStream, int, RequestOutput]]]
         batches = {}
         routes = self._routes

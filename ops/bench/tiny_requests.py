@@ -30,6 +30,7 @@ from pathlib import Path
 
 from bench.serve.provision import provision_tenants, served_model_name
 from bench.serve.server import VARIANTS, BenchServer, EngineLimits
+from bench.serve.server_process import process_tree_cpu_s
 from gateway.server.settings import GatewaySettings
 from policies import TierTable
 
@@ -64,14 +65,14 @@ class Round:
     errors: int
 
 
-def _cpu_s(pid: int) -> float:
+def _cpu_s(pid: int) -> tuple[float, float]:
+    """CPU seconds of the gateway's process alone, and of the processes it started (the
+    engine's)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _children(pid: int) -> list[int]:
-    return [int(child) for path in Path(f"/proc/{pid}/task").glob("*/children")
-            for child in path.read_text().split()]
+    own = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    total = process_tree_cpu_s(pid)
+    assert total is not None, "the server has gone"
+    return own, total - own
 
 
 async def _client(port: int, request: bytes, stop_at: float, counts: list[int]) -> None:
@@ -112,13 +113,11 @@ def run_round(tree: Path, concurrency: int, duration_s: float, warmup_s: float) 
                        + b"content-type: application/json\r\n"
                        + f"content-length: {len(body)}\r\n\r\n".encode() + body)
             asyncio.run(_load(server.port, request, concurrency, warmup_s))
-            gateway = server.process.pid
-            engines = _children(gateway)
-            cpu_before = _cpu_s(gateway), sum(_cpu_s(p) for p in engines)
+            cpu_before = _cpu_s(server.process.pid)
             started = time.monotonic()
             ok, errors = asyncio.run(_load(server.port, request, concurrency, duration_s))
             elapsed = time.monotonic() - started
-            cpu_after = _cpu_s(gateway), sum(_cpu_s(p) for p in engines)
+            cpu_after = _cpu_s(server.process.pid)
     done = max(ok, 1)
     return Round(ok / elapsed, (cpu_after[0] - cpu_before[0]) / done * 1e3,
                  (cpu_after[1] - cpu_before[1]) / done * 1e3, errors)
