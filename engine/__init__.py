@@ -13,6 +13,7 @@ from engine.config import (
     CacheConfig,
     ConfigError,
     EngineConfig,
+    LoraConfig,
     RunnerConfig,
     SchedulerConfig,
 )
@@ -58,6 +59,7 @@ from engine.structured_output.grammar_compiler import GrammarCompiler
 from engine.text.detokenizer import IncrementalDetokenizer
 from engine.text.tokenizer import Tokenizer
 from engine.types import (
+    LoraRequest,
     ModelRunner,
     ModelRunnerOutput,
     RequestMetrics,
@@ -97,6 +99,8 @@ __all__ = [
     "IncrementalDetokenizer",
     "InvalidRequestError",
     "LLMEngine",
+    "LoraConfig",
+    "LoraRequest",
     "ModelConfig",
     "ModelConfigError",
     "ModelRunner",

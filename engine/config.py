@@ -12,6 +12,7 @@ __all__ = [
     "CacheConfig",
     "ConfigError",
     "EngineConfig",
+    "LoraConfig",
     "RunnerConfig",
     "SchedulerConfig",
 ]
@@ -84,6 +85,23 @@ class RunnerConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters: how many one step may mix (the runner's device slots, a resource the
+    scheduler allots next to KV blocks), how many the runner keeps loaded on the host, and
+    the largest rank it takes."""
+
+    max_loras: int = 4  # distinct adapters in one step (device slots); 0: no adapters served
+    max_cpu_loras: int = 16  # adapters kept loaded on the host (LRU; pinned ones never evicted)
+    max_lora_rank: int = 64
+
+    def validate(self) -> None:
+        if self.max_loras < 0 or self.max_lora_rank < 1:
+            raise ConfigError("max_loras must be >= 0 and max_lora_rank >= 1")
+        if self.max_cpu_loras < self.max_loras:
+            raise ConfigError("max_cpu_loras must be at least max_loras")
+
+
+@dataclass
 class EngineConfig:
     """The one configuration of an engine: its scheduler and its runner read the same."""
 
@@ -96,8 +114,10 @@ class EngineConfig:
     # What a constrained sample's grammar may cost on the host before it ends with an error.
     grammar_budget: GrammarBudget = field(default_factory=GrammarBudget)
     runner: RunnerConfig = field(default_factory=RunnerConfig)  # the runner's own options
+    lora: LoraConfig = field(default_factory=LoraConfig)  # adapter slots (scheduler, runner)
 
     def validate(self) -> None:
         self.scheduler.validate()
+        self.lora.validate()
         self.cache.validate()
         self.grammar_budget.validate()

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
-from engine.types import GrammarTemplate
+from engine.types import GrammarTemplate, LoraRequest
 
 
 @dataclass(slots=True)
@@ -45,6 +45,7 @@ class NewRequestData:
     eos_token_id: int | None  # suppressed until min_tokens outputs exist
     sample_index: int = 0  # index among n parallel samples (seeded samples differ by index)
     grammar: GrammarTemplate | None = None  # structured output: the runner's matcher's source
+    lora: LoraRequest | None = None  # the adapter it runs with; None: the base model
 
 
 @dataclass

@@ -36,6 +36,17 @@ class TenantContext:
     kv_cap_blocks: int | None = None  # most KV blocks the tenant may hold
 
 
+@dataclass(frozen=True)
+class LoraRequest:
+    """A LoRA adapter a request runs with: a PEFT adapter directory (adapter_config.json and
+    adapter_model.safetensors). `name` identifies its weights engine-wide (the registry's
+    content hash): the runner's caches key on it and it enters the request's prefix-cache
+    key, so cached blocks never cross adapters."""
+
+    name: str
+    path: str
+
+
 @dataclass
 class TokenLogprobs:
     """Log-probabilities around one sampled token."""
@@ -111,6 +122,11 @@ class ModelRunner(Protocol):
     def runs_ahead(self) -> bool:
         """execute returns before the device has finished the step (CUDA): the host can
         schedule the next step meanwhile (async scheduling pays)."""
+        ...
+
+    def add_lora(self, lora: LoraRequest) -> None:
+        """Make ready to run requests on this adapter (read and checked on the host, where
+        the runner has weights); raises ValueError, naming the problem, when it cannot."""
         ...
 
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerStep:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 
 from engine.config import EngineConfig
 from engine.core.fcfs_policy import FCFSPolicy
+from engine.core.kv_cache.block_hash import prefix_key
 from engine.core.kv_cache.kv_manager import KVCacheManager
 from engine.core.metering import split_step_time
 from engine.core.request import Request, RequestStatus
@@ -27,6 +28,7 @@ from engine.step_outputs import OutputEnd, StepOutputs
 from engine.structured_output.grammar_compiler import GrammarCompiler, GrammarResult
 from engine.text.text_output import TextOutputState, Tokenizer
 from engine.types import (
+    LoraRequest,
     ModelRunner,
     ModelRunnerOutput,
     RequestMetrics,
@@ -114,7 +116,7 @@ class LLMEngine:
         # Reached only through its protocol; the scheduler holds the same object.
         self.policy: SchedulingPolicy = policy if policy is not None else FCFSPolicy()
         self.scheduler = Scheduler(
-            config.scheduler, self.kv, self.policy
+            config.scheduler, self.kv, self.policy, max_loras=config.lora.max_loras
         )
         self._groups: dict[str, list[Request]] = {}  # caller's id -> its samples
         self._text: dict[str, TextOutputState] = {}  # sample request id -> text state
@@ -146,12 +148,20 @@ class LLMEngine:
         sampling_params: SamplingParams,
         tenant: TenantContext | None = None,
         arrival_time: float | None = None,
+        lora: LoraRequest | None = None,
     ) -> None:
-        """Queue a request; n > 1 samples share the prompt's KV blocks."""
+        """Queue a request; n > 1 samples share the prompt's KV blocks. lora: the adapter it
+        runs with (loaded and checked now; a request on an adapter the runner cannot serve
+        is refused)."""
         tenant = tenant or TenantContext()
         if request_id in self._groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         max_tokens = self.validate_request(prompt_token_ids, sampling_params, tenant)
+        if lora is not None:
+            try:
+                self.runner.add_lora(lora)
+            except ValueError as exc:
+                raise InvalidRequestError(f"adapter {lora.name!r}: {exc}", param="model") from exc
         if sampling_params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer", param="stop")
         constraint = sampling_params.structured
@@ -171,7 +181,8 @@ class LLMEngine:
                     tier=tenant.tier,
                     priority=tenant.priority,
                     weight=tenant.weight,
-                    cache_salt=tenant.cache_salt,
+                    cache_salt=prefix_key(tenant.cache_salt, lora),
+                    lora=lora,
                     kv_cap_blocks=tenant.kv_cap_blocks,
                     eos_token_id=self.config.eos_token_id,
                     max_tokens=max_tokens,

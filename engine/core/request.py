@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
-from engine.types import GrammarTemplate
+from engine.types import GrammarTemplate, LoraRequest
 
 
 class RequestStatus(enum.Enum):
@@ -42,7 +42,10 @@ class Request:
     tier: str = "standard"  # tier name, used as a label
     priority: int = 1  # lower is more important (premium 0, standard 1, batch 2)
     weight: float = 1.0  # the tenant's fair-share weight
-    cache_salt: str = ""  # extra key of every block hash: tenants never share cached blocks
+    # Extra key of every block hash (kv_cache.block_hash.prefix_key: the tenant's salt and the
+    # adapter): cached blocks are shared by neither tenants nor adapters.
+    cache_salt: str = ""
+    lora: LoraRequest | None = None  # the adapter it runs with; None: the base model
     kv_cap_blocks: int | None = None  # most KV blocks this tenant may hold at once
     eos_token_id: int | None = None
     max_tokens: int = 0  # resolved output limit (sampling max_tokens or context room)

@@ -88,4 +88,5 @@ class RunnerView:
             eos_token_id=request.eos_token_id,
             sample_index=request.sample_index,
             grammar=request.grammar,
+            lora=request.lora,
         )

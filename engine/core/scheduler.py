@@ -6,6 +6,13 @@ takes the blocks of a running request the policy names, and a waiting request ge
 places and blocks allow, if need be by preempting the requests the policy offers (all or
 nothing). Prompts shared by samples are forked, prefix-cache hits skip computation, and the
 step's output carries what the runner does not hold yet.
+
+Adapter slots are a resource next to KV blocks: the running requests use at most `max_loras`
+distinct adapters, so no step can hold more than the runner's slots. A waiting request on an
+adapter without a slot takes one that is free, or the slot of an adapter whose running
+requests are all less important (they are preempted), or waits; while it waits, no request
+behind it on another adapter is admitted (base-model requests are), so the slots drain and
+it gets one within the running requests' lifetimes, without being overtaken.
 """
 
 from __future__ import annotations
@@ -34,8 +41,11 @@ class Scheduler:
         kv_manager: KVCacheManager,
         policy: SchedulingPolicy,
         rates: StepRates | None = None,
+        max_loras: int = 0,
     ) -> None:
+        """max_loras: distinct adapters the running requests may use (the runner's slots)."""
         self.config = config
+        self.max_loras = max_loras
         self.kv = kv_manager
         self.policy = policy
         self.rates = rates if rates is not None else StepRates()
@@ -143,6 +153,7 @@ class Scheduler:
         # Requests set aside for this pass take their tenant's later requests with them, so
         # a tenant's requests are admitted in its queue order.
         passed: set[str] = set()
+        slots_short = False  # a request waits for an adapter slot: no adapter overtakes it
         while plan.budget > 0:
             request = self.waiting.peek(passed)
             if request is None:
@@ -165,6 +176,12 @@ class Scheduler:
                     plan.block(request.priority)
                     return
                 self._preempt(victims[0], plan, self.policy.payer(victims[0], request))
+            if request.lora is not None and (slots_short or not self._adapter_slot(request, plan)):
+                if not slots_short:
+                    plan.block(request.priority)
+                slots_short = True
+                passed.add(request.tenant_id)
+                continue
             if request.fork_parent is not None:
                 parent_id = request.fork_parent.request_id
                 ready = try_fork(self.kv, request, plan.num_new_tokens.get(parent_id, 0))
@@ -218,6 +235,28 @@ class Scheduler:
         request.num_computed_tokens += num_new
         if num_input:
             self.waiting.on_service(request, num_input, 0)
+
+    def _adapter_slot(self, request: Request, plan: StepPlan) -> bool:
+        """Whether request's adapter has a slot among the running requests' adapters: it
+        has one already, one is free, or the running requests of an adapter all less
+        important than request give theirs up (the adapter that loses the fewest computed
+        tokens)."""
+        assert request.lora is not None
+        by_adapter: dict[str, list[Request]] = {}
+        for running in self.running:
+            if running.lora is not None:
+                by_adapter.setdefault(running.lora.name, []).append(running)
+        if request.lora.name in by_adapter or len(by_adapter) < self.max_loras:
+            return True
+        priority = request.priority
+        yielding = [group for group in by_adapter.values()
+                    if all(r.priority > priority for r in group)]
+        if not yielding:
+            return False
+        victims = min(yielding, key=lambda group: sum(r.num_computed_tokens for r in group))
+        for victim in victims:
+            self._preempt(victim, plan, self.policy.payer(victim, request))
+        return True
 
     # -- preemption ----------------------------------------------------------------------------
 

@@ -3,6 +3,7 @@
 from engine.models.batch import ForwardBatch
 from engine.models.config import ModelConfig, ModelConfigError, RopeConfig
 from engine.models.decoder import CausalLM, KVCache
+from engine.models.lora import LoraSlots, LoraWeights
 from engine.models.registry import ARCHITECTURES, ArchitectureSpec
 
 __all__ = [
@@ -11,6 +12,8 @@ __all__ = [
     "CausalLM",
     "ForwardBatch",
     "KVCache",
+    "LoraSlots",
+    "LoraWeights",
     "ModelConfig",
     "ModelConfigError",
     "RopeConfig",

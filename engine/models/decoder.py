@@ -20,6 +20,7 @@ from engine.attention import AttentionBackend
 from engine.models import cpu_ops
 from engine.models.batch import ForwardBatch
 from engine.models.config import ModelConfig
+from engine.models.lora import LoraSlots
 from engine.models.rope import RotaryTable, apply_rope
 
 # One layer's cache: (k_cache, v_cache), each [num_blocks, block_size, Hkv, D].
@@ -84,6 +85,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.has_qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.has_qk_norm else None
         self.fused = False  # RoPE and the KV write as one CPU op (CausalLM.use_fused_cpu_ops)
+        self.layer_index = layer_index
+        self.lora: LoraSlots | None = None  # adapters' updates (CausalLM.use_lora_slots)
 
     def forward(
         self,
@@ -95,6 +98,9 @@ class Attention(nn.Module):
         num_tokens = x.shape[0]
         h, h_kv = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).contiguous()  # [T, (H + 2 Hkv) D]
+        lora = self.lora
+        if lora is not None and lora.active:
+            lora.add(self.layer_index, "qkv", x, qkv)
         heads = qkv.view(num_tokens, h + 2 * h_kv, self.head_dim)  # q, k, v heads
         if self.q_norm is not None and self.k_norm is not None:
             heads[:, :h] = self.q_norm(heads[:, :h])
@@ -110,12 +116,18 @@ class Attention(nn.Module):
             q = qk[:, :h]
             attention.write_kv(qk[:, h:], heads[:, h + h_kv :], k_cache, v_cache)
         out = attention.attend(q, k_cache, v_cache, self.scale, self.sliding_window)  # [T, H, D]
-        return self.o_proj(out.view(num_tokens, self.q_size))
+        flat = out.view(num_tokens, self.q_size)
+        projected = self.o_proj(flat)
+        if lora is not None and lora.active:
+            lora.add(self.layer_index, "o", flat, projected)
+        return projected
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
         super().__init__()
+        self.layer_index = layer_index
+        self.lora: LoraSlots | None = None  # adapters' updates (CausalLM.use_lora_slots)
         self.intermediate_size = config.intermediate_size
         bias = config.has_mlp_bias
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
@@ -124,11 +136,21 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, E] -> [T, E]
         gate_up = self.gate_up_proj(x)  # [T, 2I]
+        lora = self.lora
+        adapted = lora is not None and lora.active
+        if adapted:
+            assert lora is not None
+            lora.add(self.layer_index, "gate_up", x, gate_up)
         if self.fused:
-            return self.down_proj(cpu_ops.silu_and_mul(gate_up.contiguous()))
-        gate, up = gate_up[:, : self.intermediate_size], gate_up[:, self.intermediate_size :]
-        hidden = F.silu(gate, inplace=True).mul_(up)  # [T, I], a view into gate_up
-        return self.down_proj(hidden)
+            hidden = cpu_ops.silu_and_mul(gate_up.contiguous())
+        else:
+            gate, up = gate_up[:, : self.intermediate_size], gate_up[:, self.intermediate_size :]
+            hidden = F.silu(gate, inplace=True).mul_(up)  # [T, I], a view into gate_up
+        out = self.down_proj(hidden)
+        if adapted:
+            assert lora is not None
+            lora.add(self.layer_index, "down", hidden, out)
+        return out
 
 
 class DecoderLayer(nn.Module):
@@ -137,7 +159,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, layer_index)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, layer_index)
 
     def forward(
         self,
@@ -194,6 +216,13 @@ class CausalLM(nn.Module):
             if isinstance(module, RMSNorm | Attention | MLP):
                 module.fused = self.fused_cpu_ops
         return self.fused_cpu_ops
+
+    def use_lora_slots(self, slots: LoraSlots | None) -> None:
+        """Every adapted product adds the updates of the adapters `slots` binds for a step
+        (engine.models.lora); None: the base model only."""
+        for module in self.modules():
+            if isinstance(module, Attention | MLP):
+                module.lora = slots
 
     def use_fused_cuda_ops(self, enabled: bool = True) -> None:
         """Residual add and RMSNorm as one Triton kernel (engine.models.triton_add_norm);

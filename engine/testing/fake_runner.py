@@ -22,7 +22,7 @@ import torch
 from engine.config import EngineConfig
 from engine.sample.sampler import SampledTokens
 from engine.scheduler_output import ScheduledChunk, SchedulerOutput
-from engine.types import RunnerStep
+from engine.types import LoraRequest, RunnerStep
 from engine.worker.batch_runner import BatchRunner, given_num_kv_blocks
 from engine.worker.input_batch import RequestState, StepInputs
 
@@ -78,6 +78,8 @@ class FakeModelRunner(BatchRunner):
         # Test-only: raise in the next execute (this exception, or a RuntimeError for True).
         self.fail_next_step: bool | BaseException = False
         self.num_steps = 0
+        # Adapters: the most distinct ones a step ran (the scheduler's slot rule, checked).
+        self.most_adapters_in_a_step = 0
         # kv[block][offset] = token id written there, or -1
         self._kv: list[list[int]] = [[-1] * self.block_size for _ in range(num_kv_blocks)]
 
@@ -89,6 +91,12 @@ class FakeModelRunner(BatchRunner):
         flops = (cost.flops_per_token * num_new
                  + cost.flops_per_context_token * _num_attended(num_new, num_context))
         return np.asarray(flops, dtype=np.float64)
+
+    def add_lora(self, lora: LoraRequest) -> None:
+        """Any adapter is taken (no weights: the fake model's tokens ignore it), where the
+        engine's config gives adapters slots."""
+        if self.config.lora.max_loras == 0:
+            raise ValueError("this engine serves no LoRA adapters (max_loras is 0)")
 
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerStep:
         """The modelled step time passes (or fails the step if told to), then the step."""
@@ -115,6 +123,8 @@ class FakeModelRunner(BatchRunner):
     ) -> SampledTokens:
         """Write the step's tokens into the fake cache, then a hash of each sampling chunk's
         context as read back through its block table."""
+        adapters = {lora.name for lora in self.input_batch.chunk_loras(chunks) if lora}
+        self.most_adapters_in_a_step = max(self.most_adapters_in_a_step, len(adapters))
         # The KV writes come from the step's inputs as the real runner builds them, the ids of
         # tokens sampled by a step whose output is not back yet included.
         forward_batch = self._to_device(inputs)

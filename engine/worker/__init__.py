@@ -9,6 +9,7 @@ from engine.worker.batch_runner import BatchRunner, given_num_kv_blocks
 from engine.worker.flops import FlopsCounter, forward_flops
 from engine.worker.input_batch import InputBatch, StepInputs
 from engine.worker.kv_memory import KVCacheSize, kv_cache_size
+from engine.worker.lora_cache import LoraCache
 from engine.worker.model_runner import TorchModelRunner
 from engine.worker.queued_step import QueuedStep, StepEvents
 
@@ -17,6 +18,7 @@ __all__ = [
     "FlopsCounter",
     "InputBatch",
     "KVCacheSize",
+    "LoraCache",
     "QueuedStep",
     "StepEvents",
     "StepInputs",

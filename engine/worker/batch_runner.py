@@ -18,7 +18,7 @@ from engine.errors import ConfigError
 from engine.models.batch import ForwardBatch
 from engine.sample.sampler import SampledTokens
 from engine.scheduler_output import ScheduledChunk, SchedulerOutput
-from engine.types import FinishedStep, ModelRunnerOutput, RunnerStep
+from engine.types import FinishedStep, LoraRequest, ModelRunnerOutput, RunnerStep
 from engine.worker.input_batch import InputBatch, RequestState, StepInputs
 from engine.worker.queued_step import QueuedStep, StepEvents
 
@@ -58,6 +58,10 @@ class BatchRunner(ABC):
     def runs_ahead(self) -> bool:
         """Its steps are done when execute returns (unless a subclass says otherwise)."""
         return False
+
+    def add_lora(self, lora: LoraRequest) -> None:
+        """engine.types.ModelRunner.add_lora: no adapters unless a subclass serves them."""
+        raise ValueError("this runner serves no LoRA adapters")
 
     def synchronize(self) -> None:  # noqa: B027 (a no-op unless the device runs ahead)
         """Nothing runs asynchronously (unless a subclass says otherwise)."""

@@ -30,6 +30,7 @@ from engine.sample.penalties import PenaltyCounts
 from engine.sample.sampling_table import SamplingColumns, SamplingTable
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import NewRequestData, ScheduledChunk, SchedulerOutput
+from engine.types import LoraRequest
 
 __all__ = ["InputBatch", "PendingTokens", "RequestState", "StepInputs"]
 
@@ -41,6 +42,7 @@ class RequestState:
     __slots__ = (
         "_batch",
         "eos_token_id",
+        "lora",
         "matcher",
         "penalty_counts",
         "request_id",
@@ -56,6 +58,7 @@ class RequestState:
         self.sampling_params: SamplingParams = data.sampling_params
         self.eos_token_id = data.eos_token_id
         self.sample_index = data.sample_index
+        self.lora = data.lora  # the adapter it runs with; None: the base model
         self.penalty_counts: PenaltyCounts | None = None  # the sampler's (engine.penalties)
         # Structured output: the grammar's state after the request's outputs so far (a
         # resumed request's are fed again; the sampler advances it with each new token).
@@ -179,6 +182,7 @@ class InputBatch:
         self._free_rows = list(range(num_rows - 1, -1, -1))
         self.sampling = SamplingTable(num_rows)  # each row's sampling parameters
         self.requests: dict[str, RequestState] = {}
+        self.num_lora_requests = 0  # held requests that run with an adapter
         # The latest step's sampled ids (int64[S]) where they were sampled (`mark_sampled`).
         self.sampled_on_device: torch.Tensor | None = None
 
@@ -194,6 +198,7 @@ class InputBatch:
             if state is not None:
                 self._free_rows.append(state.row)
                 self._num_removals += 1
+                self.num_lora_requests -= state.lora is not None
         for data in scheduler_output.new_requests:
             self._add(data)
         tables = self._tables
@@ -211,6 +216,7 @@ class InputBatch:
             self._grow_rows()
         row = self._free_rows.pop()
         self.requests[data.request_id] = RequestState(self, data, row)
+        self.num_lora_requests += data.lora is not None
         num_tokens = len(data.token_ids)
         if num_tokens > self._token_ids.shape[1]:
             self._grow_tokens(num_tokens)
@@ -275,6 +281,11 @@ class InputBatch:
         """The states of the chunks that sample, in chunk order."""
         requests = self.requests
         return [requests[c.request_id] for c in chunks if c.needs_sample]
+
+    def chunk_loras(self, chunks: list[ScheduledChunk]) -> list[LoraRequest | None]:
+        """The adapter of each chunk's request (None: the base model), chunk order."""
+        requests = self.requests
+        return [requests[c.request_id].lora for c in chunks]
 
     def sampling_columns(self, rows: np.ndarray) -> SamplingColumns:
         """The sampling parameters of rows (int64[S], StepInputs.sample_rows), with their

@@ -26,12 +26,13 @@ from engine.models.packed_linear import pack_linear_layers
 from engine.sample.sampler import SampledTokens, Sampler
 from engine.sample.sampling_table import SamplingColumns
 from engine.scheduler_output import ScheduledChunk, SchedulerOutput
-from engine.types import RunnerStep
+from engine.types import LoraRequest, RunnerStep
 from engine.worker.batch_runner import BatchRunner
 from engine.worker.cuda_graphs import DecodeCudaGraphs
 from engine.worker.flops import FlopsCounter
 from engine.worker.input_batch import RequestState, StepInputs
 from engine.worker.kv_memory import KVCacheSize, allocate_kv_tensor, kv_cache_size
+from engine.worker.lora_cache import LoraCache
 from engine.worker.queued_step import StepEvents
 
 __all__ = [
@@ -147,6 +148,11 @@ class TorchModelRunner(BatchRunner):
                 model.use_fused_cpu_ops()
         elif device.type == "cuda" and options.fuse_cuda_ops:
             model.use_fused_cuda_ops()
+        # LoRA adapters: none of this costs a step that has no token on an adapter.
+        self.lora: LoraCache | None = None
+        if config.lora.max_loras > 0:
+            self.lora = LoraCache(self.model_config, config.lora, device, self.dtype)
+            model.use_lora_slots(self.lora.slots)
         self.attention = attention_backend(device)
         self.sampler: TokenSampler = sampler or Sampler(
             self.model_config.vocab_size, seed=options.sampler_seed
@@ -197,6 +203,12 @@ class TorchModelRunner(BatchRunner):
     def runs_ahead(self) -> bool:
         return self.device.type == "cuda"
 
+    def add_lora(self, lora: LoraRequest) -> None:
+        """Load the adapter on the host now (engine.types.ModelRunner.add_lora)."""
+        if self.lora is None:
+            raise ValueError("this engine serves no LoRA adapters (max_loras is 0)")
+        self.lora.load(lora)
+
     def synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -212,9 +224,22 @@ class TorchModelRunner(BatchRunner):
         self, chunks: list[ScheduledChunk], inputs: StepInputs, states: list[RequestState]
     ) -> SampledTokens:
         """One forward over every chunk (a captured CUDA graph for decode-only steps where one
-        fits, the C++ decode forward on the CPU where it can), then the sampler."""
+        fits, the C++ decode forward on the CPU where it can; a step with tokens on adapters
+        goes layer by layer), then the sampler."""
         input_batch = self.input_batch
-        if self.graphs is not None and self.graphs.can_run(inputs):
+        adapted = False
+        if self.lora is not None:
+            if input_batch.num_lora_requests:
+                self.lora.bind_step(input_batch.chunk_loras(chunks),
+                                    np.diff(inputs.query_start_loc))
+                adapted = self.lora.slots.active
+            else:
+                self.lora.slots.bind(None)
+        if adapted:
+            batch = self._to_device(inputs)
+            self.attention.prepare(batch.attention_metadata())
+            logits = self.model(batch, self.kv_caches, self.attention)
+        elif self.graphs is not None and self.graphs.can_run(inputs):
             logits = self.graphs.run(inputs, input_batch.sampled_on_device)
         else:
             batch = self._to_device(inputs)

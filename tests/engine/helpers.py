@@ -14,6 +14,7 @@ from engine import (
     FCFSPolicy,
     FCFSQueue,
     LLMEngine,
+    LoraConfig,
     RunnerConfig,
     SamplingParams,
     SchedulerConfig,
@@ -46,11 +47,12 @@ def make_engine(
     under_share_lane_every_steps: int = 4,
     clock: Callable[[], float] | None = None,
     async_scheduling: bool | None = None,
+    max_loras: int = 4,
 ) -> LLMEngine:
-    """An engine over the fake runner. Without clock its clock is simulated, each step moving
-    it by the fake runner's modelled step time, so what the scheduler reads of time (what
-    tenants sent lately) replays exactly; given clock (one the test moves, or real time for a
-    runner that sleeps), the runner leaves it alone."""
+    """An engine over the fake runner (max_loras adapter slots). Without clock its clock is
+    simulated, each step moving it by the fake runner's modelled step time, so what the
+    scheduler reads of time (what tenants sent lately) replays exactly; given clock (one the
+    test moves, or real time for a runner that sleeps), the runner leaves it alone."""
     config = EngineConfig(
         scheduler=SchedulerConfig(
             max_num_batched_tokens=max_num_batched_tokens,
@@ -60,6 +62,7 @@ def make_engine(
         cache=CacheConfig(block_size, prefix_caching, reserved or {}),
         async_scheduling=ASYNC_SCHEDULING if async_scheduling is None else async_scheduling,
         runner=RunnerConfig(num_kv_blocks=num_blocks),
+        lora=LoraConfig(max_loras=max_loras, max_cpu_loras=max(max_loras, 1)),
     )
     if clock is None:
         clock = SimulatedClock()

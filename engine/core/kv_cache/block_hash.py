@@ -1,8 +1,10 @@
 """Prefix-cache keys: a hash chain over full KV blocks.
 
-A block's hash covers its parent's hash, its token ids and the request's extra keys (the
-tenant's cache salt), so equal hashes mean equal prefixes of the same tenant: a tenant never
-hits another tenant's cached blocks unless they share a salt on purpose.
+A block's hash covers its parent's hash, its token ids and the request's extra key (the
+tenant's cache salt and the request's adapter, `prefix_key`), so equal hashes mean equal
+prefixes of the same tenant on the same weights: a tenant never hits another tenant's cached
+blocks unless they share a salt on purpose, and a request never hits blocks another adapter
+(or the base model) computed.
 """
 
 from __future__ import annotations
@@ -11,7 +13,14 @@ import hashlib
 from array import array
 from collections.abc import Sequence
 
+from engine.types import LoraRequest
+
 BlockHash = bytes
+
+
+def prefix_key(cache_salt: str, lora: LoraRequest | None) -> str:
+    """A request's extra key: its tenant's salt, and the adapter its KV depends on."""
+    return cache_salt if lora is None else f"{cache_salt}\0adapter:{lora.name}"
 
 
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra_key: str) -> BlockHash:

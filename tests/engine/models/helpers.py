@@ -30,7 +30,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler_output import NewRequestData, ScheduledChunk, SchedulerOutput
 from engine.structured_output.grammar_compiler import GrammarCompiler
 from engine.text.tokenizer import Tokenizer
-from engine.types import RunnerStep
+from engine.types import LoraRequest, RunnerStep
 from engine.worker.input_batch import RequestState
 from engine.worker.model_runner import TorchModelRunner
 
@@ -180,6 +180,7 @@ class Sequence:
     num_computed: int = 0  # tokens whose KV is in the cache
     block_table: list[int] = field(default_factory=list)
     num_pending: int = 0  # sampled by queued steps, ids not back yet
+    lora: LoraRequest | None = None  # the adapter it runs with
 
     @property
     def tokens(self) -> list[int]:
@@ -243,6 +244,7 @@ class PagedDriver:
                 block_ids=list(seq.block_table),
                 sampling_params=GREEDY,
                 eos_token_id=None,
+                lora=seq.lora,
             ))
         elif num_sent < len(seq.block_table):
             self.block_updates[seq.request_id] = (num_sent, seq.block_table[num_sent:])

@@ -1,0 +1,139 @@
+"""Batched LoRA: one step's tokens on several adapters and on the base model.
+
+The decoder runs four products per layer over fused weights (qkv, o, gate_up, down). An
+adapter's update of a fused product is two products of its own: `x @ A^T` (the shrink, A
+stacked over the product's targets, [R, in]) and `h @ B^T` (the expand, B block-diagonal
+over the targets, [N, R], scaling folded in), added to the base product's output before
+anything reads it (q/k norms and RoPE, SiLU-and-multiply).
+
+Adapters sit in a fixed number of slots (`LoraSlots`); the runner binds each step's tokens
+to slots (`bind`, -1: the base model) and every adapted product adds, for each slot the step
+uses, its update to that slot's rows: a grouped product (one shrink and one expand per slot
+in the step), the CPU and the fallback path. Costs grow with the tokens on adapters and
+the distinct adapters of the step, not with the adapters registered.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+__all__ = ["FUSED_TARGETS", "LoraMatrices", "LoraSlots", "LoraWeights"]
+
+# The decoder's fused products and the HF modules each fuses, in its output order.
+FUSED_TARGETS: dict[str, tuple[str, ...]] = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
+
+
+@dataclass(frozen=True)
+class LoraMatrices:
+    """One adapter's update of one fused product of one layer."""
+
+    a_t: torch.Tensor  # [in, R]: A^T, the targets' A stacked (R = the sum of their ranks)
+    b_t: torch.Tensor  # [R, N]: B^T, block-diagonal over the targets, scaling folded in
+
+
+@dataclass
+class LoraWeights:
+    """An adapter in the decoder's layout: per layer, fused product -> its update (absent
+    where the adapter targets none of that product's modules)."""
+
+    layers: list[dict[str, LoraMatrices]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(m.a_t.nbytes + m.b_t.nbytes for layer in self.layers for m in layer.values())
+
+    @classmethod
+    def fuse(
+        cls,
+        layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]],
+        out_features: dict[str, int],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> LoraWeights:
+        """From per-layer HF module name -> (A [r, in], B [out, r] scaled); out_features:
+        each module's output width (a target an adapter lacks still takes its columns)."""
+        fused_layers: list[dict[str, LoraMatrices]] = []
+        for modules in layers:
+            fused: dict[str, LoraMatrices] = {}
+            for product, names in FUSED_TARGETS.items():
+                present = [name for name in names if name in modules]
+                if not present:
+                    continue
+                a = torch.cat([modules[name][0] for name in present], dim=0)  # [R, in]
+                b_t = torch.zeros(a.shape[0], sum(out_features[n] for n in names))
+                row = column = 0
+                for name in names:
+                    width = out_features[name]
+                    if name in modules:
+                        b = modules[name][1]  # [out, r]
+                        b_t[row : row + b.shape[1], column : column + width] = b.t()
+                        row += b.shape[1]
+                    column += width
+                fused[product] = LoraMatrices(
+                    a.t().contiguous().to(device=device, dtype=dtype),
+                    b_t.to(device=device, dtype=dtype),
+                )
+            fused_layers.append(fused)
+        return cls(fused_layers)
+
+
+class LoraSlots:
+    """The adapters a step may use, one per slot, and the current step's tokens by slot."""
+
+    def __init__(self, num_slots: int, device: torch.device) -> None:
+        self.device = device
+        self.weights: list[LoraWeights | None] = [None] * num_slots
+        # The bound step: (slot, its token rows, or None for every row of the step).
+        self._groups: list[tuple[LoraWeights, torch.Tensor | None]] = []
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.weights)
+
+    @property
+    def active(self) -> bool:
+        """The bound step has tokens on an adapter."""
+        return bool(self._groups)
+
+    def bind(self, token_slots: np.ndarray | None) -> None:
+        """The step's slot of each token (int64[T], -1: the base model); None: no token on
+        an adapter."""
+        groups: list[tuple[LoraWeights, torch.Tensor | None]] = []
+        if token_slots is not None and len(token_slots):
+            first = int(token_slots[0])
+            if bool((token_slots == first).all()):
+                if first >= 0:
+                    groups.append((self._weights(first), None))
+            else:
+                for slot in np.unique(token_slots):
+                    if slot < 0:
+                        continue
+                    rows = torch.from_numpy(np.flatnonzero(token_slots == slot))
+                    groups.append((self._weights(int(slot)), rows.to(self.device)))
+        self._groups = groups
+
+    def _weights(self, slot: int) -> LoraWeights:
+        weights = self.weights[slot]
+        assert weights is not None, f"LoRA slot {slot} is empty"
+        return weights
+
+    def add(self, layer: int, product: str, x: torch.Tensor, out: torch.Tensor) -> None:
+        """out += each bound adapter's update of `product` in `layer`, on its rows of x
+        ([T, in] -> out [T, N])."""
+        for weights, rows in self._groups:
+            matrices = weights.layers[layer].get(product)
+            if matrices is None:
+                continue
+            if rows is None:
+                out.addmm_(x @ matrices.a_t, matrices.b_t)
+            else:
+                update = x.index_select(0, rows) @ matrices.a_t @ matrices.b_t
+                out.index_add_(0, rows, update)

@@ -1,0 +1,178 @@
+"""LoRA adapters batched in one step are token-exact with HF transformers + PEFT (float32, CPU),
+for every supported architecture: one adapter alone at ranks 8, 16 and 64 (rsLoRA too), four
+adapters and the base model in one batch with chunked prefills, on the fused CPU path and the
+torch path; the adapter merged into the weights gives the unmerged path's tokens; and through
+the engine: preemption with resumption, n > 1, more adapters than slots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import PreTrainedModel
+
+from engine import LLMEngine, LoraConfig, SamplingParams
+from engine.config import CacheConfig, EngineConfig, RunnerConfig, SchedulerConfig
+from engine.worker.model_runner import TorchModelRunner
+from tests.engine.models.helpers import (
+    PagedDriver,
+    Sequence,
+    hf_greedy,
+    make_runner,
+    random_prompts,
+)
+from tests.engine.models.lora_adapters import Adapter, make_adapter
+
+RANKS = (8, 16, 64)
+
+
+@pytest.fixture(scope="module")
+def adapters(checkpoint: tuple[Path, PreTrainedModel],
+             tmp_path_factory: pytest.TempPathFactory) -> list[Adapter]:
+    """Four adapters of the module's checkpoint on all seven projections: ranks 8, 16, 64,
+    and 16 with rsLoRA."""
+    path, _ = checkpoint
+    root = tmp_path_factory.mktemp(f"adapters-{path.name}")
+    made = [make_adapter(path, root / f"r{rank}", rank, seed=rank) for rank in RANKS]
+    made.append(make_adapter(path, root / "rs16", 16, seed=99, use_rslora=True, alpha=8))
+    return made
+
+
+@pytest.mark.parametrize("index", range(len(RANKS) + 1), ids=["r8", "r16", "r64", "rslora16"])
+def test_one_adapter_matches_peft(checkpoint: tuple[Path, PreTrainedModel],
+                                  adapters: list[Adapter], index: int) -> None:
+    path, hf = checkpoint
+    adapter = adapters[index]
+    [prompt] = random_prompts([29], seed=index)
+    seq = Sequence("a", prompt, max_new_tokens=12, lora=adapter.lora)
+    runner = make_runner(path)
+    PagedDriver(runner).run([seq])
+    expected = hf_greedy(adapter.reference, prompt, 12)
+    assert seq.output == expected
+    assert expected != hf_greedy(hf, prompt, 12)  # the adapter changes the tokens
+
+
+@pytest.mark.parametrize("fuse_cpu_ops", [True, False], ids=["fused", "torch"])
+def test_four_adapters_and_base_in_one_batch_match_peft(
+    checkpoint: tuple[Path, PreTrainedModel], adapters: list[Adapter], fuse_cpu_ops: bool
+) -> None:
+    """Each adapter twice and the base model twice, prompts chunked under a 13-token budget
+    next to decodes: every step mixes adapters, the base model, prefills and decodes."""
+    path, hf = checkpoint
+    runner = make_runner(path, fuse_cpu_ops=fuse_cpu_ops)
+    choices: list[Adapter | None] = [*adapters, None, *adapters, None]
+    prompts = random_prompts([5 + 7 * i for i in range(len(choices))], seed=3)
+    seqs = [Sequence(f"s{i}", prompt, 6 + i % 4, lora=None if a is None else a.lora)
+            for i, (prompt, a) in enumerate(zip(prompts, choices, strict=True))]
+    PagedDriver(runner).run(seqs, token_budget=13)
+    for seq, adapter in zip(seqs, choices, strict=True):
+        reference = hf if adapter is None else adapter.reference
+        assert seq.output == hf_greedy(reference, seq.prompt, seq.max_new_tokens), seq.request_id
+
+
+def test_merged_adapter_gives_the_unmerged_tokens(
+    checkpoint: tuple[Path, PreTrainedModel], adapters: list[Adapter], tmp_path: Path
+) -> None:
+    """PEFT merges the rank-16 adapter into a copy of the weights; tiergate serves that copy
+    as a base model, and the same base with the adapter unmerged: the same tokens."""
+    path, _ = checkpoint
+    adapter = make_adapter(path, tmp_path / "to-merge", 16, seed=7)
+    merged = adapter.peft_model.merge_and_unload()
+    merged.save_pretrained(tmp_path / "merged")
+    prompts = random_prompts([11, 30, 4], seed=5)
+    unmerged = [Sequence(f"u{i}", p, 10, lora=adapter.lora) for i, p in enumerate(prompts)]
+    PagedDriver(make_runner(path)).run(unmerged)
+    merged_seqs = [Sequence(f"m{i}", p, 10) for i, p in enumerate(prompts)]
+    PagedDriver(make_runner(tmp_path / "merged")).run(merged_seqs)
+    assert [s.output for s in unmerged] == [s.output for s in merged_seqs]
+
+
+def _engine(path: Path, num_kv_blocks: int, max_loras: int = 4) -> LLMEngine:
+    config = EngineConfig(
+        SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8, max_model_len=256),
+        CacheConfig(block_size=16),
+        runner=RunnerConfig(num_kv_blocks=num_kv_blocks, sampler_seed=0),
+        lora=LoraConfig(max_loras=max_loras, max_cpu_loras=max(max_loras, 2)),
+    )
+    return LLMEngine(config, TorchModelRunner.from_model_dir(path, config))
+
+
+def _run(engine: LLMEngine) -> dict[tuple[str, int], list[int]]:
+    tokens: dict[tuple[str, int], list[int]] = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            tokens.setdefault((output.request_id, output.sample_index), []).extend(
+                output.new_token_ids)
+    return tokens
+
+
+def test_engine_preemption_n_and_slots_match_peft(
+    checkpoint: tuple[Path, PreTrainedModel], adapters: list[Adapter]
+) -> None:
+    """Eight requests on four adapters and the base model, two of them n = 2, through an
+    engine with two adapter slots and a KV pool too small for all: requests are preempted and
+    resumed (recomputed on their adapter), adapters wait for slots, every token is PEFT's."""
+    path, hf = checkpoint
+    engine = _engine(path, num_kv_blocks=8, max_loras=2)
+    choices: list[Adapter | None] = [*adapters, None, adapters[0], adapters[2], None]
+    prompts = random_prompts([40, 21, 33, 9, 27, 45, 18, 36], seed=6)
+    for i, (prompt, adapter) in enumerate(zip(prompts, choices, strict=True)):
+        params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True,
+                                n=2 if i in (1, 4) else 1)
+        engine.add_request(f"q{i}", prompt, params,
+                           lora=None if adapter is None else adapter.lora)
+    tokens = _run(engine)
+    assert engine.scheduler.num_preemptions_total > 0
+    for i, (prompt, adapter) in enumerate(zip(prompts, choices, strict=True)):
+        expected = hf_greedy(hf if adapter is None else adapter.reference, prompt, 20)
+        samples = [tokens[(f"q{i}", index)] for index in range(2 if i in (1, 4) else 1)]
+        assert all(sample == expected for sample in samples), f"q{i}"
+
+
+def test_an_adapter_the_engine_cannot_load_is_refused(
+    checkpoint: tuple[Path, PreTrainedModel], adapters: list[Adapter], tmp_path: Path
+) -> None:
+    from engine import InvalidRequestError, LoraRequest
+
+    path, _ = checkpoint
+    engine = _engine(path, num_kv_blocks=16)
+    with pytest.raises(InvalidRequestError, match=r"adapter_model\.safetensors is missing") as err:
+        engine.add_request("x", [5, 6, 7], SamplingParams(max_tokens=2),
+                           lora=LoraRequest("gone", str(tmp_path)))
+    assert err.value.param == "model"
+    assert not engine.has_unfinished_requests()
+    no_slots = _engine(path, num_kv_blocks=16, max_loras=0)
+    with pytest.raises(InvalidRequestError, match="serves no LoRA adapters"):
+        no_slots.add_request("y", [5, 6, 7], SamplingParams(max_tokens=2),
+                             lora=adapters[0].lora)
+
+
+def test_base_steps_keep_the_decode_forward(checkpoint: tuple[Path, PreTrainedModel],
+                                            adapters: list[Adapter]) -> None:
+    """A runner with adapter slots still runs base-model decode steps as one C++ call, and
+    goes layer by layer only for steps with tokens on an adapter."""
+    path, hf = checkpoint
+    runner = make_runner(path)
+    assert runner.decode_forward is not None and runner.lora is not None
+    calls: list[bool] = []
+    forward = runner.decode_forward.__call__
+
+    class Counting:
+        def can_run(self, batch: object) -> bool:
+            return runner_forward.can_run(batch)  # type: ignore[arg-type]
+
+        def __call__(self, batch: object) -> torch.Tensor:
+            calls.append(True)
+            return forward(batch)  # type: ignore[arg-type]
+
+    runner_forward = runner.decode_forward
+    runner.decode_forward = Counting()  # type: ignore[assignment]
+    [prompt] = random_prompts([12], seed=9)
+    base = Sequence("b", prompt, 5)
+    PagedDriver(runner).run([base])
+    assert len(calls) == 4 and base.output == hf_greedy(hf, prompt, 5)
+    calls.clear()
+    adapted = Sequence("l", prompt, 5, lora=adapters[1].lora)
+    PagedDriver(runner).run([adapted])
+    assert not calls and adapted.output == hf_greedy(adapters[1].reference, prompt, 5)
