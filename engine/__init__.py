@@ -71,6 +71,7 @@ from engine.types import (
 if TYPE_CHECKING:
     from engine.checkpoints.demo_model import write_demo_model
     from engine.checkpoints.gguf_checkpoint import GGUFCheckpoint
+    from engine.checkpoints.lora_adapter import AdapterError, read_lora_adapter
     from engine.models.config import ModelConfig, ModelConfigError
     from engine.worker.model_runner import TorchModelRunner
 
@@ -80,6 +81,7 @@ __all__ = [
     "MAX_STOP_CHARS_PER_REQUEST",
     "MAX_STOP_STRING_CHARS",
     "MAX_STOP_TOKEN_IDS",
+    "AdapterError",
     "AdmissionGate",
     "Arrivals",
     "CacheConfig",
@@ -132,16 +134,19 @@ __all__ = [
     "Verdict",
     "WaitingQueue",
     "bounded_numbers",
+    "read_lora_adapter",
     "tier_allowance",
     "write_demo_model",
 ]
 
 # Public names whose modules import torch: each is imported by its first lookup.
 _LAZY_MODULES: dict[str, str] = {
+    "AdapterError": "engine.checkpoints.lora_adapter",
     "GGUFCheckpoint": "engine.checkpoints.gguf_checkpoint",
     "ModelConfig": "engine.models.config",
     "ModelConfigError": "engine.models.config",
     "TorchModelRunner": "engine.worker.model_runner",
+    "read_lora_adapter": "engine.checkpoints.lora_adapter",
     "write_demo_model": "engine.checkpoints.demo_model",
 }
 

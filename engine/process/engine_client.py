@@ -24,7 +24,7 @@ from engine.errors import EngineDeadError, InvalidRequestError
 from engine.process.engine_loop import AbortRequest, AddRequest, EngineCommand, RecordRefused
 from engine.sampling_params import SamplingParams
 from engine.step_outputs import StepOutputs
-from engine.types import RequestOutput, TenantContext
+from engine.types import LoraRequest, RequestOutput, TenantContext
 
 __all__ = ["EngineClient", "OutputStream"]
 
@@ -101,11 +101,12 @@ class EngineClient(ABC):
         tenant: TenantContext,
         stream: OutputStream,
         first_choice: int = 0,
+        lora: LoraRequest | None = None,
     ) -> None:
-        """Start a request already checked against `limits` (the caller's edge did that):
-        sample i's outputs go to stream as choice first_choice + i, until every sample has
-        finished. Raises InvalidRequestError for an id in use, EngineDeadError when the
-        engine's loop does not run."""
+        """Start a request already checked against `limits` (the caller's edge did that),
+        on lora's adapter or the base model: sample i's outputs go to stream as choice
+        first_choice + i, until every sample has finished. Raises InvalidRequestError for an
+        id in use, EngineDeadError when the engine's loop does not run."""
         with self._routes_lock:
             if request_id in self._routes:  # its outputs would go to this stream
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -114,7 +115,7 @@ class EngineClient(ABC):
         if not self.is_running:
             self.release([request_id])
             raise EngineDeadError("the engine loop is not running")
-        self._send(AddRequest(request_id, prompt_token_ids, sampling_params, tenant))
+        self._send(AddRequest(request_id, prompt_token_ids, sampling_params, tenant, lora))
 
     def release(self, request_ids: list[str]) -> None:
         """Stop routing the requests' outputs (their consumer has left); the ones still open
@@ -131,6 +132,7 @@ class EngineClient(ABC):
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
         tenant: TenantContext | None = None,
+        lora: LoraRequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of every sample of one request as they come; ends when all have finished.
         Checks the request against `limits` first. Leaving the iteration early (client
@@ -138,7 +140,7 @@ class EngineClient(ABC):
         tenant = tenant or TenantContext()
         self.validate_request(prompt_token_ids, sampling_params, tenant)
         stream = OutputStream()
-        self.submit(request_id, prompt_token_ids, sampling_params, tenant, stream)
+        self.submit(request_id, prompt_token_ids, sampling_params, tenant, stream, lora=lora)
         num_open = sampling_params.n
         try:
             while num_open:

@@ -19,7 +19,7 @@ from engine.core.scheduler_stats import SchedulerStats
 from engine.errors import EngineError
 from engine.sampling_params import SamplingParams
 from engine.step_outputs import StepOutputs
-from engine.types import TenantContext
+from engine.types import LoraRequest, TenantContext
 
 # Least time between two statistics a running engine publishes (0: after every step).
 STATS_INTERVAL_S = 0.01
@@ -31,6 +31,7 @@ class AddRequest:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     tenant: TenantContext
+    lora: LoraRequest | None = None  # the adapter it runs with
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,7 @@ class EngineLoop:
                     command.prompt_token_ids,
                     command.sampling_params,
                     command.tenant,
+                    lora=command.lora,
                 )
             except EngineError as exc:
                 self._add_failed(command.request_id, exc)
