@@ -18,6 +18,7 @@ from sqlalchemy import BigInteger, CheckConstraint, Enum, Float, Index, Integer,
 from sqlalchemy.orm import Mapped, mapped_column
 
 from billing.records import (
+    MAX_ADAPTER_LENGTH,
     MAX_FINISH_REASON_LENGTH,
     MAX_MODEL_LENGTH,
     MAX_REQUEST_ID_LENGTH,
@@ -86,6 +87,7 @@ class UsageRecordRow(Base):
     recompute_amount_usd_micros: Mapped[int] = mapped_column(BigInteger)
     num_requests: Mapped[int] = mapped_column(Integer, server_default="1")
     grammar_compile_s: Mapped[float] = mapped_column(Float, server_default="0")
+    adapter: Mapped[str | None] = mapped_column(String(MAX_ADAPTER_LENGTH))
 
 
 USAGE_RECORDS = Base.metadata.tables[UsageRecordRow.__tablename__]

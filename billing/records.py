@@ -26,6 +26,7 @@ MAX_REQUEST_ID_LENGTH = 128
 MAX_MODEL_LENGTH = 256
 MAX_TIER_LENGTH = 32
 MAX_FINISH_REASON_LENGTH = 32
+MAX_ADAPTER_LENGTH = 64  # a registered adapter's name (tenants.LoraAdapter.name)
 
 _COUNT_FIELDS = (
     "num_prompt_tokens",
@@ -43,6 +44,7 @@ _INT_FIELDS = (
 )
 _FLOAT_FIELDS = (*_SECONDS_FIELDS, *_OPTIONAL_SECONDS_FIELDS)
 _NULLABLE_FIELDS = (
+    "adapter",
     "api_key_id",
     "finish_reason",
     "recompute_charged_tenant_id",
@@ -102,6 +104,8 @@ class UsageRecord:
     # Structured output: seconds spent compiling the request's grammar (0 when it came from
     # the cache or there was none); its step time is in gpu_seconds like any other work.
     grammar_compile_s: float = 0.0
+    # The LoRA adapter it ran on (its registered name); None: the base model `model`.
+    adapter: str | None = None
 
     def __post_init__(self) -> None:
         for name, value, limit in (
@@ -111,6 +115,8 @@ class UsageRecord:
         ):
             if not 0 < len(value) <= limit:
                 raise InvalidRecordError(f"{name} must have 1 to {limit} characters")
+        if self.adapter is not None and not 0 < len(self.adapter) <= MAX_ADAPTER_LENGTH:
+            raise InvalidRecordError(f"adapter must have 1 to {MAX_ADAPTER_LENGTH} characters")
         if self.endpoint not in _ENDPOINTS:
             raise InvalidRecordError(f"endpoint must be one of: {', '.join(_ENDPOINTS)}")
         if self.finish_reason is not None and len(self.finish_reason) > MAX_FINISH_REASON_LENGTH:

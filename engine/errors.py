@@ -38,10 +38,11 @@ class RequestErrorCode:
     GRAMMAR_LIMIT_EXCEEDED = "grammar_limit_exceeded"  # the grammar library's own limits
     GRAMMAR_BUDGET_EXCEEDED = "grammar_budget_exceeded"  # its masks took more time than allowed
     GRAMMAR_INTERNAL_ERROR = "grammar_internal_error"  # the grammar library panicked on it
+    ADAPTER_INVALID = "adapter_invalid"  # its LoRA adapter could not be loaded
 
     # The codes a request causes by what it sent (the others are the server's failures).
     CAUSED_BY_REQUEST = frozenset(
-        {GRAMMAR_INVALID, GRAMMAR_LIMIT_EXCEEDED, GRAMMAR_BUDGET_EXCEEDED}
+        {GRAMMAR_INVALID, GRAMMAR_LIMIT_EXCEEDED, GRAMMAR_BUDGET_EXCEEDED, ADAPTER_INVALID}
     )
 
 

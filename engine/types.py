@@ -10,6 +10,7 @@ engine's rooms"). Neutral: imports only the other neutral modules.
 
 from __future__ import annotations
 
+import concurrent.futures
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -124,9 +125,16 @@ class ModelRunner(Protocol):
         schedule the next step meanwhile (async scheduling pays)."""
         ...
 
-    def add_lora(self, lora: LoraRequest) -> None:
-        """Make ready to run requests on this adapter (read and checked on the host, where
-        the runner has weights); raises ValueError, naming the problem, when it cannot."""
+    def prepare_lora(self, lora: LoraRequest) -> concurrent.futures.Future[float]:
+        """Have the adapter ready for requests on it, and hold it there until release_lora:
+        read and checked on the host off the step's thread (a done future where it is loaded
+        already). The future's result is the FLOPs its update adds per token (metering weighs
+        chunks by it); its exception, a ValueError, names why the runner cannot serve it."""
+        ...
+
+    def release_lora(self, lora: LoraRequest) -> None:
+        """One hold prepare_lora took ends (the adapter may leave host memory once none is
+        left)."""
         ...
 
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerStep:

@@ -3,9 +3,19 @@
 Imports nothing of the project; the schema itself lives in migrations/.
 """
 
+from tenants.adapters import (
+    adapter_files,
+    begin_unregister,
+    find_adapter,
+    list_adapters,
+    register_adapter,
+    remove_adapter,
+    share_adapter,
+)
 from tenants.db import create_db_engine, create_session_factory, session_scope
 from tenants.deadline_calls import CallTimedOut, DeadlineCall, DeadlineCalls
 from tenants.errors import (
+    AdapterNotFoundError,
     ApiKeyNotFoundError,
     DuplicateError,
     InvalidFieldError,
@@ -21,7 +31,16 @@ from tenants.keys import (
     lookup_prefix,
     verify_key,
 )
-from tenants.models import ApiKey, AuditEntry, Base, Quota, Tenant, TenantStatus, UtcDateTime
+from tenants.models import (
+    ApiKey,
+    AuditEntry,
+    Base,
+    LoraAdapter,
+    Quota,
+    Tenant,
+    TenantStatus,
+    UtcDateTime,
+)
 from tenants.repository import (
     TENANT_UPDATE_FIELDS,
     CreatedApiKey,
@@ -42,6 +61,7 @@ from tenants.repository import (
 )
 from tenants.settings import DATABASE_URL_ENV, DEFAULT_DATABASE_URL, DatabaseSettings
 from tenants.snapshots import (
+    adapter_snapshot,
     api_key_snapshot,
     audit_entry_snapshot,
     quota_snapshot,
@@ -56,6 +76,7 @@ __all__ = [
     "MAX_ROW_ID",
     "QUOTA_FIELDS",
     "TENANT_UPDATE_FIELDS",
+    "AdapterNotFoundError",
     "ApiKey",
     "ApiKeyNotFoundError",
     "AuditEntry",
@@ -68,6 +89,7 @@ __all__ = [
     "DuplicateError",
     "GeneratedKey",
     "InvalidFieldError",
+    "LoraAdapter",
     "Quota",
     "RowNotFoundError",
     "Tenant",
@@ -75,12 +97,16 @@ __all__ = [
     "TenantStatus",
     "TenantsError",
     "UtcDateTime",
+    "adapter_files",
+    "adapter_snapshot",
     "api_key_snapshot",
     "audit_entry_snapshot",
+    "begin_unregister",
     "create_api_key",
     "create_db_engine",
     "create_session_factory",
     "create_tenant",
+    "find_adapter",
     "find_api_key",
     "find_tenant",
     "generate_key",
@@ -88,6 +114,7 @@ __all__ = [
     "get_tenant",
     "hash_key",
     "is_row_id",
+    "list_adapters",
     "list_api_keys",
     "list_audit_entries",
     "list_tenants",
@@ -96,9 +123,12 @@ __all__ = [
     "mark_api_key_used",
     "quota_snapshot",
     "record_audit",
+    "register_adapter",
+    "remove_adapter",
     "revoke_api_key",
     "session_scope",
     "set_tenant_status",
+    "share_adapter",
     "tenant_snapshot",
     "update_tenant",
     "validate_row_id",

@@ -4,7 +4,8 @@ TenantsError
 ├── InvalidFieldError      a value a caller supplied is not acceptable (names the field)
 ├── RowNotFoundError
 │   ├── TenantNotFoundError
-│   └── ApiKeyNotFoundError
+│   ├── ApiKeyNotFoundError
+│   └── AdapterNotFoundError
 └── DuplicateError         the change would break a uniqueness rule (duplicate name)
 """
 
@@ -33,6 +34,10 @@ class TenantNotFoundError(RowNotFoundError):
 
 class ApiKeyNotFoundError(RowNotFoundError):
     """No API key with this id."""
+
+
+class AdapterNotFoundError(RowNotFoundError):
+    """No live LoRA adapter with this name."""
 
 
 class DuplicateError(TenantsError):

@@ -1,4 +1,5 @@
-"""SQLAlchemy models of tenants, their quotas, API keys and the admin audit log.
+"""SQLAlchemy models of tenants, their quotas, API keys, LoRA adapters and the admin audit
+log.
 
 The schema itself comes only from migrations/; these classes must match it, which
 tests/tenants/test_migrations.py checks by comparing them with the migrated database.
@@ -20,6 +21,7 @@ from sqlalchemy import (
     Float,
     ForeignKey,
     Integer,
+    LargeBinary,
     MetaData,
     String,
     TypeDecorator,
@@ -169,6 +171,64 @@ class ApiKey(Base):
     @property
     def is_revoked(self) -> bool:
         return self.revoked_at is not None
+
+
+class LoraAdapterBlob(Base):
+    """An adapter's files, once per content: what a replica writes to its local cache the
+    first time a request needs the adapter (so replicas share no filesystem)."""
+
+    __tablename__ = "lora_adapter_blobs"
+
+    # SHA-256 hex digest over the config's and the weights' bytes (gateway.adapters.store).
+    content_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    config_json: Mapped[bytes] = mapped_column(LargeBinary)
+    weights: Mapped[bytes] = mapped_column(LargeBinary)
+
+
+class LoraAdapter(Base):
+    """A tenant's LoRA adapter: requests name it as their model; it is visible to its owner
+    and the tenants it is shared with, and to nobody else."""
+
+    __tablename__ = "lora_adapters"
+    __table_args__ = (CheckConstraint("rank > 0", name="rank_positive"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    # Unique, the `model` requests send (or "<base model>:<name>"); same rules as tenant names.
+    name: Mapped[str] = mapped_column(String(64), unique=True)
+    # The served model name it was checked against and runs on.
+    base_model: Mapped[str] = mapped_column(String(128))
+    owner_tenant_id: Mapped[int] = mapped_column(
+        ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    content_hash: Mapped[str] = mapped_column(
+        ForeignKey("lora_adapter_blobs.content_hash"), index=True)
+    rank: Mapped[int] = mapped_column(Integer)
+    targets: Mapped[list[str]] = mapped_column(JSON)  # HF module names it adapts
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime, default=utc_now)
+    # Set when unregistering starts: no new request may use it; the row goes once the
+    # requests running on it have ended.
+    deleted_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
+
+    grants: Mapped[list[LoraAdapterGrant]] = relationship(
+        back_populates="adapter", cascade="all, delete-orphan", lazy="selectin",
+        passive_deletes=True)
+
+    @property
+    def shared_with(self) -> list[int]:
+        return sorted(grant.tenant_id for grant in self.grants)
+
+
+class LoraAdapterGrant(Base):
+    """A tenant other than the owner that may use an adapter."""
+
+    __tablename__ = "lora_adapter_grants"
+
+    adapter_id: Mapped[int] = mapped_column(
+        ForeignKey("lora_adapters.id", ondelete="CASCADE"), primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(
+        ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True, index=True)
+
+    adapter: Mapped[LoraAdapter] = relationship(back_populates="grants")
 
 
 class AuditEntry(Base):

@@ -22,8 +22,8 @@ from tenants.errors import (
     TenantNotFoundError,
 )
 from tenants.keys import generate_key, lookup_prefix, verify_key
-from tenants.models import ApiKey, AuditEntry, Quota, Tenant, TenantStatus, utc_now
-from tenants.snapshots import api_key_snapshot, tenant_snapshot
+from tenants.models import ApiKey, AuditEntry, LoraAdapter, Quota, Tenant, TenantStatus, utc_now
+from tenants.snapshots import adapter_snapshot, api_key_snapshot, tenant_snapshot
 from tenants.validation import (
     DEFAULT_TIERS,
     is_row_id,
@@ -248,21 +248,31 @@ def record_audit(
     before: dict[str, Any] | None,
     tenant: Tenant | None = None,
     api_key: ApiKey | None = None,
+    adapter: LoraAdapter | None = None,
+    after: dict[str, Any] | None = None,
 ) -> AuditEntry:
-    """Record an action on tenant or api_key (exactly one); after is the row as it is now."""
-    assert (tenant is None) != (api_key is None), "audit exactly one target"
+    """Record an action on tenant, api_key or adapter (exactly one); after is the row as it
+    is now, unless given (None for a row the action removes: pass {} then)."""
+    assert sum(t is not None for t in (tenant, api_key, adapter)) == 1, "audit one target"
+    target_type: str
+    target_id: int
+    now: dict[str, Any] | None
     if tenant is not None:
-        target_type, target_id, after = "tenant", tenant.id, tenant_snapshot(tenant)
+        target_type, target_id, now = "tenant", tenant.id, tenant_snapshot(tenant)
+    elif api_key is not None:
+        target_type, target_id, now = "api_key", api_key.id, api_key_snapshot(api_key)
     else:
-        assert api_key is not None
-        target_type, target_id, after = "api_key", api_key.id, api_key_snapshot(api_key)
+        assert adapter is not None
+        target_type, target_id, now = "lora_adapter", adapter.id, adapter_snapshot(adapter)
+    if after is not None:
+        now = after or None
     entry = AuditEntry(
         actor=actor,
         action=action,
         target_type=target_type,
         target_id=str(target_id),
         before=before,
-        after=after,
+        after=now,
     )
     session.add(entry)
     session.flush()

@@ -9,7 +9,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from tenants.models import ApiKey, AuditEntry, Quota, Tenant
+from tenants.models import ApiKey, AuditEntry, LoraAdapter, Quota, Tenant
 from tenants.validation import QUOTA_FIELDS
 
 
@@ -44,6 +44,22 @@ def api_key_snapshot(api_key: ApiKey) -> dict[str, Any]:
         "created_at": _iso(api_key.created_at),
         "last_used_at": _iso(api_key.last_used_at),
         "revoked_at": _iso(api_key.revoked_at),
+    }
+
+
+def adapter_snapshot(adapter: LoraAdapter) -> dict[str, Any]:
+    return {
+        "id": adapter.id,
+        "name": adapter.name,
+        "base_model": adapter.base_model,
+        "owner_tenant_id": adapter.owner_tenant_id,
+        "shared_with": adapter.shared_with,
+        "content_hash": adapter.content_hash,
+        "rank": adapter.rank,
+        "targets": list(adapter.targets),
+        "size_bytes": adapter.size_bytes,
+        "created_at": _iso(adapter.created_at),
+        "deleted_at": _iso(adapter.deleted_at),
     }
 
 

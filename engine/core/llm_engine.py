@@ -10,6 +10,9 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
 
 from engine.config import EngineConfig
 from engine.core.fcfs_policy import FCFSPolicy
@@ -89,6 +92,23 @@ class _InFlight:
         return self._by_id.get(request.request_id) is request
 
 
+@dataclass(slots=True)
+class _Preparation:
+    """What a request waits for before the scheduler takes it: its adapter (the FLOPs its
+    update adds per token) and its grammar."""
+
+    loading: concurrent.futures.Future[float] | None
+    compiling: concurrent.futures.Future[GrammarResult] | None
+
+    @property
+    def futures(self) -> list[concurrent.futures.Future[Any]]:
+        return [f for f in (self.loading, self.compiling) if f is not None]
+
+    @property
+    def is_done(self) -> bool:
+        return all(f.done() for f in self.futures)
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -122,8 +142,9 @@ class LLMEngine:
         self._text: dict[str, TextOutputState] = {}  # sample request id -> text state
         self._pending = StepOutputs()  # outputs made outside step() (aborts)
         self.grammars = grammars
-        # Requests waiting for their grammar, outside the scheduler: caller's id -> compile.
-        self._compiling: dict[str, concurrent.futures.Future[GrammarResult]] = {}
+        # Requests waiting for their adapter to load or their grammar to compile, outside the
+        # scheduler (off the step's thread): caller's id -> what it waits for.
+        self._preparing: dict[str, _Preparation] = {}
         self.counters = EngineCounters()
         # Async scheduling: the next step is scheduled and queued before the previous one's
         # output is processed (the step whose output is awaited is in _in_flight).
@@ -151,23 +172,27 @@ class LLMEngine:
         lora: LoraRequest | None = None,
     ) -> None:
         """Queue a request; n > 1 samples share the prompt's KV blocks. lora: the adapter it
-        runs with (loaded and checked now; a request on an adapter the runner cannot serve
-        is refused)."""
+        runs with. A request whose adapter is not loaded yet, or whose grammar is not
+        compiled, waits outside the scheduler while the runner loads it (off the step's
+        thread: a cold adapter costs the other requests nothing); one whose adapter or grammar
+        fails ends with an error output."""
         tenant = tenant or TenantContext()
         if request_id in self._groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         max_tokens = self.validate_request(prompt_token_ids, sampling_params, tenant)
-        if lora is not None:
-            try:
-                self.runner.add_lora(lora)
-            except ValueError as exc:
-                raise InvalidRequestError(f"adapter {lora.name!r}: {exc}", param="model") from exc
         if sampling_params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer", param="stop")
         constraint = sampling_params.structured
         if constraint is not None and self.grammars is None:
             raise InvalidRequestError("this engine serves no structured outputs",
                                       param=constraint.param)
+        loading = None
+        if lora is not None:  # held by the runner until the request's group is forgotten
+            loading = self.runner.prepare_lora(lora)
+            if loading.done() and loading.exception() is not None:
+                self.runner.release_lora(lora)
+                raise InvalidRequestError(f"adapter {lora.name!r}: {loading.exception()}",
+                                          param="model")
         arrival = self.clock() if arrival_time is None else arrival_time
         samples: list[Request] = []
         for index in range(sampling_params.n):
@@ -203,51 +228,65 @@ class LLMEngine:
                 self._text[sample.request_id] = TextOutputState(
                     self.tokenizer, sample.prompt_token_ids, sampling_params
                 )
-        if constraint is None:
+        if constraint is None and loading is None:
             for sample in samples:
                 self.scheduler.add_request(sample)
             return
-        assert self.grammars is not None
-        compiling = self.grammars.compile(constraint, tenant.cache_salt)
-        if compiling.done():  # from the cache: scheduled at once
-            self._schedule_compiled(request_id, compiling, self._pending)
-        else:  # the request waits for its grammar; the steps go on
-            self._compiling[request_id] = compiling
+        compiling = None
+        if constraint is not None:
+            assert self.grammars is not None
+            compiling = self.grammars.compile(constraint, tenant.cache_salt)
+        preparation = _Preparation(loading, compiling)
+        if preparation.is_done:  # adapter and grammar from the caches: scheduled at once
+            self._schedule_prepared(request_id, preparation, self._pending)
+        else:  # the request waits; the steps go on
+            self._preparing[request_id] = preparation
 
-    def _admit_compiled(self, outputs: StepOutputs) -> None:
-        """Requests whose grammar is ready go to the scheduler (waiting briefly for one when
-        the engine has nothing else to do); those whose grammar failed end with an error."""
-        if not self._compiling:
+    def _admit_prepared(self, outputs: StepOutputs) -> None:
+        """Requests whose adapter and grammar are ready go to the scheduler (waiting briefly
+        for one when the engine has nothing else to do); those whose adapter or grammar
+        failed end with an error."""
+        if not self._preparing:
             return
         if not self.scheduler.has_unfinished_requests():
-            concurrent.futures.wait(self._compiling.values(), timeout=GRAMMAR_WAIT_S,
+            futures = [f for p in self._preparing.values() for f in p.futures]
+            concurrent.futures.wait(futures, timeout=GRAMMAR_WAIT_S,
                                     return_when=concurrent.futures.FIRST_COMPLETED)
-        for request_id, compiling in list(self._compiling.items()):
-            if compiling.done():
-                del self._compiling[request_id]
-                self._schedule_compiled(request_id, compiling, outputs)
+        for request_id, preparation in list(self._preparing.items()):
+            if preparation.is_done:
+                del self._preparing[request_id]
+                self._schedule_prepared(request_id, preparation, outputs)
 
-    def _schedule_compiled(
-        self,
-        request_id: str,
-        compiling: concurrent.futures.Future[GrammarResult],
-        outputs: StepOutputs,
+    def _schedule_prepared(
+        self, request_id: str, preparation: _Preparation, outputs: StepOutputs
     ) -> None:
         samples = self._groups[request_id]
+        fault = None
+        lora_flops, grammar = 0.0, None
         try:
-            result = compiling.result()
+            if preparation.loading is not None:
+                lora_flops = preparation.loading.result()
+        except ValueError as exc:  # the adapter cannot be served (unreadable, wrong shapes)
+            fault = RequestFault(RequestErrorCode.ADAPTER_INVALID, f"adapter: {exc}")
+        try:
+            if fault is None and preparation.compiling is not None:
+                grammar = preparation.compiling.result()
         except BaseException as exc:  # a GrammarError, or a native panic: this request only
             if is_fatal(exc):
                 raise
+            fault = RequestFault(RequestErrorCode.GRAMMAR_INVALID, f"grammar: {exc}")
+        if fault is not None:
             for sample in samples:
                 sample.status = RequestStatus.FINISHED_ERROR
-            fault = RequestFault(RequestErrorCode.GRAMMAR_INVALID, f"grammar: {exc}")
             for sample in samples:
                 self._error_output(sample, fault, outputs)
             return
-        samples[0].grammar_compile_s = result.compile_time_s
+        if grammar is not None:
+            samples[0].grammar_compile_s = grammar.compile_time_s
         for sample in samples:
-            sample.grammar = result.grammar
+            sample.lora_flops_per_token = lora_flops
+            if grammar is not None:
+                sample.grammar = grammar.grammar
             self.scheduler.add_request(sample)
 
     def validate_request(
@@ -267,8 +306,8 @@ class LLMEngine:
     def abort(self, request_id: str) -> None:
         """End every sample of a request now (client gone); frees its blocks before the next
         step. Its final output (finish_reason "abort") comes with the next step()."""
-        # A request still waiting for its grammar was never scheduled.
-        unscheduled = self._compiling.pop(request_id, None) is not None
+        # A request still waiting for its adapter or grammar was never scheduled.
+        unscheduled = self._preparing.pop(request_id, None) is not None
         for sample in self._groups.get(request_id, []):
             request: Request | None = sample
             if unscheduled:
@@ -283,7 +322,7 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return (self.scheduler.has_unfinished_requests() or bool(self._pending)
-                or bool(self._compiling) or self._in_flight is not None)
+                or bool(self._preparing) or self._in_flight is not None)
 
     def stats(self) -> SchedulerStats:
         """A snapshot: scheduler state and a copy of the engine's counters."""
@@ -303,7 +342,7 @@ class LLMEngine:
         outputs returned are the previous step's (and a call with nothing left to schedule
         only finishes the step in flight)."""
         outputs, self._pending = self._pending, StepOutputs()
-        self._admit_compiled(outputs)
+        self._admit_prepared(outputs)
         scheduler_output = self.scheduler.schedule(self.clock())
         self.counters.num_preemptions = self.scheduler.num_preemptions_total
         self.counters.num_lane_steps = self.policy.num_lane_steps
@@ -433,7 +472,12 @@ class LLMEngine:
                 grammar_s = min(grammar_s, step_time_s)
                 step_time_s -= grammar_s
             self._charge_grammar(requests, grammar_seconds)
-        split = split_step_time(chunks, high_water, step_time_s, self.runner.estimate_flops)
+        adapter_flops = None
+        if any(request.lora is not None for request in requests):
+            adapter_flops = np.fromiter((r.lora_flops_per_token for r in requests), np.float64,
+                                        len(requests))
+        split = split_step_time(chunks, high_water, step_time_s, self.runner.estimate_flops,
+                                adapter_flops)
         own, recompute, num_old = (split.gpu_seconds, split.recompute_gpu_seconds,
                                    split.num_recomputed_tokens)
         counters = self.counters
@@ -599,3 +643,5 @@ class LLMEngine:
         group = self._groups.get(request.group_id)
         if group is not None and all(s.is_finished for s in group):
             del self._groups[request.group_id]
+            if request.lora is not None:  # the hold add_request took
+                self.runner.release_lora(request.lora)

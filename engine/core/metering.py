@@ -50,11 +50,14 @@ def split_step_time(
     high_water: Mapping[str, int],
     step_time_s: float,
     estimate_flops: FlopsEstimator,
+    adapter_flops_per_token: np.ndarray | None = None,
 ) -> StepSplit:
     """The step's time over its chunks; the parts (own and recompute) sum to step_time_s.
 
-    high_water: request id -> num_computed_high_water (absent: never preempted). Vectorized
-    over the chunks: metering runs after every step, for every chunk.
+    high_water: request id -> num_computed_high_water (absent: never preempted).
+    adapter_flops_per_token: per chunk, what its LoRA adapter adds to each of its tokens
+    (None: no chunk runs on one). Vectorized over the chunks: metering runs after every
+    step, for every chunk.
     """
     count = len(chunks)
     if not count:
@@ -78,10 +81,13 @@ def split_step_time(
     # for its recompute tokens. Those come first in the chunk; the own tokens attend over
     # them too, and only the own part samples.
     weights = estimate_flops(lengths - old, starts + lengths, sampled)
+    if adapter_flops_per_token is not None:
+        weights = weights + adapter_flops_per_token * (lengths - old)
     if recomputes:
-        weights = np.concatenate(
-            [weights, np.where(old > 0, estimate_flops(old, starts + old, old * 0), 0.0)]
-        )
+        recompute_weights = np.where(old > 0, estimate_flops(old, starts + old, old * 0), 0.0)
+        if adapter_flops_per_token is not None:
+            recompute_weights = recompute_weights + adapter_flops_per_token * old
+        weights = np.concatenate([weights, recompute_weights])
     total = math.fsum(weights.tolist())
     if not (total > 0 and math.isfinite(total)):  # a cost model that prices nothing
         weights = (lengths - old).astype(np.float64)

@@ -46,6 +46,7 @@ class Request:
     # adapter): cached blocks are shared by neither tenants nor adapters.
     cache_salt: str = ""
     lora: LoraRequest | None = None  # the adapter it runs with; None: the base model
+    lora_flops_per_token: float = 0.0  # what its adapter adds to each token (metering)
     kv_cap_blocks: int | None = None  # most KV blocks this tenant may hold at once
     eos_token_id: int | None = None
     max_tokens: int = 0  # resolved output limit (sampling max_tokens or context room)

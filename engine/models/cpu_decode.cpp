@@ -15,6 +15,13 @@
 // (gate 0, up 0, gate 1, ...) so that a thread computes SiLU-and-multiply on the panels it just
 // produced. engine/models/cpu_decode.py packs them and calls this.
 //
+// Rows may run on LoRA adapters (BGMV style, inside the products): for each product an adapter
+// of the step targets, a shrink h[m] = A x[m] for the rows on such adapters (one more parallel
+// loop and its barrier), then each thread adds B h[m] to its own share of the product's output
+// panels right after computing them, before anything reads them (q/k norms and RoPE, the KV
+// write, SiLU-and-multiply). A step with no row on an adapter passes no adapters and runs no
+// more than without them. engine/models/cpu_decode_lora.py packs the adapters.
+//
 // Built at first use by engine/attention/cpp_build.py; no torch headers.
 
 #include <omp.h>
@@ -105,6 +112,33 @@ struct TiergateDecodeModel {
   const float* cos_table;   // [max positions, D] (engine.models.rope.RotaryTable)
   const float* sin_table;   // [max positions, D], first half negated
   const TiergateDecodeLayer* layers;
+};
+
+// One adapter's update of one fused product of one layer (engine/models/cpu_decode_lora.py).
+// B is block-diagonal over the product's targets (q, k, v; gate, up): each output panel keeps
+// only the block of the target it belongs to, and where it finds that target's h rows.
+struct TiergateLoraProduct {
+  const float* a;           // A in panels of 16 ranks, [R16 / 16][in][16] (zero rows past R),
+                            // or null: the adapter does not target this product
+  int64_t a_panels;         // R16 / 16
+  const float* b;           // B per output panel (the product's panel order): [rank][16] each
+  const int64_t* b_panels;  // [N / 16][3]: per output panel its first h row, its rank (0: no
+                            // update) and where its block starts in b (floats)
+};
+
+// An adapter slot: its products per layer.
+struct TiergateLoraSlot {
+  const TiergateLoraProduct* products;  // [num_layers][4]: qkv, o, gate_up, down; null: empty
+  int64_t h_floats;                     // the widest a_panels * 16 of its products
+};
+
+// A step's adapters: the slots and each row's slot.
+struct TiergateLoraStep {
+  const TiergateLoraSlot* slots;  // [num_slots]
+  int64_t num_slots;
+  const int64_t* row_slots;  // [M]: each row's slot, -1: the base model
+  float* h;                  // [M, h_stride]: the shrinks' output, one product at a time
+  int64_t h_stride;          // floats per row of h, at least every used slot's h_floats
 };
 
 }  // extern "C"
@@ -219,6 +253,95 @@ Share product_share(int64_t M, const float* x, int64_t K, const float* panels, c
   return {begin, end};
 }
 
+// h[0:16] = A[c * 16 : c * 16 + 16] x for one panel of 16 ranks of A ([K][16]); four
+// accumulators over k, so one row's short product is not bound by the FMAs' latency.
+inline void shrink_panel(const float* x, int64_t K, const float* a, float* h) {
+  vec16 acc[4] = {};
+  int64_t k = 0;
+  for (; k + 4 <= K; k += 4) {
+    for (int j = 0; j < 4; ++j) {
+      acc[j] += *reinterpret_cast<const vec16*>(a + (k + j) * kPanel) * (vec16{} + x[k + j]);
+    }
+  }
+  for (; k < K; ++k) acc[0] += *reinterpret_cast<const vec16*>(a + k * kPanel) * (vec16{} + x[k]);
+  *reinterpret_cast<vec16*>(h) = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+}
+
+enum LoraProductIndex : int64_t { kQkv = 0, kO = 1, kGateUp = 2, kDown = 3, kLoraProducts = 4 };
+
+// The update of `product` in layer l of row m's adapter, or null (a base row, or an adapter
+// that does not target it).
+inline const TiergateLoraProduct* lora_product(const TiergateLoraStep& lora, int64_t m,
+                                               int64_t l, int64_t product) {
+  const int64_t slot = lora.row_slots[m];
+  if (slot < 0) return nullptr;
+  const TiergateLoraProduct* up = lora.slots[slot].products + l * kLoraProducts + product;
+  return up->a == nullptr ? nullptr : up;
+}
+
+// Panels of 16 ranks of the widest shrink of each product of layer l over the rows: 0 where
+// no row's adapter targets the product, whose shrink and expand (and barrier) then do not run.
+// Every thread computes the same.
+inline void lora_widths(const TiergateLoraStep* lora, int64_t M, int64_t l,
+                        int64_t widths[kLoraProducts]) {
+  for (int64_t product = 0; product < kLoraProducts; ++product) widths[product] = 0;
+  if (lora == nullptr) return;
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t product = 0; product < kLoraProducts; ++product) {
+      const TiergateLoraProduct* up = lora_product(*lora, m, l, product);
+      if (up != nullptr) widths[product] = std::max(widths[product], up->a_panels);
+    }
+  }
+}
+
+// h[m, 0:R] = A x[m] for the rows whose adapter targets the product, over (row, panel of 16
+// ranks) items; the loop's implicit barrier completes h before any thread expands. x [M, K].
+void lora_shrink(const TiergateLoraStep& lora, int64_t M, int64_t l, int64_t product,
+                 int64_t width, const float* x, int64_t K) {
+#pragma omp for schedule(static, 1)
+  for (int64_t item = 0; item < M * width; ++item) {
+    const int64_t m = item / width, c = item % width;
+    const TiergateLoraProduct* up = lora_product(lora, m, l, product);
+    if (up == nullptr || c >= up->a_panels) continue;
+    shrink_panel(x + m * K, K, up->a + c * K * kPanel, lora.h + m * lora.h_stride + c * kPanel);
+  }
+}
+
+// out[m, panel p] += B[p] h[m] for the panels of this thread's share and the rows whose adapter
+// targets the product: after the share's base product, before anything reads it. The adapted
+// rows are listed first (up to kExpandRows at a time), then panels outer, so a panel's block
+// of B stays in L1 for the rows of its adapter. out [M, N].
+constexpr int64_t kExpandRows = 64;
+void lora_expand(const TiergateLoraStep& lora, int64_t M, int64_t l, int64_t product, float* out,
+                 int64_t N, Share share) {
+  for (int64_t first = 0; first < M; first += kExpandRows) {
+    int64_t rows[kExpandRows];
+    const TiergateLoraProduct* ups[kExpandRows];
+    int64_t count = 0;
+    for (int64_t m = first; m < std::min(M, first + kExpandRows); ++m) {
+      const TiergateLoraProduct* up = lora_product(lora, m, l, product);
+      if (up != nullptr) rows[count] = m, ups[count++] = up;
+    }
+    for (int64_t p = share.begin; p < share.end; ++p) {
+      for (int64_t i = 0; i < count; ++i) {
+        const int64_t* panel = ups[i]->b_panels + p * 3;
+        const int64_t rank = panel[1];
+        if (rank == 0) continue;
+        const float* h = lora.h + rows[i] * lora.h_stride + panel[0];
+        const float* b = ups[i]->b + panel[2];
+        vec16 acc[2] = {};
+        int64_t j = 0;
+        for (; j + 2 <= rank; j += 2) {
+          acc[0] += *reinterpret_cast<const vec16*>(b + j * kPanel) * (vec16{} + h[j]);
+          acc[1] += *reinterpret_cast<const vec16*>(b + (j + 1) * kPanel) * (vec16{} + h[j + 1]);
+        }
+        if (j < rank) acc[0] += *reinterpret_cast<const vec16*>(b + j * kPanel) * (vec16{} + h[j]);
+        *reinterpret_cast<vec16*>(out + rows[i] * N + p * kPanel) += acc[0] + acc[1];
+      }
+    }
+  }
+}
+
 struct Step {
   int64_t num_rows;
   const int64_t* token_ids;      // [M]
@@ -228,6 +351,7 @@ struct Step {
   int64_t table_stride;
   const int32_t* context_lens;   // [M]
   const int32_t* query_starts;   // [M + 1]: 0 .. M (one row per sequence)
+  const TiergateLoraStep* lora;  // the rows' adapters, or null: every row on the base model
 };
 
 // Workspace rows: residual, normed input, qkv, attention output, a product's output, gate/up,
@@ -260,8 +384,12 @@ void forward(const TiergateDecodeModel& model, const Step& step, const Workspace
     }
     for (int64_t l = 0; l < model.num_layers; ++l) {
       const TiergateDecodeLayer& layer = model.layers[l];
-      product_share(M, ws.normed, E, layer.qkv, layer.qkv_bias, qkv_size, 1, ws.qkv, thread,
-                    threads);
+      int64_t lora_width[kLoraProducts];  // 0: no row's adapter targets the product
+      lora_widths(step.lora, M, l, lora_width);
+      if (lora_width[kQkv] > 0) lora_shrink(*step.lora, M, l, kQkv, lora_width[kQkv], ws.normed, E);
+      const Share qkv = product_share(M, ws.normed, E, layer.qkv, layer.qkv_bias, qkv_size, 1,
+                                      ws.qkv, thread, threads);
+      if (lora_width[kQkv] > 0) lora_expand(*step.lora, M, l, kQkv, ws.qkv, qkv_size, qkv);
 #pragma omp barrier
 #pragma omp single
       for (int64_t m = 0; m < M; ++m) {
@@ -289,16 +417,26 @@ void forward(const TiergateDecodeModel& model, const Step& step, const Workspace
       for (int64_t item = 0; item < M * Hkv; ++item) {
         attend(layout, paged::Item{item / Hkv, 0, 1, item % Hkv, item % Hkv + 1}, scratch);
       }
-      product_share(M, ws.attention, H * D, layer.o, layer.o_bias, E, 1, ws.product, thread,
-                    threads);
+      if (lora_width[kO] > 0) {
+        lora_shrink(*step.lora, M, l, kO, lora_width[kO], ws.attention, H * D);
+      }
+      const Share o = product_share(M, ws.attention, H * D, layer.o, layer.o_bias, E, 1,
+                                    ws.product, thread, threads);
+      if (lora_width[kO] > 0) lora_expand(*step.lora, M, l, kO, ws.product, E, o);
 #pragma omp barrier
 #pragma omp single
       for (int64_t m = 0; m < M; ++m) {
         rms_norm_row(ws.product + m * E, ws.residual + m * E, layer.post_norm, model.eps, E,
                      ws.normed + m * E);
       }
+      if (lora_width[kGateUp] > 0) {
+        lora_shrink(*step.lora, M, l, kGateUp, lora_width[kGateUp], ws.normed, E);
+      }
       const Share pairs = product_share(M, ws.normed, E, layer.gate_up, layer.gate_up_bias,
                                         2 * I, 2, ws.gate_up, thread, threads);
+      if (lora_width[kGateUp] > 0) {
+        lora_expand(*step.lora, M, l, kGateUp, ws.gate_up, 2 * I, pairs);
+      }
       // Shares hold whole (gate, up) panel pairs: activations j * 16 .. j * 16 + 15 come from
       // panels 2j and 2j + 1, which this thread has just computed.
       for (int64_t p = pairs.begin; p < pairs.end; p += 2) {
@@ -308,7 +446,10 @@ void forward(const TiergateDecodeModel& model, const Step& step, const Workspace
         }
       }
 #pragma omp barrier
-      product_share(M, ws.act, I, layer.down, layer.down_bias, E, 1, ws.product, thread, threads);
+      if (lora_width[kDown] > 0) lora_shrink(*step.lora, M, l, kDown, lora_width[kDown], ws.act, I);
+      const Share down = product_share(M, ws.act, I, layer.down, layer.down_bias, E, 1,
+                                       ws.product, thread, threads);
+      if (lora_width[kDown] > 0) lora_expand(*step.lora, M, l, kDown, ws.product, E, down);
 #pragma omp barrier
       const float* next_norm =
           l + 1 < model.num_layers ? model.layers[l + 1].input_norm : model.final_norm;
@@ -332,13 +473,15 @@ extern "C" {
 // included) are given; writes logits [num_rows, V]. workspace: floats for model->max_rows rows
 // (tiergate_decode_workspace_floats). Returns 0, or -1 without running when an input is out of
 // range: num_rows above max_rows, a token id past the vocabulary, a position past the rotary
-// tables, a cache slot or a block table outside the cache.
+// tables, a cache slot or a block table outside the cache, a row's adapter slot neither -1 nor
+// a slot that holds an adapter, or an adapter wider than h. lora: the rows' adapters (h for
+// num_rows rows), or null when no row is on one.
 int tiergate_decode_forward_f32(const TiergateDecodeModel* model, int64_t num_rows,
                                 const int64_t* token_ids, const int64_t* positions,
                                 const int64_t* slots, const int32_t* block_tables,
                                 int64_t table_stride, const int32_t* context_lens,
-                                const int32_t* query_starts, float* workspace, float* logits,
-                                int64_t num_threads) {
+                                const int32_t* query_starts, const TiergateLoraStep* lora,
+                                float* workspace, float* logits, int64_t num_threads) {
   const TiergateDecodeModel& md = *model;
   if (num_rows < 1 || num_rows > md.max_rows) return -1;
   const paged::Layout check{nullptr, 0, nullptr, nullptr, block_tables, table_stride,
@@ -350,6 +493,14 @@ int tiergate_decode_forward_f32(const TiergateDecodeModel* model, int64_t num_ro
     if (slots[m] < 0 || slots[m] >= num_slots) return -1;
     if (token_ids[m] < 0 || token_ids[m] >= md.vocab) return -1;
     if (positions[m] < 0 || positions[m] >= md.max_positions) return -1;
+    if (lora != nullptr) {
+      const int64_t slot = lora->row_slots[m];
+      if (slot < -1 || slot >= lora->num_slots) return -1;
+      if (slot >= 0 && (lora->slots[slot].products == nullptr ||
+                        lora->slots[slot].h_floats > lora->h_stride)) {
+        return -1;
+      }
+    }
   }
   const int64_t E = md.hidden, I = md.intermediate;
   const int64_t qkv_size = (md.num_heads + 2 * md.num_kv_heads) * md.head_dim;
@@ -358,7 +509,7 @@ int tiergate_decode_forward_f32(const TiergateDecodeModel* model, int64_t num_ro
   const Workspace ws{take(E), take(E), take(qkv_size), take(md.num_heads * md.head_dim),
                      take(E), take(2 * I), take(I)};
   const Step step{num_rows, token_ids, positions, slots, block_tables, table_stride,
-                  context_lens, query_starts};
+                  context_lens, query_starts, lora};
   forward(md, step, ws, logits, num_threads);
   return 0;
 }

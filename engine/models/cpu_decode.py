@@ -5,7 +5,8 @@ small float32 model on a CPU a large share of its step (ops/bench/journal.md, "T
 as one C++ call"), much of it in cache misses after each product has streamed its weights.
 `CpuDecodeForward` runs the whole forward of a decode-only step of up to MAX_ROWS sequences in
 one parallel region instead: its own products over weights in 16-wide panels, the fused row
-ops, the paged attention kernel, the lm_head.
+ops, the paged attention kernel, the lm_head. Rows on LoRA adapters (a bound `LoraSlots`) take
+their updates inside the same call, in the products (engine.models.cpu_decode_lora).
 
 The panels are a second copy of the layers' weights (the packed oneDNN copies still serve
 prefills, mixed steps and decode batches above the limit) and the lm_head's only packed copy
@@ -24,6 +25,7 @@ import logging
 from pathlib import Path
 from typing import cast
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -32,7 +34,9 @@ from engine.config import CPU_DECODE_MAX_ROWS
 from engine.models import cpu_ops
 from engine.models.batch import ForwardBatch
 from engine.models.config import ModelConfig
+from engine.models.cpu_decode_lora import DecodeLoraSlots
 from engine.models.decoder import CausalLM, DecoderLayer, KVCache
+from engine.models.lora import FUSED_TARGETS, LoraSlots, LoraWeights, target_shapes
 
 __all__ = ["MAX_ROWS", "CpuDecodeForward", "PanelLinear", "supports"]
 
@@ -42,8 +46,9 @@ SOURCE = Path(__file__).with_name("cpu_decode.cpp")
 MAX_ROWS = CPU_DECODE_MAX_ROWS
 _PANEL = 16  # outputs per weight panel
 # The load-time check (_agrees_with_layers): a tiny random Llama with biases, its decode of
-# 9 rows (a block of 8 rows and one of 1) against its own layers in plain torch; relative
-# error of the logits.
+# 9 rows (a block of 8 rows and one of 1) against its own layers in plain torch, rows on two
+# adapters (odd ranks: the kernel's padded and odd-length tails) and on the base model;
+# relative error of the logits.
 _CHECK_CONFIG = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 64,
     "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
@@ -51,6 +56,11 @@ _CHECK_CONFIG = {
     "max_position_embeddings": 64, "attention_bias": True, "mlp_bias": True,
 }
 _CHECK_ROWS = 9
+_CHECK_ADAPTERS = (  # rank, targets
+    (5, tuple(name for names in FUSED_TARGETS.values() for name in names)),
+    (3, ("q_proj", "v_proj")),
+)
+_CHECK_ROW_SLOTS = (0, -1, 1, 1, 0, -1, 0, 1, 0)
 _CHECK_TOLERANCE = 1e-4
 
 _p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -78,7 +88,7 @@ def _library() -> ctypes.CDLL | None:
     if library is None:
         return None
     library.tiergate_decode_forward_f32.argtypes = [
-        _p, _i64, _p, _p, _p, _p, _i64, _p, _p, _p, _p, _i64,
+        _p, _i64, _p, _p, _p, _p, _i64, _p, _p, _p, _p, _p, _i64,
     ]
     library.tiergate_decode_forward_f32.restype = ctypes.c_int
     library.tiergate_decode_workspace_floats.argtypes = [_p]
@@ -90,8 +100,8 @@ def _library() -> ctypes.CDLL | None:
 
 @functools.cache
 def _agrees_with_layers() -> bool:
-    """The kernel on a tiny random model against that model's layers in plain torch (catches
-    a miscompiled library before it serves)."""
+    """The kernel on a tiny random model against that model's layers in plain torch, adapters
+    included (catches a miscompiled library before it serves)."""
     from engine.attention.torch_paged import TorchPagedAttention
     from engine.models.loader import random_model
 
@@ -114,11 +124,22 @@ def _agrees_with_layers() -> bool:
         context_lens=contexts,
         logits_indices=torch.arange(_CHECK_ROWS),
     )
+    shapes = target_shapes(config)
+    slots = LoraSlots(len(_CHECK_ADAPTERS), torch.device("cpu"))
+    for slot, (rank, targets) in enumerate(_CHECK_ADAPTERS):
+        layers = [{name: (torch.randn(rank, shapes[name][0], generator=generator) / 4,
+                          torch.randn(shapes[name][1], rank, generator=generator) / 4)
+                   for name in targets} for _ in range(config.num_layers)]
+        slots.weights[slot] = LoraWeights.fuse(
+            layers, {name: out for name, (_, out) in shapes.items()}, torch.float32,
+            torch.device("cpu"))
+    slots.bind(np.array(_CHECK_ROW_SLOTS, dtype=np.int64))
+    model.use_lora_slots(slots)
     attention = TorchPagedAttention()
     attention.prepare(batch.attention_metadata())
     with torch.inference_mode():
         expected = model(batch, [(k.clone(), v.clone()) for k, v in caches], attention)
-        got = CpuDecodeForward(model, caches, _CHECK_ROWS)(batch)
+        got = CpuDecodeForward(model, caches, _CHECK_ROWS)(batch, slots)
     if bool((got - expected).norm() / expected.norm() < _CHECK_TOLERANCE):
         return True
     logger.warning("the CPU decode forward disagrees with the layers; decode steps keep them")
@@ -229,38 +250,46 @@ class CpuDecodeForward:
         self.nbytes = sum(t.nbytes for t in copies)  # bytes of the panel copies
         floats = library.tiergate_decode_workspace_floats(ctypes.byref(self._model))
         self._workspace = torch.empty(floats, dtype=torch.float32)
+        self.lora = DecodeLoraSlots(config, max_rows)  # adapters in the kernel's layout
 
     def lm_head_module(self) -> PanelLinear:
         """The lm_head as a module over this forward's panels (for the layer path)."""
         return PanelLinear(self.lm_head_panels)
 
-    def can_run(self, batch: ForwardBatch) -> bool:
-        """A decode-only step of at most max_rows sequences, every row sampled."""
+    def can_run(self, batch: ForwardBatch, lora: LoraSlots | None = None) -> bool:
+        """A decode-only step of at most max_rows sequences, every row sampled; lora: the
+        adapters bound to the step (on the host), or None when no row is on one."""
         num_tokens = batch.num_tokens
         return (
             num_tokens <= self.max_rows
             and num_tokens == batch.num_seqs
             and batch.logits_indices.shape[0] == num_tokens
+            and (lora is None or (lora.device.type == "cpu" and lora.token_slots is not None
+                                  and len(lora.token_slots) == num_tokens))
         )
 
-    def __call__(self, batch: ForwardBatch) -> torch.Tensor:  # float32[T, V]
-        """Runs the step (can_run must hold): writes the new K/V, returns every row's logits.
+    def __call__(self, batch: ForwardBatch, lora: LoraSlots | None = None,
+                 ) -> torch.Tensor:  # float32[T, V]
+        """Runs the step (can_run must hold): writes the new K/V, returns every row's logits;
+        lora: the step's adapters (each row's slot bound), None: every row on the base model.
         The kernel checks every input against the model and the cache before it runs."""
         num_rows = batch.num_tokens
         ids, positions, slots, tables, lens, starts = (t.contiguous() for t in (
             batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables,
             batch.context_lens, batch.query_start_loc,
         ))  # ForwardBatch's dtypes: int64 token rows, int32 layout
+        adapters = None if lora is None else ctypes.byref(self.lora.step(lora))
         logits = torch.empty(num_rows, self.vocab_size, dtype=torch.float32)
         status = self._library.tiergate_decode_forward_f32(
             ctypes.byref(self._model), num_rows, ids.data_ptr(), positions.data_ptr(),
             slots.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(),
-            starts.data_ptr(), self._workspace.data_ptr(), logits.data_ptr(),
+            starts.data_ptr(), adapters, self._workspace.data_ptr(), logits.data_ptr(),
             torch.get_num_threads(),
         )
         if status != 0:
-            raise ValueError("decode step out of range: a token id, position, cache slot or block "
-                             "table points outside the model or the cache")
+            raise ValueError("decode step out of range: a token id, position, cache slot, block "
+                             "table or adapter slot points outside the model, the cache or the "
+                             "adapters")
         return logits
 
 

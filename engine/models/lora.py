@@ -10,7 +10,9 @@ Adapters sit in a fixed number of slots (`LoraSlots`); the runner binds each ste
 to slots (`bind`, -1: the base model) and every adapted product adds, for each slot the step
 uses, its update to that slot's rows: a grouped product (one shrink and one expand per slot
 in the step), the CPU and the fallback path. Costs grow with the tokens on adapters and
-the distinct adapters of the step, not with the adapters registered.
+the distinct adapters of the step, not with the adapters registered. The CPU decode forward
+(engine.models.cpu_decode) reads the bound step's slot per token (`token_slots`) and the
+slots' weights instead, in its own layout (engine.models.cpu_decode_lora).
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["FUSED_TARGETS", "LoraMatrices", "LoraSlots", "LoraWeights"]
+from engine.models.config import ModelConfig
+
+__all__ = ["FUSED_TARGETS", "LoraMatrices", "LoraSlots", "LoraWeights", "target_shapes"]
 
 # The decoder's fused products and the HF modules each fuses, in its output order.
 FUSED_TARGETS: dict[str, tuple[str, ...]] = {
@@ -31,12 +35,23 @@ FUSED_TARGETS: dict[str, tuple[str, ...]] = {
 }
 
 
+def target_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(in, out) features of each HF module an adapter may target, in a model of config."""
+    e, i = config.hidden_size, config.intermediate_size
+    return {"q_proj": (e, config.q_size), "k_proj": (e, config.kv_size),
+            "v_proj": (e, config.kv_size), "o_proj": (config.q_size, e),
+            "gate_proj": (e, i), "up_proj": (e, i), "down_proj": (i, e)}
+
+
 @dataclass(frozen=True)
 class LoraMatrices:
     """One adapter's update of one fused product of one layer."""
 
     a_t: torch.Tensor  # [in, R]: A^T, the targets' A stacked (R = the sum of their ranks)
     b_t: torch.Tensor  # [R, N]: B^T, block-diagonal over the targets, scaling folded in
+    # Each of the product's targets' rank, FUSED_TARGETS order, 0 where the adapter lacks it:
+    # the blocks of b_t (target t's rows follow the earlier targets', its columns its own).
+    ranks: tuple[int, ...]
 
 
 @dataclass
@@ -80,6 +95,7 @@ class LoraWeights:
                 fused[product] = LoraMatrices(
                     a.t().contiguous().to(device=device, dtype=dtype),
                     b_t.to(device=device, dtype=dtype),
+                    tuple(modules[n][0].shape[0] if n in modules else 0 for n in names),
                 )
             fused_layers.append(fused)
         return cls(fused_layers)
@@ -91,8 +107,11 @@ class LoraSlots:
     def __init__(self, num_slots: int, device: torch.device) -> None:
         self.device = device
         self.weights: list[LoraWeights | None] = [None] * num_slots
-        # The bound step: (slot, its token rows, or None for every row of the step).
-        self._groups: list[tuple[LoraWeights, torch.Tensor | None]] = []
+        # The bound step's slot per token (int64[T], -1: the base model), None when no token
+        # is on an adapter; its groups for `add` (slot, its token rows or None for every row),
+        # made at the first `add`: a step the CPU decode forward runs never needs them.
+        self.token_slots: np.ndarray | None = None
+        self._groups: list[tuple[LoraWeights, torch.Tensor | None]] | None = []
 
     @property
     def num_slots(self) -> int:
@@ -101,24 +120,35 @@ class LoraSlots:
     @property
     def active(self) -> bool:
         """The bound step has tokens on an adapter."""
-        return bool(self._groups)
+        return self.token_slots is not None
 
     def bind(self, token_slots: np.ndarray | None) -> None:
         """The step's slot of each token (int64[T], -1: the base model); None: no token on
         an adapter."""
+        if token_slots is None or not bool((token_slots >= 0).any()):
+            self.token_slots, self._groups = None, []
+            return
+        self.token_slots = np.ascontiguousarray(token_slots, dtype=np.int64)
+        self._groups = None
+
+    def _grouped(self) -> list[tuple[LoraWeights, torch.Tensor | None]]:
+        """The bound step's tokens by slot (made once per step)."""
+        if self._groups is not None:
+            return self._groups
+        token_slots = self.token_slots
+        assert token_slots is not None
         groups: list[tuple[LoraWeights, torch.Tensor | None]] = []
-        if token_slots is not None and len(token_slots):
-            first = int(token_slots[0])
-            if bool((token_slots == first).all()):
-                if first >= 0:
-                    groups.append((self._weights(first), None))
-            else:
-                for slot in np.unique(token_slots):
-                    if slot < 0:
-                        continue
-                    rows = torch.from_numpy(np.flatnonzero(token_slots == slot))
-                    groups.append((self._weights(int(slot)), rows.to(self.device)))
+        first = int(token_slots[0])
+        if bool((token_slots == first).all()):
+            groups.append((self._weights(first), None))
+        else:
+            for slot in np.unique(token_slots):
+                if slot < 0:
+                    continue
+                rows = torch.from_numpy(np.flatnonzero(token_slots == slot))
+                groups.append((self._weights(int(slot)), rows.to(self.device)))
         self._groups = groups
+        return groups
 
     def _weights(self, slot: int) -> LoraWeights:
         weights = self.weights[slot]
@@ -128,7 +158,7 @@ class LoraSlots:
     def add(self, layer: int, product: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """out += each bound adapter's update of `product` in `layer`, on its rows of x
         ([T, in] -> out [T, N])."""
-        for weights, rows in self._groups:
+        for weights, rows in self._grouped():
             matrices = weights.layers[layer].get(product)
             if matrices is None:
                 continue

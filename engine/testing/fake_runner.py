@@ -9,6 +9,7 @@ compared on a simulated machine. Never a default: the engine's real runner is To
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import time
 from array import array
@@ -80,6 +81,7 @@ class FakeModelRunner(BatchRunner):
         self.num_steps = 0
         # Adapters: the most distinct ones a step ran (the scheduler's slot rule, checked).
         self.most_adapters_in_a_step = 0
+        self.lora_holds: dict[str, int] = {}  # adapter name -> prepare_lora holds not released
         # kv[block][offset] = token id written there, or -1
         self._kv: list[list[int]] = [[-1] * self.block_size for _ in range(num_kv_blocks)]
 
@@ -92,11 +94,21 @@ class FakeModelRunner(BatchRunner):
                  + cost.flops_per_context_token * _num_attended(num_new, num_context))
         return np.asarray(flops, dtype=np.float64)
 
-    def add_lora(self, lora: LoraRequest) -> None:
-        """Any adapter is taken (no weights: the fake model's tokens ignore it), where the
-        engine's config gives adapters slots."""
+    def prepare_lora(self, lora: LoraRequest) -> concurrent.futures.Future[float]:
+        """Any adapter is taken at once (no weights: the fake model's tokens ignore it, and
+        it costs nothing), where the engine's config gives adapters slots; held adapters
+        are counted (`lora_holds`)."""
         if self.config.lora.max_loras == 0:
-            raise ValueError("this engine serves no LoRA adapters (max_loras is 0)")
+            return super().prepare_lora(lora)
+        self.lora_holds[lora.name] = self.lora_holds.get(lora.name, 0) + 1
+        ready: concurrent.futures.Future[float] = concurrent.futures.Future()
+        ready.set_result(0.0)
+        return ready
+
+    def release_lora(self, lora: LoraRequest) -> None:
+        self.lora_holds[lora.name] -= 1
+        if not self.lora_holds[lora.name]:
+            del self.lora_holds[lora.name]
 
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerStep:
         """The modelled step time passes (or fails the step if told to), then the step."""

@@ -8,6 +8,7 @@ and the test and benchmark tools (engine.testing) differ only in that part.
 
 from __future__ import annotations
 
+import concurrent.futures
 from abc import ABC, abstractmethod
 
 import numpy as np
@@ -59,9 +60,14 @@ class BatchRunner(ABC):
         """Its steps are done when execute returns (unless a subclass says otherwise)."""
         return False
 
-    def add_lora(self, lora: LoraRequest) -> None:
-        """engine.types.ModelRunner.add_lora: no adapters unless a subclass serves them."""
-        raise ValueError("this runner serves no LoRA adapters")
+    def prepare_lora(self, lora: LoraRequest) -> concurrent.futures.Future[float]:
+        """engine.types.ModelRunner.prepare_lora: no adapters unless a subclass serves them."""
+        refused: concurrent.futures.Future[float] = concurrent.futures.Future()
+        refused.set_exception(ValueError("this runner serves no LoRA adapters"))
+        return refused
+
+    def release_lora(self, lora: LoraRequest) -> None:  # noqa: B027 (nothing held here)
+        """engine.types.ModelRunner.release_lora."""
 
     def synchronize(self) -> None:  # noqa: B027 (a no-op unless the device runs ahead)
         """Nothing runs asynchronously (unless a subclass says otherwise)."""

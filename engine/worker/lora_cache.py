@@ -1,6 +1,12 @@
 """The runner's adapters: loaded on the host on first use (LRU, pinned ones kept), placed in
 the model's device slots for the steps that use them.
 
+An adapter is read, checked and fused on a loader thread (`prepare`), never on the step's:
+reading a rank-16 adapter of the default model (20 MB) takes a large share of a second on a
+small CPU, which a step must not wait for. Each request on an adapter holds it on the host
+from `prepare` to `release`, so the adapters of waiting and running requests are never
+evicted; the others leave least recently used first past `max_cpu_loras`.
+
 Two levels, as S-LoRA and vLLM keep them: `max_cpu_loras` adapters read and fused on the host
 (`LoraWeights` in the decoder's layout), and `max_loras` slots on the device that one step's
 adapters occupy (`engine.models.lora.LoraSlots`). The scheduler never puts more distinct
@@ -11,29 +17,38 @@ itself; on an accelerator it holds a copy on the device.
 
 from __future__ import annotations
 
+import concurrent.futures
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
-from engine.checkpoints.lora_adapter import AdapterError, read_lora_adapter
+from engine.checkpoints.lora_adapter import read_lora_adapter
 from engine.config import LoraConfig
 from engine.models.config import ModelConfig
-from engine.models.lora import LoraSlots, LoraWeights
+from engine.models.lora import LoraSlots, LoraWeights, target_shapes
 from engine.types import LoraRequest
 
 __all__ = ["LoraCache"]
 
 
 def _out_features(config: ModelConfig) -> dict[str, int]:
-    i, e = config.intermediate_size, config.hidden_size
-    return {"q_proj": config.q_size, "k_proj": config.kv_size, "v_proj": config.kv_size,
-            "o_proj": e, "gate_proj": i, "up_proj": i, "down_proj": e}
+    return {name: out for name, (_, out) in target_shapes(config).items()}
+
+
+@dataclass(frozen=True)
+class _Loaded:
+    weights: LoraWeights  # on the host, in the decoder's layout
+    rank: int  # its largest rank
+    flops_per_token: float  # what its update adds to each token
 
 
 class LoraCache:
-    """Adapters on the host and in the device slots of one model."""
+    """Adapters on the host and in the device slots of one model. `prepare` and `release`
+    may be called from any thread; the rest from the step's."""
 
     def __init__(self, model_config: ModelConfig, config: LoraConfig, device: torch.device,
                  dtype: torch.dtype) -> None:
@@ -41,47 +56,88 @@ class LoraCache:
         self.config = config
         self.device, self.dtype = device, dtype
         self.slots = LoraSlots(config.max_loras, device)
-        self._host: OrderedDict[str, LoraWeights] = OrderedDict()  # least recent first
-        self._ranks: dict[str, int] = {}  # adapter name -> its largest rank
+        # The host's adapters, least recently used first; what the lock guards, with the holds
+        # and the loads under way.
+        self._host: OrderedDict[str, _Loaded] = OrderedDict()
+        self._holds: dict[str, int] = {}  # adapter name -> requests holding it
+        self._loading: dict[str, concurrent.futures.Future[float]] = {}
+        self._lock = threading.Lock()
+        self._loader: concurrent.futures.ThreadPoolExecutor | None = None  # made on first use
         self._pinned: set[str] = set()
         self._slot_of: dict[str, int] = {}
         self._slot_names: list[str | None] = [None] * config.max_loras
         self._slot_used = [0] * config.max_loras  # the step that last used each slot
         self._num_steps = 0
 
-    def load(self, lora: LoraRequest, pin: bool = False) -> None:
-        """Have the adapter on the host (read and checked on a miss); raises AdapterError."""
-        if self.config.max_loras == 0:
-            raise AdapterError("this engine serves no LoRA adapters (max_loras is 0)")
-        if pin:
-            self._pinned.add(lora.name)
-        if lora.name in self._host:
-            self._host.move_to_end(lora.name)
-            return
-        adapter = read_lora_adapter(lora.path, self.model_config, self.config.max_lora_rank)
-        layers = [{name: (t.a, t.b) for name, t in layer.items()} for layer in adapter.layers]
-        host_device = torch.device("cpu")
-        self._host[lora.name] = LoraWeights.fuse(layers, _out_features(self.model_config),
-                                                 self.dtype, host_device)
-        self._ranks[lora.name] = adapter.rank
-        self._evict_host()
+    def prepare(self, lora: LoraRequest, pin: bool = False) -> concurrent.futures.Future[float]:
+        """Have the adapter on the host and hold it there until `release`: a done future
+        when it is there already, else one the loader thread completes. Its result is the
+        FLOPs the adapter's update adds per token; its exception an AdapterError (the hold
+        is taken all the same: release it). pin: never evict it (until `unpin`)."""
+        with self._lock:
+            self._holds[lora.name] = self._holds.get(lora.name, 0) + 1
+            if pin:
+                self._pinned.add(lora.name)
+            loaded = self._host.get(lora.name)
+            if loaded is not None:
+                self._host.move_to_end(lora.name)
+                ready: concurrent.futures.Future[float] = concurrent.futures.Future()
+                ready.set_result(loaded.flops_per_token)
+                return ready
+            loading = self._loading.get(lora.name)
+            if loading is None:
+                if self._loader is None:
+                    self._loader = concurrent.futures.ThreadPoolExecutor(
+                        1, thread_name_prefix="tiergate-lora-loader")
+                loading = self._loading[lora.name] = self._loader.submit(self._load, lora)
+            return loading
 
-    def rank(self, name: str) -> int:
-        """The largest rank of a loaded adapter."""
-        return self._ranks[name]
+    def release(self, name: str) -> None:
+        """A hold `prepare` took ends."""
+        with self._lock:
+            self._holds[name] -= 1
+            if not self._holds[name]:
+                del self._holds[name]
+                self._evict_host()
 
     def unpin(self, name: str) -> None:
-        self._pinned.discard(name)
-        self._evict_host()
+        with self._lock:
+            self._pinned.discard(name)
+            self._evict_host()
+
+    def _load(self, lora: LoraRequest) -> float:
+        """Read, check and fuse the adapter (any thread), then put it on the host."""
+        try:
+            loaded = self._read(lora)
+        except BaseException:
+            with self._lock:
+                del self._loading[lora.name]
+            raise
+        with self._lock:
+            del self._loading[lora.name]
+            self._host[lora.name] = loaded
+            self._evict_host()
+        return loaded.flops_per_token
+
+    def _read(self, lora: LoraRequest) -> _Loaded:
+        adapter = read_lora_adapter(lora.path, self.model_config, self.config.max_lora_rank)
+        layers = [{name: (t.a, t.b) for name, t in layer.items()} for layer in adapter.layers]
+        weights = LoraWeights.fuse(layers, _out_features(self.model_config), self.dtype,
+                                   torch.device("cpu"))
+        # Shrink and expand: 2 FLOPs per multiply-add, r * (in + out) of them per target.
+        flops = float(sum(2 * t.a.shape[0] * (t.a.shape[1] + t.b.shape[0])
+                          for layer in adapter.layers for t in layer.values()))
+        return _Loaded(weights, adapter.rank, flops)
 
     def _evict_host(self) -> None:
-        in_slots = set(self._slot_of)
+        """Drop the least recently used adapters past max_cpu_loras, never one that is held,
+        pinned or in a slot (the lock held)."""
+        keep = self._pinned | self._holds.keys() | self._slot_of.keys()
         for name in list(self._host):
             if len(self._host) <= self.config.max_cpu_loras:
                 return
-            if name not in self._pinned and name not in in_slots:
+            if name not in keep:
                 del self._host[name]
-                del self._ranks[name]
 
     def bind_step(self, chunk_loras: Sequence[LoraRequest | None],
                   chunk_lengths: np.ndarray) -> None:
@@ -105,19 +161,28 @@ class LoraCache:
             assert free, "a step with more distinct adapters than slots"
             slot = min(free, key=self._slot_used.__getitem__)
             old = self._slot_names[slot]
-            if old is not None:
-                del self._slot_of[old]
-            self.load(lora)  # a host miss reads it again (it was evicted meanwhile)
-            weights = self._host[lora.name]
+            with self._lock:
+                loaded = self._host.get(lora.name)
+                if loaded is not None:
+                    self._host.move_to_end(lora.name)
+            if loaded is None:  # only a caller that never prepared it: read here
+                loaded = self._read(lora)
+                with self._lock:
+                    self._host[lora.name] = loaded
+                    self._evict_host()
+            weights = loaded.weights
             if self.device.type != "cpu":
                 weights = LoraWeights([
-                    {p: type(m)(m.a_t.to(self.device, non_blocking=True),
-                                m.b_t.to(self.device, non_blocking=True))
+                    {p: replace(m, a_t=m.a_t.to(self.device, non_blocking=True),
+                                b_t=m.b_t.to(self.device, non_blocking=True))
                      for p, m in layer.items()}
                     for layer in weights.layers
                 ])
             self.slots.weights[slot] = weights
             self._slot_names[slot] = lora.name
-            self._slot_of[lora.name] = slot
+            with self._lock:  # the loader's eviction reads which adapters are in slots
+                if old is not None:
+                    del self._slot_of[old]
+                self._slot_of[lora.name] = slot
         self._slot_used[slot] = self._num_steps
         return slot

@@ -7,6 +7,7 @@ sampler picks their next tokens. On CUDA, decode-only steps replay captured CUDA
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 from pathlib import Path
 from typing import Protocol
@@ -22,6 +23,7 @@ from engine.models.cpu_decode import CpuDecodeForward
 from engine.models.cpu_decode import supports as supports_decode_forward
 from engine.models.decoder import CausalLM, KVCache
 from engine.models.loader import load_model, random_model
+from engine.models.lora import LoraSlots
 from engine.models.packed_linear import pack_linear_layers
 from engine.sample.sampler import SampledTokens, Sampler
 from engine.sample.sampling_table import SamplingColumns
@@ -203,11 +205,18 @@ class TorchModelRunner(BatchRunner):
     def runs_ahead(self) -> bool:
         return self.device.type == "cuda"
 
-    def add_lora(self, lora: LoraRequest) -> None:
-        """Load the adapter on the host now (engine.types.ModelRunner.add_lora)."""
+    def prepare_lora(self, lora: LoraRequest) -> concurrent.futures.Future[float]:
+        """engine.types.ModelRunner.prepare_lora: read on the cache's loader thread."""
         if self.lora is None:
-            raise ValueError("this engine serves no LoRA adapters (max_loras is 0)")
-        self.lora.load(lora)
+            refused: concurrent.futures.Future[float] = concurrent.futures.Future()
+            refused.set_exception(ValueError("this engine serves no LoRA adapters "
+                                             "(max_loras is 0)"))
+            return refused
+        return self.lora.prepare(lora)
+
+    def release_lora(self, lora: LoraRequest) -> None:
+        if self.lora is not None:
+            self.lora.release(lora.name)
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":
@@ -223,28 +232,25 @@ class TorchModelRunner(BatchRunner):
     def _forward_and_sample(
         self, chunks: list[ScheduledChunk], inputs: StepInputs, states: list[RequestState]
     ) -> SampledTokens:
-        """One forward over every chunk (a captured CUDA graph for decode-only steps where one
-        fits, the C++ decode forward on the CPU where it can; a step with tokens on adapters
-        goes layer by layer), then the sampler."""
+        """One forward over every chunk (a captured CUDA graph for decode-only steps on the
+        base model where one fits, the C++ decode forward on the CPU where it can, adapters or
+        not), then the sampler."""
         input_batch = self.input_batch
-        adapted = False
+        lora: LoraSlots | None = None  # the step's adapters, None: every token on the base
         if self.lora is not None:
             if input_batch.num_lora_requests:
                 self.lora.bind_step(input_batch.chunk_loras(chunks),
                                     np.diff(inputs.query_start_loc))
-                adapted = self.lora.slots.active
+                if self.lora.slots.active:
+                    lora = self.lora.slots
             else:
                 self.lora.slots.bind(None)
-        if adapted:
-            batch = self._to_device(inputs)
-            self.attention.prepare(batch.attention_metadata())
-            logits = self.model(batch, self.kv_caches, self.attention)
-        elif self.graphs is not None and self.graphs.can_run(inputs):
+        if lora is None and self.graphs is not None and self.graphs.can_run(inputs):
             logits = self.graphs.run(inputs, input_batch.sampled_on_device)
         else:
             batch = self._to_device(inputs)
-            if self.decode_forward is not None and self.decode_forward.can_run(batch):
-                logits = self.decode_forward(batch)
+            if self.decode_forward is not None and self.decode_forward.can_run(batch, lora):
+                logits = self.decode_forward(batch, lora)
             else:
                 self.attention.prepare(batch.attention_metadata())
                 logits = self.model(batch, self.kv_caches, self.attention)  # [S, V]

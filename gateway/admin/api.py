@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Collection, Mapping
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
@@ -24,20 +24,26 @@ from starlette.routing import BaseRoute, Mount, Route
 
 import tenants
 from gateway.access.auth import TenantKeyResolver
+from gateway.adapters import AdapterRegistry
+from gateway.admin.adapters_api import adapter_routes
 from gateway.admin.auth import ADMIN_METHODS, ADMIN_TOKEN_ENV, AdminGuard, admin_disabled
+from gateway.admin.bodies import (
+    admin_actor,
+    json_object,
+    list_response,
+    reject_unknown,
+    translate_tenants_error,
+)
 from gateway.http.errors import (
     BadRequestError,
-    ConflictError,
-    GatewayError,
-    NotFoundError,
-    PayloadTooLargeError,
 )
-from gateway.http.json_body import declared_length, parse_json_body
 from tenants import DEFAULT_TIERS, TenantStatus
+
+if TYPE_CHECKING:
+    from gateway.server.served_model import ServedModel
 
 logger = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 64 * 1024
 DEFAULT_AUDIT_PAGE = 100
 MAX_AUDIT_PAGE = 1000
 _CREATE_TENANT_FIELDS = ("name", "tier", "weight", "cache_salt", "quota")
@@ -51,11 +57,16 @@ def admin_routes(
     admin_token: str | None,
     key_resolver: TenantKeyResolver | None = None,
     known_tiers: Collection[str] = DEFAULT_TIERS,
+    adapters: AdapterRegistry | None = None,
+    served_model: Callable[[], ServedModel | None] = lambda: None,
+    unregister_timeout_s: float = 30.0,
 ) -> list[BaseRoute]:
     """Routes to add to the app; with no (or an empty) admin token, routes that answer 404.
 
     key_resolver, when given, is the resolver the app authenticates tenants with: revoking a
-    key or changing a tenant here invalidates its cache entries immediately.
+    key or changing a tenant here invalidates its cache entries immediately. adapters, when
+    given, adds the LoRA adapter routes (gateway.admin.adapters_api), which check an adapter
+    against served_model() and wait up to unregister_timeout_s for its requests to end.
     """
     if not admin_token:
         logger.warning("admin API disabled: %s is not set", ADMIN_TOKEN_ENV)
@@ -81,6 +92,8 @@ def admin_routes(
                 Route("/keys/{key_id:int}", guard(api.revoke_key), methods=["DELETE"]),
                 Route("/keys/{key_id:int}/revoke", guard(api.revoke_key), methods=["POST"]),
                 Route("/audit", guard(api.list_audit), methods=["GET"]),
+                *([] if adapters is None else adapter_routes(
+                    guard, adapters, served_model, unregister_timeout_s)),
             ],
         )
     ]
@@ -105,7 +118,7 @@ class _AdminApi:
                 with self._session_factory.begin() as session:
                     return work(session)
             except tenants.TenantsError as exc:
-                raise _translate(exc) from exc
+                raise translate_tenants_error(exc) from exc
 
         return await run_in_threadpool(run)
 
@@ -120,11 +133,11 @@ class _AdminApi:
         data = await self._in_session(
             lambda s: [tenants.tenant_snapshot(t) for t in tenants.list_tenants(s, status=status)]
         )
-        return _list_response(data)
+        return list_response(data)
 
     async def create_tenant(self, request: Request) -> Response:
-        body = await _json_object(request)
-        _reject_unknown(body, _CREATE_TENANT_FIELDS)
+        body = await json_object(request)
+        reject_unknown(body, _CREATE_TENANT_FIELDS)
         if "name" not in body:
             raise BadRequestError("missing required field 'name'", param="name")
         quota = body.get("quota")
@@ -132,7 +145,7 @@ class _AdminApi:
             quota = {}
         elif not isinstance(quota, Mapping):
             raise BadRequestError("quota must be an object", param="quota")
-        actor = _actor(request)
+        actor = admin_actor(request)
 
         def work(session: Session) -> dict[str, Any]:
             tenant = tenants.create_tenant(
@@ -156,8 +169,8 @@ class _AdminApi:
         )
 
     async def update_tenant(self, request: Request) -> Response:
-        ref, actor = request.path_params["tenant"], _actor(request)
-        body = await _json_object(request)
+        ref, actor = request.path_params["tenant"], admin_actor(request)
+        body = await json_object(request)
 
         def work(session: Session) -> dict[str, Any]:
             tenant = tenants.find_tenant(session, ref)
@@ -175,7 +188,7 @@ class _AdminApi:
         return await self._set_status(request, TenantStatus.ACTIVE)
 
     async def _set_status(self, request: Request, status: TenantStatus) -> Response:
-        ref, actor = request.path_params["tenant"], _actor(request)
+        ref, actor = request.path_params["tenant"], admin_actor(request)
 
         def work(session: Session) -> dict[str, Any]:
             tenant = tenants.find_tenant(session, ref)
@@ -198,12 +211,12 @@ class _AdminApi:
                 for k in tenants.list_api_keys(session, tenant_id=tenant.id)
             ]
 
-        return _list_response(await self._in_session(work))
+        return list_response(await self._in_session(work))
 
     async def create_key(self, request: Request) -> Response:
-        ref, actor = request.path_params["tenant"], _actor(request)
-        body = await _json_object(request, allow_empty=True)
-        _reject_unknown(body, ("name",))
+        ref, actor = request.path_params["tenant"], admin_actor(request)
+        body = await json_object(request, allow_empty=True)
+        reject_unknown(body, ("name",))
 
         def work(session: Session) -> dict[str, Any]:
             tenant = tenants.find_tenant(session, ref)
@@ -225,7 +238,7 @@ class _AdminApi:
 
     async def revoke_key(self, request: Request) -> Response:
         key_id: int = request.path_params["key_id"]
-        actor = _actor(request)
+        actor = admin_actor(request)
 
         def work(session: Session) -> dict[str, Any]:
             api_key = tenants.revoke_api_key(
@@ -257,48 +270,7 @@ class _AdminApi:
                 )
             ]
         )
-        return _list_response(data)
-
-
-def _translate(exc: tenants.TenantsError) -> GatewayError:
-    if isinstance(exc, tenants.InvalidFieldError):
-        return BadRequestError(str(exc), param=exc.param)
-    if isinstance(exc, tenants.RowNotFoundError):
-        return NotFoundError(str(exc), code="not_found")
-    if isinstance(exc, tenants.DuplicateError):
-        return ConflictError(str(exc), param=exc.param, code="conflict")
-    raise AssertionError(f"untranslated tenants error {type(exc).__name__}") from exc
-
-
-def _actor(request: Request) -> str:
-    return f"admin-api:{request.client.host if request.client else 'unknown'}"
-
-
-def _list_response(data: list[dict[str, Any]]) -> JSONResponse:
-    return JSONResponse({"object": "list", "data": data})
-
-
-async def _json_object(request: Request, *, allow_empty: bool = False) -> dict[str, Any]:
-    declared = declared_length(request)
-    if declared is not None and declared > MAX_BODY_BYTES:
-        raise PayloadTooLargeError(f"request body is larger than {MAX_BODY_BYTES} bytes")
-    raw = await request.body()
-    if len(raw) > MAX_BODY_BYTES:
-        raise PayloadTooLargeError(f"request body is larger than {MAX_BODY_BYTES} bytes")
-    if allow_empty and not raw.strip():
-        return {}
-    body = parse_json_body(raw)
-    if not isinstance(body, dict):
-        raise BadRequestError("request body must be a JSON object")
-    return body
-
-
-def _reject_unknown(body: Mapping[str, object], allowed: Collection[str]) -> None:
-    for field in body:
-        if field not in allowed:
-            raise BadRequestError(
-                f"unknown field {field!r}; expected some of: {', '.join(allowed)}", param=field
-            )
+        return list_response(data)
 
 
 def _status_param(value: str | None) -> TenantStatus | None:

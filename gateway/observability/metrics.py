@@ -30,6 +30,7 @@ from policies import AlertStatus, Tier, TtftAlertRule
 OTHER_TENANT = "other"
 _Endpoint = Callable[[Request], Awaitable[Response]]
 DEFAULT_NUM_TENANT_LABELS = 20
+DEFAULT_NUM_ADAPTER_LABELS = 100
 
 # Bucket edges (seconds). TTFT: 25-50 ms steps up to 1 s, so the premium SLO (0.5 s) and its
 # page threshold (0.4 s) are edges and a histogram p99 lands within one step of the exact
@@ -86,6 +87,7 @@ class RequestObservation:
     recompute_gpu_seconds: float = 0.0  # device time recomputing its tokens after preemptions
     recompute_charged_tenant_id: str | None = None  # who pays the recompute (the preemptor)
     num_preemptions: int = 0
+    adapter: str | None = None  # the LoRA adapter it ran on; None: the base model
 
 
 class TenantLabeler:
@@ -161,6 +163,16 @@ class _Series:
         self.recompute_gpu_seconds = Counter(
             "tiergate_recompute_gpu_seconds", "Recompute after preemptions, by tenant charged.",
             tenant, registry=r,
+        )  # fmt: skip
+        # Per LoRA adapter (the first DEFAULT_NUM_ADAPTER_LABELS adapters seen; later ones
+        # are "other"): what requests on it used.
+        self.adapter_tokens = Counter(
+            "tiergate_adapter_tokens", "Tokens of requests on LoRA adapters, by kind.",
+            ("tier", "adapter", "kind"), registry=r,
+        )  # fmt: skip
+        self.adapter_gpu_seconds = Counter(
+            "tiergate_adapter_gpu_seconds", "Metered device seconds of requests on adapters.",
+            ("tier", "adapter"), registry=r,
         )  # fmt: skip
         self.preemptions = Counter(
             "tiergate_preemptions", "Preemptions suffered by finished requests.", tier,
@@ -279,6 +291,9 @@ class GatewayMetrics:
     ) -> None:
         self.registry = CollectorRegistry()
         self.tenants = tenant_labeler or TenantLabeler()
+        # Adapter labels are capped the same way (an admin registers adapters, but a deployment
+        # may hold thousands).
+        self.adapters = TenantLabeler(DEFAULT_NUM_ADAPTER_LABELS)
         self._series = _Series(self.registry)
         # the process's collector pauses (gateway/observability/gc_pauses.py), read at scrape time
         self.registry.register(GcPauseCollector(gc_pauses or process_gc_pauses()))
@@ -340,6 +355,12 @@ class GatewayMetrics:
         ):
             s.tokens.labels(obs.tier, tenant, kind).inc(num_tokens)
         s.gpu_seconds.labels(obs.tier, tenant).inc(obs.gpu_seconds)
+        if obs.adapter is not None:
+            adapter = self.adapters.label(obs.adapter)
+            s.adapter_tokens.labels(obs.tier, adapter, "prompt").inc(obs.num_prompt_tokens)
+            s.adapter_tokens.labels(obs.tier, adapter, "completion").inc(
+                obs.num_completion_tokens)
+            s.adapter_gpu_seconds.labels(obs.tier, adapter).inc(obs.gpu_seconds)
         if obs.recompute_gpu_seconds:
             charged = obs.recompute_charged_tenant_id or obs.tenant_id
             s.recompute_gpu_seconds.labels(obs.tier, self.tenants.label(charged)).inc(

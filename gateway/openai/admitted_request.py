@@ -20,6 +20,7 @@ from starlette.responses import JSONResponse, Response
 from engine import RequestErrorCode, RequestOutput
 from gateway.access.admission import AdmissionGrant, GatewayAdmission
 from gateway.access.auth import TenantPrincipal
+from gateway.adapters import ModelTarget
 from gateway.http.errors import (
     BadRequestError,
     InternalServerError,
@@ -60,11 +61,15 @@ class AdmittedRequest:
         grant: AdmissionGrant,
         arrival: float,
         trace: RequestTrace,
+        target: ModelTarget,
     ) -> None:
+        """target: what it runs on (the served model, or an adapter of it); counted as
+        running on it until its record is published."""
         self.runtime = runtime
         self.admission = admission
         self.trace = trace
         self.served = served
+        self.target = target
         self.principal = principal
         self.request = request
         self.job = job
@@ -75,7 +80,7 @@ class AdmittedRequest:
             endpoint=request.endpoint,
             response_id=job.request_id,
             created=int(time.time()),
-            model=served.name,
+            model=target.name,
             include_usage=request.include_usage,
         )
         self.first_token_time: float | None = None
@@ -299,7 +304,7 @@ class AdmittedRequest:
         with anyio.CancelScope(shield=True):
             try:
                 record = self._record(status)
-                self.trace.finished(trace_response(record, self.served.name))
+                self.trace.finished(trace_response(record, self.target.name))
                 try:
                     await self.runtime.publish(record)
                     is_recorded = True
@@ -310,6 +315,7 @@ class AdmittedRequest:
                     self.grant, summary.num_prompt_tokens + summary.num_completion_tokens
                 )
             finally:
+                self.runtime.adapters.ended(self.target)
                 self.runtime.request_ended()
         return is_recorded
 
@@ -335,6 +341,7 @@ class AdmittedRequest:
             metrics=[m for m in self.job.last_metrics if m is not None],
             token_times=self._token_times,
             first_token_time=self.first_token_time,
+            adapter=self.target.adapter,
         )
 
 

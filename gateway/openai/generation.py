@@ -22,6 +22,7 @@ from engine import (
     EngineError,
     IncrementalDetokenizer,
     InvalidRequestError,
+    LoraRequest,
     OutputStream,
     RequestMetrics,
     RequestOutput,
@@ -241,7 +242,9 @@ class GenerationJob:
         params: SamplingParams,
         tenant: TenantContext,
         tokenizer: Tokenizer,
+        lora: LoraRequest | None = None,
     ) -> None:
+        """lora: the adapter the request runs on (None: the base model)."""
         self.request_id = request_id
         self.prompts = prompts
         self.params = params
@@ -253,6 +256,7 @@ class GenerationJob:
         self.last_metrics: list[RequestMetrics | None] = [None] * self.num_choices
         self._engine = engine
         self._tenant = tenant
+        self._lora = lora
         self._stream: OutputStream | None = None
         self._num_open = 0  # choices not finished yet, once started
         # The engine makes no text for these params: each choice's is made here.
@@ -279,7 +283,8 @@ class GenerationJob:
         try:
             for index, prompt in enumerate(self.prompts):
                 self._engine.submit(self.engine_request_id(index), prompt.token_ids,
-                                    self.params, self._tenant, stream, index * self.params.n)
+                                    self.params, self._tenant, stream, index * self.params.n,
+                                    lora=self._lora)
             while self._num_open:
                 choice, output = await stream.get()
                 self._apply(choice, output)

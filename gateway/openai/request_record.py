@@ -59,3 +59,5 @@ class RequestRecord:
     refusal_reason: str | None = None
     # Seconds spent compiling its structured output's grammar (0: cached or none).
     grammar_compile_s: float = 0.0
+    # The LoRA adapter it ran on (its registered name); None: the base model.
+    adapter: str | None = None

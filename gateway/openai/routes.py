@@ -77,16 +77,26 @@ class _OpenAIApi:
         self._bounds = RequestBounds(settings.max_messages, settings.max_choices)
 
     async def list_models(self, request: Request) -> Response:
-        await self.runtime.key_resolver.authenticate(request)
+        """The served model and the adapters of it this tenant may use."""
+        principal = await self.runtime.key_resolver.authenticate(request)
         served, _ = self.runtime.ready_model()
-        return JSONResponse({"object": "list", "data": [_model_card(served)]})
+        adapters = await self.runtime.adapters.visible(principal.tenant_id, served.name)
+        return JSONResponse({"object": "list", "data": [_model_card(served), *adapters]})
 
     async def get_model(self, request: Request) -> Response:
-        await self.runtime.key_resolver.authenticate(request)
+        principal = await self.runtime.key_resolver.authenticate(request)
         served, _ = self.runtime.ready_model()
-        if request.path_params["model"] != served.name:
-            raise _unknown_model(request.path_params["model"])
-        return JSONResponse(_model_card(served))
+        name = request.path_params["model"]
+        if name == served.name:
+            return JSONResponse(_model_card(served))
+        target = await self.runtime.adapters.resolve(name, principal.tenant_id, served.name)
+        if target is None:
+            raise _unknown_model(name)
+        cards = await self.runtime.adapters.visible(principal.tenant_id, served.name)
+        card = next((c for c in cards if c["id"] == target.name), None)
+        if card is None:  # unregistered since the lookup
+            raise _unknown_model(name)
+        return JSONResponse(card)
 
     async def chat_completions(self, request: Request) -> Response:
         return await self._generate(request, Endpoint.CHAT)
@@ -122,7 +132,11 @@ class _OpenAIApi:
                 if body_bytes > LARGE_BODY_BYTES:
                     self.admission.spend_parse_time(principal, time.perf_counter() - started)
             del raw
-            if parsed.model != served.name:
+            # The served model, or an adapter of it this tenant may use; any other name is
+            # the same 404, whether or not another tenant has it.
+            target = await self.runtime.adapters.resolve(parsed.model, principal.tenant_id,
+                                                         served.name)
+            if target is None:
                 raise _unknown_model(parsed.model)
             _check_tier_allows(parsed, self.runtime.tiers[principal.tier])
             # A small body's prompts are tokenized on the event loop: the hand-over to a thread
@@ -188,11 +202,14 @@ class _OpenAIApi:
             )
             raise
         trace.queued()
-        job = GenerationJob(engine, response_id, prompts, params, tenant, served.tokenizer)
+        job = GenerationJob(engine, response_id, prompts, params, tenant, served.tokenizer,
+                            target.lora)
         run = AdmittedRequest(
-            self.runtime, self.admission, served, principal, parsed, job, grant, arrival, trace
+            self.runtime, self.admission, served, principal, parsed, job, grant, arrival, trace,
+            target,
         )
         self.runtime.request_started()
+        self.runtime.adapters.started(target)
         if parsed.stream:
             return EventStream(
                 run.stream(), settings.stream_write_timeout_s,

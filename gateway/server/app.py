@@ -64,6 +64,9 @@ def build_app(
             admin_token=runtime.settings.admin_token,
             key_resolver=runtime.key_resolver,
             known_tiers=[tier.name for tier in runtime.tiers],
+            adapters=runtime.adapters,
+            served_model=lambda: runtime.served,
+            unregister_timeout_s=runtime.settings.drain_timeout_s,
         ),
     ]
     return Starlette(

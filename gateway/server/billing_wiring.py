@@ -51,6 +51,7 @@ def usage_record(record: RequestRecord) -> UsageRecord:
         amount_usd_micros=0,
         recompute_amount_usd_micros=0,
         grammar_compile_s=record.grammar_compile_s,
+        adapter=record.adapter,
     )
 
 

@@ -136,6 +136,7 @@ class Observability:
                     else str(record.recompute_charged_tenant_id)
                 ),
                 num_preemptions=record.num_preemptions,
+                adapter=record.adapter,
             )
         )
         if record.ttft_s is not None:

@@ -28,6 +28,7 @@ from sqlalchemy.orm import Session, sessionmaker
 import tenants
 from engine import EngineClient, ModelConfigError, SchedulerStats
 from gateway.access.auth import TenantKeyResolver
+from gateway.adapters import AdapterRegistry, AdapterStore
 from gateway.http.errors import ServiceUnavailableError
 from gateway.observability.engine_health import (
     ENGINE_CHECK_INTERVAL_S,
@@ -78,6 +79,13 @@ class GatewayRuntime:
         self.db_engine = db_engine
         self.session_factory: sessionmaker[Session] = tenants.create_session_factory(db_engine)
         self.key_resolver = TenantKeyResolver(self.session_factory)
+        # LoRA adapters: what a request's `model` names for its tenant (the database's
+        # registry), their files written under the model cache on first use.
+        self.adapters = AdapterRegistry(
+            self.session_factory, AdapterStore(settings.model_cache_dir / "adapters"),
+            max_rank=settings.max_lora_rank, max_bytes=settings.max_adapter_bytes,
+            serves_adapters=settings.max_loras > 0,
+        )
         self.served: ServedModel | None = None
         self.engine: EngineClient | None = None
         # Takes each finished request first; when it fails, the client hears of it.

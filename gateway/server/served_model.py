@@ -21,6 +21,7 @@ from engine import (
     GrammarBudget,
     GrammarCompiler,
     LLMEngine,
+    LoraConfig,
     ModelConfig,
     ModelRunner,
     RequestLimits,
@@ -64,6 +65,8 @@ class ServedModel:
     # Checks structured outputs against the tokenizer before any engine work (its own
     # compiler: the engine's is in the engine's process).
     grammars: GrammarCompiler
+    # The checkpoint's config: what a LoRA adapter is checked against before it is stored.
+    model_config: ModelConfig
 
 
 def context_length(settings: GatewaySettings, model_config: ModelConfig) -> int:
@@ -153,6 +156,8 @@ def engine_config(
             max_mean_s_per_token=settings.grammar_max_ms_per_token / 1000,
         ),
         runner=runner,
+        lora=LoraConfig(max_loras=settings.max_loras, max_cpu_loras=settings.max_cpu_loras,
+                        max_lora_rank=settings.max_lora_rank),
     )
 
 
@@ -194,6 +199,7 @@ def describe_model(
         tool_format=format_for_template(tokenizer.chat_template, tool_call_parser),
         grammars=GrammarCompiler(tokenizer, vocab_size or model_config.vocab_size,
                                  list(eos_token_ids(model_config, tokenizer))),
+        model_config=model_config,
     )
 
 

@@ -86,6 +86,23 @@ _OPTIONS: dict[str, _Option] = {
         "CPU float32: decode steps of at most this many requests run as one C++ call over a "
         f"second copy of the weights (0: never; default {CPU_DECODE_MAX_ROWS})",
     ),
+    "max_loras": _Option(
+        "--max-loras", "TIERGATE_MAX_LORAS",
+        "LoRA adapters one engine step may mix (the engine's adapter slots; 0: no adapters; "
+        "default 4)",
+    ),
+    "max_cpu_loras": _Option(
+        "--max-cpu-loras", "TIERGATE_MAX_CPU_LORAS",
+        "LoRA adapters the engine keeps loaded in host memory (LRU; default 16)",
+    ),
+    "max_lora_rank": _Option(
+        "--max-lora-rank", "TIERGATE_MAX_LORA_RANK",
+        "largest rank of an adapter's projections (default 64)",
+    ),
+    "max_adapter_bytes": _Option(
+        "--max-adapter-bytes", "TIERGATE_MAX_ADAPTER_BYTES",
+        "largest adapter (its files, uncompressed) the admin API registers (default 512 MiB)",
+    ),
     "async_scheduling": _Option(
         "--async-scheduling",
         "TIERGATE_ASYNC_SCHEDULING",
@@ -162,6 +179,12 @@ class GatewaySettings:
     max_num_batched_tokens: int = 2048
     # None: the runner's default (engine.RunnerConfig.cpu_decode_rows).
     cpu_decode_rows: int | None = None
+    # LoRA adapters (engine.LoraConfig): slots per step, kept on the host, largest rank; the
+    # largest adapter the admin API takes.
+    max_loras: int = 4
+    max_cpu_loras: int = 16
+    max_lora_rank: int = 64
+    max_adapter_bytes: int = 512 << 20
     async_scheduling: str = "auto"  # auto | on | off (engine.EngineConfig.async_scheduling)
     scheduling: str = "tiered"
     max_body_bytes: int = 4 << 20
@@ -197,6 +220,10 @@ class GatewaySettings:
         ):
             if getattr(self, name) < 1:
                 raise SettingsError(f"{_OPTIONS[name].flag} must be >= 1")
+        if self.max_loras < 0 or self.max_cpu_loras < self.max_loras:
+            raise SettingsError("--max-loras must be >= 0 and --max-cpu-loras at least as many")
+        if self.max_lora_rank < 1 or self.max_adapter_bytes < 1:
+            raise SettingsError("--max-lora-rank and --max-adapter-bytes must be >= 1")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
             raise SettingsError("--kv-cache-bytes must be >= 1")
         if self.kv_cache_memory_fraction is not None and not (

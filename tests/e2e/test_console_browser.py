@@ -1,23 +1,27 @@
 """The admin console in headless Chromium against a real uvicorn server.
 
 Console flows (sign-in, tenants, quotas, keys, audit, inline errors, keyboard, sorting, the
-usage and live views) run against an app composed here: the real admin API and console
-routes on a scratch SQLite database migrated with the real migrations, plus /v1/whoami, which
-authenticates a tenant key exactly as the OpenAI routes do. ContractEndpoints stands in for
-the live and billing endpoints, answering with the shapes the lead fixed, so the charts and
-the SLO colouring are checked on known figures.
+usage and live views, LoRA adapters) run against an app composed here: the real admin API
+and console routes on a scratch SQLite database migrated with the real migrations, plus
+/v1/whoami, which authenticates a tenant key exactly as the OpenAI routes do.
+ContractEndpoints stands in for the live and billing endpoints, answering with the shapes the
+lead fixed, so the charts and the SLO colouring are checked on known figures. The adapter
+flows get the real adapter registry, checking uploads against a tiny random llama checkpoint
+(ServedStandIn: the served model's name and config, no engine).
 """
 
 from __future__ import annotations
 
 import csv
 import io
+import re
+import tarfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import httpx
 import pytest
@@ -30,7 +34,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 import migrations
+from engine import ModelConfig
 from gateway.access.auth import TenantKeyResolver
+from gateway.adapters import AdapterRegistry, AdapterStore, ModelTarget
 from gateway.admin.api import admin_routes
 from gateway.admin.auth import AdminGuard
 from gateway.admin.console_routes import console_routes
@@ -39,7 +45,14 @@ from tenants import DatabaseSettings, create_db_engine, create_session_factory
 from tests.e2e.conftest import ADMIN_TOKEN, ConsolePage, console_page, serve_in_thread
 from tests.tenants.conftest import scratch_database
 
+if TYPE_CHECKING:
+    from gateway.server.served_model import ServedModel
+
 ADMIN_HEADERS = {"x-admin-token": ADMIN_TOKEN}
+SERVED_NAME = "tiny-llama"
+ADAPTER_RANK = 4
+# How long DELETE waits for an adapter's running requests before answering 202.
+UNREGISTER_TIMEOUT_S = 0.5
 
 
 class ContractEndpoints:
@@ -156,11 +169,21 @@ class ContractEndpoints:
         )
 
 
+@dataclass(frozen=True)
+class ServedStandIn:
+    """What the adapter routes read of the served model: its name and its checkpoint's config."""
+
+    name: str
+    model_config: ModelConfig
+
+
 @dataclass
 class ConsoleServer:
     """The composed app, served; tenant keys are checked on /v1/whoami."""
 
     base_url: str
+    # The adapter registry the admin API uses, when the app has one.
+    adapters: AdapterRegistry | None = None
 
     def admin(self) -> httpx.Client:
         return httpx.Client(base_url=self.base_url, headers=ADMIN_HEADERS, timeout=10)
@@ -179,8 +202,22 @@ def database(tmp_path: Path) -> Iterator[Engine]:
         engine.dispose()
 
 
-def _serve(database: Engine, contract: ContractEndpoints | None) -> Iterator[ConsoleServer]:
+def _serve(
+    database: Engine,
+    contract: ContractEndpoints | None,
+    adapters_dir: Path | None = None,
+    served: ServedStandIn | None = None,
+) -> Iterator[ConsoleServer]:
     session_factory = create_session_factory(database)
+    adapters = None
+    if adapters_dir is not None:
+        adapters = AdapterRegistry(
+            session_factory,
+            AdapterStore(adapters_dir),
+            max_rank=64,
+            max_bytes=64 << 20,
+            cache_ttl_s=0.05,
+        )
     resolver = TenantKeyResolver(session_factory)
 
     async def whoami(request: Request) -> Response:
@@ -191,13 +228,18 @@ def _serve(database: Engine, contract: ContractEndpoints | None) -> Iterator[Con
         *console_routes(),
         *(contract.routes() if contract else []),
         *admin_routes(
-            session_factory=session_factory, admin_token=ADMIN_TOKEN, key_resolver=resolver
+            session_factory=session_factory,
+            admin_token=ADMIN_TOKEN,
+            key_resolver=resolver,
+            adapters=adapters,
+            served_model=lambda: cast("ServedModel | None", served),
+            unregister_timeout_s=UNREGISTER_TIMEOUT_S,
         ),
         Route("/v1/whoami", whoami),
     ]
     app = Starlette(routes=routes, exception_handlers=exception_handlers())
     with serve_in_thread(app) as base_url:
-        yield ConsoleServer(base_url)
+        yield ConsoleServer(base_url, adapters)
 
 
 @pytest.fixture
@@ -215,6 +257,56 @@ def contract() -> ContractEndpoints:
 def contract_server(database: Engine, contract: ContractEndpoints) -> Iterator[ConsoleServer]:
     """The same app with the live and billing endpoints of ContractEndpoints."""
     yield from _serve(database, contract)
+
+
+@dataclass(frozen=True)
+class TinyLlama:
+    """A tiny random llama checkpoint's config and archives of adapters for it."""
+
+    config: ModelConfig
+    # A PEFT adapter of rank ADAPTER_RANK on q_proj and v_proj, as a tar.gz.
+    adapter_tar_gz: bytes
+    # The same adapter's files plus one a PEFT adapter never has.
+    stray_tar_gz: bytes
+
+
+def _tar_gz(directory: Path, extra: dict[str, bytes] | None = None) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
+        for path in sorted(directory.iterdir()):
+            archive.add(path, arcname=f"adapter/{path.name}")
+        for name, data in (extra or {}).items():
+            info = tarfile.TarInfo(f"adapter/{name}")
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> TinyLlama:
+    # Imported here: torch, transformers and peft load only for the adapter tests.
+    from tests.engine.models.helpers import make_checkpoint
+    from tests.engine.models.lora_adapters import make_adapter
+
+    root = tmp_path_factory.mktemp("tiny-llama")
+    make_checkpoint(root / "model", "llama")
+    make_adapter(
+        root / "model", root / "adapter", ADAPTER_RANK, seed=0, targets=("q_proj", "v_proj")
+    )
+    return TinyLlama(
+        config=ModelConfig.from_file(root / "model"),
+        adapter_tar_gz=_tar_gz(root / "adapter"),
+        stray_tar_gz=_tar_gz(root / "adapter", {"notes.txt": b"not part of an adapter"}),
+    )
+
+
+@pytest.fixture
+def adapter_server(
+    database: Engine, tiny_llama: TinyLlama, tmp_path: Path
+) -> Iterator[ConsoleServer]:
+    """Admin API and console with the adapter registry, serving the tiny llama."""
+    served = ServedStandIn(SERVED_NAME, tiny_llama.config)
+    yield from _serve(database, None, adapters_dir=tmp_path / "adapters", served=served)
 
 
 @pytest.fixture
@@ -477,6 +569,12 @@ def test_usage_and_live_say_so_when_the_gateway_lacks_their_endpoints(
     console.go("Live")
     expect(page.locator("#live-error")).to_contain_text("no live endpoint yet")
     console.screenshot("live-unavailable")
+    console.go("Adapters")
+    expect(page.locator("#adapters-error")).to_contain_text("no adapter registry")
+    expect(page.locator("#register-adapter-form")).to_be_hidden()
+    console.open("#tenant/solo")
+    expect(page.locator("#tenant-adapters-panel")).to_contain_text("no adapter registry")
+    expect(page.locator("#keys-table")).to_be_visible()  # the rest of the tenant is there
 
 
 def test_live_view_refreshes_in_place_and_flags_the_slo(
@@ -557,3 +655,141 @@ def test_usage_view_charts_per_tenant_per_day_and_downloads_the_export(
         assert rows == [{"period": "2026-11", "tenant_id": "1", "amount_usd": "0.015"}]
         assert contract.export_queries == [{"period": "2026-11", "format": "csv"}]
         expect(page.locator("#export-status")).to_contain_text("usage-2026-11.csv")
+
+
+# --- LoRA adapters -----------------------------------------------------------------------------
+
+
+def _upload(page: Page, name: str, archive: bytes) -> None:
+    page.get_by_label("Archive").set_input_files(
+        files=[{"name": name, "mimeType": "application/gzip", "buffer": archive}]
+    )
+
+
+def test_register_share_and_remove_an_adapter(
+    browser: Browser, adapter_server: ConsoleServer, tiny_llama: TinyLlama, artifacts_dir: Path
+) -> None:
+    server = adapter_server
+    assert server.adapters is not None
+    _create_tenants(server, {"name": "owner-co"}, {"name": "friend"}, {"name": "stranger"})
+    with console_page(browser, server.base_url, artifacts_dir) as console:
+        page = console.page
+        console.open("#adapters")
+        console.sign_in()
+        expect(page.get_by_role("heading", name="Adapters", level=2)).to_be_focused()
+        expect(page.locator("#adapters-table tbody")).to_have_text(
+            "No adapters yet: register one below."
+        )
+        form = page.locator("#register-adapter-form")
+        name = form.get_by_label("Adapter name")
+        archive = form.get_by_label("Archive")
+
+        # Refusals show the server's message, on the field it names, as text.
+        name.fill("support-bot")
+        form.get_by_label("Owner", exact=True).select_option("owner-co")
+        expect(form.get_by_label("owner-co", exact=True)).to_have_count(0)  # not the owner
+        form.get_by_label("friend", exact=True).check()
+        _upload(page, "stray.tar.gz", tiny_llama.stray_tar_gz)
+        form.get_by_role("button", name="Register adapter").click()
+        error = page.locator("#register-adapter-error")
+        expect(error).to_have_text(
+            "adapter refused: archive member 'adapter/notes.txt' is not part of a PEFT LoRA "
+            "adapter (adapter_config.json and adapter_model.safetensors) (invalid_adapter)"
+        )
+        expect(archive).to_have_attribute("aria-invalid", "true")
+        expect(archive).to_be_focused()
+        name.fill("<b>bold</b>:x")
+        _upload(page, "adapter.tar.gz", tiny_llama.adapter_tar_gz)
+        form.get_by_role("button", name="Register adapter").click()
+        expect(error).to_have_text(
+            "adapter refused: an adapter may not be named '<b>bold</b>:x' (invalid_adapter)"
+        )
+        expect(error.locator("b")).to_have_count(0)
+
+        name.fill("support-bot")
+        _upload(page, "adapter.tar.gz", tiny_llama.adapter_tar_gz)
+        form.get_by_role("button", name="Register adapter").click()
+        status = page.locator("#adapters-status")
+        expect(status).to_have_text(
+            re.compile(rf"Adapter support-bot registered: rank {ADAPTER_RANK} on .*q_proj")
+        )
+        expect(error).to_be_empty()
+        with server.admin() as admin:
+            snapshot = admin.get("/admin/v1/adapters/support-bot").json()
+            tenant_ids = {t["name"]: t["id"] for t in admin.get("/admin/v1/tenants").json()["data"]}
+        assert snapshot["base_model"] == SERVED_NAME
+        assert snapshot["owner_tenant_id"] == tenant_ids["owner-co"]
+        assert snapshot["shared_with"] == [tenant_ids["friend"]]
+        assert snapshot["rank"] == ADAPTER_RANK
+        assert sorted(snapshot["targets"]) == ["q_proj", "v_proj"]
+        row = page.locator("#adapters-table tbody tr[data-adapter=support-bot]")
+        cells = row.locator("td")
+        expect(row.locator("th")).to_have_text("support-bot")
+        expect(cells.nth(0)).to_have_text("owner-co")
+        expect(cells.nth(1)).to_have_text("friend")
+        expect(cells.nth(2)).to_have_text(str(ADAPTER_RANK))
+        expect(cells.nth(3)).to_have_text(", ".join(snapshot["targets"]))
+        expect(cells.nth(4)).to_have_text(re.compile(r"^\d+\.\d KiB$"))
+        expect(cells.nth(5)).to_have_text(re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC$"))
+        expect(name).to_have_value("")  # ready for the next one, of the same owner
+        expect(form.get_by_label("Owner", exact=True)).to_have_value("owner-co")
+
+        # A taken name: 409, on the name field.
+        name.fill("support-bot")
+        _upload(page, "adapter.tar.gz", tiny_llama.adapter_tar_gz)
+        form.get_by_role("button", name="Register adapter").click()
+        expect(error).to_have_text("an adapter named 'support-bot' already exists (conflict)")
+        expect(name).to_have_attribute("aria-invalid", "true")
+        console.screenshot("adapters")
+
+        # Sharing: from friend to stranger.
+        page.get_by_role("button", name="Edit sharing of adapter support-bot").click()
+        sharing = page.locator("#share-adapter-form")
+        expect(sharing.get_by_label("friend", exact=True)).to_be_checked()
+        expect(sharing.get_by_label("friend", exact=True)).to_be_focused()
+        sharing.get_by_label("friend", exact=True).uncheck()
+        sharing.get_by_label("stranger", exact=True).check()
+        sharing.get_by_role("button", name="Save sharing").click()
+        expect(status).to_have_text("Sharing of adapter support-bot saved.")
+        expect(sharing).to_have_count(0)
+        expect(cells.nth(1)).to_have_text("stranger")
+        with server.admin() as admin:
+            shared = admin.get("/admin/v1/adapters/support-bot").json()["shared_with"]
+        assert shared == [tenant_ids["stranger"]]
+
+        # Each tenant's view lists the adapters it owns or was granted.
+        console.open("#tenant/stranger")
+        granted = page.locator("#tenant-adapters-table tbody tr[data-adapter=support-bot]")
+        expect(granted).to_contain_text("shared by owner-co")
+        console.open("#tenant/owner-co")
+        expect(granted).to_contain_text("owner")
+        console.screenshot("tenant-adapters")
+        console.open("#tenant/friend")
+        expect(page.locator("#tenant-adapters-table tbody")).to_have_text(
+            "No adapters owned or shared."
+        )
+
+        # Removing while a request runs on it: 202, it takes no new requests, and a later
+        # removal finishes it once the request has ended.
+        running = ModelTarget("support-bot", "support-bot")
+        server.adapters.started(running)
+        console.go("Adapters")
+        expect(error).to_be_empty()  # the conflict shown before is gone with the view
+        page.get_by_role("button", name="Remove adapter support-bot").click()
+        page.get_by_role("button", name="Confirm: remove adapter support-bot").click()
+        expect(status).to_contain_text("still running, takes no new requests")
+        expect(status).to_contain_text("1 request on it here")
+        removing = page.locator("#adapters-table tbody tr[data-state=removing]")
+        expect(removing).to_contain_text("removing")
+        expect(removing).to_contain_text("1 request running here")
+        console.screenshot("adapters-removing")
+        with server.admin() as admin:
+            assert admin.get("/admin/v1/adapters").json()["data"] == []
+        server.adapters.ended(running)
+        page.get_by_role("button", name="Finish removing adapter support-bot").click()
+        expect(status).to_have_text("Adapter support-bot removed.")
+        expect(page.locator("#adapters-table tbody")).to_have_text(
+            "No adapters yet: register one below."
+        )
+        with server.admin() as admin:
+            assert admin.get("/admin/v1/adapters/support-bot").status_code == 404

@@ -51,16 +51,29 @@ function url(path, query) {
   return `${API_ROOT}${path}${search ? `?${search}` : ""}`;
 }
 
-async function send(method, path, { query, body, token } = {}) {
+// An uploaded file goes as it is, with its own type; never as JSON, which the API would parse.
+function uploadType(file) {
+  const type = file.type ?? "";
+  return type && !type.startsWith("application/json") ? type : "application/octet-stream";
+}
+
+async function send(method, path, { query, body, file, token } = {}) {
   const usesStoredToken = token === undefined;
   const headers = { "x-admin-token": usesStoredToken ? (storedToken() ?? "") : token };
-  if (body !== undefined) headers["content-type"] = "application/json";
+  let payload;
+  if (file !== undefined) {
+    headers["content-type"] = uploadType(file);
+    payload = file;
+  } else if (body !== undefined) {
+    headers["content-type"] = "application/json";
+    payload = JSON.stringify(body);
+  }
   let response;
   try {
     response = await fetch(url(path, query), {
       method,
       headers,
-      body: body === undefined ? undefined : JSON.stringify(body),
+      body: payload,
       cache: "no-store",
       credentials: "omit",
     });
@@ -87,7 +100,8 @@ async function errorOf(response) {
   return new ApiError(response.status, { message: `HTTP ${response.status} ${reason}` });
 }
 
-// JSON of a successful call; options: query (object), body (JSON), token (overrides the stored one).
+// JSON of a successful call; options: query (object), body (JSON) or file (a Blob sent as the
+// raw body), token (overrides the stored one).
 export async function api(method, path, options) {
   const response = await send(method, path, options);
   return response.status === 204 ? null : response.json();

@@ -1,7 +1,8 @@
 // The console's entry point: sign in and out, and the hash router between views.
-// Views: #tenants, #tenant/<name>, #usage, #live, #audit; each view module exports
+// Views: #tenants, #tenant/<name>, #adapters, #usage, #live, #audit; each view module exports
 // show(argument) and optionally hide() (the live view stops polling there).
 
+import { adaptersView } from "./adapters.js";
 import { api, forgetToken, setUnauthorizedHandler, storedToken, storeToken } from "./api.js";
 import { auditView } from "./audit.js";
 import { $, clearError, showError } from "./dom.js";
@@ -13,6 +14,7 @@ import { usageView } from "./usage.js";
 const VIEWS = {
   tenants: tenantsView,
   tenant: tenantView,
+  adapters: adaptersView,
   usage: usageView,
   live: liveView,
   audit: auditView,

@@ -63,6 +63,21 @@ export function formatUsd(amount) {
   return amount === null || amount === undefined ? "—" : usd.format(amount);
 }
 
+const BYTE_UNITS = ["KiB", "MiB", "GiB", "TiB"];
+
+// 512 bytes, 3.4 MiB: binary units, as the size limits of the settings are.
+export function formatBytes(bytes) {
+  if (bytes === null || bytes === undefined) return "—";
+  if (bytes < 1024) return `${integer.format(bytes)} bytes`;
+  let value = bytes / 1024;
+  let unit = 0;
+  while (value >= 1024 && unit < BYTE_UNITS.length - 1) {
+    value /= 1024;
+    unit += 1;
+  }
+  return `${value.toFixed(1)} ${BYTE_UNITS[unit]}`;
+}
+
 export function formatPercent(ratio) {
   return ratio === null || ratio === undefined ? "—" : `${(ratio * 100).toFixed(1)} %`;
 }

@@ -1,5 +1,7 @@
-// One tenant: edit its tier, weight and every quota; disable or enable it; its API keys.
+// One tenant: edit its tier, weight and every quota; disable or enable it; its API keys; the
+// LoRA adapters it owns or was granted.
 
+import { renderTenantAdapters } from "./adapters.js";
 import { api } from "./api.js";
 import { $, clearError, formatTime, h, latestOnly, showError } from "./dom.js";
 import { renderKeys } from "./keys.js";
@@ -192,9 +194,13 @@ async function render(tenant, message = "", isCurrent = startLoad()) {
     editForm(tenant, tenants),
     statusPanel(tenant),
     h("div", { id: "keys-panel" }),
+    h("div", { id: "tenant-adapters-panel" }),
   );
   $("tenant-status").textContent = message;
-  await renderKeys($("keys-panel"), tenant);
+  await Promise.all([
+    renderKeys($("keys-panel"), tenant),
+    renderTenantAdapters($("tenant-adapters-panel"), tenant, tenants),
+  ]);
 }
 
 export const tenantView = {

@@ -37,6 +37,7 @@ def test_steps_never_hold_more_adapters_than_slots() -> None:
         engine.add_request(request_id, prompt, _params(6 + i % 5), STANDARD, lora=lora)
     outputs = run_to_completion(engine)
     assert _runner(engine).most_adapters_in_a_step == 2
+    assert _runner(engine).lora_holds == {}  # every request's hold released
     for i, (request_id, prompt) in enumerate(prompts.items()):
         assert outputs[(request_id, 0)] == reference_output(prompt, 6 + i % 5)
 

@@ -196,6 +196,24 @@ def test_split_without_a_cost_model_falls_back_to_token_counts() -> None:
     assert sum(parts) == 0.8
 
 
+def test_an_adapters_flops_count_in_its_chunks_share() -> None:
+    """Two equal chunks, one on an adapter: it pays its update's FLOPs on every token, own
+    and recomputed; the base chunk pays the model alone."""
+    counter = FlopsCounter(TINY_LLAMA)
+    chunks = [_chunk("base", 0, 10, True), _chunk("adapted", 0, 10, True)]
+    per_token = 5e5
+    split = split_step_time(chunks, {"adapted": 4}, 1.0, counter.many,
+                            np.array([0.0, per_token]))
+    own = counter(10, 10) - counter(4, 4, 0)  # what "adapted" computes first-hand, then again
+    model = [counter(10, 10), own, counter(4, 4, 0)]
+    weights = [model[0], model[1] + 6 * per_token, model[2] + 4 * per_token]
+    total = sum(weights)
+    assert split.gpu_seconds[0] == pytest.approx(weights[0] / total, rel=1e-9)
+    assert split.gpu_seconds[1] == pytest.approx(weights[1] / total, rel=1e-9)
+    assert split.recompute_gpu_seconds[1] == pytest.approx(weights[2] / total, rel=1e-9)
+    assert math.fsum([*split.gpu_seconds, *split.recompute_gpu_seconds]) == 1.0
+
+
 # -- the engine ----------------------------------------------------------------------------------
 
 

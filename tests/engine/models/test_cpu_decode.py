@@ -5,14 +5,19 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from transformers import PreTrainedModel
 
+from engine.checkpoints.lora_adapter import TARGET_MODULES
 from engine.models import cpu_decode
 from engine.models.batch import ForwardBatch
 from engine.models.config import ModelConfig
+from engine.models.lora import LoraSlots, LoraWeights, target_shapes
+from engine.worker.model_runner import TorchModelRunner
 from tests.engine.models.helpers import (
+    VOCAB,
     PagedDriver,
     RecordingSampler,
     Sequence,
@@ -44,12 +49,12 @@ class _Counted:
     def __init__(self, inner: cpu_decode.CpuDecodeForward, calls: list[int]) -> None:
         self.inner, self.calls = inner, calls
 
-    def can_run(self, batch: ForwardBatch) -> bool:
-        return self.inner.can_run(batch)
+    def can_run(self, batch: ForwardBatch, lora: LoraSlots | None = None) -> bool:
+        return self.inner.can_run(batch, lora)
 
-    def __call__(self, batch: ForwardBatch) -> torch.Tensor:
+    def __call__(self, batch: ForwardBatch, lora: LoraSlots | None = None) -> torch.Tensor:
         self.calls[0] += 1
-        return self.inner(batch)
+        return self.inner(batch, lora)
 
 
 def test_matches_the_layer_path(checkpoint: Checkpoint) -> None:
@@ -160,8 +165,9 @@ def test_the_load_time_check_catches_a_wrong_kernel(monkeypatch: pytest.MonkeyPa
     assert check()
     call = cpu_decode.CpuDecodeForward.__call__
 
-    def off(self: cpu_decode.CpuDecodeForward, batch: ForwardBatch) -> torch.Tensor:
-        logits = call(self, batch)
+    def off(self: cpu_decode.CpuDecodeForward, batch: ForwardBatch,
+            lora: LoraSlots | None = None) -> torch.Tensor:
+        logits = call(self, batch, lora)
         logits[batch.num_tokens - 1] *= 1.01  # the last row: the kernel's second row block
         return logits
 
@@ -187,3 +193,123 @@ def test_layer_path_shares_the_lm_head_panels(checkpoint: Checkpoint) -> None:
     assert runner.model.lm_head.panels is runner.decode_forward.lm_head_panels
     assert not isinstance(make_runner(checkpoint[0], cpu_decode_rows=0).model.lm_head,
                           cpu_decode.PanelLinear)
+
+
+def _random_lora(config: ModelConfig, rank: int, targets: tuple[str, ...], seed: int,
+                 ) -> LoraWeights:
+    """An adapter of random A and B (std 0.1) of `rank` on `targets`, in every layer."""
+    generator = torch.Generator().manual_seed(seed)
+    shapes = target_shapes(config)
+    layers = [{name: (0.1 * torch.randn(rank, shapes[name][0], generator=generator),
+                      0.1 * torch.randn(shapes[name][1], rank, generator=generator))
+               for name in targets} for _ in range(config.num_layers)]
+    return LoraWeights.fuse(layers, {name: out for name, (_, out) in shapes.items()},
+                            torch.float32, torch.device("cpu"))
+
+
+def _decode_batch(runner: TorchModelRunner, num_rows: int, seed: int) -> ForwardBatch:
+    """A decode step of num_rows sequences over random contexts of up to 40 tokens, in the
+    runner's cache (filled with random K and V), block tables shuffled."""
+    generator = torch.Generator().manual_seed(seed)
+    for k_cache, v_cache in runner.kv_caches:
+        k_cache.copy_(torch.randn(k_cache.shape, generator=generator))
+        v_cache.copy_(torch.randn(v_cache.shape, generator=generator))
+    blocks_per_seq = 3
+    contexts = torch.randint(1, blocks_per_seq * runner.block_size + 1, (num_rows,),
+                             generator=generator, dtype=torch.int32)
+    tables = torch.randperm(runner.num_kv_blocks, generator=generator)[
+        : num_rows * blocks_per_seq].to(torch.int32).view(num_rows, blocks_per_seq)
+    positions = contexts.to(torch.int64) - 1
+    blocks = tables.gather(1, (positions // runner.block_size).view(-1, 1)).view(-1)
+    return ForwardBatch(
+        input_ids=torch.randint(0, VOCAB, (num_rows,), generator=generator),
+        positions=positions,
+        slot_mapping=blocks.to(torch.int64) * runner.block_size + positions % runner.block_size,
+        block_tables=tables,
+        query_start_loc=torch.arange(num_rows + 1, dtype=torch.int32),
+        context_lens=contexts,
+        logits_indices=torch.arange(num_rows),
+    )
+
+
+def _layer_logits(runner: TorchModelRunner, batch: ForwardBatch) -> torch.Tensor:
+    """The layer path's logits of the step, on a copy of the caches."""
+    caches = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+    runner.attention.prepare(batch.attention_metadata())
+    with torch.inference_mode():
+        return runner.model(batch, caches, runner.attention)
+
+
+def _relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((got - expected).norm() / expected.norm())
+
+
+# Rows of a step on four adapters and the base model: blocks of 8, 8 and 3 rows.
+_ROW_SLOTS = [0, -1, 1, 2, 3, 0, -1, 2, 1, 3, 3, -1, 0, 1, 2, -1, 2, 0, 1]
+
+
+def test_adapters_match_the_layer_path(checkpoint: Checkpoint) -> None:
+    """Rows on four adapters (ranks 8, 16, 64 on all seven projections, one of rank 16 on
+    q_proj and v_proj only) and on the base model in one step: the C++ forward's logits are
+    the layer path's (its torch LoRA products), for 19 rows and for 1."""
+    runner = make_runner(checkpoint[0])
+    forward, lora = runner.decode_forward, runner.lora
+    assert forward is not None and lora is not None
+    config = runner.model_config
+    slots = lora.slots
+    slots.weights[:4] = [
+        _random_lora(config, 8, TARGET_MODULES, seed=1),
+        _random_lora(config, 16, TARGET_MODULES, seed=2),
+        _random_lora(config, 64, TARGET_MODULES, seed=3),
+        _random_lora(config, 16, ("q_proj", "v_proj"), seed=4),
+    ]
+    for row_slots in (_ROW_SLOTS, [2]):
+        batch = _decode_batch(runner, len(row_slots), seed=len(row_slots))
+        slots.bind(None)
+        base = _layer_logits(runner, batch)
+        slots.bind(np.array(row_slots, dtype=np.int64))
+        expected = _layer_logits(runner, batch)
+        assert forward.can_run(batch, slots)
+        got = forward(batch, slots)
+        assert _relative_error(got, expected) < 1e-4
+        for row, slot in enumerate(row_slots):  # adapters change the logits, base rows not
+            changed = _relative_error(expected[row], base[row]) > 1e-3
+            assert changed == (slot >= 0), (row, slot)
+
+
+def test_adapted_steps_reuse_the_panels_of_a_slot(checkpoint: Checkpoint) -> None:
+    """A slot's adapter is packed once, when it enters the slot, and again only when another
+    takes the slot; the repacked slot gives the new adapter's logits."""
+    runner = make_runner(checkpoint[0])
+    forward, lora = runner.decode_forward, runner.lora
+    assert forward is not None and lora is not None
+    config = runner.model_config
+    slots = lora.slots
+    slots.weights[1] = _random_lora(config, 16, TARGET_MODULES, seed=5)
+    batch = _decode_batch(runner, 3, seed=0)
+    slots.bind(np.array([1, -1, 1], dtype=np.int64))
+    forward(batch, slots)
+    first = forward.lora.panels(1)
+    assert first is not None and forward.lora.nbytes == first.nbytes
+    forward(batch, slots)
+    assert forward.lora.panels(1) is first
+    slots.weights[1] = _random_lora(config, 8, ("o_proj", "down_proj"), seed=6)
+    expected = _layer_logits(runner, batch)
+    got = forward(batch, slots)
+    assert forward.lora.panels(1) is not first
+    assert _relative_error(got, expected) < 1e-4
+
+
+def test_rows_on_missing_adapters_are_refused(checkpoint: Checkpoint) -> None:
+    """A row's adapter slot must be -1 or a slot that holds an adapter."""
+    runner = make_runner(checkpoint[0])
+    forward, lora = runner.decode_forward, runner.lora
+    assert forward is not None and lora is not None
+    lora.slots.weights[0] = _random_lora(runner.model_config, 8, TARGET_MODULES, seed=7)
+    batch = _decode_batch(runner, 2, seed=1)
+    k_before = runner.kv_caches[0][0].clone()
+    for bad in ([0, 1], [0, lora.slots.num_slots], [-2, 0]):  # empty, past the slots, below -1
+        lora.slots.bind(np.array(bad, dtype=np.int64))
+        with pytest.raises(ValueError, match="out of range"):
+            forward(batch, lora.slots)
+    assert torch.equal(runner.kv_caches[0][0], k_before)  # nothing written

@@ -12,8 +12,10 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
-from engine import LLMEngine, LoraConfig, SamplingParams
+from engine import LLMEngine, LoraConfig, LoraRequest, SamplingParams
 from engine.config import CacheConfig, EngineConfig, RunnerConfig, SchedulerConfig
+from engine.models.batch import ForwardBatch
+from engine.models.lora import LoraSlots
 from engine.worker.model_runner import TorchModelRunner
 from tests.engine.models.helpers import (
     PagedDriver,
@@ -130,49 +132,103 @@ def test_engine_preemption_n_and_slots_match_peft(
         assert all(sample == expected for sample in samples), f"q{i}"
 
 
-def test_an_adapter_the_engine_cannot_load_is_refused(
+def test_an_adapter_the_engine_cannot_load_ends_its_request(
     checkpoint: tuple[Path, PreTrainedModel], adapters: list[Adapter], tmp_path: Path
 ) -> None:
+    """Read on the loader thread: the request ends with an error output naming the problem,
+    the others run, and the hold on the adapter is released."""
     from engine import InvalidRequestError, LoraRequest
 
     path, _ = checkpoint
     engine = _engine(path, num_kv_blocks=16)
-    with pytest.raises(InvalidRequestError, match=r"adapter_model\.safetensors is missing") as err:
-        engine.add_request("x", [5, 6, 7], SamplingParams(max_tokens=2),
-                           lora=LoraRequest("gone", str(tmp_path)))
-    assert err.value.param == "model"
-    assert not engine.has_unfinished_requests()
+    engine.add_request("x", [5, 6, 7], SamplingParams(max_tokens=2),
+                       lora=LoraRequest("gone", str(tmp_path)))
+    engine.add_request("ok", [5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True))
+    ends = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                ends[output.request_id] = output
+    assert ends["x"].finish_reason == "error" and ends["x"].error_code == "adapter_invalid"
+    assert ends["x"].error is not None and "adapter_model.safetensors is missing" in (
+        ends["x"].error)
+    assert ends["ok"].finish_reason == "length"
+    runner = engine.runner
+    assert isinstance(runner, TorchModelRunner) and runner.lora is not None
+    assert not runner.lora._holds
     no_slots = _engine(path, num_kv_blocks=16, max_loras=0)
     with pytest.raises(InvalidRequestError, match="serves no LoRA adapters"):
         no_slots.add_request("y", [5, 6, 7], SamplingParams(max_tokens=2),
                              lora=adapters[0].lora)
 
 
+def test_a_cold_adapter_never_stalls_the_steps(
+    checkpoint: tuple[Path, PreTrainedModel], adapters: list[Adapter],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The adapter's read is held up until a base-model request has run to its end: the
+    steps went on without it; then the adapter's request runs, PEFT's tokens."""
+    import threading
+
+    from engine.worker.lora_cache import LoraCache
+
+    path, hf = checkpoint
+    release = threading.Event()
+    read = LoraCache._read
+
+    def slow_read(self: LoraCache, lora: LoraRequest) -> object:
+        assert release.wait(60)
+        return read(self, lora)
+
+    monkeypatch.setattr(LoraCache, "_read", slow_read)
+    engine = _engine(path, num_kv_blocks=16)
+    [prompt] = random_prompts([9], seed=11)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    engine.add_request("cold", prompt, params, lora=adapters[2].lora)
+    engine.add_request("base", prompt, params)
+    tokens: dict[str, list[int]] = {"cold": [], "base": []}
+    while "base" not in {r for r, t in tokens.items() if len(t) == 6}:
+        for output in engine.step():
+            tokens[output.request_id] += output.new_token_ids
+    assert tokens["cold"] == []  # still loading
+    release.set()
+    for (request_id, _), new in _run(engine).items():
+        tokens[request_id] += new
+    assert tokens["base"] == hf_greedy(hf, prompt, 6)
+    assert tokens["cold"] == hf_greedy(adapters[2].reference, prompt, 6)
+
+
 def test_base_steps_keep_the_decode_forward(checkpoint: tuple[Path, PreTrainedModel],
                                             adapters: list[Adapter]) -> None:
-    """A runner with adapter slots still runs base-model decode steps as one C++ call, and
-    goes layer by layer only for steps with tokens on an adapter."""
+    """A runner with adapter slots runs decode steps as one C++ call, base-model steps without
+    adapters and adapted steps with them (the prefill goes layer by layer): PEFT's tokens."""
     path, hf = checkpoint
     runner = make_runner(path)
     assert runner.decode_forward is not None and runner.lora is not None
-    calls: list[bool] = []
-    forward = runner.decode_forward.__call__
+    calls: list[LoraSlots | None] = []  # each call's adapters
+    forward = runner.decode_forward
 
     class Counting:
-        def can_run(self, batch: object) -> bool:
-            return runner_forward.can_run(batch)  # type: ignore[arg-type]
+        def can_run(self, batch: ForwardBatch, lora: LoraSlots | None = None) -> bool:
+            return forward.can_run(batch, lora)
 
-        def __call__(self, batch: object) -> torch.Tensor:
-            calls.append(True)
-            return forward(batch)  # type: ignore[arg-type]
+        def __call__(self, batch: ForwardBatch, lora: LoraSlots | None = None) -> torch.Tensor:
+            calls.append(lora)
+            return forward(batch, lora)
 
-    runner_forward = runner.decode_forward
     runner.decode_forward = Counting()  # type: ignore[assignment]
     [prompt] = random_prompts([12], seed=9)
     base = Sequence("b", prompt, 5)
     PagedDriver(runner).run([base])
-    assert len(calls) == 4 and base.output == hf_greedy(hf, prompt, 5)
+    assert calls == [None] * 4 and base.output == hf_greedy(hf, prompt, 5)
     calls.clear()
     adapted = Sequence("l", prompt, 5, lora=adapters[1].lora)
     PagedDriver(runner).run([adapted])
-    assert not calls and adapted.output == hf_greedy(adapters[1].reference, prompt, 5)
+    assert calls == [runner.lora.slots] * 4
+    assert adapted.output == hf_greedy(adapters[1].reference, prompt, 5)
+    calls.clear()
+    both = [Sequence("b2", prompt, 5), Sequence("l2", prompt, 5, lora=adapters[2].lora)]
+    PagedDriver(runner).run(both)  # base and adapted rows in each decode step
+    assert calls == [runner.lora.slots] * 4
+    assert both[0].output == hf_greedy(hf, prompt, 5)
+    assert both[1].output == hf_greedy(adapters[2].reference, prompt, 5)

@@ -1,6 +1,7 @@
 """The admin console routes: the page and its assets, content types, cache validators, the
-Content-Security-Policy, and the static rules the CSP relies on (no inline script or style,
-nothing loaded from another origin, every module import resolvable)."""
+Content-Security-Policy, the static rules the CSP relies on (no inline script or style,
+nothing loaded from another origin, every module import resolvable), and every view of the
+page routed and linked from the nav."""
 
 from __future__ import annotations
 
@@ -202,3 +203,32 @@ def test_stylesheet_loads_nothing_from_elsewhere() -> None:
     css = (CONSOLE_DIR / "console.css").read_text()
     assert "@import" not in css
     assert "url(" not in css
+
+
+class _ViewsParser(HTMLParser):
+    """The page's views (section.view ids) and its nav links' views."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sections: set[str] = set()
+        self.nav_views: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        attributes = dict(attrs)
+        if tag == "section" and "view" in (attributes.get("class") or "").split():
+            self.sections.add(str(attributes["id"]).removeprefix("view-"))
+        if tag == "a" and attributes.get("data-view"):
+            self.nav_views.append(str(attributes["data-view"]))
+
+
+def test_every_view_has_a_section_a_route_and_the_nav_links_to_them() -> None:
+    views = _ViewsParser()
+    views.feed((CONSOLE_DIR / "index.html").read_text())
+    router = (CONSOLE_DIR / "console.js").read_text()
+    block = re.search(r"const VIEWS = \{(.*?)\};", router, flags=re.DOTALL)
+    assert block, "console.js has no VIEWS table"
+    routed = set(re.findall(r"^\s*(\w+): \w+View,$", block.group(1), flags=re.MULTILINE))
+    assert routed == views.sections - {"signin"}
+    assert "adapters" in views.nav_views
+    assert set(views.nav_views) <= routed
+

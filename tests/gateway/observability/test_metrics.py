@@ -77,6 +77,24 @@ def _completed(**fields: Any) -> RequestObservation:
     return replace(COMPLETED, **fields)
 
 
+def test_requests_on_adapters_are_counted_per_adapter() -> None:
+    metrics = GatewayMetrics(DEFAULT_TIERS)
+    metrics.observe_request(_completed(adapter="french"))
+    metrics.observe_request(_completed(adapter="french"))
+    metrics.observe_request(_completed())  # the base model: no adapter series
+    value = metrics.registry.get_sample_value
+    french = {"tier": "premium", "adapter": "french"}
+    assert value("tiergate_adapter_tokens_total", french | {"kind": "completion"}) == (
+        2 * COMPLETED.num_completion_tokens)
+    assert value("tiergate_adapter_tokens_total", french | {"kind": "prompt"}) == (
+        2 * COMPLETED.num_prompt_tokens)
+    assert value("tiergate_adapter_gpu_seconds_total", french) == pytest.approx(
+        2 * COMPLETED.gpu_seconds)
+    assert value("tiergate_tokens_total", {"tier": "premium", "tenant": COMPLETED.tenant_id,
+                                           "kind": "completion"}) == (
+        3 * COMPLETED.num_completion_tokens)
+
+
 def test_observe_request_records_every_series() -> None:
     metrics = GatewayMetrics(DEFAULT_TIERS)
     metrics.observe_request(
@@ -243,6 +261,7 @@ def populated_metrics() -> GatewayMetrics:
     metrics.observe_request(
         _completed(recompute_gpu_seconds=0.1, num_preemptions=1, recompute_charged_tenant_id="3")
     )
+    metrics.observe_request(_completed(adapter="french"))
     metrics.record_rejection("standard", "requests_per_minute")
     engine = make_engine()
     metrics.update_engine(engine.stats(), {"premium": 0.0})
@@ -268,7 +287,7 @@ def test_metrics_route_serves_the_exposition_format() -> None:
     content_type, text = _scrape(metrics)
     assert content_type.startswith("text/plain; version=0.0.4")
     families = _families(text)
-    assert len(families) == 36
+    assert len(families) == 38
     for family in families:
         assert family.name.startswith("tiergate_"), family.name
         assert family.samples, family.name

@@ -1,0 +1,166 @@
+"""LoRA adapters under /admin/v1/adapters: register, list, read, share, unregister.
+
+Registering takes either a JSON body naming a directory on the server
+(``{"name", "owner", "shared_with", "path"}``) or the adapter's files as an archive in the
+body (zip or tar, any other content type than JSON) with ``name``, ``owner`` and
+``shared_with`` (comma-separated) as query parameters. The files are checked against the
+served model before anything is stored; a refusal is a 400 naming the problem. Unregistering
+answers once the requests running on the adapter on this replica have ended (200,
+``deleted: true``), or after the drain timeout with ``deleted: false`` (202): the adapter
+takes no new request either way, and a later DELETE finishes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+import tenants
+from engine import AdapterError
+from gateway.adapters import AdapterRegistry, read_archive, read_directory
+from gateway.admin.auth import AdminGuard
+from gateway.admin.bodies import (
+    admin_actor,
+    json_object,
+    list_response,
+    reject_unknown,
+    translate_tenants_error,
+)
+from gateway.http.errors import BadRequestError, PayloadTooLargeError, ServiceUnavailableError
+from gateway.http.json_body import declared_length
+
+if TYPE_CHECKING:
+    from gateway.server.served_model import ServedModel
+
+__all__ = ["adapter_routes"]
+
+T = TypeVar("T")
+
+_JSON_FIELDS = ("name", "owner", "shared_with", "path")
+_SHARE_FIELDS = ("shared_with",)
+# An archive holds the files and its own framing: the body may exceed the files a little.
+_ARCHIVE_OVERHEAD = 1 << 20
+
+
+def adapter_routes(guard: AdminGuard, registry: AdapterRegistry,
+                   served_model: Callable[[], ServedModel | None],
+                   unregister_timeout_s: float) -> list[Route]:
+    """Routes to mount under /admin/v1. served_model: the replica's model once loaded."""
+    api = _AdaptersApi(registry, served_model, unregister_timeout_s)
+    return [
+        Route("/adapters", guard(api.list_adapters), methods=["GET"]),
+        Route("/adapters", guard(api.register), methods=["POST"]),
+        Route("/adapters/{name}", guard(api.get_adapter), methods=["GET"]),
+        Route("/adapters/{name}", guard(api.share), methods=["PATCH"]),
+        Route("/adapters/{name}", guard(api.unregister), methods=["DELETE"]),
+    ]
+
+
+class _AdaptersApi:
+    def __init__(self, registry: AdapterRegistry,
+                 served_model: Callable[[], ServedModel | None],
+                 unregister_timeout_s: float) -> None:
+        self._registry = registry
+        self._served_model = served_model
+        self._unregister_timeout_s = unregister_timeout_s
+
+    async def list_adapters(self, request: Request) -> Response:
+        owner = request.query_params.get("owner")
+        return list_response(await _tenants_call(self._registry.list_all(owner)))
+
+    async def get_adapter(self, request: Request) -> Response:
+        return JSONResponse(await _tenants_call(
+            self._registry.get(request.path_params["name"])))
+
+    async def register(self, request: Request) -> Response:
+        served = self._served_model()
+        if served is None:
+            raise ServiceUnavailableError("the model is not loaded yet: adapters are checked "
+                                          "against it", code="model_loading")
+        max_bytes = self._registry.max_bytes
+        if request.headers.get("content-type", "").startswith("application/json"):
+            body = await json_object(request)
+            reject_unknown(body, _JSON_FIELDS)
+            name, owner = _required(body, "name"), _required(body, "owner")
+            shared = _tenant_list(body.get("shared_with", []))
+            path = _required(body, "path")
+            files = await _checked(run_in_threadpool(read_directory, Path(path), max_bytes))
+        else:
+            params = request.query_params
+            name, owner = _required(params, "name"), _required(params, "owner")
+            raw_shared = params.get("shared_with", "")
+            shared = [ref for ref in raw_shared.split(",") if ref]
+            data = await _read_bounded(request, max_bytes + _ARCHIVE_OVERHEAD)
+            files = await _checked(run_in_threadpool(read_archive, data, max_bytes))
+        snapshot = await _checked(_tenants_call(self._registry.register(
+            name=name, owner=owner, shared_with=shared, files=files, served_name=served.name,
+            model_config=served.model_config, actor=admin_actor(request))))
+        return JSONResponse(snapshot, status_code=201)
+
+    async def share(self, request: Request) -> Response:
+        body = await json_object(request)
+        reject_unknown(body, _SHARE_FIELDS)
+        shared = _tenant_list(body.get("shared_with"))
+        return JSONResponse(await _tenants_call(self._registry.share(
+            request.path_params["name"], shared, admin_actor(request))))
+
+    async def unregister(self, request: Request) -> Response:
+        result = await _tenants_call(self._registry.unregister(
+            request.path_params["name"], admin_actor(request), self._unregister_timeout_s))
+        return JSONResponse(result, status_code=200 if result["deleted"] else 202)
+
+
+async def _tenants_call(call: Awaitable[T]) -> T:
+    try:
+        return await call
+    except tenants.TenantsError as exc:
+        raise translate_tenants_error(exc) from exc
+
+
+async def _checked(call: Awaitable[T]) -> T:
+    """An adapter refused: 400 naming the problem (nothing was stored)."""
+    try:
+        return await call
+    except AdapterError as exc:
+        raise BadRequestError(f"adapter refused: {exc}", param="adapter",
+                              code="invalid_adapter") from None
+
+
+def _required(source: Any, field: str) -> str:
+    value = source.get(field)
+    if not isinstance(value, str) or not value:
+        raise BadRequestError(f"missing required field {field!r}", param=field)
+    return value
+
+
+def _tenant_list(value: object) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(v, str | int) for v in value):
+        raise BadRequestError("shared_with must be a list of tenant ids or names",
+                              param="shared_with")
+    return [str(v) for v in value]
+
+
+async def _read_bounded(request: Request, max_bytes: int) -> bytes:
+    declared = declared_length(request)
+    if declared is not None and declared > max_bytes:
+        raise PayloadTooLargeError(f"the archive is larger than {max_bytes} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                raise PayloadTooLargeError(f"the archive is larger than {max_bytes} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise BadRequestError("the upload ended early") from None
+    if not size:
+        raise BadRequestError("the body holds no archive (or send JSON with a server path)",
+                              param="adapter")
+    return b"".join(chunks)
