@@ -88,4 +88,5 @@ step bench-8b 150 $PYTHON -m bench.engine --device "$DEVICE" --dtype "$DTYPE" \
   --model-config "$MODEL_8B" --batches $BATCHES_8B --repeats 1 --steps 10 \
   --device-steps "$DEVICE_STEPS" --copy-bytes "$COPY"
 step kernels 80 $PYTHON -m pytest -q -p no:cacheprovider \
-  tests/engine/attention/test_triton_kernels.py tests/engine/models/test_triton_add_norm.py
+  tests/engine/attention/test_triton_kernels.py tests/engine/models/test_triton_add_norm.py \
+  tests/engine/models/test_triton_lora.py

@@ -18,13 +18,21 @@ slots' weights instead, in its own layout (engine.models.cpu_decode_lora).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from engine.models.config import ModelConfig
 
-__all__ = ["FUSED_TARGETS", "LoraMatrices", "LoraSlots", "LoraWeights", "target_shapes"]
+__all__ = [
+    "FUSED_TARGETS",
+    "LoraMatrices",
+    "LoraSlots",
+    "LoraWeights",
+    "SlotKernels",
+    "target_shapes",
+]
 
 # The decoder's fused products and the HF modules each fuses, in its output order.
 FUSED_TARGETS: dict[str, tuple[str, ...]] = {
@@ -101,11 +109,27 @@ class LoraWeights:
         return cls(fused_layers)
 
 
+class SlotKernels(Protocol):
+    """Kernels that apply every slot's update in a few launches (engine.models.triton_lora's
+    TritonLoraStack on CUDA): they keep their own copy of each slot's weights."""
+
+    def set_slot(self, slot: int, weights: LoraWeights | None) -> None: ...
+
+    def plan(self, token_slots: np.ndarray) -> object: ...
+
+    def apply(self, layer: int, product: str, x: torch.Tensor, out: torch.Tensor,
+              plan: Any) -> None: ...
+
+
 class LoraSlots:
     """The adapters a step may use, one per slot, and the current step's tokens by slot."""
 
-    def __init__(self, num_slots: int, device: torch.device) -> None:
+    def __init__(self, num_slots: int, device: torch.device,
+                 kernels: SlotKernels | None = None) -> None:
+        """kernels: apply the updates with them (CUDA) instead of grouped torch products."""
         self.device = device
+        self.kernels = kernels
+        self._plan: object = None  # the kernels' plan of the bound step
         self.weights: list[LoraWeights | None] = [None] * num_slots
         # The bound step's slot per token (int64[T], -1: the base model), None when no token
         # is on an adapter; its groups for `add` (slot, its token rows or None for every row),
@@ -116,6 +140,12 @@ class LoraSlots:
     @property
     def num_slots(self) -> int:
         return len(self.weights)
+
+    def set_slot(self, slot: int, weights: LoraWeights | None) -> None:
+        """An adapter enters slot (None: it is emptied)."""
+        self.weights[slot] = weights
+        if self.kernels is not None:
+            self.kernels.set_slot(slot, weights)
 
     @property
     def active(self) -> bool:
@@ -130,6 +160,8 @@ class LoraSlots:
             return
         self.token_slots = np.ascontiguousarray(token_slots, dtype=np.int64)
         self._groups = None
+        if self.kernels is not None:
+            self._plan = self.kernels.plan(self.token_slots)
 
     def _grouped(self) -> list[tuple[LoraWeights, torch.Tensor | None]]:
         """The bound step's tokens by slot (made once per step)."""
@@ -158,6 +190,9 @@ class LoraSlots:
     def add(self, layer: int, product: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """out += each bound adapter's update of `product` in `layer`, on its rows of x
         ([T, in] -> out [T, N])."""
+        if self.kernels is not None:
+            self.kernels.apply(layer, product, x, out, self._plan)
+            return
         for weights, rows in self._grouped():
             matrices = weights.layers[layer].get(product)
             if matrices is None:

@@ -420,6 +420,10 @@ class TritonLoraStack:
         for product, values in ranks.items():
             self.ranks[product][:, slot].copy_(torch.from_numpy(values))
 
+    def plan(self, token_slots: np.ndarray) -> LoraTokenPlan:
+        """The step's tiles (engine.models.lora.SlotKernels): plan_tokens on this device."""
+        return plan_tokens(token_slots, self.device)
+
     def apply(
         self,
         layer: int,

@@ -18,6 +18,8 @@ itself; on an accelerator it holds a copy on the device.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -29,7 +31,7 @@ import torch
 from engine.checkpoints.lora_adapter import read_lora_adapter
 from engine.config import LoraConfig
 from engine.models.config import ModelConfig
-from engine.models.lora import LoraSlots, LoraWeights, target_shapes
+from engine.models.lora import LoraSlots, LoraWeights, SlotKernels, target_shapes
 from engine.types import LoraRequest
 
 __all__ = ["LoraCache"]
@@ -37,6 +39,13 @@ __all__ = ["LoraCache"]
 
 def _out_features(config: ModelConfig) -> dict[str, int]:
     return {name: out for name, (_, out) in target_shapes(config).items()}
+
+
+def _yield_to_steps() -> None:
+    """The loader thread runs at the lowest CPU priority (Linux: a thread's nice value is its
+    own): on a small CPU its reads take what the steps leave, not a share of their cores."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
 @dataclass(frozen=True)
@@ -51,11 +60,13 @@ class LoraCache:
     may be called from any thread; the rest from the step's."""
 
     def __init__(self, model_config: ModelConfig, config: LoraConfig, device: torch.device,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, kernels: SlotKernels | None = None) -> None:
+        """kernels: apply the slots' updates with them (CUDA: the Triton SGMV kernels, which
+        keep their own device copy of each slot)."""
         self.model_config = model_config
         self.config = config
         self.device, self.dtype = device, dtype
-        self.slots = LoraSlots(config.max_loras, device)
+        self.slots = LoraSlots(config.max_loras, device, kernels)
         # The host's adapters, least recently used first; what the lock guards, with the holds
         # and the loads under way.
         self._host: OrderedDict[str, _Loaded] = OrderedDict()
@@ -88,7 +99,8 @@ class LoraCache:
             if loading is None:
                 if self._loader is None:
                     self._loader = concurrent.futures.ThreadPoolExecutor(
-                        1, thread_name_prefix="tiergate-lora-loader")
+                        1, thread_name_prefix="tiergate-lora-loader",
+                        initializer=_yield_to_steps)
                 loading = self._loading[lora.name] = self._loader.submit(self._load, lora)
             return loading
 
@@ -171,14 +183,14 @@ class LoraCache:
                     self._host[lora.name] = loaded
                     self._evict_host()
             weights = loaded.weights
-            if self.device.type != "cpu":
+            if self.device.type != "cpu" and self.slots.kernels is None:
                 weights = LoraWeights([
                     {p: replace(m, a_t=m.a_t.to(self.device, non_blocking=True),
                                 b_t=m.b_t.to(self.device, non_blocking=True))
                      for p, m in layer.items()}
                     for layer in weights.layers
                 ])
-            self.slots.weights[slot] = weights
+            self.slots.set_slot(slot, weights)
             self._slot_names[slot] = lora.name
             with self._lock:  # the loader's eviction reads which adapters are in slots
                 if old is not None:

@@ -23,7 +23,7 @@ from engine.models.cpu_decode import CpuDecodeForward
 from engine.models.cpu_decode import supports as supports_decode_forward
 from engine.models.decoder import CausalLM, KVCache
 from engine.models.loader import load_model, random_model
-from engine.models.lora import LoraSlots
+from engine.models.lora import LoraSlots, SlotKernels
 from engine.models.packed_linear import pack_linear_layers
 from engine.sample.sampler import SampledTokens, Sampler
 from engine.sample.sampling_table import SamplingColumns
@@ -112,6 +112,19 @@ class TorchModelRunner(BatchRunner):
             raise ModelConfigError("max_model_len exceeds the model's RoPE table")
         decodes_in_cpp = (device.type == "cpu" and options.cpu_decode_rows > 0
                           and supports_decode_forward(self.model_config, device, self.dtype))
+        # LoRA adapters: none of this costs a step that has no token on an adapter. Made before
+        # the KV cache is sized: on CUDA the kernels' slot buffers take their memory first.
+        self.lora: LoraCache | None = None
+        if config.lora.max_loras > 0:
+            kernels: SlotKernels | None = None
+            if device.type == "cuda":  # SGMV: every slot's update in two launches a product
+                from engine.models.triton_lora import TritonLoraStack
+
+                kernels = TritonLoraStack.for_model(self.model_config, config.lora.max_loras,
+                                                    config.lora.max_lora_rank, self.dtype,
+                                                    device)
+            self.lora = LoraCache(self.model_config, config.lora, device, self.dtype, kernels)
+            model.use_lora_slots(self.lora.slots)
         per_block = kv_bytes_per_block(self.model_config, block_size, self.dtype)
         num_blocks = options.num_kv_blocks
         self.kv_cache_size: KVCacheSize | None = None  # None: num_kv_blocks was given
@@ -150,11 +163,6 @@ class TorchModelRunner(BatchRunner):
                 model.use_fused_cpu_ops()
         elif device.type == "cuda" and options.fuse_cuda_ops:
             model.use_fused_cuda_ops()
-        # LoRA adapters: none of this costs a step that has no token on an adapter.
-        self.lora: LoraCache | None = None
-        if config.lora.max_loras > 0:
-            self.lora = LoraCache(self.model_config, config.lora, device, self.dtype)
-            model.use_lora_slots(self.lora.slots)
         self.attention = attention_backend(device)
         self.sampler: TokenSampler = sampler or Sampler(
             self.model_config.vocab_size, seed=options.sampler_seed

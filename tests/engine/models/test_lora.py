@@ -73,6 +73,30 @@ def test_four_adapters_and_base_in_one_batch_match_peft(
         assert seq.output == hf_greedy(reference, seq.prompt, seq.max_new_tokens), seq.request_id
 
 
+def test_the_triton_kernels_give_peft_tokens(
+    checkpoint: tuple[Path, PreTrainedModel], adapters: list[Adapter]
+) -> None:
+    """The SGMV kernels CUDA uses (engine.models.triton_lora, here under the Triton
+    interpreter) in place of the grouped products: four adapters and the base model in one
+    batch, chunked prefills next to decodes, PEFT's tokens."""
+    from engine.models.triton_lora import TritonLoraStack
+
+    path, hf = checkpoint
+    runner = make_runner(path, fuse_cpu_ops=False)
+    assert runner.lora is not None and runner.decode_forward is None
+    runner.lora.slots.kernels = TritonLoraStack.for_model(
+        runner.model_config, runner.lora.slots.num_slots, 64, torch.float32,
+        torch.device("cpu"))
+    choices: list[Adapter | None] = [*adapters, None]
+    prompts = random_prompts([6, 19, 11, 25, 8], seed=13)
+    seqs = [Sequence(f"k{i}", prompt, 5, lora=None if a is None else a.lora)
+            for i, (prompt, a) in enumerate(zip(prompts, choices, strict=True))]
+    PagedDriver(runner).run(seqs, token_budget=24)
+    for seq, adapter in zip(seqs, choices, strict=True):
+        reference = hf if adapter is None else adapter.reference
+        assert seq.output == hf_greedy(reference, seq.prompt, 5), seq.request_id
+
+
 def test_merged_adapter_gives_the_unmerged_tokens(
     checkpoint: tuple[Path, PreTrainedModel], adapters: list[Adapter], tmp_path: Path
 ) -> None:
