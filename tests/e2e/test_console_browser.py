@@ -15,7 +15,6 @@ from __future__ import annotations
 import csv
 import io
 import re
-import tarfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -42,6 +41,7 @@ from gateway.admin.auth import AdminGuard
 from gateway.admin.console_routes import console_routes
 from gateway.http.errors import exception_handlers
 from tenants import DatabaseSettings, create_db_engine, create_session_factory
+from tests.adapter_archive import adapter_tar_gz as tar_gz
 from tests.e2e.conftest import ADMIN_TOKEN, ConsolePage, console_page, serve_in_thread
 from tests.tenants.conftest import scratch_database
 
@@ -270,18 +270,6 @@ class TinyLlama:
     stray_tar_gz: bytes
 
 
-def _tar_gz(directory: Path, extra: dict[str, bytes] | None = None) -> bytes:
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
-        for path in sorted(directory.iterdir()):
-            archive.add(path, arcname=f"adapter/{path.name}")
-        for name, data in (extra or {}).items():
-            info = tarfile.TarInfo(f"adapter/{name}")
-            info.size = len(data)
-            archive.addfile(info, io.BytesIO(data))
-    return buffer.getvalue()
-
-
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> TinyLlama:
     # Imported here: torch, transformers and peft load only for the adapter tests.
@@ -295,8 +283,8 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> TinyLlama:
     )
     return TinyLlama(
         config=ModelConfig.from_file(root / "model"),
-        adapter_tar_gz=_tar_gz(root / "adapter"),
-        stray_tar_gz=_tar_gz(root / "adapter", {"notes.txt": b"not part of an adapter"}),
+        adapter_tar_gz=tar_gz(root / "adapter"),
+        stray_tar_gz=tar_gz(root / "adapter", {"notes.txt": b"not part of an adapter"}),
     )
 
 

@@ -133,14 +133,21 @@ function adapterRow(adapter) {
     "tr",
     { dataset: { adapter: adapter.name } },
     h("th", { scope: "row" }, h("code", { text: adapter.name })),
+    ...detailCells(adapter),
+    actions,
+  );
+}
+
+// The cells every row of an adapter shows between its name and its actions.
+function detailCells(adapter) {
+  return [
     h("td", {}, tenantLink(adapter.owner_tenant_id)),
     sharedCell(adapter),
     h("td", { class: "num", text: formatInt(adapter.rank) }),
     h("td", { text: adapter.targets.join(", ") }),
     h("td", { class: "num", text: formatBytes(adapter.size_bytes) }),
     h("td", { text: formatTime(adapter.created_at) }),
-    actions,
-  );
+  ];
 }
 
 // An adapter being removed: no sharing to edit (it takes no new requests), a removal to finish.
@@ -171,12 +178,7 @@ function removingRow(adapter) {
       " ",
       h("span", { class: "badge pending", text: "removing" }),
     ),
-    h("td", {}, tenantLink(adapter.owner_tenant_id)),
-    sharedCell(adapter),
-    h("td", { class: "num", text: formatInt(adapter.rank) }),
-    h("td", { text: adapter.targets.join(", ") }),
-    h("td", { class: "num", text: formatBytes(adapter.size_bytes) }),
-    h("td", { text: formatTime(adapter.created_at) }),
+    ...detailCells(adapter),
     actions,
   );
 }

@@ -11,9 +11,7 @@ the adapter (the registry and the files live in the database).
 
 from __future__ import annotations
 
-import io
 import pickle
-import tarfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +22,7 @@ import pytest
 from sqlalchemy import create_engine, text
 
 from engine import Tokenizer
+from tests.adapter_archive import adapter_tar_gz
 from tests.engine.models.helpers import hf_greedy, make_checkpoint
 from tests.engine.models.lora_adapters import Adapter, make_adapter
 from tests.serve_process import ADMIN_TOKEN, ServeProcess, shared_demo_model_dir
@@ -77,20 +76,6 @@ def adapter(tmp_path_factory: pytest.TempPathFactory) -> Adapter:
                         seed=3)
 
 
-def _archive(directory: Path, extra: dict[str, bytes] | None = None,
-             skip: tuple[str, ...] = ()) -> bytes:
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
-        for path in sorted(directory.iterdir()):
-            if path.name not in skip:
-                tar.add(path, arcname=f"adapter/{path.name}")
-        for name, data in (extra or {}).items():
-            info = tarfile.TarInfo(f"adapter/{name}")
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return buffer.getvalue()
-
-
 def _upload(admin: httpx.Client, name: str, data: bytes, owner: str = "alpha",
             shared: str = "") -> httpx.Response:
     return admin.post("/adapters", content=data, headers={"content-type": "application/gzip"},
@@ -105,7 +90,7 @@ def _greedy(client: openai.OpenAI, model: str, max_tokens: int = 12) -> tuple[st
 
 @pytest.fixture(scope="module")
 def registered(admin: httpx.Client, keys: dict[str, str], adapter: Adapter) -> dict[str, Any]:
-    response = _upload(admin, "french", _archive(Path(adapter.lora.path)))
+    response = _upload(admin, "french", adapter_tar_gz(Path(adapter.lora.path)))
     assert response.status_code == 201, response.text
     return dict(response.json())
 
@@ -161,14 +146,14 @@ def test_bad_adapters_are_refused_and_nothing_is_stored(
     directory = Path(adapter.lora.path)
     big = make_adapter(shared_demo_model_dir(), tmp_path / "big", 64, seed=4)
     cases = {
-        "pickle": (_archive(directory, {"adapter_model.bin": pickle.dumps({"w": [1.0]})},
+        "pickle": (adapter_tar_gz(directory, {"adapter_model.bin": pickle.dumps({"w": [1.0]})},
                             skip=("adapter_model.safetensors",)), "is a pickle"),
-        "wrong base": (_archive(other_base), "is the adapter for another base model"),
-        "rank": (_archive(Path(big.lora.path)), "rank 64 is above the limit of 32"),
+        "wrong base": (adapter_tar_gz(other_base), "is the adapter for another base model"),
+        "rank": (adapter_tar_gz(Path(big.lora.path)), "rank 64 is above the limit of 32"),
         "not an archive": (b"\x00garbage" * 100, "neither a zip nor a tar"),
-        "missing weights": (_archive(directory, skip=("adapter_model.safetensors",)),
+        "missing weights": (adapter_tar_gz(directory, skip=("adapter_model.safetensors",)),
                             "adapter_model.safetensors is missing"),
-        "escape": (_archive(directory, {"../evil.json": b"{}"}), "is not a file at the"),
+        "escape": (adapter_tar_gz(directory, {"../evil.json": b"{}"}), "is not a file at the"),
     }
     before = _adapter_count(admin)
     for case, (data, message) in cases.items():
@@ -178,7 +163,7 @@ def test_bad_adapters_are_refused_and_nothing_is_stored(
     json_path = admin.post("/adapters", json={"name": "bad-path", "owner": "alpha",
                                               "path": str(tmp_path / "nowhere")})
     assert json_path.status_code == 400 and "is not a directory" in json_path.text
-    duplicate = _upload(admin, "french", _archive(directory))
+    duplicate = _upload(admin, "french", adapter_tar_gz(directory))
     assert duplicate.status_code == 409
     assert _adapter_count(admin) == before
     db = create_engine(database)
