@@ -1,4 +1,4 @@
-"""Refusals folded into one usage record per key, model and endpoint a second.
+"""Refusals folded into one usage record per key, model (and adapter) and endpoint a second.
 
 A refusal used nothing, but it is still worth a line in the ledger (who was turned away, how
 often). A record per refusal would let a client that sends 429s as fast as it can make the
@@ -26,7 +26,7 @@ from billing.records import RecordStatus, UsageRecord
 logger = logging.getLogger(__name__)
 
 # What a record of refusals is kept apart by: everything but the times and the count.
-_FoldKey = tuple[int, int | None, str, str, str]
+_FoldKey = tuple[int, int | None, str, str | None, str, str]
 
 
 @dataclass
@@ -63,7 +63,8 @@ class RefusalTally:
     def add(self, record: UsageRecord) -> None:
         if record.status is not RecordStatus.REFUSED:
             raise ValueError("only refusals are folded")
-        key = (record.tenant_id, record.api_key_id, record.model, record.tier, record.endpoint)
+        key = (record.tenant_id, record.api_key_id, record.model, record.adapter, record.tier,
+               record.endpoint)
         fold = self._folds.get(key)
         if fold is None:
             self._folds[key] = _Fold(record, record.num_requests, record.finished_at)

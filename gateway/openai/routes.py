@@ -198,7 +198,7 @@ class _OpenAIApi:
                     engine.record_refused(len(prompt.token_ids), tenant)
             await self._publish_refusal(
                 trace, response_id, principal, endpoint, served, num_prompt_tokens, arrival,
-                refusal,
+                refusal, target.adapter,
             )
             raise
         trace.queued()
@@ -252,14 +252,15 @@ class _OpenAIApi:
     async def _publish_refusal(
         self, trace: RequestTrace, response_id: str, principal: TenantPrincipal,
         endpoint: Endpoint, served: ServedModel, num_prompt_tokens: int, arrival: float,
-        refusal: AdmissionRefusal,
+        refusal: AdmissionRefusal, adapter: str | None = None,
     ) -> None:
         """The refused request's record, to its trace and the runtime: counted, not written
-        (no wait on the ledger)."""
+        (no wait on the ledger). adapter: the one it asked for, once its body was read."""
         record = build_record(
             response_id, principal, served.name, endpoint, RequestEnd.REFUSED,
             JobSummary(num_prompt_tokens, num_cached_prompt_tokens=0, num_completion_tokens=0),
             arrival=arrival, http_status=refusal.status_code, refusal_reason=refusal.reason,
+            adapter=adapter,
         )
         trace.finished(trace_response(record, served.name))
         await self.runtime.publish(record)

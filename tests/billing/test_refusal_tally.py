@@ -5,6 +5,7 @@ failing write that loses only its own fold."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -142,3 +143,20 @@ def test_only_refusals_are_folded() -> None:
         tally.add(make_record("ran"))
     with pytest.raises(InvalidSettingError):
         RefusalTally(lambda record: asyncio.sleep(0), interval_s=0)
+
+
+def test_refusals_on_different_adapters_are_kept_apart() -> None:
+    written: list[UsageRecord] = []
+
+    async def write(record: UsageRecord) -> None:
+        written.append(record)
+
+    async def scenario() -> None:
+        tally = RefusalTally(write, interval_s=3600)
+        for i, adapter in enumerate([None, "french", "french", "german", None]):
+            tally.add(dataclasses.replace(_refusal(i), adapter=adapter))
+        await tally.flush()
+
+    asyncio.run(scenario())
+    counts = {record.adapter: record.num_requests for record in written}
+    assert counts == {None: 2, "french": 2, "german": 1}
