@@ -93,16 +93,10 @@ class LoraConfig:
     max_loras: int = 4  # distinct adapters in one step (device slots); 0: no adapters served
     max_cpu_loras: int = 16  # adapters kept loaded on the host (LRU; pinned ones never evicted)
     max_lora_rank: int = 64
-    # The precision adapters' weights are held at: "float32" (as PEFT computes them), or
-    # "float16" (rounded once at load: half the bytes a decode step reads for them, which on
-    # a CPU is what an adapted step costs).
-    weight_dtype: str = "float32"
 
     def validate(self) -> None:
         if self.max_loras < 0 or self.max_lora_rank < 1:
             raise ConfigError("max_loras must be >= 0 and max_lora_rank >= 1")
-        if self.weight_dtype not in ("float32", "float16"):
-            raise ConfigError("weight_dtype must be float32 or float16")
         if self.max_cpu_loras < self.max_loras:
             raise ConfigError("max_cpu_loras must be at least max_loras")
 

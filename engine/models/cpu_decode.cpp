@@ -24,7 +24,6 @@
 //
 // Built at first use by engine/attention/cpp_build.py; no torch headers.
 
-#include <immintrin.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -119,13 +118,12 @@ struct TiergateDecodeModel {
 // B is block-diagonal over the product's targets (q, k, v; gate, up): each output panel keeps
 // only the block of the target it belongs to, and where it finds that target's h rows.
 struct TiergateLoraProduct {
-  const void* a;            // A in panels of 16 ranks, [R16 / 16][in][16] (zero rows past R),
+  const float* a;           // A in panels of 16 ranks, [R16 / 16][in][16] (zero rows past R),
                             // or null: the adapter does not target this product
   int64_t a_panels;         // R16 / 16
-  const void* b;            // B per output panel (the product's panel order): [rank][16] each
+  const float* b;           // B per output panel (the product's panel order): [rank][16] each
   const int64_t* b_panels;  // [N / 16][3]: per output panel its first h row, its rank (0: no
-                            // update) and where its block starts in b (elements)
-  int64_t half_weights;     // a and b hold IEEE float16 (1) or float32 (0)
+                            // update) and where its block starts in b (floats)
 };
 
 // An adapter slot: its products per layer.
@@ -255,48 +253,18 @@ Share product_share(int64_t M, const float* x, int64_t K, const float* panels, c
   return {begin, end};
 }
 
-// 16 adapter weights as floats, from float32 or from IEEE float16 (what an adapter held in
-// 16 bits keeps: half the bytes to read, converted in registers).
-inline vec16 load_weights(const float* p) { return *reinterpret_cast<const vec16*>(p); }
-inline vec16 load_weights(const uint16_t* p) {
-  vec16 out;
-#if defined(__F16C__)
-  const __m256 low = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256 high = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
-  std::memcpy(&out, &low, sizeof(low));
-  std::memcpy(reinterpret_cast<char*>(&out) + sizeof(low), &high, sizeof(high));
-#else
-  for (int i = 0; i < 16; ++i) out[i] = static_cast<float>(reinterpret_cast<const _Float16*>(p)[i]);
-#endif
-  return out;
-}
-
 // h[0:16] = A[c * 16 : c * 16 + 16] x for one panel of 16 ranks of A ([K][16]); four
 // accumulators over k, so one row's short product is not bound by the FMAs' latency.
-template <typename W>
-inline void shrink_panel(const float* x, int64_t K, const W* a, float* h) {
+inline void shrink_panel(const float* x, int64_t K, const float* a, float* h) {
   vec16 acc[4] = {};
   int64_t k = 0;
   for (; k + 4 <= K; k += 4) {
     for (int j = 0; j < 4; ++j) {
-      acc[j] += load_weights(a + (k + j) * kPanel) * (vec16{} + x[k + j]);
+      acc[j] += *reinterpret_cast<const vec16*>(a + (k + j) * kPanel) * (vec16{} + x[k + j]);
     }
   }
-  for (; k < K; ++k) acc[0] += load_weights(a + k * kPanel) * (vec16{} + x[k]);
+  for (; k < K; ++k) acc[0] += *reinterpret_cast<const vec16*>(a + k * kPanel) * (vec16{} + x[k]);
   *reinterpret_cast<vec16*>(h) = (acc[0] + acc[1]) + (acc[2] + acc[3]);
-}
-
-// out[0:16] += B[panel] h for one output panel of one row: rank rows of 16 weights.
-template <typename W>
-inline void expand_panel(const W* b, const float* h, int64_t rank, float* out) {
-  vec16 acc[2] = {};
-  int64_t j = 0;
-  for (; j + 2 <= rank; j += 2) {
-    acc[0] += load_weights(b + j * kPanel) * (vec16{} + h[j]);
-    acc[1] += load_weights(b + (j + 1) * kPanel) * (vec16{} + h[j + 1]);
-  }
-  if (j < rank) acc[0] += load_weights(b + j * kPanel) * (vec16{} + h[j]);
-  *reinterpret_cast<vec16*>(out) += acc[0] + acc[1];
 }
 
 enum LoraProductIndex : int64_t { kQkv = 0, kO = 1, kGateUp = 2, kDown = 3, kLoraProducts = 4 };
@@ -335,12 +303,7 @@ void lora_shrink(const TiergateLoraStep& lora, int64_t M, int64_t l, int64_t pro
     const int64_t m = item / width, c = item % width;
     const TiergateLoraProduct* up = lora_product(lora, m, l, product);
     if (up == nullptr || c >= up->a_panels) continue;
-    float* h = lora.h + m * lora.h_stride + c * kPanel;
-    if (up->half_weights) {
-      shrink_panel(x + m * K, K, static_cast<const uint16_t*>(up->a) + c * K * kPanel, h);
-    } else {
-      shrink_panel(x + m * K, K, static_cast<const float*>(up->a) + c * K * kPanel, h);
-    }
+    shrink_panel(x + m * K, K, up->a + c * K * kPanel, lora.h + m * lora.h_stride + c * kPanel);
   }
 }
 
@@ -365,12 +328,15 @@ void lora_expand(const TiergateLoraStep& lora, int64_t M, int64_t l, int64_t pro
         const int64_t rank = panel[1];
         if (rank == 0) continue;
         const float* h = lora.h + rows[i] * lora.h_stride + panel[0];
-        float* row_out = out + rows[i] * N + p * kPanel;
-        if (ups[i]->half_weights) {
-          expand_panel(static_cast<const uint16_t*>(ups[i]->b) + panel[2], h, rank, row_out);
-        } else {
-          expand_panel(static_cast<const float*>(ups[i]->b) + panel[2], h, rank, row_out);
+        const float* b = ups[i]->b + panel[2];
+        vec16 acc[2] = {};
+        int64_t j = 0;
+        for (; j + 2 <= rank; j += 2) {
+          acc[0] += *reinterpret_cast<const vec16*>(b + j * kPanel) * (vec16{} + h[j]);
+          acc[1] += *reinterpret_cast<const vec16*>(b + (j + 1) * kPanel) * (vec16{} + h[j + 1]);
         }
+        if (j < rank) acc[0] += *reinterpret_cast<const vec16*>(b + j * kPanel) * (vec16{} + h[j]);
+        *reinterpret_cast<vec16*>(out + rows[i] * N + p * kPanel) += acc[0] + acc[1];
       }
     }
   }

@@ -37,8 +37,7 @@ _p, _i64 = ctypes.c_void_p, ctypes.c_int64
 
 
 class _Product(ctypes.Structure):  # TiergateLoraProduct
-    _fields_ = [("a", _p), ("a_panels", _i64), ("b", _p), ("b_panels", _p),
-                ("half_weights", _i64)]
+    _fields_ = [("a", _p), ("a_panels", _i64), ("b", _p), ("b_panels", _p)]
 
 
 class _Slot(ctypes.Structure):  # TiergateLoraSlot
@@ -99,12 +98,8 @@ class AdapterPanels:
     """One adapter in the decode kernel's layout: per layer and product its A panels and B
     blocks, and the kernel's struct of its slot."""
 
-    def __init__(self, weights: LoraWeights, config: ModelConfig,
-                 half_weights: bool = False) -> None:
-        """half_weights: the weights are float16 values (LoraSlots.half_weights): A and B
-        are held in 16 bits, half the bytes a step reads for them, with no change of value."""
+    def __init__(self, weights: LoraWeights, config: ModelConfig) -> None:
         widths = _target_widths(config)
-        self.weight_dtype = torch.float16 if half_weights else torch.float32  # of A and B
         num_layers = len(weights.layers)
         products = (_Product * (num_layers * len(_PRODUCTS)))()
         keep: list[torch.Tensor] = []  # what the structs point into
@@ -118,12 +113,10 @@ class AdapterPanels:
                 assert len(matrices.ranks) == len(FUSED_TARGETS[product])
                 a = _a_panels(matrices.a_t)
                 b, table = _b_panels(matrices, widths[product], interleaved=product == "gate_up")
-                if half_weights:
-                    a, b = a.to(torch.float16), b.to(torch.float16)
                 keep += [a, b, table]
                 products[index * len(_PRODUCTS) + position] = _Product(
                     a=a.data_ptr(), a_panels=a.shape[0], b=b.data_ptr(),
-                    b_panels=table.data_ptr(), half_weights=int(half_weights))
+                    b_panels=table.data_ptr())
                 h_floats = max(h_floats, a.shape[0] * _PANEL)
         self._products = products
         self._keep = keep
@@ -166,8 +159,7 @@ class DecodeLoraSlots:
         for index, weights in enumerate(slots.weights):
             if weights is self._made_from[index]:
                 continue
-            panels = (None if weights is None
-                      else AdapterPanels(weights, self.config, slots.half_weights))
+            panels = None if weights is None else AdapterPanels(weights, self.config)
             self._made_from[index], self._panels[index] = weights, panels
             self._slots[index] = _Slot() if panels is None else panels.slot
             changed = True

@@ -125,12 +125,9 @@ class LoraSlots:
     """The adapters a step may use, one per slot, and the current step's tokens by slot."""
 
     def __init__(self, num_slots: int, device: torch.device,
-                 kernels: SlotKernels | None = None, half_weights: bool = False) -> None:
-        """kernels: apply the updates with them (CUDA) instead of grouped torch products.
-        half_weights: the adapters' weights are float16 values (LoraConfig.weight_dtype):
-        a kernel may hold them in 16 bits without changing them."""
+                 kernels: SlotKernels | None = None) -> None:
+        """kernels: apply the updates with them (CUDA) instead of grouped torch products."""
         self.device = device
-        self.half_weights = half_weights
         self.kernels = kernels
         self._plan: object = None  # the kernels' plan of the bound step
         self.weights: list[LoraWeights | None] = [None] * num_slots

