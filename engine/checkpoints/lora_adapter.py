@@ -26,10 +26,12 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from engine.models.config import ModelConfig
+from engine.models.lora import target_shapes
 
 __all__ = [
     "ADAPTER_CONFIG",
     "ADAPTER_WEIGHTS",
+    "MODULE_BLOCK",
     "TARGET_MODULES",
     "AdapterError",
     "LoraAdapter",
@@ -41,8 +43,8 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _PICKLED_WEIGHTS = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
 # The projections an adapter may target, by their HF module names.
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_BLOCK = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
-          "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+MODULE_BLOCK = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
+                "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 _KEY = re.compile(
     r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\."
     r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.lora_([AB])(?:\.default)?\.weight$"
@@ -74,14 +76,6 @@ class LoraAdapter:
     @property
     def nbytes(self) -> int:
         return sum(t.a.nbytes + t.b.nbytes for layer in self.layers for t in layer.values())
-
-
-def _module_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
-    """(in, out) features of each target module of the base model."""
-    e, i = config.hidden_size, config.intermediate_size
-    return {"q_proj": (e, config.q_size), "k_proj": (e, config.kv_size),
-            "v_proj": (e, config.kv_size), "o_proj": (config.q_size, e),
-            "gate_proj": (e, i), "up_proj": (e, i), "down_proj": (i, e)}
 
 
 def _pattern_value(patterns: dict[str, Any], module_path: str, default: float) -> float:
@@ -147,7 +141,7 @@ def read_lora_adapter(
     if size > max_bytes:
         raise AdapterError(f"{ADAPTER_WEIGHTS} is {size} bytes, over the limit of {max_bytes}")
     adapter_config = _read_config(directory / ADAPTER_CONFIG)
-    shapes = _module_shapes(config)
+    shapes = target_shapes(config)
     use_rslora = bool(adapter_config.get("use_rslora"))
     rank_pattern = adapter_config.get("rank_pattern") or {}
     alpha_pattern = adapter_config.get("alpha_pattern") or {}
@@ -161,7 +155,7 @@ def read_lora_adapter(
                     raise AdapterError(f"tensor {key!r} is not the A or B of a supported "
                                        "projection")
                 layer, block, module, side = match.groups()
-                if block != _BLOCK[module]:
+                if block != MODULE_BLOCK[module]:
                     raise AdapterError(f"tensor {key!r}: {module} is not in {block}")
                 pairs.setdefault((int(layer), module), {})[side] = tensors.get_tensor(key)
     except SafetensorError as exc:
@@ -187,7 +181,7 @@ def read_lora_adapter(
                 f"model ({num_out} x {num_in}): is the adapter for another base model?")
         if r > max_rank:
             raise AdapterError(f"{where}: rank {r} is above the limit of {max_rank}")
-        module_path = f"model.layers.{layer}.{_BLOCK[module]}.{module}"
+        module_path = f"model.layers.{layer}.{MODULE_BLOCK[module]}.{module}"
         expected_rank = _pattern_value(rank_pattern, module_path, float(adapter_config["r"]))
         if r != int(expected_rank):
             raise AdapterError(f"{where}: rank {r} is not the configured rank "

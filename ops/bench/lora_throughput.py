@@ -41,16 +41,13 @@ import torch
 from safetensors.torch import save_file
 
 from engine import LLMEngine, LoraConfig, LoraRequest, SamplingParams
-from engine.checkpoints.lora_adapter import TARGET_MODULES
+from engine.checkpoints.lora_adapter import MODULE_BLOCK, TARGET_MODULES
 from engine.config import CacheConfig, EngineConfig, RunnerConfig, SchedulerConfig
 from engine.models.config import ModelConfig
 from engine.models.lora import target_shapes
 from engine.worker.model_runner import TorchModelRunner
 from gateway.server.model_source import default_model_file, gguf_model_dir
 from gateway.server.settings import GatewaySettings
-
-_BLOCK = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
-          "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 
 
 @dataclass(frozen=True)
@@ -76,7 +73,7 @@ def write_adapter(path: Path, config: ModelConfig, rank: int, seed: int) -> None
     for layer in range(config.num_layers):
         for module in TARGET_MODULES:
             num_in, num_out = shapes[module]
-            prefix = f"base_model.model.model.layers.{layer}.{_BLOCK[module]}.{module}"
+            prefix = f"base_model.model.model.layers.{layer}.{MODULE_BLOCK[module]}.{module}"
             tensors[f"{prefix}.lora_A.weight"] = 0.02 * torch.randn(rank, num_in,
                                                                     generator=generator)
             tensors[f"{prefix}.lora_B.weight"] = 0.02 * torch.randn(num_out, rank,
