@@ -96,7 +96,8 @@ def measure_decision_latency(num_decisions: int = 20_000, seed: int = 0) -> list
     ]
     shedder = SloShedder(tiers)
     limiter = MemoryRateLimiter()
-    controller = AdmissionController(MemoryRateLimiter(), tiers, _FixedUsage(totals), lambda: stats)
+    controller = AdmissionController(MemoryRateLimiter(), tiers, _FixedUsage(totals),
+                                     lambda _model: stats)
 
     def timed(name: str, decide: Callable[[AdmissionRequest], object]) -> LatencyRow:
         samples_ns = []

@@ -72,6 +72,9 @@ class RunnerConfig:
     # of it (None: the device's default)
     kv_cache_bytes: int | None = None
     kv_cache_memory_fraction: float | None = None
+    # Multiplies that fraction (the given one or the default): where several engines share a
+    # device, each takes its part (the gateway sets it; 1: this engine alone).
+    kv_cache_memory_scale: float = 1.0
     use_cuda_graphs: bool = True  # capture decode-only steps on CUDA
     pack_cpu_weights: bool = True  # CPU: linear layers on oneDNN-prepacked weights
     fuse_cpu_ops: bool = True  # CPU float32: norms, RoPE + KV write, SiLU-and-mul as C++ ops

@@ -42,10 +42,12 @@ class LoraRequest:
     """A LoRA adapter a request runs with: a PEFT adapter directory (adapter_config.json and
     adapter_model.safetensors). `name` identifies its weights engine-wide (the registry's
     content hash): the runner's caches key on it and it enters the request's prefix-cache
-    key, so cached blocks never cross adapters."""
+    key, so cached blocks never cross adapters. `pinned`: once loaded, kept in the host
+    cache whatever the LRU says (the latest request's word on it holds)."""
 
     name: str
     path: str
+    pinned: bool = False
 
 
 @dataclass

@@ -51,6 +51,8 @@ class AdmissionRequest:
     num_prompt_tokens: int
     num_max_tokens: int  # max_tokens asked for, or the default maximum
     weight: float = 1.0  # the tenant's fair-share weight inside its tier
+    # The served model whose engine runs it (shedding reads that engine's statistics).
+    model: str = ""
 
     @property
     def num_tokens_reserved(self) -> int:
@@ -80,14 +82,16 @@ class AdmissionController:
         limiter: RateLimiter,
         tiers: TierTable,
         usage: MonthlyUsageSource | None,
-        stats: Callable[[], SchedulerStats],
+        stats: Callable[[str], SchedulerStats],
         shed: ShedConfig | None = None,
     ) -> None:
         self._limiter = limiter
         self._tiers = tiers
         self._usage = usage  # None: budgets are not enforced
-        self._stats = stats  # the engine's latest scheduler statistics
-        self._shedder = SloShedder(tiers, shed)
+        self._stats = stats  # a model's engine's latest scheduler statistics
+        self._shed = shed
+        # One shedder per model: each engine's queue is its own.
+        self._shedders: dict[str, SloShedder] = {}
         # Admitted here, not yet started by the engine: per tenant (max_queued_requests).
         self._num_queued: dict[str, int] = {}
         self._queued_tickets: set[AdmissionTicket] = set()
@@ -121,9 +125,10 @@ class AdmissionController:
                 raise short
             if limits.monthly_token_budget is not None:
                 budget = BudgetHold(budget_period(), usage.num_tokens)
-        if not self._shedder.is_exempt(request.tier):
-            shed = self._shedder.check(
-                self._stats(), request.tier, request.num_prompt_tokens,
+        shedder = self._shedder(request.model)
+        if not shedder.is_exempt(request.tier):
+            shed = shedder.check(
+                self._stats(request.model), request.tier, request.num_prompt_tokens,
                 TenantShare(request.tenant_id, request.weight),
             )
             if shed is not None:
@@ -131,7 +136,7 @@ class AdmissionController:
         num_queued = self.num_queued(request.tenant_id)
         if limits.max_queued_requests is not None and num_queued >= limits.max_queued_requests:
             tier = self._tiers[request.tier]
-            wait_s = estimate_queue_wait_s(self._stats(), tier.priority, 0)
+            wait_s = estimate_queue_wait_s(self._stats(request.model), tier.priority, 0)
             raise QueueFull(
                 f"{num_queued} of your requests are already waiting for the engine on this "
                 f"replica (your limit is {limits.max_queued_requests}); retry once they start",
@@ -152,13 +157,19 @@ class AdmissionController:
             _add(self._budget_held, request.tenant_id, -budget_tokens)
             _add(self._num_queued, request.tenant_id, -int(is_queue_counted))
             raise
-        self._shedder.admitted(request.tier, request.num_prompt_tokens, request.tenant_id)
+        shedder.admitted(request.tier, request.num_prompt_tokens, request.tenant_id)
         ticket = AdmissionTicket(request, lease)
         if is_queue_counted:
             self._queued_tickets.add(ticket)
         if budget_tokens:  # until release(), which comes once its usage is in the totals
             self._budget_tickets.add(ticket)
         return ticket
+
+    def _shedder(self, model: str) -> SloShedder:
+        shedder = self._shedders.get(model)
+        if shedder is None:
+            shedder = self._shedders[model] = SloShedder(self._tiers, self._shed)
+        return shedder
 
     def started(self, ticket: AdmissionTicket) -> None:
         """The engine has started the request: it no longer counts as queued."""

@@ -6,8 +6,10 @@ Imports nothing of the project; the schema itself lives in migrations/.
 from tenants.adapters import (
     adapter_files,
     begin_unregister,
+    count_pinned,
     find_adapter,
     list_adapters,
+    pin_adapter,
     register_adapter,
     remove_adapter,
     share_adapter,
@@ -67,7 +69,14 @@ from tenants.snapshots import (
     quota_snapshot,
     tenant_snapshot,
 )
-from tenants.validation import DEFAULT_TIERS, MAX_ROW_ID, QUOTA_FIELDS, is_row_id, validate_row_id
+from tenants.validation import (
+    DEFAULT_TIERS,
+    MAX_ROW_ID,
+    QUOTA_FIELDS,
+    is_row_id,
+    validate_model_name,
+    validate_row_id,
+)
 
 __all__ = [
     "DATABASE_URL_ENV",
@@ -102,6 +111,7 @@ __all__ = [
     "api_key_snapshot",
     "audit_entry_snapshot",
     "begin_unregister",
+    "count_pinned",
     "create_api_key",
     "create_db_engine",
     "create_session_factory",
@@ -121,6 +131,7 @@ __all__ = [
     "looks_like_key",
     "lookup_prefix",
     "mark_api_key_used",
+    "pin_adapter",
     "quota_snapshot",
     "record_audit",
     "register_adapter",
@@ -131,6 +142,7 @@ __all__ = [
     "share_adapter",
     "tenant_snapshot",
     "update_tenant",
+    "validate_model_name",
     "validate_row_id",
     "verify_key",
 ]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from sqlalchemy import or_, select
+from sqlalchemy import func, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -87,6 +87,27 @@ def share_adapter(session: Session, adapter: LoraAdapter, shared_with: Collectio
     record_audit(session, actor=actor, action="lora_adapter.share", adapter=adapter,
                  before=before)
     return adapter
+
+
+def pin_adapter(session: Session, adapter: LoraAdapter, pinned: bool, *,
+                actor: str) -> LoraAdapter:
+    """Keep the adapter in the engines' host caches once loaded (pinned), or leave it to their
+    LRU."""
+    before = adapter_snapshot(adapter)
+    if adapter.pinned != pinned:
+        adapter.pinned = pinned
+        session.flush()
+        record_audit(session, actor=actor, action="lora_adapter.pin" if pinned
+                     else "lora_adapter.unpin", adapter=adapter, before=before)
+    return adapter
+
+
+def count_pinned(session: Session, base_model: str) -> int:
+    """The adapters of base_model pinned now (unregistering ones aside)."""
+    query = select(func.count()).select_from(LoraAdapter).where(
+        LoraAdapter.base_model == base_model, LoraAdapter.pinned.is_(True),
+        LoraAdapter.deleted_at.is_(None))
+    return int(session.scalar(query) or 0)
 
 
 def begin_unregister(session: Session, adapter: LoraAdapter, *, actor: str) -> LoraAdapter:

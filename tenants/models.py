@@ -14,6 +14,7 @@ from typing import Any
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     CheckConstraint,
     DateTime,
     Dialect,
@@ -25,6 +26,7 @@ from sqlalchemy import (
     MetaData,
     String,
     TypeDecorator,
+    false,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
@@ -95,6 +97,9 @@ class Tenant(Base):
     )
     # Mixed into prefix-cache block hashes so tenants never share cached KV blocks.
     cache_salt: Mapped[str] = mapped_column(String(64))
+    # The served model names (base models) its requests may name, adapters of them included;
+    # NULL: every model.
+    allowed_models: Mapped[list[str] | None] = mapped_column(JSON, nullable=True)
     created_at: Mapped[datetime] = mapped_column(UtcDateTime, default=utc_now)
     updated_at: Mapped[datetime] = mapped_column(UtcDateTime, default=utc_now, onupdate=utc_now)
 
@@ -204,6 +209,8 @@ class LoraAdapter(Base):
     rank: Mapped[int] = mapped_column(Integer)
     targets: Mapped[list[str]] = mapped_column(JSON)  # HF module names it adapts
     size_bytes: Mapped[int] = mapped_column(BigInteger)
+    # Kept in the engines' host caches once loaded, whatever their LRU says.
+    pinned: Mapped[bool] = mapped_column(Boolean, server_default=false())
     created_at: Mapped[datetime] = mapped_column(UtcDateTime, default=utc_now)
     # Set when unregistering starts: no new request may use it; the row goes once the
     # requests running on it have ended.

@@ -27,6 +27,7 @@ from tenants.snapshots import adapter_snapshot, api_key_snapshot, tenant_snapsho
 from tenants.validation import (
     DEFAULT_TIERS,
     is_row_id,
+    validate_allowed_models,
     validate_cache_salt,
     validate_name,
     validate_quota,
@@ -36,7 +37,9 @@ from tenants.validation import (
 )
 
 # Fields update_tenant accepts; "quota" holds a mapping of quota fields.
-TENANT_UPDATE_FIELDS: tuple[str, ...] = ("name", "tier", "weight", "cache_salt", "quota")
+TENANT_UPDATE_FIELDS: tuple[str, ...] = (
+    "name", "tier", "weight", "cache_salt", "allowed_models", "quota",
+)
 _MAX_KEY_ATTEMPTS = 5
 
 
@@ -60,9 +63,11 @@ def create_tenant(
     weight: object = 1.0,
     quota: Mapping[str, object] | None = None,
     cache_salt: object = None,
+    allowed_models: object = None,
     known_tiers: Collection[str] = DEFAULT_TIERS,
 ) -> Tenant:
-    """A new active tenant; a random cache salt unless one is given (sharing one is opt-in)."""
+    """A new active tenant; a random cache salt unless one is given (sharing one is opt-in);
+    allowed_models None: every model."""
     clean_name = validate_name(name)
     _ensure_name_free(session, clean_name)
     tenant = Tenant(
@@ -71,6 +76,7 @@ def create_tenant(
         weight=validate_weight(weight),
         status=TenantStatus.ACTIVE,
         cache_salt=secrets.token_hex(16) if cache_salt is None else validate_cache_salt(cache_salt),
+        allowed_models=validate_allowed_models(allowed_models),
         quota=Quota(**validate_quota(quota or {})),
     )
     session.add(tenant)
@@ -130,6 +136,8 @@ def update_tenant(
         tenant.weight = validate_weight(changes["weight"])
     if "cache_salt" in changes:
         tenant.cache_salt = validate_cache_salt(changes["cache_salt"])
+    if "allowed_models" in changes:
+        tenant.allowed_models = validate_allowed_models(changes["allowed_models"])
     if "quota" in changes:
         quota_changes = changes["quota"]
         if not isinstance(quota_changes, Mapping):

@@ -29,6 +29,7 @@ def tenant_snapshot(tenant: Tenant) -> dict[str, Any]:
         "weight": tenant.weight,
         "status": tenant.status.value,
         "cache_salt": tenant.cache_salt,
+        "allowed_models": None if tenant.allowed_models is None else list(tenant.allowed_models),
         "quota": quota_snapshot(tenant.quota),
         "created_at": _iso(tenant.created_at),
         "updated_at": _iso(tenant.updated_at),
@@ -58,6 +59,7 @@ def adapter_snapshot(adapter: LoraAdapter) -> dict[str, Any]:
         "rank": adapter.rank,
         "targets": list(adapter.targets),
         "size_bytes": adapter.size_bytes,
+        "pinned": adapter.pinned,
         "created_at": _iso(adapter.created_at),
         "deleted_at": _iso(adapter.deleted_at),
     }

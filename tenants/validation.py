@@ -80,6 +80,35 @@ def validate_weight(value: object, param: str = "weight") -> float:
     return number
 
 
+# A served model's name as tenants' allowed lists hold it (the gateway's own rule for the names
+# it serves): no whitespace, no ':' (which separates a base model from an adapter's name).
+_MODEL_NAME_PATTERN = re.compile(r"[^\s:]{1,128}")
+MAX_ALLOWED_MODELS = 64
+
+
+def validate_model_name(value: object, param: str) -> str:
+    if not isinstance(value, str) or not _MODEL_NAME_PATTERN.fullmatch(value):
+        raise InvalidFieldError(
+            "a model name is 1-128 characters without whitespace or ':'", param
+        )
+    return value
+
+
+def validate_allowed_models(value: object, param: str = "allowed_models") -> list[str] | None:
+    """The served models a tenant may use: a list of names (an empty list: none), or None
+    for every model. Names are not checked against what a replica serves: replicas may serve
+    different models, and a model may be added after its tenants."""
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise InvalidFieldError("allowed_models must be a list of model names or null", param)
+    if len(value) > MAX_ALLOWED_MODELS:
+        raise InvalidFieldError(f"allowed_models holds at most {MAX_ALLOWED_MODELS} names",
+                                param)
+    names = [validate_model_name(item, f"{param}[{i}]") for i, item in enumerate(value)]
+    return list(dict.fromkeys(names))
+
+
 def validate_cache_salt(value: object, param: str = "cache_salt") -> str:
     if not isinstance(value, str) or not 1 <= len(value) <= 64:
         raise InvalidFieldError("cache_salt must be a string of 1-64 characters", param)

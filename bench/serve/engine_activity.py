@@ -81,13 +81,14 @@ def read_engine_activity(base_url: str) -> EngineActivity | None:
 
 
 def engine_activity_of(exposition: str) -> EngineActivity | None:
-    """The engine's totals in a Prometheus text exposition; None without every one of them."""
+    """The engines' totals in a Prometheus text exposition (summed over the served models);
+    None without every one of them."""
     values: dict[tuple[str, str | None], float] = {}
     for family in text_string_to_metric_families(exposition):
         for sample in family.samples:
             labels = sample.labels
-            label = labels.get("kind", labels.get("generation", labels.get("le")))
-            values[sample.name, label] = sample.value
+            key = (sample.name, labels.get("kind", labels.get("generation", labels.get("le"))))
+            values[key] = values.get(key, 0.0) + sample.value
     if any(key not in values for key in (*_SAMPLES.values(), _ON_TIME_BEATS)):
         return None
 

@@ -72,17 +72,19 @@ def kv_cache_size(
     requested_bytes: int | None,
     memory_fraction: float | None,
     most_useful_bytes: int,
+    memory_scale: float = 1.0,
     reserve_bytes: int,
 ) -> KVCacheSize:
     """The cache's budget: requested_bytes when given, else memory_fraction (the device's
-    default when None) of the memory the engine may use, less reserve_bytes (what the model
+    default when None) times memory_scale (this engine's part where several share the device)
+    of the memory the engine may use, less reserve_bytes (what the model
     will still allocate: activations, a second copy of its weights), at most
     most_useful_bytes (max_num_seqs x max_model_len tokens)."""
     if requested_bytes is not None:
         return KVCacheSize(requested_bytes, "--kv-cache-bytes")
     on_cuda = device.type == "cuda"
-    fraction = memory_fraction if memory_fraction is not None else (
-        DEFAULT_CUDA_MEMORY_FRACTION if on_cuda else DEFAULT_CPU_MEMORY_FRACTION)
+    fraction = memory_scale * (memory_fraction if memory_fraction is not None else (
+        DEFAULT_CUDA_MEMORY_FRACTION if on_cuda else DEFAULT_CPU_MEMORY_FRACTION))
     if not 0 < fraction <= 1:
         raise ConfigError(f"the KV cache's memory fraction must be in (0, 1], got {fraction}")
     available, total = available_memory_bytes(device)

@@ -80,15 +80,18 @@ class LoraCache:
         self._slot_used = [0] * config.max_loras  # the step that last used each slot
         self._num_steps = 0
 
-    def prepare(self, lora: LoraRequest, pin: bool = False) -> concurrent.futures.Future[float]:
+    def prepare(self, lora: LoraRequest) -> concurrent.futures.Future[float]:
         """Have the adapter on the host and hold it there until `release`: a done future
         when it is there already, else one the loader thread completes. Its result is the
         FLOPs the adapter's update adds per token; its exception an AdapterError (the hold
-        is taken all the same: release it). pin: never evict it (until `unpin`)."""
+        is taken all the same: release it). lora.pinned: never evict it, until a request
+        comes with it unpinned."""
         with self._lock:
             self._holds[lora.name] = self._holds.get(lora.name, 0) + 1
-            if pin:
+            if lora.pinned:
                 self._pinned.add(lora.name)
+            else:
+                self._pinned.discard(lora.name)  # evicted, if need be, at its release
             loaded = self._host.get(lora.name)
             if loaded is not None:
                 self._host.move_to_end(lora.name)
@@ -111,11 +114,6 @@ class LoraCache:
             if not self._holds[name]:
                 del self._holds[name]
                 self._evict_host()
-
-    def unpin(self, name: str) -> None:
-        with self._lock:
-            self._pinned.discard(name)
-            self._evict_host()
 
     def _load(self, lora: LoraRequest) -> float:
         """Read, check and fuse the adapter (any thread), then put it on the host."""

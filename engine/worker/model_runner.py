@@ -133,6 +133,7 @@ class TorchModelRunner(BatchRunner):
                 device,
                 requested_bytes=options.kv_cache_bytes,
                 memory_fraction=options.kv_cache_memory_fraction,
+                memory_scale=options.kv_cache_memory_scale,
                 most_useful_bytes=sizes.max_num_seqs * per_block * -(
                     -sizes.max_model_len // block_size),
                 reserve_bytes=_step_reserve_bytes(self.model_config, sizes, self.dtype)

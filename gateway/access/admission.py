@@ -128,8 +128,10 @@ class GatewayAdmission:
         return None if self._redis is None else self._redis.is_available
 
     async def admit(
-        self, principal: TenantPrincipal, *, num_prompt_tokens: int, num_max_tokens: int
+        self, principal: TenantPrincipal, *, model: str, num_prompt_tokens: int,
+        num_max_tokens: int,
     ) -> AdmissionGrant:
+        """model: the served model whose engine runs the request."""
         request = AdmissionRequest(
             tenant_id=str(principal.tenant_id),
             tier=principal.tier,
@@ -137,6 +139,7 @@ class GatewayAdmission:
             num_prompt_tokens=num_prompt_tokens,
             num_max_tokens=num_max_tokens,
             weight=principal.weight,
+            model=model,
         )
         try:
             ticket = await self.controller.admit(request)
@@ -189,7 +192,7 @@ def build_admission(
     settings: AdmissionSettings,
     tiers: TierTable,
     redis_url: str | None,
-    stats: Callable[[], SchedulerStats],
+    stats: Callable[[str], SchedulerStats],
     usage: MonthlyUsageSource | None,
 ) -> GatewayAdmission:
     limiter: RateLimiter

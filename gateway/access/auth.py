@@ -126,6 +126,11 @@ class TenantPrincipal:
     cache_salt: str
     api_key_id: int
     quota: TenantQuota
+    # The served models its requests may name (adapters of them included); None: every one.
+    allowed_models: frozenset[str] | None = None
+
+    def may_use(self, model: str) -> bool:
+        return self.allowed_models is None or model in self.allowed_models
 
 
 @dataclass(frozen=True)
@@ -418,6 +423,8 @@ def _principal(api_key: ApiKey) -> TenantPrincipal:
         weight=tenant.weight,
         cache_salt=tenant.cache_salt,
         api_key_id=api_key.id,
+        allowed_models=(None if tenant.allowed_models is None
+                        else frozenset(tenant.allowed_models)),
         quota=TenantQuota(
             requests_per_minute=quota.requests_per_minute,
             tokens_per_minute=quota.tokens_per_minute,

@@ -4,7 +4,7 @@ its tenant may use, and unregistering once the requests on an adapter have ended
 """
 
 from gateway.adapters.archive import AdapterFiles, read_archive, read_directory
-from gateway.adapters.registry import AdapterRegistry, ModelTarget
+from gateway.adapters.registry import AdapterRegistry, ModelTarget, PinLimitError
 from gateway.adapters.store import AdapterStore, content_hash
 
 __all__ = [
@@ -12,6 +12,7 @@ __all__ = [
     "AdapterRegistry",
     "AdapterStore",
     "ModelTarget",
+    "PinLimitError",
     "content_hash",
     "read_archive",
     "read_directory",

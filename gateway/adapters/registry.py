@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -41,8 +41,13 @@ class ModelTarget:
     """What a request runs on."""
 
     name: str  # the model id its response reports: the served model's or the adapter's name
+    base: str  # the served model whose engine runs it
     adapter: str | None = None  # the adapter's name (usage records, metrics); None: the base
     lora: LoraRequest | None = None  # what the engine is told
+
+
+class PinLimitError(Exception):
+    """Pinning one more adapter of a base model would pass what an engine keeps pinned."""
 
 
 @dataclass(frozen=True)
@@ -53,31 +58,35 @@ class _Entry:
     shared_with: frozenset[int]
     content_hash: str
     created: int
+    pinned: bool
 
-    def visible_to(self, tenant_id: int, served_name: str) -> bool:
-        return self.base_model == served_name and (
+    def visible_to(self, tenant_id: int, bases: Collection[str]) -> bool:
+        return self.base_model in bases and (
             tenant_id == self.owner_tenant_id or tenant_id in self.shared_with)
 
 
 def _entry(adapter: tenants.LoraAdapter) -> _Entry:
     return _Entry(adapter.name, adapter.base_model, adapter.owner_tenant_id,
                   frozenset(adapter.shared_with), adapter.content_hash,
-                  int(adapter.created_at.timestamp()))
+                  int(adapter.created_at.timestamp()), adapter.pinned)
 
 
 class AdapterRegistry:
     """Adapters for this replica's requests and admin routes."""
 
     def __init__(self, session_factory: sessionmaker[Session], store: AdapterStore, *,
-                 max_rank: int, max_bytes: int, cache_ttl_s: float = 2.0,
+                 max_rank: int, max_bytes: int, max_pinned: int = 0, cache_ttl_s: float = 2.0,
                  serves_adapters: bool = True) -> None:
         """serves_adapters: whether this replica's engine has adapter slots (False: requests
-        never resolve to an adapter here; the admin routes still manage the registry)."""
+        never resolve to an adapter here; the admin routes still manage the registry).
+        max_pinned: the most adapters of one base model that may be pinned (what an engine's
+        host cache holds besides its slots' adapters)."""
         self._session_factory = session_factory
         self.serves_adapters = serves_adapters
         self.store = store
         self.max_rank = max_rank
         self.max_bytes = max_bytes
+        self.max_pinned = max_pinned
         self.cache_ttl_s = cache_ttl_s
         self._cache: dict[str, tuple[_Entry | None, float]] = {}  # name -> (entry, expiry)
         self._running: dict[str, int] = {}  # adapter name -> requests running on it here
@@ -85,21 +94,30 @@ class AdapterRegistry:
 
     # -- requests ------------------------------------------------------------------------------
 
-    async def resolve(self, model: str, tenant_id: int, served_name: str) -> ModelTarget | None:
-        """What `model` names for the tenant: the served model, an adapter of it the tenant
-        owns or was granted (by its name or "<served model>:<name>"), or None."""
-        if model == served_name:
-            return ModelTarget(served_name)
+    async def resolve(self, model: str, tenant_id: int,
+                      bases: Collection[str]) -> ModelTarget | None:
+        """What `model` names for the tenant, among the served models bases (those it may
+        use): one of them, an adapter of one it owns or was granted (by its name or
+        "<served model>:<name>"), or None."""
+        if model in bases:
+            return ModelTarget(model, model)
         if not self.serves_adapters:
             return None
-        name = model.removeprefix(f"{served_name}:")
+        base, colon, name = model.partition(":")
+        if not colon:
+            name = model
+        elif base in bases:
+            bases = (base,)
+        else:
+            return None
         entry = await self._lookup(name)
-        if entry is None or not entry.visible_to(tenant_id, served_name):
+        if entry is None or not entry.visible_to(tenant_id, bases):
             return None
         if not self.store.has(entry.content_hash):
             await run_in_threadpool(self._materialize, entry.content_hash)
-        lora = LoraRequest(name=entry.content_hash, path=str(self.store.path(entry.content_hash)))
-        return ModelTarget(entry.name, entry.name, lora)
+        lora = LoraRequest(name=entry.content_hash, path=str(self.store.path(entry.content_hash)),
+                           pinned=entry.pinned)
+        return ModelTarget(entry.name, entry.base_model, entry.name, lora)
 
     def started(self, target: ModelTarget) -> None:
         """A request on target runs (unregistering its adapter waits for it)."""
@@ -118,13 +136,13 @@ class AdapterRegistry:
     def num_running(self, name: str) -> int:
         return self._running.get(name, 0)
 
-    async def visible(self, tenant_id: int, served_name: str) -> list[dict[str, Any]]:
-        """The model cards of the adapters the tenant may use (/v1/models)."""
+    async def visible(self, tenant_id: int, bases: Collection[str]) -> list[dict[str, Any]]:
+        """The model cards of the adapters of bases the tenant may use (/v1/models)."""
         if not self.serves_adapters:
             return []
         adapters = await self._in_session(
             lambda s: [_entry(a) for a in tenants.list_adapters(s, tenant_id=tenant_id)])
-        return [_card(e) for e in adapters if e.visible_to(tenant_id, served_name)]
+        return [_card(e) for e in adapters if e.visible_to(tenant_id, bases)]
 
     async def _lookup(self, name: str) -> _Entry | None:
         cached = self._cache.get(name)
@@ -198,12 +216,25 @@ class AdapterRegistry:
 
         return await self._in_session(work)
 
-    async def share(self, name: str, shared_with: list[str], actor: str) -> dict[str, Any]:
+    async def update(self, name: str, actor: str, *, shared_with: list[str] | None = None,
+                     pinned: bool | None = None) -> dict[str, Any]:
+        """Replace who it is shared with, and pin or unpin it: at most max_pinned adapters of
+        one base model are pinned (PinLimitError past it: nothing changes)."""
+        max_pinned = self.max_pinned
         def work(session: Session) -> dict[str, Any]:
             adapter = tenants.find_adapter(session, name)
-            granted = [tenants.find_tenant(session, ref) for ref in shared_with]
-            return tenants.adapter_snapshot(
-                tenants.share_adapter(session, adapter, granted, actor=actor))
+            if shared_with is not None:
+                granted = [tenants.find_tenant(session, ref) for ref in shared_with]
+                tenants.share_adapter(session, adapter, granted, actor=actor)
+            if pinned is not None:
+                if pinned and not adapter.pinned and tenants.count_pinned(
+                        session, adapter.base_model) >= max_pinned:
+                    raise PinLimitError(
+                        f"{max_pinned} adapters of {adapter.base_model} are pinned already, "
+                        "as many as the engine's host cache keeps pinned (--max-cpu-loras "
+                        "less --max-loras): unpin one first")
+                tenants.pin_adapter(session, adapter, pinned, actor=actor)
+            return tenants.adapter_snapshot(adapter)
 
         snapshot = await self._in_session(work)
         self._cache.pop(name, None)

@@ -1,10 +1,11 @@
-"""LoRA adapters under /admin/v1/adapters: register, list, read, share, unregister.
+"""LoRA adapters under /admin/v1/adapters: register, list, read, share or pin, unregister.
 
 Registering takes either a JSON body naming a directory on the server
 (``{"name", "owner", "shared_with", "path"}``) or the adapter's files as an archive in the
 body (zip or tar, any other content type than JSON) with ``name``, ``owner`` and
-``shared_with`` (comma-separated) as query parameters. The files are checked against the
-served model before anything is stored; a refusal is a 400 naming the problem. Unregistering
+``shared_with`` (comma-separated) as query parameters. ``base_model`` names the served model
+the adapter is for (needed where the replica serves several). The files are checked against
+that model before anything is stored; a refusal is a 400 naming the problem. Unregistering
 answers once the requests running on the adapter on this replica have ended (200,
 ``deleted: true``), or after the drain timeout with ``deleted: false`` (202): the adapter
 takes no new request either way, and a later DELETE finishes it.
@@ -12,7 +13,7 @@ takes no new request either way, and a later DELETE finishes it.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -23,7 +24,7 @@ from starlette.routing import Route
 
 import tenants
 from engine import AdapterError
-from gateway.adapters import AdapterRegistry, read_archive, read_directory
+from gateway.adapters import AdapterRegistry, PinLimitError, read_archive, read_directory
 from gateway.admin.auth import AdminGuard
 from gateway.admin.bodies import (
     admin_actor,
@@ -42,32 +43,33 @@ __all__ = ["adapter_routes"]
 
 T = TypeVar("T")
 
-_JSON_FIELDS = ("name", "owner", "shared_with", "path")
-_SHARE_FIELDS = ("shared_with",)
+_JSON_FIELDS = ("name", "owner", "shared_with", "path", "base_model")
+_UPDATE_FIELDS = ("shared_with", "pinned")
 # An archive holds the files and its own framing: the body may exceed the files a little.
 _ARCHIVE_OVERHEAD = 1 << 20
 
 
 def adapter_routes(guard: AdminGuard, registry: AdapterRegistry,
-                   served_model: Callable[[], ServedModel | None],
+                   served_models: Callable[[], Mapping[str, ServedModel | None]],
                    unregister_timeout_s: float) -> list[Route]:
-    """Routes to mount under /admin/v1. served_model: the replica's model once loaded."""
-    api = _AdaptersApi(registry, served_model, unregister_timeout_s)
+    """Routes to mount under /admin/v1. served_models: the replica's models by name (None
+    until loaded)."""
+    api = _AdaptersApi(registry, served_models, unregister_timeout_s)
     return [
         Route("/adapters", guard(api.list_adapters), methods=["GET"]),
         Route("/adapters", guard(api.register), methods=["POST"]),
         Route("/adapters/{name}", guard(api.get_adapter), methods=["GET"]),
-        Route("/adapters/{name}", guard(api.share), methods=["PATCH"]),
+        Route("/adapters/{name}", guard(api.update), methods=["PATCH"]),
         Route("/adapters/{name}", guard(api.unregister), methods=["DELETE"]),
     ]
 
 
 class _AdaptersApi:
     def __init__(self, registry: AdapterRegistry,
-                 served_model: Callable[[], ServedModel | None],
+                 served_models: Callable[[], Mapping[str, ServedModel | None]],
                  unregister_timeout_s: float) -> None:
         self._registry = registry
-        self._served_model = served_model
+        self._served_models = served_models
         self._unregister_timeout_s = unregister_timeout_s
 
     async def list_adapters(self, request: Request) -> Response:
@@ -79,20 +81,18 @@ class _AdaptersApi:
             self._registry.get(request.path_params["name"])))
 
     async def register(self, request: Request) -> Response:
-        served = self._served_model()
-        if served is None:
-            raise ServiceUnavailableError("the model is not loaded yet: adapters are checked "
-                                          "against it", code="model_loading")
         max_bytes = self._registry.max_bytes
         if request.headers.get("content-type", "").startswith("application/json"):
             body = await json_object(request)
             reject_unknown(body, _JSON_FIELDS)
+            served = self._base_model(body.get("base_model"))
             name, owner = _required(body, "name"), _required(body, "owner")
             shared = _tenant_list(body.get("shared_with", []))
             path = _required(body, "path")
             files = await _checked(run_in_threadpool(read_directory, Path(path), max_bytes))
         else:
             params = request.query_params
+            served = self._base_model(params.get("base_model"))
             name, owner = _required(params, "name"), _required(params, "owner")
             raw_shared = params.get("shared_with", "")
             shared = [ref for ref in raw_shared.split(",") if ref]
@@ -103,12 +103,41 @@ class _AdaptersApi:
             model_config=served.model_config, actor=admin_actor(request))))
         return JSONResponse(snapshot, status_code=201)
 
-    async def share(self, request: Request) -> Response:
+    def _base_model(self, name: object) -> ServedModel:
+        """The loaded served model an adapter is registered for: the one named, or the only
+        one served."""
+        models = self._served_models()
+        if name is None:
+            if len(models) != 1:
+                raise BadRequestError(
+                    f"this server serves several models: name the adapter's base_model (one "
+                    f"of {', '.join(sorted(models))})", param="base_model")
+            name = next(iter(models))
+        if not isinstance(name, str) or name not in models:
+            raise BadRequestError(
+                f"base_model must be a model this server serves: one of "
+                f"{', '.join(sorted(models))}", param="base_model")
+        served = models[name]
+        if served is None:
+            raise ServiceUnavailableError(f"the model {name!r} is not loaded: adapters are "
+                                          "checked against it", code="model_loading")
+        return served
+
+    async def update(self, request: Request) -> Response:
+        """PATCH: `shared_with` (the whole list) and/or `pinned`."""
         body = await json_object(request)
-        reject_unknown(body, _SHARE_FIELDS)
-        shared = _tenant_list(body.get("shared_with"))
-        return JSONResponse(await _tenants_call(self._registry.share(
-            request.path_params["name"], shared, admin_actor(request))))
+        reject_unknown(body, _UPDATE_FIELDS)
+        shared = _tenant_list(body["shared_with"]) if "shared_with" in body else None
+        pinned = body.get("pinned")
+        if pinned is not None and not isinstance(pinned, bool):
+            raise BadRequestError("pinned must be true or false", param="pinned")
+        try:
+            snapshot = await _tenants_call(self._registry.update(
+                request.path_params["name"], admin_actor(request), shared_with=shared,
+                pinned=pinned))
+        except PinLimitError as exc:
+            raise BadRequestError(str(exc), param="pinned", code="too_many_pinned") from None
+        return JSONResponse(snapshot)
 
     async def unregister(self, request: Request) -> Response:
         result = await _tenants_call(self._registry.unregister(

@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_AUDIT_PAGE = 100
 MAX_AUDIT_PAGE = 1000
-_CREATE_TENANT_FIELDS = ("name", "tier", "weight", "cache_salt", "quota")
+_CREATE_TENANT_FIELDS = ("name", "tier", "weight", "cache_salt", "allowed_models", "quota")
 
 T = TypeVar("T")
 
@@ -58,7 +58,7 @@ def admin_routes(
     key_resolver: TenantKeyResolver | None = None,
     known_tiers: Collection[str] = DEFAULT_TIERS,
     adapters: AdapterRegistry | None = None,
-    served_model: Callable[[], ServedModel | None] = lambda: None,
+    served_models: Callable[[], Mapping[str, ServedModel | None]] = dict,
     unregister_timeout_s: float = 30.0,
 ) -> list[BaseRoute]:
     """Routes to add to the app; with no (or an empty) admin token, routes that answer 404.
@@ -66,7 +66,8 @@ def admin_routes(
     key_resolver, when given, is the resolver the app authenticates tenants with: revoking a
     key or changing a tenant here invalidates its cache entries immediately. adapters, when
     given, adds the LoRA adapter routes (gateway.admin.adapters_api), which check an adapter
-    against served_model() and wait up to unregister_timeout_s for its requests to end.
+    against the base model it names in served_models() and wait up to unregister_timeout_s
+    for its requests to end.
     """
     if not admin_token:
         logger.warning("admin API disabled: %s is not set", ADMIN_TOKEN_ENV)
@@ -93,7 +94,7 @@ def admin_routes(
                 Route("/keys/{key_id:int}/revoke", guard(api.revoke_key), methods=["POST"]),
                 Route("/audit", guard(api.list_audit), methods=["GET"]),
                 *([] if adapters is None else adapter_routes(
-                    guard, adapters, served_model, unregister_timeout_s)),
+                    guard, adapters, served_models, unregister_timeout_s)),
             ],
         )
     ]
@@ -155,6 +156,7 @@ class _AdminApi:
                 weight=body.get("weight", 1.0),
                 quota=quota,
                 cache_salt=body.get("cache_salt"),
+                allowed_models=body.get("allowed_models"),
                 actor=actor,
                 known_tiers=self._known_tiers,
             )

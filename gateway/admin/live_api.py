@@ -8,7 +8,7 @@ API's Mount; both sit behind the AdminGuard.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from starlette.requests import Request
@@ -44,47 +44,68 @@ def alerts_routes(guard: AdminGuard, monitor: AlertMonitor) -> list[Route]:
 def live_route(
     guard: AdminGuard,
     *,
-    engine_stats: Callable[[], SchedulerStats],
+    engine_stats: Callable[[], Mapping[str, SchedulerStats]],
     tiers: Iterable[Tier],
     monitor: AlertMonitor,
     clock: Callable[[], float] = time.time,
 ) -> Route:
-    """GET /admin/v1/live: the KV pool, every tier's queues and TTFT, and the alerts.
+    """GET /admin/v1/live -> the engines' state per tier (summed over the served models),
+    each model's engine, the alerts, and the time.
 
-    engine_stats returns the latest scheduler snapshot (EngineClient.stats); a tier's
-    estimated_wait_s is the engine's estimate for a new request with an empty prompt.
+    engine_stats returns each served model's latest scheduler snapshot (EngineClient.stats);
+    a tier's estimated_wait_s is the longest of the engines' estimates for a new request with
+    an empty prompt.
     """
     tier_list = sorted(tiers, key=lambda tier: tier.priority)
 
     async def live(_request: Request) -> Response:
-        stats = engine_stats()
+        by_model = engine_stats()
+        engines = list(by_model.values())
         rows = []
         for tier in tier_list:
-            tier_stats = stats.tiers.get(tier.priority)
+            of_tier = [t for t in (s.tiers.get(tier.priority) for s in engines) if t is not None]
             rule = monitor.rule(tier.name)
             rows.append(
                 {
                     "tier": tier.name,
                     "priority": tier.priority,
-                    "num_running": tier_stats.num_running if tier_stats else 0,
-                    "num_waiting": tier_stats.num_waiting if tier_stats else 0,
-                    "kv_blocks": tier_stats.num_kv_blocks if tier_stats else 0,
-                    "kv_blocks_reserved": tier_stats.num_kv_blocks_reserved if tier_stats else 0,
+                    "num_running": sum(t.num_running for t in of_tier),
+                    "num_waiting": sum(t.num_waiting for t in of_tier),
+                    "kv_blocks": sum(t.num_kv_blocks for t in of_tier),
+                    "kv_blocks_reserved": sum(t.num_kv_blocks_reserved for t in of_tier),
                     "ttft_p99_s": monitor.p99_s(tier.name),
                     "ttft_slo_s": tier.ttft_slo_s,
                     "alert_threshold_s": rule.threshold_s if rule else None,
-                    "estimated_wait_s": estimate_queue_wait_s(stats, tier.priority, 0),
+                    "estimated_wait_s": max(
+                        (estimate_queue_wait_s(s, tier.priority, 0) for s in engines),
+                        default=0.0),
                 }
             )
+        num_blocks = sum(s.num_kv_blocks_total for s in engines)
         return JSONResponse(
             {
                 "time": clock(),
-                "kv_blocks_total": stats.num_kv_blocks_total,
-                "kv_blocks_used": stats.num_kv_blocks_used,
-                "prefix_cache_hit_ratio": stats.prefix_cache_hit_ratio,
+                "kv_blocks_total": num_blocks,
+                "kv_blocks_used": sum(s.num_kv_blocks_used for s in engines),
+                # Each engine's ratio, weighted by its pool's size.
+                "prefix_cache_hit_ratio": sum(
+                    s.prefix_cache_hit_ratio * s.num_kv_blocks_total for s in engines
+                ) / num_blocks if num_blocks else 0.0,
+                "models": [_model_row(name, stats) for name, stats in by_model.items()],
                 "tiers": rows,
                 "alerts": [alert_json(s) for s in monitor.statuses()],
             }
         )
 
     return Route("/admin/v1/live", guard(live), methods=["GET"])
+
+
+def _model_row(name: str, stats: SchedulerStats) -> dict[str, Any]:
+    return {
+        "model": name,
+        "num_running": sum(t.num_running for t in stats.tiers.values()),
+        "num_waiting": sum(t.num_waiting for t in stats.tiers.values()),
+        "kv_blocks_total": stats.num_kv_blocks_total,
+        "kv_blocks_used": stats.num_kv_blocks_used,
+        "mean_step_time_s": stats.mean_step_time_s,
+    }

@@ -1,4 +1,5 @@
-"""`tiergate adapters add|list|share|remove`: LoRA adapters, through a replica's admin API.
+"""`tiergate adapters add|list|share|pin|unpin|remove`: LoRA adapters, through a replica's
+admin API.
 
 Adapters are checked against the model a replica serves before they are stored, so these
 commands talk to a running replica (--url, the admin token in TIERGATE_ADMIN_TOKEN) rather
@@ -14,6 +15,7 @@ import json
 import os
 import sys
 import tarfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +26,7 @@ from gateway.commands.tenants import print_table
 
 _URL_ENV = "TIERGATE_URL"
 _COLUMNS = ("id", "name", "base_model", "owner_tenant_id", "shared_with", "rank", "size_bytes",
-            "created_at")
+            "pinned", "created_at")
 _FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
@@ -42,6 +44,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     add.add_argument("--name", required=True, help="the name requests send as their model")
     add.add_argument("--owner", required=True, help="the owning tenant (id or name)")
     add.add_argument("--share", default="", help="other tenants that may use it (comma list)")
+    add.add_argument("--base-model", default=None,
+                     help="the served model it is for (needed where the server serves several)")
     add.add_argument("--server-path", action="store_true",
                      help="the replica reads the directory itself instead of an upload")
     add.set_defaults(func=_add)
@@ -55,6 +59,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     share.add_argument("name")
     share.add_argument("--with", dest="tenants", default="", help="tenants (comma list)")
     share.set_defaults(func=_share)
+
+    for verb, pinned in (("pin", True), ("unpin", False)):
+        pin = commands.add_parser(
+            verb, parents=[common],
+            help="keep it in the engines' host caches once loaded" if pinned
+            else "leave it to the host caches' LRU again")
+        pin.add_argument("name")
+        pin.set_defaults(func=_pinner(pinned))
 
     remove = commands.add_parser("remove", parents=[common],
                                  help="unregister (waits for its running requests)")
@@ -95,10 +107,11 @@ def _call(args: argparse.Namespace, method: str, path: str, **kwargs: Any) -> in
 
 def _add(args: argparse.Namespace) -> int:
     shared = [ref for ref in args.share.split(",") if ref]
+    base = {} if args.base_model is None else {"base_model": args.base_model}
     if args.server_path:
         return _call(args, "POST", "/adapters", json={
             "name": args.name, "owner": args.owner, "shared_with": shared,
-            "path": str(args.directory.resolve())})
+            "path": str(args.directory.resolve()), **base})
     archive = io.BytesIO()
     with tarfile.open(fileobj=archive, mode="w:gz") as tar:
         for name in _FILES:
@@ -108,7 +121,8 @@ def _add(args: argparse.Namespace) -> int:
                 return 1
             tar.add(path, arcname=name)
     return _call(args, "POST", "/adapters", content=archive.getvalue(),
-                 params={"name": args.name, "owner": args.owner, "shared_with": ",".join(shared)},
+                 params={"name": args.name, "owner": args.owner, "shared_with": ",".join(shared),
+                         **base},
                  headers={"content-type": "application/gzip"})
 
 
@@ -119,6 +133,13 @@ def _list(args: argparse.Namespace) -> int:
 def _share(args: argparse.Namespace) -> int:
     shared = [ref for ref in args.tenants.split(",") if ref]
     return _call(args, "PATCH", f"/adapters/{args.name}", json={"shared_with": shared})
+
+
+def _pinner(pinned: bool) -> Callable[[argparse.Namespace], int]:
+    def pin(args: argparse.Namespace) -> int:
+        return _call(args, "PATCH", f"/adapters/{args.name}", json={"pinned": pinned})
+
+    return pin
 
 
 def _remove(args: argparse.Namespace) -> int:

@@ -22,6 +22,15 @@ import tenants
 from tenants import QUOTA_FIELDS, DatabaseSettings, TenantStatus
 
 _TENANT_COLUMNS = ("id", "name", "tier", "weight", "status")
+_MODELS_HELP = ("served models its requests may name, comma-separated ('*': every model, the "
+                "default; '': none)")
+
+
+def _model_list(value: str) -> list[str] | None:
+    """--allowed-models: '*' for every model, else the comma-separated names."""
+    if value.strip() == "*":
+        return None
+    return [name.strip() for name in value.split(",") if name.strip()]
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -34,6 +43,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     create.add_argument("--tier", default="standard", help="tier name (default: standard)")
     create.add_argument("--weight", type=float, default=1.0, help="fair-share weight (> 0)")
     create.add_argument("--cache-salt", help="prefix-cache salt (default: random)")
+    create.add_argument("--allowed-models", type=_model_list, default=None, help=_MODELS_HELP)
     _add_quota_options(create)
     create.set_defaults(func=_create)
 
@@ -51,6 +61,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     update.add_argument("--tier", default=argparse.SUPPRESS)
     update.add_argument("--weight", type=float, default=argparse.SUPPRESS)
     update.add_argument("--cache-salt", default=argparse.SUPPRESS)
+    update.add_argument("--allowed-models", type=_model_list, default=argparse.SUPPRESS,
+                        help=_MODELS_HELP)
     _add_quota_options(update)
     update.set_defaults(func=_update)
 
@@ -160,6 +172,7 @@ def _create(args: argparse.Namespace) -> int:
             tier=args.tier,
             weight=args.weight,
             cache_salt=args.cache_salt,
+            allowed_models=args.allowed_models,
             quota=_quota(args),
             actor=actor(),
         )
@@ -184,7 +197,7 @@ def _show(args: argparse.Namespace) -> int:
 def _update(args: argparse.Namespace) -> int:
     changes: dict[str, object] = {
         field: getattr(args, field)
-        for field in ("name", "tier", "weight", "cache_salt")
+        for field in ("name", "tier", "weight", "cache_salt", "allowed_models")
         if hasattr(args, field)
     }
     if quota := _quota(args):

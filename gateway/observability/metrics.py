@@ -13,6 +13,7 @@ import enum
 import math
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import choose_encoder
@@ -88,6 +89,7 @@ class RequestObservation:
     recompute_charged_tenant_id: str | None = None  # who pays the recompute (the preemptor)
     num_preemptions: int = 0
     adapter: str | None = None  # the LoRA adapter it ran on; None: the base model
+    model: str = ""  # the served (base) model it asked for; "": refused before it was read
 
 
 class TenantLabeler:
@@ -125,7 +127,10 @@ class _Series:
     def __init__(self, registry: CollectorRegistry) -> None:
         r = registry
         tier = ("tier",)
-        tenant = ("tier", "tenant")
+        tenant = ("tier", "model", "tenant")
+        # An engine's series: one engine per served model.
+        model = ("model",)
+        tier_model = ("tier", "model")
         self.ttft = Histogram(
             "tiergate_ttft_seconds", "Time to first token.", tier,
             registry=r, buckets=TTFT_BUCKETS_S,
@@ -149,12 +154,12 @@ class _Series:
         )  # fmt: skip
         # Counters are named without _total: the client library appends it.
         self.requests = Counter(
-            "tiergate_requests", "Requests by how they ended and HTTP status.",
-            ("tier", "status", "code"), registry=r,
+            "tiergate_requests", "Requests by model, how they ended and HTTP status.",
+            ("tier", "model", "status", "code"), registry=r,
         )  # fmt: skip
         self.tokens = Counter(
             "tiergate_tokens", "Tokens by kind (cached_prompt is a subset of prompt).",
-            ("tier", "tenant", "kind"), registry=r,
+            ("tier", "model", "tenant", "kind"), registry=r,
         )  # fmt: skip
         self.gpu_seconds = Counter(
             "tiergate_gpu_seconds", "Metered device seconds of own compute.", tenant,
@@ -182,57 +187,63 @@ class _Series:
             "tiergate_rejections", "Requests refused by admission (429s), by reason.",
             ("tier", "reason"), registry=r,
         )  # fmt: skip
-        self.running = Gauge("tiergate_requests_running", "Requests running.", tier, registry=r)
+        self.running = Gauge(
+            "tiergate_requests_running", "Requests running.", tier_model, registry=r
+        )
         self.waiting = Gauge(
             "tiergate_requests_waiting", "Requests waiting or preempted (autoscaling signal).",
-            tier, registry=r,
+            tier_model, registry=r,
         )  # fmt: skip
         self.kv_blocks_used = Gauge(
-            "tiergate_kv_blocks_used", "KV blocks held by the tier's requests.", tier, registry=r
-        )
+            "tiergate_kv_blocks_used", "KV blocks held by the tier's requests.", tier_model,
+            registry=r,
+        )  # fmt: skip
         self.kv_blocks_reserved = Gauge(
-            "tiergate_kv_blocks_reserved", "KV blocks reserved for the tier.", tier, registry=r
-        )
+            "tiergate_kv_blocks_reserved", "KV blocks reserved for the tier.", tier_model,
+            registry=r,
+        )  # fmt: skip
         self.kv_blocks_total = Gauge(
-            "tiergate_kv_blocks_total", "KV blocks in the pool.", registry=r
+            "tiergate_kv_blocks_total", "KV blocks in the pool.", model, registry=r
         )
         self.kv_usage = Gauge(
-            "tiergate_kv_usage_ratio", "Share of KV blocks held by requests.", registry=r
+            "tiergate_kv_usage_ratio", "Share of KV blocks held by requests.", model, registry=r
         )
         self.prefix_hit_ratio = Gauge(
-            "tiergate_prefix_cache_hit_ratio", "Prefix-cache block hits / lookups.", registry=r
-        )
+            "tiergate_prefix_cache_hit_ratio", "Prefix-cache block hits / lookups.", model,
+            registry=r,
+        )  # fmt: skip
         self.step_time = Gauge(
             "tiergate_engine_step_seconds",
             "Mean wall time per engine step over recent steps, the loop's work between steps "
             "included.",
-            registry=r,
-        )
+            model, registry=r,
+        )  # fmt: skip
         self.engine_busy = Counter(
             "tiergate_engine_busy_seconds",
             "Measured engine step time since start; every second is metered to some request.",
-            registry=r,
+            model, registry=r,
         )  # fmt: skip
         self.engine_steps = Counter(
-            "tiergate_engine_steps", "Engine steps that ran the model.", registry=r
+            "tiergate_engine_steps", "Engine steps that ran the model.", model, registry=r
         )
         self.engine_preemptions = Counter(
             "tiergate_engine_preemptions",
             "Preemptions as the engine makes them (tiergate_preemptions counts them by tier "
             "when the preempted request ends).",
-            registry=r,
+            model, registry=r,
         )  # fmt: skip
         self.engine_tokens = Counter(
             "tiergate_engine_tokens",
             "Tokens the engine's steps computed: prompt (prefix-cache hits not included), "
             "recomputed (after preemptions), generated (sampled).",
-            ("kind",), registry=r,
+            ("model", "kind"), registry=r,
         )  # fmt: skip
         self.engine_up = Gauge(
             "tiergate_engine_up",
-            "1 while the engine's loop takes requests; 0 while it loads or is restarted.",
-            registry=r,
-        )
+            "1 while the model's engine loop takes requests; 0 while it loads, is restarted "
+            "or failed to load.",
+            model, registry=r,
+        )  # fmt: skip
         self.ledger_database_up = Gauge(
             "tiergate_ledger_database_up",
             "1 while the usage ledger commits to its database; 0 while it spools.", registry=r,
@@ -245,12 +256,12 @@ class _Series:
         self.engine_restarts = Counter(
             "tiergate_engine_restarts",
             "Restarts of an engine that had stopped, by outcome (restarted, failed).",
-            ("outcome",), registry=r,
+            ("model", "outcome"), registry=r,
         )  # fmt: skip
         self.engine_lane_steps = Counter(
             "tiergate_engine_under_share_lane_steps",
             "Steps that carried only the prompts of tenants under half their fair share.",
-            registry=r,
+            model, registry=r,
         )  # fmt: skip
         self.loop_lag = Histogram(
             "tiergate_event_loop_lag_seconds",
@@ -260,7 +271,7 @@ class _Series:
         )  # fmt: skip
         self.estimated_wait = Gauge(
             "tiergate_admission_estimated_wait_seconds",
-            "Admission's estimate of the queue wait of a new request.", tier, registry=r,
+            "Admission's estimate of the queue wait of a new request.", tier_model, registry=r,
         )  # fmt: skip
         self.ttft_slo = Gauge(
             "tiergate_ttft_slo_seconds", "The tier's TTFT p99 objective.", tier, registry=r
@@ -298,23 +309,19 @@ class GatewayMetrics:
         # the process's collector pauses (gateway/observability/gc_pauses.py), read at scrape time
         self.registry.register(GcPauseCollector(gc_pauses or process_gc_pauses()))
         self._tier_names: list[str] = []
-        # The engine's totals counted into the engine counters so far, by counter, and the
-        # engine they came from (a restarted engine counts from 0 again).
-        self._engine_totals: dict[Counter, float] = {}
-        self._engine_generation = 0
-        self._restarts_counted: dict[str, int] = {}
+        # Each engine's totals counted into the engine counters so far, by (model, counter),
+        # and the engine they came from (a restarted engine counts from 0 again).
+        self._engine_totals: dict[tuple[str, str], float] = {}
+        self._engine_generation: dict[str, int] = {}
+        self._restarts_counted: dict[tuple[str, str], int] = {}
         self._redis_up: Gauge | None = None
         s = self._series
-        for outcome in ("restarted", "failed"):
-            s.engine_restarts.labels(outcome)  # zeros, not gaps
         for tier in tiers:
             self._tier_names.append(tier.name)
-            # Touch every per-tier series so dashboards and rules see zeros, not gaps.
+            # Touch every per-tier series so dashboards and rules see zeros, not gaps (the
+            # engines' series appear with the first scrape, which reads every model's).
             for histogram in (s.ttft, s.tpot, s.itl, s.e2e, s.queue):
                 histogram.labels(tier.name)
-            for gauge in (s.running, s.waiting, s.kv_blocks_used, s.kv_blocks_reserved):
-                gauge.labels(tier.name).set(0)
-            s.estimated_wait.labels(tier.name).set(0)
             s.preemptions.labels(tier.name)
             if tier.ttft_slo_s is not None:
                 s.ttft_slo.labels(tier.name).set(tier.ttft_slo_s)
@@ -329,7 +336,7 @@ class GatewayMetrics:
     def observe_request(self, obs: RequestObservation) -> None:
         """Count one request that has ended (answered, refused, aborted or failed)."""
         s = self._series
-        s.requests.labels(obs.tier, obs.status.value, str(obs.code)).inc()
+        s.requests.labels(obs.tier, obs.model, obs.status.value, str(obs.code)).inc()
         for histogram, value in (
             (s.ttft, obs.ttft_s),
             (s.tpot, obs.tpot_s),
@@ -353,8 +360,8 @@ class GatewayMetrics:
             ("cached_prompt", obs.num_cached_prompt_tokens),
             ("completion", obs.num_completion_tokens),
         ):
-            s.tokens.labels(obs.tier, tenant, kind).inc(num_tokens)
-        s.gpu_seconds.labels(obs.tier, tenant).inc(obs.gpu_seconds)
+            s.tokens.labels(obs.tier, obs.model, tenant, kind).inc(num_tokens)
+        s.gpu_seconds.labels(obs.tier, obs.model, tenant).inc(obs.gpu_seconds)
         if obs.adapter is not None:
             adapter = self.adapters.label(obs.adapter)
             s.adapter_tokens.labels(obs.tier, adapter, "prompt").inc(obs.num_prompt_tokens)
@@ -363,7 +370,7 @@ class GatewayMetrics:
             s.adapter_gpu_seconds.labels(obs.tier, adapter).inc(obs.gpu_seconds)
         if obs.recompute_gpu_seconds:
             charged = obs.recompute_charged_tenant_id or obs.tenant_id
-            s.recompute_gpu_seconds.labels(obs.tier, self.tenants.label(charged)).inc(
+            s.recompute_gpu_seconds.labels(obs.tier, obs.model, self.tenants.label(charged)).inc(
                 obs.recompute_gpu_seconds
             )
 
@@ -372,37 +379,41 @@ class GatewayMetrics:
         self._series.rejections.labels(tier, reason).inc()
 
     def update_engine(
-        self, stats: SchedulerStats, estimated_wait_by_tier: Mapping[str, float]
+        self, model: str, stats: SchedulerStats, estimated_wait_by_tier: Mapping[str, float]
     ) -> None:
-        """Set the engine gauges from a scheduler snapshot; tiers absent from it read 0."""
+        """Set a model's engine gauges from its scheduler snapshot; tiers absent from it
+        read 0."""
         s = self._series
         by_name = {tier_stats.tier: tier_stats for tier_stats in stats.tiers.values()}
         for name in dict.fromkeys([*self._tier_names, *by_name]):
             tier_stats = by_name.get(name)
-            s.running.labels(name).set(tier_stats.num_running if tier_stats else 0)
-            s.waiting.labels(name).set(tier_stats.num_waiting if tier_stats else 0)
-            s.kv_blocks_used.labels(name).set(tier_stats.num_kv_blocks if tier_stats else 0)
-            s.kv_blocks_reserved.labels(name).set(
+            s.running.labels(name, model).set(tier_stats.num_running if tier_stats else 0)
+            s.waiting.labels(name, model).set(tier_stats.num_waiting if tier_stats else 0)
+            s.kv_blocks_used.labels(name, model).set(
+                tier_stats.num_kv_blocks if tier_stats else 0)
+            s.kv_blocks_reserved.labels(name, model).set(
                 tier_stats.num_kv_blocks_reserved if tier_stats else 0
             )
         for name, wait_s in estimated_wait_by_tier.items():
-            s.estimated_wait.labels(name).set(wait_s)
-        s.kv_blocks_total.set(stats.num_kv_blocks_total)
-        s.kv_usage.set(stats.kv_usage)
-        s.prefix_hit_ratio.set(stats.prefix_cache_hit_ratio)
+            s.estimated_wait.labels(name, model).set(wait_s)
+        s.kv_blocks_total.labels(model).set(stats.num_kv_blocks_total)
+        s.kv_usage.labels(model).set(stats.kv_usage)
+        s.prefix_hit_ratio.labels(model).set(stats.prefix_cache_hit_ratio)
         if stats.mean_step_time_s is not None:
-            s.step_time.set(stats.mean_step_time_s)
+            s.step_time.labels(model).set(stats.mean_step_time_s)
         counters = stats.counters
-        for counter, total in (
-            (s.engine_busy, counters.busy_time_s),
-            (s.engine_steps, counters.num_steps),
-            (s.engine_preemptions, counters.num_preemptions),
-            (s.engine_tokens.labels("prompt"), counters.num_prompt_tokens),
-            (s.engine_tokens.labels("recomputed"), counters.num_recomputed_tokens),
-            (s.engine_tokens.labels("generated"), counters.num_generated_tokens),
-            (s.engine_lane_steps, counters.num_lane_steps),
+        for name, counter, total in (
+            ("busy", s.engine_busy.labels(model), counters.busy_time_s),
+            ("steps", s.engine_steps.labels(model), counters.num_steps),
+            ("preemptions", s.engine_preemptions.labels(model), counters.num_preemptions),
+            ("prompt", s.engine_tokens.labels(model, "prompt"), counters.num_prompt_tokens),
+            ("recomputed", s.engine_tokens.labels(model, "recomputed"),
+             counters.num_recomputed_tokens),
+            ("generated", s.engine_tokens.labels(model, "generated"),
+             counters.num_generated_tokens),
+            ("lane_steps", s.engine_lane_steps.labels(model), counters.num_lane_steps),
         ):
-            self._advance(counter, total)
+            self._advance((model, name), counter, total)
 
     def update_dependencies(self, health: DependencyHealth) -> None:
         s = self._series
@@ -419,28 +430,30 @@ class GatewayMetrics:
             )  # fmt: skip
         self._redis_up.set(1 if health.redis_up else 0)
 
-    def update_engine_health(self, health: EngineHealth) -> None:
-        """Up or not, and the restarts so far; call before update_engine (a new engine's
-        statistics count from 0 again)."""
+    def update_engine_health(self, model: str, health: EngineHealth) -> None:
+        """A model's engine: up or not, and the restarts so far; call before update_engine
+        (a new engine's statistics count from 0 again)."""
         s = self._series
-        s.engine_up.set(1 if health.is_up else 0)
+        s.engine_up.labels(model).set(1 if health.is_up else 0)
         for outcome, total in (
             ("restarted", health.num_restarts), ("failed", health.num_failed_restarts)
         ):
-            counted = self._restarts_counted.get(outcome, 0)
+            restarts = s.engine_restarts.labels(model, outcome)  # zeros, not gaps
+            counted = self._restarts_counted.get((model, outcome), 0)
             if total > counted:
-                s.engine_restarts.labels(outcome).inc(total - counted)
-                self._restarts_counted[outcome] = total
-        if health.generation != self._engine_generation:
-            self._engine_generation = health.generation
-            self._engine_totals.clear()
+                restarts.inc(total - counted)
+                self._restarts_counted[(model, outcome)] = total
+        if health.generation != self._engine_generation.get(model, 0):
+            self._engine_generation[model] = health.generation
+            for key in [key for key in self._engine_totals if key[0] == model]:
+                del self._engine_totals[key]
 
-    def _advance(self, counter: Counter, total: float) -> None:
-        """The engine's totals only grow; a counter takes the increment since the last call."""
-        counted = self._engine_totals.get(counter, 0.0)
+    def _advance(self, key: tuple[str, str], counter: Any, total: float) -> None:
+        """An engine's totals only grow; a counter takes the increment since the last call."""
+        counted = self._engine_totals.get(key, 0.0)
         if total > counted:
             counter.inc(total - counted)
-            self._engine_totals[counter] = total
+            self._engine_totals[key] = total
 
     def update_alerts(self, statuses: Iterable[AlertStatus]) -> None:
         """Mirror the in-process alerts: firing flag and windowed p99 per tier."""

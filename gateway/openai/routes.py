@@ -77,22 +77,25 @@ class _OpenAIApi:
         self._bounds = RequestBounds(settings.max_messages, settings.max_choices)
 
     async def list_models(self, request: Request) -> Response:
-        """The served model and the adapters of it this tenant may use."""
+        """The served models this tenant may use, and its adapters of them."""
+        self.runtime.check_accepting()
         principal = await self.runtime.key_resolver.authenticate(request)
-        served, _ = self.runtime.ready_model()
-        adapters = await self.runtime.adapters.visible(principal.tenant_id, served.name)
-        return JSONResponse({"object": "list", "data": [_model_card(served), *adapters]})
+        models = self.runtime.loaded_models(principal)
+        adapters = await self.runtime.adapters.visible(principal.tenant_id, list(models))
+        return JSONResponse({"object": "list",
+                             "data": [*map(_model_card, models.values()), *adapters]})
 
     async def get_model(self, request: Request) -> Response:
+        self.runtime.check_accepting()
         principal = await self.runtime.key_resolver.authenticate(request)
-        served, _ = self.runtime.ready_model()
+        models = self.runtime.loaded_models(principal)
         name = request.path_params["model"]
-        if name == served.name:
-            return JSONResponse(_model_card(served))
-        target = await self.runtime.adapters.resolve(name, principal.tenant_id, served.name)
+        if name in models:
+            return JSONResponse(_model_card(models[name]))
+        target = await self.runtime.adapters.resolve(name, principal.tenant_id, list(models))
         if target is None:
             raise _unknown_model(name)
-        cards = await self.runtime.adapters.visible(principal.tenant_id, served.name)
+        cards = await self.runtime.adapters.visible(principal.tenant_id, list(models))
         card = next((c for c in cards if c["id"] == target.name), None)
         if card is None:  # unregistered since the lookup
             raise _unknown_model(name)
@@ -106,14 +109,14 @@ class _OpenAIApi:
 
     async def _generate(self, http_request: Request, endpoint: Endpoint) -> Response:
         arrival = time.monotonic()
-        served, engine = self.runtime.ready_model()
+        self.runtime.check_accepting()
         principal = await self.runtime.key_resolver.authenticate(http_request)
         settings = self.runtime.settings
         num_prompt_tokens = 0  # what a refused request is found to hold, charged to it
         declared = declared_length(http_request)
         # Before any of the body is read: a tenant out of requests or tokens, or (for a large
         # body) out of its share of the loop's parse time, is refused without costing more.
-        await self._screen(principal, endpoint, served, arrival,
+        await self._screen(principal, endpoint, arrival,
                            is_large=declared is not None and declared > LARGE_BODY_BYTES,
                            may_be_large=declared is None or declared > LARGE_BODY_BYTES)
         try:
@@ -121,7 +124,7 @@ class _OpenAIApi:
                 http_request,
                 settings.max_body_bytes,
                 on_large=None if declared is not None else lambda: self._screen(
-                    principal, endpoint, served, arrival, is_large=True, may_be_large=True,
+                    principal, endpoint, arrival, is_large=True, may_be_large=True,
                     check_limits=False),
             )
             body_bytes = len(raw)
@@ -132,12 +135,13 @@ class _OpenAIApi:
                 if body_bytes > LARGE_BODY_BYTES:
                     self.admission.spend_parse_time(principal, time.perf_counter() - started)
             del raw
-            # The served model, or an adapter of it this tenant may use; any other name is
-            # the same 404, whether or not another tenant has it.
-            target = await self.runtime.adapters.resolve(parsed.model, principal.tenant_id,
-                                                         served.name)
+            # A served model this tenant may use, or an adapter of one; any other name is
+            # the same 404, whether or not it exists for another tenant.
+            target = await self.runtime.adapters.resolve(
+                parsed.model, principal.tenant_id, self.runtime.allowed_models(principal))
             if target is None:
                 raise _unknown_model(parsed.model)
+            served, engine = self.runtime.ready_model(target.base)
             _check_tier_allows(parsed, self.runtime.tiers[principal.tier])
             # A small body's prompts are tokenized on the event loop: the hand-over to a thread
             # cost a request up to 16 ms before admission under 2x load on the CPU benchmark.
@@ -189,6 +193,7 @@ class _OpenAIApi:
             with trace.admission():
                 grant = await self.admission.admit(
                     principal,
+                    model=served.name,
                     num_prompt_tokens=num_prompt_tokens,
                     num_max_tokens=params.n * sum(max_tokens),
                 )
@@ -197,8 +202,8 @@ class _OpenAIApi:
                 for prompt in prompts:
                     engine.record_refused(len(prompt.token_ids), tenant)
             await self._publish_refusal(
-                trace, response_id, principal, endpoint, served, num_prompt_tokens, arrival,
-                refusal, target.adapter,
+                trace, response_id, principal, endpoint, served.name, num_prompt_tokens,
+                arrival, refusal, target.adapter,
             )
             raise
         trace.queued()
@@ -218,8 +223,8 @@ class _OpenAIApi:
         return await run.respond(http_request)
 
     async def _screen(
-        self, principal: TenantPrincipal, endpoint: Endpoint, served: ServedModel,
-        arrival: float, *, is_large: bool, may_be_large: bool, check_limits: bool = True,
+        self, principal: TenantPrincipal, endpoint: Endpoint, arrival: float, *,
+        is_large: bool, may_be_large: bool, check_limits: bool = True,
     ) -> None:
         """Before a body is read: 429 (recorded and traced like any refusal) when the
         tenant's rate limits have nothing left (check_limits), or, for a large body
@@ -239,8 +244,10 @@ class _OpenAIApi:
                 start_s=arrival,
             )
             trace.admission_refused(refusal, started)
+            # Its body unread, it names no model (but the only one a replica serves).
             await self._publish_refusal(
-                trace, _response_id(endpoint), principal, endpoint, served, 0, arrival, refusal
+                trace, _response_id(endpoint), principal, endpoint,
+                self.runtime.sole_model_name, 0, arrival, refusal,
             )
             if may_be_large:
                 # The body is not read: closing the connection stops its bytes (up to
@@ -251,18 +258,18 @@ class _OpenAIApi:
 
     async def _publish_refusal(
         self, trace: RequestTrace, response_id: str, principal: TenantPrincipal,
-        endpoint: Endpoint, served: ServedModel, num_prompt_tokens: int, arrival: float,
+        endpoint: Endpoint, model: str, num_prompt_tokens: int, arrival: float,
         refusal: AdmissionRefusal, adapter: str | None = None,
     ) -> None:
         """The refused request's record, to its trace and the runtime: counted, not written
         (no wait on the ledger). adapter: the one it asked for, once its body was read."""
         record = build_record(
-            response_id, principal, served.name, endpoint, RequestEnd.REFUSED,
+            response_id, principal, model, endpoint, RequestEnd.REFUSED,
             JobSummary(num_prompt_tokens, num_cached_prompt_tokens=0, num_completion_tokens=0),
             arrival=arrival, http_status=refusal.status_code, refusal_reason=refusal.reason,
             adapter=adapter,
         )
-        trace.finished(trace_response(record, served.name))
+        trace.finished(trace_response(record, model))
         await self.runtime.publish(record)
 
     def _encoder_threads(self) -> anyio.CapacityLimiter:

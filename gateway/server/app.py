@@ -65,7 +65,7 @@ def build_app(
             key_resolver=runtime.key_resolver,
             known_tiers=[tier.name for tier in runtime.tiers],
             adapters=runtime.adapters,
-            served_model=lambda: runtime.served,
+            served_models=lambda: {name: host.served for name, host in runtime.models.items()},
             unregister_timeout_s=runtime.settings.drain_timeout_s,
         ),
     ]

@@ -1,5 +1,6 @@
-"""GET /health/live (the process answers, and its engine has not been down for two minutes)
-and GET /health/ready (it should get traffic: model loaded and engine running, not draining).
+"""GET /health/live (the process answers, and no model's engine has been down for two
+minutes) and GET /health/ready (it should get traffic: every model loaded or failed, one at
+least with its engine running, not draining).
 
 The database does not gate readiness: during an outage every replica shares it, the key
 cache and the ledger's spool ride it out, and taking them all out of the Service would turn
@@ -72,12 +73,13 @@ def health_routes(runtime: GatewayRuntime) -> list[BaseRoute]:
     database = DatabaseProbe(runtime.database_answers)
 
     async def live(_request: Request) -> Response:
-        engine = runtime.engine_health()
-        if not engine.is_alive:  # restarts keep failing: replace the replica
-            return JSONResponse(
-                {"status": "engine_down", "engine_down_for_s": round(engine.down_for_s or 0.0)},
-                status_code=503,
-            )
+        for model, engine in runtime.engine_health().items():
+            if not engine.is_alive:  # restarts keep failing: replace the replica
+                return JSONResponse(
+                    {"status": "engine_down", "model": model,
+                     "engine_down_for_s": round(engine.down_for_s or 0.0)},
+                    status_code=503,
+                )
         return JSONResponse({"status": "ok"})
 
     async def ready(_request: Request) -> Response:
@@ -90,6 +92,8 @@ def health_routes(runtime: GatewayRuntime) -> list[BaseRoute]:
             {
                 "status": "ready" if is_ready else "not_ready",
                 "checks": checks,
+                # Each served model: loading, up, failed (the others serve) or restarting.
+                "models": {name: host.state.value for name, host in runtime.models.items()},
                 # Not a condition of readiness (see the module docstring).
                 "database": await database.answers(),
             },

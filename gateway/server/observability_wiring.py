@@ -3,7 +3,7 @@ middleware that counts the API requests refused before admission."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from starlette.middleware import Middleware
@@ -44,8 +44,8 @@ class Observability:
         self,
         tiers: TierTable,
         alerting: AlertingSettings,
-        engine_stats: Callable[[], SchedulerStats],
-        engine_health: Callable[[], EngineHealth],
+        engine_stats: Callable[[str], SchedulerStats],
+        engine_health: Callable[[], Mapping[str, EngineHealth]],
         dependencies: Callable[[], DependencyHealth],
         telemetry: Telemetry | None = None,
     ) -> None:
@@ -63,8 +63,8 @@ class Observability:
         cls,
         file_config: dict[str, Any],
         tiers: TierTable,
-        engine_stats: Callable[[], SchedulerStats],
-        engine_health: Callable[[], EngineHealth],
+        engine_stats: Callable[[str], SchedulerStats],
+        engine_health: Callable[[], Mapping[str, EngineHealth]],
         dependencies: Callable[[], DependencyHealth],
         telemetry: Telemetry | None = None,
     ) -> Observability:
@@ -94,7 +94,7 @@ class Observability:
             ))
             routes += alerts_routes(guard, self.monitor)
             routes.append(
-                live_route(guard, engine_stats=self.engine_stats, tiers=self.tiers,
+                live_route(guard, engine_stats=self._stats_by_model, tiers=self.tiers,
                            monitor=self.monitor)
             )
         return routes
@@ -103,13 +103,18 @@ class Observability:
         """For build_app(middleware=...): counts the requests refused before admission."""
         return [Middleware(InvalidRequestCounter, metrics=self.metrics)]
 
+    def _stats_by_model(self) -> dict[str, SchedulerStats]:
+        return {model: self.engine_stats(model) for model in self.engine_health()}
+
     def refresh(self) -> None:
-        """The gauges read from elsewhere (engine, ledger, Redis), before a scrape."""
+        """The gauges read from elsewhere (engines, ledger, Redis), before a scrape."""
         self.metrics.update_dependencies(self.dependencies())
-        self.metrics.update_engine_health(self.engine_health())
-        stats = self.engine_stats()
-        waits = {tier.name: estimate_queue_wait_s(stats, tier.priority, 0) for tier in self.tiers}
-        self.metrics.update_engine(stats, waits)
+        for model, health in self.engine_health().items():
+            self.metrics.update_engine_health(model, health)
+            stats = self.engine_stats(model)
+            waits = {tier.name: estimate_queue_wait_s(stats, tier.priority, 0)
+                     for tier in self.tiers}
+            self.metrics.update_engine(model, stats, waits)
 
     async def record(self, record: RequestRecord) -> None:
         """RecordSink: one finished (or refused) request."""
@@ -119,6 +124,7 @@ class Observability:
             RequestObservation(
                 tier=record.tier,
                 tenant_id=str(record.tenant_id),
+                model=record.model,
                 status=RequestOutcome(record.status.value),
                 code=record.http_status,
                 ttft_s=record.ttft_s,

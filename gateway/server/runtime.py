@@ -1,23 +1,20 @@
 """Everything one replica runs, built once at start and shared by the routes: settings,
-database, key resolver, the served model and its engine, admission, and the sinks that
-take each finished request (ledger, metrics, alerting).
+database, key resolver, the served models (a `ModelHost` each: its engine in a process of its
+own, and the supervisor that restarts it), admission, and the sinks that take each finished
+request (ledger, metrics, alerting).
 
-Lifecycle: ``start`` (from the app's lifespan) loads the model off the event loop; the
-replica is ready once it is loaded. A supervisor then watches the engine: when its loop stops
-(its process killed, out of memory, a crash), the requests in flight fail with an engine
-error and are recorded, new ones get 503 ``engine_restarting``, and the model is loaded again,
-with a doubling wait between failed tries; an engine down for two minutes makes
-``/health/live`` fail so the orchestrator replaces the replica. ``drain`` (SIGTERM) refuses
-new requests with 503, waits for those in flight up to a deadline, then returns.
+Lifecycle: ``start`` (from the app's lifespan) loads the models one after another, off the
+event loop; the replica is ready once each has loaded or failed and at least one serves (a
+model that fails to load leaves the others serving; with none loaded the replica stops).
+``drain`` (SIGTERM) refuses new requests with 503, waits for those in flight up to a deadline,
+then returns.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
@@ -26,17 +23,15 @@ from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
 import tenants
-from engine import EngineClient, ModelConfigError, SchedulerStats
-from gateway.access.auth import TenantKeyResolver
+from engine import EngineClient, SchedulerStats
+from gateway.access.auth import TenantKeyResolver, TenantPrincipal
 from gateway.adapters import AdapterRegistry, AdapterStore
 from gateway.http.errors import ServiceUnavailableError
-from gateway.observability.engine_health import (
-    ENGINE_CHECK_INTERVAL_S,
-    RESTART_BACKOFF_S,
-    EngineHealth,
-)
+from gateway.observability.engine_health import EngineHealth
 from gateway.observability.telemetry import Telemetry, TelemetrySettings, setup_telemetry
 from gateway.openai.request_record import RequestEnd, RequestRecord
+from gateway.server.model_host import ModelHost, ModelLoader
+from gateway.server.model_spec import placed_specs
 from gateway.server.served_model import ServedModel, load_served_model
 from gateway.server.settings import GatewaySettings
 from policies import TierTable
@@ -62,9 +57,6 @@ class RecordLostError(Exception):
     unwritable): its client must not be told that the request succeeded."""
 
 
-ModelLoader = Callable[[GatewaySettings, TierTable, int], tuple[ServedModel, EngineClient]]
-
-
 class GatewayRuntime:
     def __init__(
         self,
@@ -84,10 +76,14 @@ class GatewayRuntime:
         self.adapters = AdapterRegistry(
             self.session_factory, AdapterStore(settings.model_cache_dir / "adapters"),
             max_rank=settings.max_lora_rank, max_bytes=settings.max_adapter_bytes,
+            max_pinned=settings.max_cpu_loras - settings.max_loras,
             serves_adapters=settings.max_loras > 0,
         )
-        self.served: ServedModel | None = None
-        self.engine: EngineClient | None = None
+        # The served models by the name clients send, in the order they were given.
+        self.models: dict[str, ModelHost] = {
+            spec.served_name: ModelHost(settings, tiers, spec, model_loader)
+            for spec in placed_specs(settings.models, settings.device)
+        }
         # Takes each finished request first; when it fails, the client hears of it.
         self.ledger: RecordSink | None = None
         # Then these (metrics, alerting), in order: a failure is logged.
@@ -96,46 +92,37 @@ class GatewayRuntime:
         self.num_in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
-        self._model_loader = model_loader
-        self._load_error: BaseException | None = None
         self._on_close: list[Callable[[], Awaitable[None]]] = []
         self._on_start: list[Callable[[], Awaitable[None]]] = []
         # Tracing of each request (no-op unless an OTLP endpoint is configured).
         self.telemetry: Telemetry = setup_telemetry(TelemetrySettings())
-        # Called once the model is loaded, before the replica reports ready.
-        self.on_loaded: Callable[[ServedModel], None] | None = None
-        # The engine's supervisor (started once the model is loaded) and what it saw.
-        self._supervisor: asyncio.Task[None] | None = None
-        self._closing = asyncio.Event()
-        self._generation = 0
-        self._num_restarts = 0
-        self._num_failed_restarts = 0
-        self._down_since: float | None = None  # time.monotonic() the engine was found down
+        # Called once every model has loaded or failed, with those loaded, before the
+        # replica reports ready.
+        self.on_loaded: Callable[[list[ServedModel]], None] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Start the background services, then load the model off the event loop;
-        readiness follows."""
+        """Start the background services, then load the models one after another (on CUDA
+        each sizes its KV cache from what the earlier ones left); raises the first model's
+        error when none loads."""
         for callback in self._on_start:
             await callback()
-        created = int(time.time())
-        try:
-            self.served, self.engine = await anyio.to_thread.run_sync(
-                self._model_loader, self.settings, self.tiers, created
-            )
-        except ModelConfigError as exc:  # what --model names is at fault, not the code
-            self._load_error = exc
-            logger.error("loading the model failed: %s", exc)
-            raise
-        except Exception as exc:
-            self._load_error = exc
-            logger.exception("loading the model failed")
-            raise
-        self._generation = 1
-        if self.on_loaded is not None and self.served is not None:
-            self.on_loaded(self.served)
-        self._supervisor = asyncio.get_running_loop().create_task(self._supervise())
+        errors: list[BaseException] = []
+        for host in self.models.values():
+            try:
+                await host.load()
+            except Exception as exc:
+                errors.append(exc)
+        loaded = [host.served for host in self.models.values() if host.served is not None]
+        if not loaded:
+            raise errors[0]
+        if errors:
+            logger.error("serving %d of %d models: %s failed to load", len(loaded),
+                         len(self.models), ", ".join(h.name for h in self.models.values()
+                                                     if h.load_error is not None))
+        if self.on_loaded is not None:
+            self.on_loaded(loaded)
 
     def on_start(self, callback: Callable[[], Awaitable[None]]) -> None:
         """Run callback at start, before the model loads (e.g. the alert monitor)."""
@@ -158,11 +145,7 @@ class GatewayRuntime:
             return False
 
     async def close(self) -> None:
-        self._closing.set()
-        if self._supervisor is not None:  # a restart under way finishes, then is shut down
-            await self._supervisor
-        if self.engine is not None:
-            await anyio.to_thread.run_sync(self.engine.shutdown)
+        await asyncio.gather(*(host.close() for host in self.models.values()))
         # With the engine stopped, the requests still in flight end at once (an engine
         # error); their records are published before the sinks and the ledger close.
         try:
@@ -176,24 +159,25 @@ class GatewayRuntime:
 
     # -- state the routes read -------------------------------------------------------------------
 
-    def engine_health(self) -> EngineHealth:
-        return EngineHealth(
-            is_up=self.is_model_loaded,
-            generation=self._generation,
-            num_restarts=self._num_restarts,
-            num_failed_restarts=self._num_failed_restarts,
-            down_for_s=(
-                None if self._down_since is None else time.monotonic() - self._down_since
-            ),
-        )
+    def engine_health(self) -> dict[str, EngineHealth]:
+        """Each model's engine: up, restarts, how long down."""
+        return {name: host.health() for name, host in self.models.items()}
 
-    def engine_stats(self) -> SchedulerStats:
-        """The engine's latest statistics (empty before the model is loaded)."""
-        return self.engine.stats() if self.engine is not None else SchedulerStats()
+    def engine_stats(self, model: str) -> SchedulerStats:
+        """A model's engine's latest statistics (empty before it is loaded)."""
+        host = self.models.get(model)
+        return host.stats() if host is not None else SchedulerStats()
 
     @property
     def is_model_loaded(self) -> bool:
-        return self.served is not None and self.engine is not None and self.engine.is_running
+        """Every model has loaded or failed, and one at least serves."""
+        hosts = self.models.values()
+        return all(h.is_settled for h in hosts) and any(h.is_up for h in hosts)
+
+    def host(self, model: str | None = None) -> ModelHost:
+        """The host of a served model by name; None: the first model given (the only one,
+        in most replicas)."""
+        return self.models[model] if model is not None else next(iter(self.models.values()))
 
     def database_answers(self) -> bool:
         """Whether the database answers a read of a table (SQLite's SELECT 1 would answer
@@ -205,64 +189,39 @@ class GatewayRuntime:
         except Exception:
             return False
 
-    def ready_model(self) -> tuple[ServedModel, EngineClient]:
-        """The model and engine for a new request, or 503 (loading, failed or draining)."""
+    def check_accepting(self) -> None:
+        """503 while draining, or before any model has loaded: a new request is not taken."""
         if self.is_draining:
             raise ServiceUnavailableError(
                 "this replica is shutting down; retry on another", code="draining"
             )
-        if self._down_since is not None or (self.engine is not None
-                                             and not self.engine.is_running):
+        if all(host.served is None for host in self.models.values()):
+            failed = all(host.load_error is not None for host in self.models.values())
             raise ServiceUnavailableError(
-                "the engine stopped and is being restarted; retry shortly",
-                code="engine_restarting",
+                "the model failed to load" if failed else "the model is loading",
+                code="model_not_ready",
             )
-        if self.served is None or self.engine is None:
-            message = "the model failed to load" if self._load_error else "the model is loading"
-            raise ServiceUnavailableError(message, code="model_not_ready")
-        return self.served, self.engine
 
-    # -- the engine's supervisor -------------------------------------------------------------------
+    def allowed_models(self, principal: TenantPrincipal) -> list[str]:
+        """The served models (by name) the principal's tenant may use, loaded or not."""
+        return [name for name in self.models if principal.may_use(name)]
 
-    async def _supervise(self) -> None:
-        """Restart the engine whenever its loop has stopped, until close()."""
-        backoff_s = RESTART_BACKOFF_S[0]
-        while not await self._closed_within(ENGINE_CHECK_INTERVAL_S):
-            engine = self.engine
-            if engine is None or engine.is_running:
-                continue
-            if self._down_since is None:
-                self._down_since = time.monotonic()
-                logger.error("the engine stopped: restarting it (%d request(s) in flight "
-                             "fail)", self.num_in_flight)
-                await anyio.to_thread.run_sync(engine.shutdown)  # its process, pipes, threads
-            try:
-                served, restarted = await anyio.to_thread.run_sync(
-                    self._model_loader, self.settings, self.tiers, int(time.time())
-                )
-            except Exception:
-                self._num_failed_restarts += 1
-                logger.exception("restarting the engine failed; next try in %.0f s", backoff_s)
-                if await self._closed_within(backoff_s):
-                    return
-                backoff_s = min(2 * backoff_s, RESTART_BACKOFF_S[1])
-                continue
-            if self._closing.is_set():  # close() came while it loaded
-                await anyio.to_thread.run_sync(restarted.shutdown)
-                return
-            down_for_s = time.monotonic() - self._down_since
-            self.served, self.engine = served, restarted
-            self._generation += 1
-            self._num_restarts += 1
-            self._down_since = None
-            backoff_s = RESTART_BACKOFF_S[0]
-            logger.warning("the engine was restarted after %.1f s", down_for_s)
+    def loaded_models(self, principal: TenantPrincipal) -> dict[str, ServedModel]:
+        """The served models the principal's tenant may use that have loaded (/v1/models)."""
+        return {name: host.served for name, host in self.models.items()
+                if host.served is not None and principal.may_use(name)}
 
-    async def _closed_within(self, seconds: float) -> bool:
-        """Wait up to seconds; True as soon as close() has begun."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._closing.wait(), seconds)
-        return self._closing.is_set()
+    @property
+    def sole_model_name(self) -> str:
+        """The served model's name where there is one; "" where there are several (what the
+        record of a request refused before its body was read names)."""
+        return next(iter(self.models)) if len(self.models) == 1 else ""
+
+    def ready_model(self, model: str) -> tuple[ServedModel, EngineClient]:
+        """A served model and its engine for a new request, or 503 (draining; the model
+        loading, failed or restarting)."""
+        self.check_accepting()
+        return self.models[model].ready()
 
     # -- in-flight accounting (drain waits on it) --------------------------------------------------
 

@@ -99,15 +99,15 @@ def serve(settings: GatewaySettings, *, log_level: str = "info") -> int:
     )
     server = _DrainingServer(config, runtime, settings.drain_timeout_s)
 
-    def loaded(served: ServedModel) -> None:
+    def loaded(served: list[ServedModel]) -> None:
         if demo_key is not None:
-            print(first_run_message(_base_url(settings), served.name, demo_key), flush=True)
+            print(first_run_message(_base_url(settings), served[0].name, demo_key), flush=True)
         freeze_startup_heap()
 
     runtime.on_loaded = loaded
     server.run()
     if failure:
-        raise ServeError(f"the model could not be loaded: {failure[0]}")
+        raise ServeError(f"no model could be loaded: {failure[0]}")
     return 0
 
 

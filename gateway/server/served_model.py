@@ -1,6 +1,7 @@
-"""The model this replica serves: checkpoint, tokenizer and the engine running it (in a
-process of its own). What --model names is resolved by `gateway.server.model_source` (with none, the
-default model, SmolLM2-135M-Instruct, converted once from its GGUF file).
+"""A model this replica serves: checkpoint, tokenizer and the engine running it (in a
+process of its own). What --model names is resolved by `gateway.server.model_source` (with
+none, the default model, SmolLM2-135M-Instruct, converted once from its GGUF file); each
+served model's own settings are its `ModelSpec`.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from engine import (
 from gateway.openai.chat_template import ChatTokenizer
 from gateway.openai.tool_calls import ToolCallFormat, format_for_template
 from gateway.server.model_source import resolve_model
+from gateway.server.model_spec import ModelSpec
 from gateway.server.settings import GatewaySettings
 from policies import TieredPolicy, TierTable
 
@@ -69,27 +71,29 @@ class ServedModel:
     model_config: ModelConfig
 
 
-def context_length(settings: GatewaySettings, model_config: ModelConfig) -> int:
-    """Longest prompt + output: --max-model-len, at most what the model was trained for."""
+def context_length(settings: GatewaySettings, model_config: ModelConfig,
+                   spec: ModelSpec) -> int:
+    """Longest prompt + output: the model's max_model_len, else --max-model-len, at most what
+    the model was trained for."""
     return min(
-        settings.max_model_len or model_config.max_position_embeddings,
+        spec.max_model_len or settings.max_model_len or model_config.max_position_embeddings,
         model_config.max_position_embeddings,
     )
 
 
 def load_served_model(
-    settings: GatewaySettings, tiers: TierTable, created: int
+    settings: GatewaySettings, tiers: TierTable, spec: ModelSpec, created: int
 ) -> tuple[ServedModel, EngineClient]:
-    """Start the engine in a process of its own (`EngineProcess`), which loads the
+    """Start the model's engine in a process of its own (`EngineProcess`), which loads the
     checkpoint; returns once it is loaded."""
     source = resolve_model(
-        settings.model, settings.model_cache_dir, settings.demo_model_dir, _DTYPES[settings.dtype]
+        spec.source, settings.model_cache_dir, settings.demo_model_dir, _DTYPES[settings.dtype]
     )
     model_dir = source.model_dir
     model_config = ModelConfig.from_file(model_dir)
     tokenizer = ChatTokenizer.from_dir(model_dir)
-    engine = EngineProcess(functools.partial(build_engine, settings, tiers, model_dir))
-    name = settings.served_model_name or source.default_name
+    engine = EngineProcess(functools.partial(build_engine, settings, tiers, spec, model_dir))
+    name = spec.served_name
     served = describe_model(model_config, tokenizer, name, created, engine.limits,
                             tool_call_parser=settings.tool_call_parser)
     served.grammars.warm_up()  # the tokenizer's index, before the first structured request
@@ -103,11 +107,12 @@ def load_served_model(
     return served, engine
 
 
-def build_engine(settings: GatewaySettings, tiers: TierTable, model_dir: Path) -> LLMEngine:
+def build_engine(settings: GatewaySettings, tiers: TierTable, spec: ModelSpec,
+                 model_dir: Path) -> LLMEngine:
     """The engine over the checkpoint in model_dir (what the engine's process runs)."""
     model_config = ModelConfig.from_file(model_dir)
     tokenizer = Tokenizer.from_dir(model_dir)
-    config = engine_config(settings, tiers, model_config, tokenizer)
+    config = engine_config(settings, tiers, model_config, tokenizer, spec)
     runner = TorchModelRunner.from_model_dir(
         model_dir,
         config,
@@ -129,13 +134,18 @@ def build_engine(settings: GatewaySettings, tiers: TierTable, model_dir: Path) -
 
 
 def engine_config(
-    settings: GatewaySettings, tiers: TierTable, model_config: ModelConfig, tokenizer: Tokenizer
+    settings: GatewaySettings, tiers: TierTable, model_config: ModelConfig, tokenizer: Tokenizer,
+    spec: ModelSpec,
 ) -> EngineConfig:
-    """The replica's engine configuration, read by its scheduler and its runner."""
+    """A model's engine configuration, read by its scheduler and its runner: the replica's
+    settings, with the model's own KV budget and context where its spec sets them."""
     eos_ids = eos_token_ids(model_config, tokenizer)
+    own_budget = spec.kv_cache_bytes is not None or spec.kv_cache_memory_fraction is not None
     runner = RunnerConfig(
-        kv_cache_bytes=settings.kv_cache_bytes,
-        kv_cache_memory_fraction=settings.kv_cache_memory_fraction,
+        kv_cache_bytes=spec.kv_cache_bytes if own_budget else settings.kv_cache_bytes,
+        kv_cache_memory_fraction=(spec.kv_cache_memory_fraction if own_budget
+                                  else settings.kv_cache_memory_fraction),
+        kv_cache_memory_scale=spec.kv_memory_scale,
     )
     if settings.cpu_decode_rows is not None:
         runner.cpu_decode_rows = settings.cpu_decode_rows
@@ -143,7 +153,7 @@ def engine_config(
         scheduler=SchedulerConfig(
             max_num_batched_tokens=settings.max_num_batched_tokens,
             max_num_seqs=settings.max_num_seqs,
-            max_model_len=context_length(settings, model_config),
+            max_model_len=context_length(settings, model_config, spec),
         ),
         cache=CacheConfig(
             reserved_fractions=tiers.reserved_fractions() if settings.scheduling == "tiered"

@@ -19,6 +19,13 @@ import yaml
 
 from engine import CPU_DECODE_MAX_ROWS
 from gateway.admin.auth import ADMIN_TOKEN_ENV
+from gateway.server.model_spec import (
+    ModelSpec,
+    ModelSpecError,
+    check_specs,
+    specs_from_config,
+    specs_from_flags,
+)
 from tenants import DEFAULT_DATABASE_URL
 
 
@@ -41,10 +48,14 @@ _OPTIONS: dict[str, _Option] = {
     "model": _Option(
         "--model",
         "TIERGATE_MODEL",
-        "HF checkpoint directory, .gguf file, or 'demo' (default: SmolLM2-135M-Instruct)",
+        "HF checkpoint directory, .gguf file, 'demo' or 'default' (SmolLM2-135M-Instruct, "
+        "served when no model is named); "
+        "repeat it to serve several models, each in its own engine process (or list them in "
+        "the config file's models section)",
     ),
     "served_model_name": _Option(
-        "--served-model-name", "TIERGATE_SERVED_MODEL_NAME", "model id clients send"
+        "--served-model-name", "TIERGATE_SERVED_MODEL_NAME",
+        "model id clients send (one per --model, in order)",
     ),
     "database_url": _Option("--database-url", "TIERGATE_DATABASE_URL", "SQLAlchemy URL"),
     "redis_url": _Option(
@@ -147,6 +158,8 @@ _OPTIONS: dict[str, _Option] = {
 }
 
 _DTYPES = ("float32", "bfloat16", "float16")
+# Flags that may be repeated, one per served model.
+_MODEL_OPTIONS = ("model", "served_model_name")
 
 
 @dataclass(frozen=True)
@@ -155,11 +168,9 @@ class GatewaySettings:
 
     host: str = "127.0.0.1"
     port: int = 8000
-    # A checkpoint directory, a .gguf file or "demo" (gateway.server.model_source); None serves
-    # the default model.
-    model: str | None = None
-    # The id in /v1/models and the `model` field clients send; None: derived from the model.
-    served_model_name: str | None = None
+    # The models served, each by an engine process of its own (gateway.server.model_spec):
+    # --model and --served-model-name, or the config file's models section.
+    models: tuple[ModelSpec, ...] = (ModelSpec(),)
     database_url: str = DEFAULT_DATABASE_URL
     # None: rate limits are kept in this process only.
     redis_url: str | None = None
@@ -240,6 +251,12 @@ class GatewaySettings:
             raise SettingsError("--drain-timeout must be >= 0")
         if not self.stream_write_timeout_s > 0:
             raise SettingsError("--stream-write-timeout must be > 0")
+        if not self.models:
+            raise SettingsError("--model: no model to serve")
+        try:
+            check_specs(self.models)
+        except ModelSpecError as exc:
+            raise SettingsError(f"--model: {exc}") from None
 
     @classmethod
     def from_sources(
@@ -251,6 +268,8 @@ class GatewaySettings:
         values: dict[str, Any] = {}
         types = {f.name: f.type for f in fields(cls)}
         for name, option in _OPTIONS.items():
+            if name in _MODEL_OPTIONS:
+                continue
             raw = getattr(args, name, None) if args is not None else None
             if raw is None and env.get(option.env, "") != "":
                 raw = env[option.env]
@@ -260,12 +279,41 @@ class GatewaySettings:
         config_path = values.get("config")
         if config_path is not None:
             values["file_config"] = load_config_file(config_path)
+        values["models"] = _models(args, env, values.get("file_config", {}))
         return cls(**values)
+
+
+def _models(args: argparse.Namespace | None, env: Mapping[str, str],
+            file_config: Mapping[str, Any]) -> tuple[ModelSpec, ...]:
+    """The models: --model/--served-model-name (repeated; else their variables, one model),
+    or the config file's models section, not both."""
+    def given(name: str) -> list[str]:
+        flags = getattr(args, name, None) if args is not None else None
+        if flags:
+            return list(flags)
+        raw = env.get(_OPTIONS[name].env, "")
+        return [raw] if raw else []
+
+    sources, names = given("model"), given("served_model_name")
+    try:
+        if "models" in file_config:
+            if sources or names:
+                raise ModelSpecError("name the models either with --model (and "
+                                     "--served-model-name) or in the config file's models "
+                                     "section, not both")
+            return specs_from_config(file_config["models"])
+        return specs_from_flags(sources, names)
+    except ModelSpecError as exc:
+        raise SettingsError(f"--model: {exc}") from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The serve flags; each defaults to None so from_sources can tell it was not given."""
     for name, option in _OPTIONS.items():
+        if name in _MODEL_OPTIONS:
+            parser.add_argument(option.flag, dest=name, action="append", default=None,
+                                help=f"{option.help} (env {option.env})")
+            continue
         if name == "run_migrations":
             parser.add_argument(
                 "--migrate",

@@ -544,7 +544,7 @@ def test_engine_activity_is_read_from_the_metrics_exposition() -> None:
     metrics = GatewayMetrics(DEFAULT_TIERS)
 
     def scraped() -> EngineActivity | None:
-        metrics.update_engine(engine.stats(), {})
+        metrics.update_engine("m", engine.stats(), {})
         return engine_activity_of(generate_latest(metrics.registry).decode())
 
     before = scraped()

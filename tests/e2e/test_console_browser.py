@@ -216,6 +216,7 @@ def _serve(
             AdapterStore(adapters_dir),
             max_rank=64,
             max_bytes=64 << 20,
+            max_pinned=4,
             cache_ttl_s=0.05,
         )
     resolver = TenantKeyResolver(session_factory)
@@ -232,7 +233,7 @@ def _serve(
             admin_token=ADMIN_TOKEN,
             key_resolver=resolver,
             adapters=adapters,
-            served_model=lambda: cast("ServedModel | None", served),
+            served_models=lambda: {SERVED_NAME: cast("ServedModel | None", served)},
             unregister_timeout_s=UNREGISTER_TIMEOUT_S,
         ),
         Route("/v1/whoami", whoami),
@@ -390,12 +391,22 @@ def test_create_tenant_set_rpm_issue_key_once_and_revoke(
 
     page.get_by_label("Requests per minute").fill("120")
     page.get_by_label("Monthly spend budget (USD)").fill("25")
+    expect(page.get_by_label("Allowed models")).to_have_value("")  # every model
+    page.get_by_label("Allowed models").fill("tiny-llama, other-model")
     page.get_by_role("button", name="Save changes").click()
     expect(page.locator("#tenant-status")).to_have_text("Saved.")
     with server.admin() as admin:
-        quota = admin.get("/admin/v1/tenants/acme").json()["quota"]
+        shown = admin.get("/admin/v1/tenants/acme").json()
+    quota = shown["quota"]
     assert quota["requests_per_minute"] == 120
     assert quota["monthly_spend_budget_usd_micros"] == 25_000_000
+    assert shown["allowed_models"] == ["tiny-llama", "other-model"]
+    expect(page.get_by_label("Allowed models")).to_have_value("tiny-llama, other-model")
+    page.get_by_label("Allowed models").fill("")
+    page.get_by_role("button", name="Save changes").click()
+    expect(page.locator("#tenant-status")).to_have_text("Saved.")
+    with server.admin() as admin:
+        assert admin.get("/admin/v1/tenants/acme").json()["allowed_models"] is None
 
     page.get_by_label("Key name").fill("ci")
     page.get_by_role("button", name="Issue key").click()
@@ -436,10 +447,11 @@ def test_create_tenant_set_rpm_issue_key_once_and_revoke(
 
     console.go("Audit log")
     audit = page.locator("#audit-table tbody tr")
-    expect(audit).to_have_count(4)
-    actions = [audit.nth(i).get_attribute("data-action") for i in range(4)]
-    assert actions == ["api_key.revoke", "api_key.create", "tenant.update", "tenant.create"]
-    expect(page.locator("#audit-table tr[data-action='tenant.update']")).to_contain_text(
+    expect(audit).to_have_count(5)
+    actions = [audit.nth(i).get_attribute("data-action") for i in range(5)]
+    assert actions == ["api_key.revoke", "api_key.create", "tenant.update", "tenant.update",
+                       "tenant.create"]
+    expect(page.locator("#audit-table tr[data-action='tenant.update']").last).to_contain_text(
         "quota.requests_per_minute: ∅ → 120"
     )
     console.screenshot("audit")
@@ -713,12 +725,14 @@ def test_register_share_and_remove_an_adapter(
         row = page.locator("#adapters-table tbody tr[data-adapter=support-bot]")
         cells = row.locator("td")
         expect(row.locator("th")).to_have_text("support-bot")
-        expect(cells.nth(0)).to_have_text("owner-co")
-        expect(cells.nth(1)).to_have_text("friend")
-        expect(cells.nth(2)).to_have_text(str(ADAPTER_RANK))
-        expect(cells.nth(3)).to_have_text(", ".join(snapshot["targets"]))
-        expect(cells.nth(4)).to_have_text(re.compile(r"^\d+\.\d KiB$"))
-        expect(cells.nth(5)).to_have_text(re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC$"))
+        expect(cells.nth(0)).to_have_text(SERVED_NAME)
+        expect(cells.nth(1)).to_have_text("owner-co")
+        expect(cells.nth(2)).to_have_text("friend")
+        expect(cells.nth(3)).to_have_text(str(ADAPTER_RANK))
+        expect(cells.nth(4)).to_have_text(", ".join(snapshot["targets"]))
+        expect(cells.nth(5)).to_have_text(re.compile(r"^\d+\.\d KiB$"))
+        expect(cells.nth(6)).to_have_text("")  # not pinned
+        expect(cells.nth(7)).to_have_text(re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC$"))
         expect(name).to_have_value("")  # ready for the next one, of the same owner
         expect(form.get_by_label("Owner", exact=True)).to_have_value("owner-co")
 
@@ -740,10 +754,20 @@ def test_register_share_and_remove_an_adapter(
         sharing.get_by_role("button", name="Save sharing").click()
         expect(status).to_have_text("Sharing of adapter support-bot saved.")
         expect(sharing).to_have_count(0)
-        expect(cells.nth(1)).to_have_text("stranger")
+        expect(cells.nth(2)).to_have_text("stranger")
         with server.admin() as admin:
             shared = admin.get("/admin/v1/adapters/support-bot").json()["shared_with"]
         assert shared == [tenant_ids["stranger"]]
+
+        # Pinning keeps it in the engines' host caches; a second click unpins it.
+        page.get_by_role("button", name="Pin adapter support-bot").click()
+        expect(status).to_have_text("Adapter support-bot pinned.")
+        expect(cells.nth(6)).to_have_text("pinned")
+        with server.admin() as admin:
+            assert admin.get("/admin/v1/adapters/support-bot").json()["pinned"] is True
+        page.get_by_role("button", name="Unpin adapter support-bot").click()
+        expect(status).to_have_text("Adapter support-bot unpinned.")
+        expect(cells.nth(6)).to_have_text("")
 
         # Each tenant's view lists the adapters it owns or was granted.
         console.open("#tenant/stranger")
@@ -759,7 +783,7 @@ def test_register_share_and_remove_an_adapter(
 
         # Removing while a request runs on it: 202, it takes no new requests, and a later
         # removal finishes it once the request has ended.
-        running = ModelTarget("support-bot", "support-bot")
+        running = ModelTarget("support-bot", SERVED_NAME, "support-bot")
         server.adapters.started(running)
         console.go("Adapters")
         expect(error).to_be_empty()  # the conflict shown before is gone with the view

@@ -30,7 +30,8 @@ from engine.testing.fake_runner import FakeModelRunner
 from gateway.http.protocol import GatewayHttpProtocol
 from gateway.observability.telemetry import Telemetry
 from gateway.openai.chat_template import ChatTokenizer
-from gateway.server.model_source import DEMO_MODEL_NAME
+from gateway.server.model_source import DEMO_MODEL
+from gateway.server.model_spec import ModelSpec
 from gateway.server.observability_wiring import Observability
 from gateway.server.replica import compose_replica
 from gateway.server.runtime import GatewayRuntime
@@ -59,20 +60,20 @@ class FakeModelLoader:
         self.runner: FakeModelRunner | None = None
 
     def __call__(
-        self, settings: GatewaySettings, tiers: TierTable, created: int
+        self, settings: GatewaySettings, tiers: TierTable, spec: ModelSpec, created: int
     ) -> tuple[ServedModel, AsyncLLMEngine]:
         model_config = ModelConfig.from_file(self.model_dir)
         tokenizer = ChatTokenizer.from_dir(self.model_dir)
         # The fake's tokens are hashes of the context: keep them ids the tokenizer decodes.
         vocab_size = min(tokenizer.vocab_size, model_config.vocab_size)
-        config = engine_config(settings, tiers, model_config, tokenizer)
+        config = engine_config(settings, tiers, model_config, tokenizer, spec)
         config.cache.block_size = _KV_BLOCK_SIZE
         config.runner.num_kv_blocks = self.num_kv_blocks
         runner = FakeModelRunner(config, vocab_size=vocab_size, sleep=True)
         # The engine in a thread of this process, so tests can reach the fake runner.
         engine = AsyncLLMEngine(new_engine(settings, config, runner, model_config, tokenizer))
         served = describe_model(
-            model_config, tokenizer, DEMO_MODEL_NAME, created, engine.limits, vocab_size
+            model_config, tokenizer, spec.served_name, created, engine.limits, vocab_size
         )
         self.runner = runner
         return served, engine
@@ -171,7 +172,7 @@ def start_gateway(
         demo_model_dir=shared_demo_model_dir(),
         data_dir=work_dir / "data",
         file_config=dict(file_config or {}),
-        **settings,
+        **{"models": (ModelSpec(source=DEMO_MODEL),), **settings},
     )
     tier_table = tiers or TierTable()
     loader = FakeModelLoader(gateway_settings.demo_model_dir)

@@ -300,10 +300,10 @@ def assert_billed_exactly_once(
 
 
 def metric_value(server: ServeProcess, name: str) -> float:
-    """The value of an unlabelled series (e.g. a counter's ``_total``) from GET /metrics."""
+    """A series' value summed over its labels (e.g. an engine counter's ``_total`` over the
+    served models) from GET /metrics."""
     text = httpx.get(f"{server.base_url}/metrics", timeout=30.0).text
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and not sample.labels:
-                return float(sample.value)
-    raise AssertionError(f"{name} is not in /metrics")
+    values = [float(sample.value) for family in text_string_to_metric_families(text)
+              for sample in family.samples if sample.name == name]
+    assert values, f"{name} is not in /metrics"
+    return sum(values)

@@ -59,7 +59,7 @@ class EngineStats:
         self.stats = SchedulerStats(prefill_tokens_per_s=1000.0)
         self.num_calls = 0
 
-    def __call__(self) -> SchedulerStats:
+    def __call__(self, model: str = "") -> SchedulerStats:
         self.num_calls += 1
         return self.stats
 

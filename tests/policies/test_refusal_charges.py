@@ -31,7 +31,7 @@ _LIMITS = TenantLimits(requests_per_minute=6, tokens_per_minute=600, max_concurr
 
 
 def _controller(limiter: RateLimiter) -> AdmissionController:
-    return AdmissionController(limiter, TierTable(), None, lambda: None)  # type: ignore[arg-type,return-value]
+    return AdmissionController(limiter, TierTable(), None, lambda _model: None)  # type: ignore[arg-type,return-value]
 
 
 async def _charges_take_what_is_there(limiter: RateLimiter) -> None:

@@ -62,7 +62,7 @@ def _replicas(
     kind = RedisRateLimiter if shared else LocalHoldsOnly
     return [
         AdmissionController(kind.from_url(url, config), TierTable(), replica_totals,
-                            SchedulerStats)
+                            lambda _model: SchedulerStats())
         for replica_totals in totals
     ]
 

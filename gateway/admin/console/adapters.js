@@ -1,4 +1,4 @@
-// LoRA adapters of the served model: the registered ones (owner, sharing, rank, targets, size),
+// LoRA adapters of the served models: the registered ones (base model, owner, sharing, rank, targets, size),
 // registering one from an uploaded archive, changing who it is shared with, and removing one.
 // Removing waits for the requests running on the adapter on this replica; when they outlast
 // the server's wait (202), the adapter takes no new requests and stays listed here as
@@ -8,7 +8,9 @@ import { api } from "./api.js";
 import { $, clearError, formatBytes, formatInt, formatTime, h, latestOnly, showError } from "./dom.js";
 import { loadTenants } from "./tenants.js";
 
-const COLUMNS = ["Name", "Owner", "Shared with", "Rank", "Targets", "Size", "Created", "Action"];
+const COLUMNS = [
+  "Name", "Base model", "Owner", "Shared with", "Rank", "Targets", "Size", "Pinned", "Created", "Action",
+];
 const NUMERIC = new Set(["Rank", "Size"]);
 const startLoad = latestOnly();
 
@@ -122,6 +124,14 @@ function adapterRow(adapter) {
       h("button", {
         type: "button",
         class: "secondary",
+        onclick: () => setPinned(adapter, !adapter.pinned),
+        text: adapter.pinned ? "Unpin" : "Pin",
+        "aria-label": `${adapter.pinned ? "Unpin" : "Pin"} ${label}`,
+      }),
+      " ",
+      h("button", {
+        type: "button",
+        class: "secondary",
         onclick: confirm,
         text: "Remove…",
         "aria-label": `Remove ${label}`,
@@ -141,11 +151,13 @@ function adapterRow(adapter) {
 // The cells every row of an adapter shows between its name and its actions.
 function detailCells(adapter) {
   return [
+    h("td", { text: adapter.base_model }),
     h("td", {}, tenantLink(adapter.owner_tenant_id)),
     sharedCell(adapter),
     h("td", { class: "num", text: formatInt(adapter.rank) }),
     h("td", { text: adapter.targets.join(", ") }),
     h("td", { class: "num", text: formatBytes(adapter.size_bytes) }),
+    h("td", { text: adapter.pinned ? "pinned" : "" }),
     h("td", { text: formatTime(adapter.created_at) }),
   ];
 }
@@ -280,6 +292,22 @@ function openSharing(adapter) {
   (form.querySelector("input") ?? form.querySelector("button")).focus();
 }
 
+// --- pinning --------------------------------------------------------------------------------
+
+// A pinned adapter stays in the engines' host caches once loaded (at most --max-cpu-loras less
+// --max-loras of a base model: past that, a 400 says to unpin one first).
+async function setPinned(adapter, pinned) {
+  const alert = $("adapters-error");
+  clearError(alert);
+  try {
+    await api("PATCH", `/adapters/${encodeURIComponent(adapter.name)}`, { body: { pinned } });
+    setStatus(`Adapter ${adapter.name} ${pinned ? "pinned" : "unpinned"}.`);
+    await refresh();
+  } catch (err) {
+    showError(alert, err);
+  }
+}
+
 // --- removing -------------------------------------------------------------------------------
 
 async function remove(name, actions) {
@@ -362,12 +390,13 @@ async function register(event) {
     return showError(alert, error, form);
   }
   const sharedWith = checkedBoxes($("adapter-shared-picks")).map((box) => box.value);
+  const baseModel = $("adapter-base").value.trim();
   const button = form.querySelector("button[type=submit]");
   button.disabled = true;
   setStatus(`Uploading adapter ${name} (${formatBytes(file.size)}) to be checked…`);
   try {
     const adapter = await api("POST", "/adapters", {
-      query: { name, owner, shared_with: sharedWith.join(",") },
+      query: { name, owner, shared_with: sharedWith.join(","), ...(baseModel ? { base_model: baseModel } : {}) },
       file,
     });
     // The owner stays chosen: several adapters of one tenant come in a row.

@@ -70,6 +70,8 @@ function changes(form, tenant) {
   if (tier !== tenant.tier) body.tier = tier;
   const weight = Number(form.querySelector("#edit-weight").value);
   if (weight !== tenant.weight) body.weight = weight;
+  const models = form.querySelector("#edit-models").value.trim();
+  if (models !== modelsText(tenant)) body.allowed_models = parseModels(models);
   const quota = {};
   for (const input of form.querySelectorAll("input[data-quota]")) {
     const field = input.dataset.quota;
@@ -80,6 +82,17 @@ function changes(form, tenant) {
   return { body };
 }
 
+// The served models a tenant may use as the form shows them: comma-separated, empty for every
+// model (an empty list, no model at all, is set with the API or the CLI).
+function modelsText(tenant) {
+  return tenant.allowed_models === null ? "" : tenant.allowed_models.join(", ");
+}
+
+function parseModels(text) {
+  if (text === "") return null;
+  return text.split(",").map((name) => name.trim()).filter((name) => name !== "");
+}
+
 function editForm(tenant, tenants) {
   const tierSelect = h("select", { id: "edit-tier", name: "tier", dataset: { param: "tier" } });
   tierOptions(tierSelect, tenants, tenant.tier);
@@ -87,7 +100,7 @@ function editForm(tenant, tenants) {
   const form = h(
     "form",
     { id: "edit-tenant-form", class: "card", novalidate: true, "aria-labelledby": "edit-title" },
-    h("h3", { id: "edit-title", text: "Tier, weight and quotas" }),
+    h("h3", { id: "edit-title", text: "Tier, weight, models and quotas" }),
     h(
       "div",
       { class: "row" },
@@ -106,7 +119,22 @@ function editForm(tenant, tenants) {
           dataset: { param: "weight" },
         }),
       ),
+      h(
+        "div",
+        { class: "field" },
+        h("label", { for: "edit-models", text: "Allowed models" }),
+        h("input", {
+          id: "edit-models",
+          name: "allowed_models",
+          type: "text",
+          placeholder: "every model",
+          value: modelsText(tenant),
+          "aria-describedby": "models-hint",
+          dataset: { param: "allowed_models" },
+        }),
+      ),
     ),
+    h("p", { id: "models-hint", class: "hint", text: "Served models, comma-separated; empty: every model." }),
     h("p", { id: "quota-hint", class: "hint", text: "Leave a quota empty for no limit." }),
     h(
       "div",

@@ -182,12 +182,14 @@ def test_the_served_engine_decodes_hf_greedy_tokens_and_their_text(
     """The engine `tiergate serve` builds (grammar compiler warmed up on this vocabulary)
     over the converted file: greedy tokens equal HF transformers' on the same GGUF, and the
     streamed text is the decode of those tokens."""
+    from gateway.server.model_spec import ModelSpec
     from gateway.server.served_model import build_engine
     from gateway.server.settings import GatewaySettings
     from policies.tiers import TierTable
 
     converted = GGUFCheckpoint.open(gguf_file).convert(tmp_path / "converted")
-    engine = build_engine(GatewaySettings(kv_cache_bytes=16 << 20), TierTable(), converted)
+    engine = build_engine(GatewaySettings(kv_cache_bytes=16 << 20), TierTable(), ModelSpec(),
+                          converted)
     assert engine.tokenizer is not None
     hf = AutoModelForCausalLM.from_pretrained(
         gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32

@@ -6,6 +6,7 @@ the engine: preemption with resumption, n > 1, more adapters than slots."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -256,3 +257,28 @@ def test_base_steps_keep_the_decode_forward(checkpoint: tuple[Path, PreTrainedMo
     assert calls == [runner.lora.slots] * 4
     assert both[0].output == hf_greedy(hf, prompt, 5)
     assert both[1].output == hf_greedy(adapters[2].reference, prompt, 5)
+
+
+def test_a_pinned_adapter_stays_on_the_host_until_a_request_unpins_it(
+        checkpoint: tuple[Path, PreTrainedModel], adapters: list[Adapter]) -> None:
+    """One adapter kept on the host (max_cpu_loras 1): the pinned one outlives the LRU, and
+    goes the LRU's way once a request comes with it unpinned."""
+    from engine.models.config import ModelConfig
+    from engine.worker.lora_cache import LoraCache
+
+    path, _ = checkpoint
+    cache = LoraCache(ModelConfig.from_file(path), LoraConfig(max_loras=1, max_cpu_loras=1),
+                      torch.device("cpu"), torch.float32)
+    pinned = dataclasses.replace(adapters[0].lora, pinned=True)
+    others = [adapters[1].lora, adapters[2].lora]
+
+    def use(lora: LoraRequest) -> None:
+        assert cache.prepare(lora).result(timeout=120) > 0
+        cache.release(lora.name)
+
+    for lora in (pinned, *others):
+        use(lora)
+        assert list(cache._host) == [pinned.name]  # the others come and go
+    use(adapters[0].lora)  # unpinned by the registry since
+    use(others[0])
+    assert list(cache._host) == [others[0].name]

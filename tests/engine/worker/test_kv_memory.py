@@ -14,6 +14,7 @@ from engine.errors import ConfigError
 from engine.models.config import ModelConfig
 from engine.worker.kv_memory import allocate_kv_tensor, available_memory_bytes, kv_cache_size
 from engine.worker.model_runner import TorchModelRunner, kv_bytes_per_block
+from gateway.server.model_spec import ModelSpec
 from gateway.server.served_model import build_engine
 from gateway.server.settings import GatewaySettings
 from policies import TierTable
@@ -44,6 +45,11 @@ def test_the_default_is_a_share_of_the_ram_available_less_what_the_model_still_t
     half = kv_cache_size(CPU, requested_bytes=None, memory_fraction=0.5,
                          most_useful_bytes=1 << 50, reserve_bytes=reserve)
     assert half.num_bytes == pytest.approx(2 * size.num_bytes, rel=0.05)
+    # One of two engines sharing the machine: half the default share.
+    shared = kv_cache_size(CPU, requested_bytes=None, memory_fraction=None, memory_scale=0.5,
+                           most_useful_bytes=1 << 50, reserve_bytes=reserve)
+    assert shared.num_bytes == pytest.approx(size.num_bytes / 2, rel=0.05)
+    assert "0.125 of" in shared.source
 
 
 def test_never_more_than_every_sequence_can_fill() -> None:
@@ -85,7 +91,7 @@ def test_the_runner_sizes_its_cache_by_default_and_build_engine_logs_it(
     assert runner.kv_cache_size.num_bytes == runner.num_kv_blocks * per_block
     with caplog.at_level(logging.INFO, logger="gateway.server.served_model"):
         build_engine(GatewaySettings(max_num_seqs=4, max_model_len=256), TierTable(),
-                     model_dir)
+                     ModelSpec(), model_dir)
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache")]
     assert "max_num_seqs x max_model_len tokens, within 0.25 of" in line
     assert "64 blocks of 16 tokens" in line

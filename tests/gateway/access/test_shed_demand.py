@@ -37,7 +37,7 @@ def test_shed_requests_count_as_their_tenants_demand(tmp_path: Path) -> None:
         # One request first, so the engine has measured how fast it drains prompts.
         client.completions.create(model=DEMO_MODEL_NAME, prompt=WARM_UP_PROMPT, max_tokens=2)
 
-        engine = gateway.runtime.engine
+        engine = gateway.runtime.host().engine
         assert isinstance(engine, AsyncLLMEngine)
         # The refusals the engine's thread has applied (each is submitted before its 429 is
         # sent, and applied between steps).

@@ -4,14 +4,18 @@ official openai SDK.
 
 The owner's requests run on the adapter (PEFT's greedy tokens), the base model's do not,
 another tenant gets the 404 of a name nobody registered; bad adapters are refused with a 400
-naming the problem and nothing is stored; sharing, usage records, the audit log,
-unregistering; and a second replica on the same database, with an empty model cache, serves
-the adapter (the registry and the files live in the database).
+naming the problem and nothing is stored; sharing, pinning (with the CLI), usage records, the
+audit log, unregistering; and a second replica on the same database, with an empty model
+cache, serves the adapter (the registry and the files live in the database).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import pickle
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -180,9 +184,15 @@ def test_sharing_usage_records_and_unregistering(
     response = admin.post("/adapters", json={"name": "french-shared", "owner": "alpha",
                                              "shared_with": ["beta"], "path": adapter.lora.path})
     assert response.status_code == 201, response.text
+    # The CLI pins it (over the admin API): the engine keeps it on the host once loaded.
+    pinned = _cli(server, "pin", "french-shared")
+    assert pinned["pinned"] is True and pinned["name"] == "french-shared"
+    listed = _cli(server, "list", "--owner", "beta")
+    assert [(a["name"], a["pinned"]) for a in listed["data"]] == [("french-shared", True)]
     with _sdk(server, keys["beta"]) as beta:
         assert [m.id for m in beta.models.list().data] == [MODEL, "french-shared"]
         _greedy(beta, "french-shared", max_tokens=3)
+    assert _cli(server, "unpin", "french-shared")["pinned"] is False
     db = create_engine(database)
     with db.connect() as connection:
         adapters = connection.execute(text(
@@ -197,10 +207,21 @@ def test_sharing_usage_records_and_unregistering(
         assert _greedy(alpha, "french", max_tokens=2)  # same content, still registered
     actions = [e["action"] for e in admin.get("/audit").json()["data"]
                if e["target_type"] == "lora_adapter"]
-    for action in ("lora_adapter.create", "lora_adapter.share", "lora_adapter.unregister",
-                   "lora_adapter.delete"):
+    for action in ("lora_adapter.create", "lora_adapter.share", "lora_adapter.pin",
+                   "lora_adapter.unpin", "lora_adapter.unregister", "lora_adapter.delete"):
         assert action in actions
     db.dispose()
+
+
+def _cli(server: ServeProcess, *args: str) -> dict[str, Any]:
+    """`tiergate adapters ...` against the server, its --json output."""
+    result = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "adapters", *args, "--url", server.base_url,
+         "--json"],
+        capture_output=True, text=True, timeout=120, check=True,
+        env={**os.environ, "TIERGATE_ADMIN_TOKEN": ADMIN_TOKEN})
+    parsed: dict[str, Any] = json.loads(result.stdout)
+    return parsed
 
 
 def test_a_second_replica_serves_the_adapter_from_the_database(

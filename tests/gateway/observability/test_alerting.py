@@ -334,8 +334,8 @@ def test_alerts_and_live_routes() -> None:
     app = Starlette(
         routes=[
             *alerts_routes(guard, monitor),
-            live_route(guard, engine_stats=lambda: stats, tiers=DEFAULT_TIERS, monitor=monitor,
-                       clock=clock),
+            live_route(guard, engine_stats=lambda: {"m": stats}, tiers=DEFAULT_TIERS,
+                       monitor=monitor, clock=clock),
         ],
         exception_handlers=exception_handlers(),
     )  # fmt: skip

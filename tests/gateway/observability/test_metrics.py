@@ -18,8 +18,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from starlette.applications import Starlette
 from starlette.testclient import TestClient
 
-from engine import SamplingParams, TenantContext
+from engine import SamplingParams, SchedulerStats, TenantContext
 from gateway.observability.dependency_health import DependencyHealth
+from gateway.observability.engine_health import EngineHealth
 from gateway.observability.metrics import (
     OTHER_TENANT,
     TTFT_BUCKETS_S,
@@ -70,6 +71,7 @@ COMPLETED = RequestObservation(
     num_cached_prompt_tokens=64,
     num_completion_tokens=4,
     gpu_seconds=0.5,
+    model="m",
 )
 
 
@@ -90,7 +92,8 @@ def test_requests_on_adapters_are_counted_per_adapter() -> None:
         2 * COMPLETED.num_prompt_tokens)
     assert value("tiergate_adapter_gpu_seconds_total", french) == pytest.approx(
         2 * COMPLETED.gpu_seconds)
-    assert value("tiergate_tokens_total", {"tier": "premium", "tenant": COMPLETED.tenant_id,
+    assert value("tiergate_tokens_total", {"tier": "premium", "model": "m",
+                                           "tenant": COMPLETED.tenant_id,
                                            "kind": "completion"}) == (
         3 * COMPLETED.num_completion_tokens)
 
@@ -102,7 +105,8 @@ def test_observe_request_records_every_series() -> None:
     )
     value = metrics.registry.get_sample_value
     premium = {"tier": "premium"}
-    assert value("tiergate_requests_total", premium | {"status": "completed", "code": "200"}) == 1
+    assert value("tiergate_requests_total",
+                 premium | {"model": "m", "status": "completed", "code": "200"}) == 1
     assert value("tiergate_ttft_seconds_count", premium) == 1
     assert value("tiergate_ttft_seconds_sum", premium) == pytest.approx(0.12)
     assert value("tiergate_ttft_seconds_bucket", premium | {"le": "0.1"}) == 0
@@ -112,14 +116,15 @@ def test_observe_request_records_every_series() -> None:
     assert value("tiergate_inter_token_latency_seconds_sum", premium) == pytest.approx(0.06)
     assert value("tiergate_e2e_latency_seconds_sum", premium) == pytest.approx(0.2)
     assert value("tiergate_queue_time_seconds_sum", premium) == pytest.approx(0.05)
-    tenant = premium | {"tenant": "7"}
+    tenant = premium | {"model": "m", "tenant": "7"}
     assert value("tiergate_tokens_total", tenant | {"kind": "prompt"}) == 100
     assert value("tiergate_tokens_total", tenant | {"kind": "cached_prompt"}) == 64
     assert value("tiergate_tokens_total", tenant | {"kind": "completion"}) == 4
     assert value("tiergate_gpu_seconds_total", tenant) == pytest.approx(0.5)
     # Recompute is charged to the tenant whose request caused the preemption.
     assert value("tiergate_recompute_gpu_seconds_total", tenant) is None
-    assert value("tiergate_recompute_gpu_seconds_total", premium | {"tenant": "9"}) == 0.25
+    assert value("tiergate_recompute_gpu_seconds_total",
+                 premium | {"model": "m", "tenant": "9"}) == 0.25
     assert value("tiergate_preemptions_total", premium) == 2
     # Other tiers exist from the start, at zero.
     assert value("tiergate_ttft_seconds_count", {"tier": "batch"}) == 0
@@ -128,14 +133,16 @@ def test_observe_request_records_every_series() -> None:
 def test_refused_request_counts_without_timings_or_tenant_series() -> None:
     metrics = GatewayMetrics(DEFAULT_TIERS)
     metrics.observe_request(
-        RequestObservation("standard", "7", RequestOutcome.REFUSED, 429, e2e_s=0.003)
+        RequestObservation("standard", "7", RequestOutcome.REFUSED, 429, e2e_s=0.003,
+                           model="m")
     )
     metrics.record_rejection("standard", "tokens_per_minute")
     metrics.record_rejection("standard", "tokens_per_minute")
     metrics.record_rejection("batch", "slo_shed")
     value = metrics.registry.get_sample_value
     standard = {"tier": "standard"}
-    assert value("tiergate_requests_total", standard | {"status": "refused", "code": "429"}) == 1
+    assert value("tiergate_requests_total",
+                 standard | {"model": "m", "status": "refused", "code": "429"}) == 1
     assert value("tiergate_ttft_seconds_count", standard) == 0
     assert value("tiergate_e2e_latency_seconds_count", standard) == 1
     assert value("tiergate_rejections_total", standard | {"reason": "tokens_per_minute"}) == 2
@@ -172,7 +179,8 @@ def test_tenant_series_stay_bounded() -> None:
     assert len(tenants) == 6 and OTHER_TENANT in tenants
     total = sum(
         metrics.registry.get_sample_value(
-            "tiergate_tokens_total", {"tier": tier, "tenant": tenant, "kind": "completion"}
+            "tiergate_tokens_total",
+            {"tier": tier, "model": "m", "tenant": tenant, "kind": "completion"}
         )
         or 0
         for tier in ("premium", "standard", "batch")
@@ -194,27 +202,32 @@ def test_update_engine_mirrors_scheduler_stats() -> None:
     stats.mean_step_time_s = 0.015  # the fake runner's steps take no wall time
 
     metrics = GatewayMetrics(DEFAULT_TIERS)
-    metrics.update_engine(stats, {"premium": 0.0, "standard": 1.25, "batch": 4.0})
+    metrics.update_engine("m", stats, {"premium": 0.0, "standard": 1.25, "batch": 4.0})
+    metrics.update_engine("other", SchedulerStats(), {})  # a second model's idle engine
     value = metrics.registry.get_sample_value
+    m = {"model": "m"}
     for tier_stats in stats.tiers.values():
-        labels = {"tier": tier_stats.tier}
+        labels = m | {"tier": tier_stats.tier}
         assert value("tiergate_requests_running", labels) == tier_stats.num_running
         assert value("tiergate_requests_waiting", labels) == tier_stats.num_waiting
         assert value("tiergate_kv_blocks_used", labels) == tier_stats.num_kv_blocks
-    assert value("tiergate_requests_running", {"tier": "premium"}) == 1
-    assert (value("tiergate_requests_waiting", {"tier": "standard"}) or 0) >= 1
-    assert value("tiergate_requests_running", {"tier": "batch"}) == 0
-    assert value("tiergate_kv_blocks_total") == 64
-    assert value("tiergate_kv_usage_ratio") == pytest.approx(stats.kv_usage) and stats.kv_usage > 0
-    assert value("tiergate_prefix_cache_hit_ratio") == stats.prefix_cache_hit_ratio
-    assert value("tiergate_engine_step_seconds") == 0.015
-    assert value("tiergate_admission_estimated_wait_seconds", {"tier": "standard"}) == 1.25
+    assert value("tiergate_requests_running", m | {"tier": "premium"}) == 1
+    assert value("tiergate_requests_running", {"model": "other", "tier": "premium"}) == 0
+    assert (value("tiergate_requests_waiting", m | {"tier": "standard"}) or 0) >= 1
+    assert value("tiergate_requests_running", m | {"tier": "batch"}) == 0
+    assert value("tiergate_kv_blocks_total", m) == 64
+    assert value("tiergate_kv_usage_ratio", m) == pytest.approx(stats.kv_usage)
+    assert stats.kv_usage > 0
+    assert value("tiergate_prefix_cache_hit_ratio", m) == stats.prefix_cache_hit_ratio
+    assert value("tiergate_engine_step_seconds", m) == 0.015
+    assert value("tiergate_admission_estimated_wait_seconds",
+                 m | {"tier": "standard"}) == 1.25
 
     while engine.has_unfinished_requests():
         engine.step()
-    metrics.update_engine(engine.stats(), {})
-    assert value("tiergate_requests_running", {"tier": "premium"}) == 0
-    assert value("tiergate_kv_blocks_used", {"tier": "standard"}) == 0
+    metrics.update_engine("m", engine.stats(), {})
+    assert value("tiergate_requests_running", m | {"tier": "premium"}) == 0
+    assert value("tiergate_kv_blocks_used", m | {"tier": "standard"}) == 0
 
 
 def test_engine_counters_are_mirrored_once() -> None:
@@ -223,18 +236,22 @@ def test_engine_counters_are_mirrored_once() -> None:
     value = metrics.registry.get_sample_value
     while engine.has_unfinished_requests():
         engine.step()
-        metrics.update_engine(engine.stats(), {})
+        metrics.update_engine("m", engine.stats(), {})
     counters = engine.stats().counters
     assert counters.num_preemptions >= 1 and counters.num_recomputed_tokens >= 1
-    metrics.update_engine(engine.stats(), {})  # a second scrape of the same totals adds nothing
-    assert value("tiergate_engine_steps_total") == counters.num_steps
-    assert value("tiergate_engine_preemptions_total") == counters.num_preemptions
+    # A second scrape of the same totals adds nothing; another model's engine counts apart.
+    metrics.update_engine("m", engine.stats(), {})
+    metrics.update_engine("other", engine.stats(), {})
+    m = {"model": "m"}
+    assert value("tiergate_engine_steps_total", m) == counters.num_steps
+    assert value("tiergate_engine_steps_total", {"model": "other"}) == counters.num_steps
+    assert value("tiergate_engine_preemptions_total", m) == counters.num_preemptions
     for kind, total in (("prompt", counters.num_prompt_tokens),
                         ("recomputed", counters.num_recomputed_tokens),
                         ("generated", counters.num_generated_tokens)):
-        assert value("tiergate_engine_tokens_total", {"kind": kind}) == total > 0
-    assert value("tiergate_engine_under_share_lane_steps_total") == 0
-    assert value("tiergate_engine_busy_seconds_total") == pytest.approx(counters.busy_time_s)
+        assert value("tiergate_engine_tokens_total", m | {"kind": kind}) == total > 0
+    assert value("tiergate_engine_under_share_lane_steps_total", m) == 0
+    assert value("tiergate_engine_busy_seconds_total", m) == pytest.approx(counters.busy_time_s)
 
 
 def test_alert_state_and_thresholds_are_exported() -> None:
@@ -263,8 +280,10 @@ def populated_metrics() -> GatewayMetrics:
     )
     metrics.observe_request(_completed(adapter="french"))
     metrics.record_rejection("standard", "requests_per_minute")
-    engine = make_engine()
-    metrics.update_engine(engine.stats(), {"premium": 0.0})
+    stats = make_engine().stats()
+    stats.mean_step_time_s = 0.01
+    metrics.update_engine_health("m", EngineHealth(is_up=True, generation=1))
+    metrics.update_engine("m", stats, {"premium": 0.0})
     metrics.update_dependencies(DependencyHealth(database_up=True, spool_bytes=0, redis_up=True))
     metrics.update_alerts([AlertStatus(ALERT_NAME, "premium", AlertState.INACTIVE, None, None,
                                        0.4, 0)])  # fmt: skip
@@ -404,15 +423,16 @@ def test_anonymous_scrapes_see_per_tenant_series_summed_over_tenants() -> None:
     _, text = _scrape_registry(view)
     assert "tenant=" not in text
     folded = view.get_sample_value
-    premium = {"tier": "premium"}
+    premium = {"tier": "premium", "model": "m"}
     assert folded("tiergate_tokens_total", premium | {"kind": "prompt"}) == 200
     assert folded("tiergate_gpu_seconds_total", premium) == pytest.approx(0.75)
-    assert folded("tiergate_gpu_seconds_total", {"tier": "standard"}) == pytest.approx(0.5)
+    assert folded("tiergate_gpu_seconds_total",
+                  {"tier": "standard", "model": "m"}) == pytest.approx(0.5)
     created = [full("tiergate_gpu_seconds_created", premium | {"tenant": t}) for t in ("7", "8")]
     assert folded("tiergate_gpu_seconds_created", premium) == min(c for c in created if c)
     # Series without a tenant label are as they were.
-    assert folded("tiergate_ttft_seconds_count", premium) == full(
-        "tiergate_ttft_seconds_count", premium
+    assert folded("tiergate_ttft_seconds_count", {"tier": "premium"}) == full(
+        "tiergate_ttft_seconds_count", {"tier": "premium"}
     ) == 2
 
 

@@ -464,7 +464,8 @@ def test_request_and_token_counters_match_what_the_client_saw(
             ("completion", s.num_completion_tokens),
         ):
             if num_tokens:
-                labels = {"tier": s.tier, "tenant": str(s.tenant_id), "kind": kind}
+                labels = {"tier": s.tier, "model": DEMO_MODEL_NAME, "tenant": str(s.tenant_id),
+                          "kind": kind}
                 expected[frozenset(labels.items())] += num_tokens
     assert tokens == expected
     assert sum(s.num_cached_prompt_tokens for s in seen) >= 32  # the cache was exercised

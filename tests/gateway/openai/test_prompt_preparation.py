@@ -121,7 +121,7 @@ def test_a_large_body_is_tokenized_in_a_thread_while_other_tenants_are_served(
     _, light_key = gateway.create_tenant("light", "standard")
     # 8 prompts, each just under the size a prompt can have and still fit the context (so
     # each is encoded), of random letters (few letters a token: the slowest text to encode).
-    served, _ = gateway.runtime.ready_model()
+    served, _ = gateway.runtime.host().ready()
     assert served.tokenizer.max_token_bytes is not None
     size = served.tokenizer.max_token_bytes * (served.max_model_len - 1) - 1
     rng = random.Random(0)

@@ -62,7 +62,7 @@ def test_streams_that_are_never_read_are_aborted_after_the_write_timeout(
             assert time.monotonic() < deadline, gateway.runtime.num_in_flight
             time.sleep(0.05)
         freed_s = time.monotonic() - started
-        stats = gateway.runtime.engine_stats()
+        stats = gateway.runtime.host().stats()
         assert sum(tier.num_running for tier in stats.tiers.values()) == 0
         with gateway.runtime.session_factory() as session:
             statuses = list(session.scalars(select(UsageRecordRow.status)))
@@ -99,7 +99,7 @@ def test_the_engine_stops_generating_for_a_stream_left_unread(tmp_path: Path) ->
         while running or not gateway.runtime.num_in_flight:
             assert time.monotonic() < deadline, "the engine kept generating"
             time.sleep(0.05)
-            stats = gateway.runtime.engine_stats()
+            stats = gateway.runtime.host().stats()
             running = sum(t.num_running + t.num_waiting for t in stats.tiers.values())
         assert gateway.runtime.num_in_flight == 1  # held by its connection, not the engine
         sock.close()

@@ -11,6 +11,7 @@ import pytest
 
 from gateway.cli import build_parser
 from gateway.server.model_source import DEMO_MODEL_NAME
+from gateway.server.model_spec import ModelSpec
 from gateway.server.served_model import build_engine
 from gateway.server.settings import GatewaySettings, SettingsError
 from policies import TierTable
@@ -29,7 +30,7 @@ def test_the_setting_reaches_the_engine(environ: dict[str, str], expected: bool)
     """auto: the runner decides (on the CPU its steps are done when execute returns: off)."""
     settings = GatewaySettings.from_sources(environ={**environ,
                                                      "TIERGATE_KV_CACHE_BYTES": str(16 << 20)})
-    engine = build_engine(settings, TierTable(), shared_demo_model_dir())
+    engine = build_engine(settings, TierTable(), ModelSpec(), shared_demo_model_dir())
     assert engine.async_scheduling is expected
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine import CPU_DECODE_MAX_ROWS, TorchModelRunner
+from gateway.server.model_spec import ModelSpec
 from gateway.server.served_model import build_engine
 from gateway.server.settings import GatewaySettings, SettingsError
 from policies import TierTable
@@ -25,7 +26,7 @@ def test_the_setting_reaches_the_runner(environ: dict[str, str], rows: int) -> N
     """Unset: the runner's default; 0: no decode forward (and no copy of the weights)."""
     settings = GatewaySettings.from_sources(environ={**environ,
                                                      "TIERGATE_KV_CACHE_BYTES": str(16 << 20)})
-    engine = build_engine(settings, TierTable(), shared_demo_model_dir())
+    engine = build_engine(settings, TierTable(), ModelSpec(), shared_demo_model_dir())
     runner = engine.runner
     assert isinstance(runner, TorchModelRunner)
     forward = runner.decode_forward

@@ -114,7 +114,7 @@ def test_a_crashed_engine_loop_is_restarted_in_process(tmp_path: Path) -> None:
     try:
         _, key = gateway.create_tenant("acme", "standard")
         client = gateway.openai_client(key, timeout=30)
-        first = gateway.runtime.engine
+        first = gateway.runtime.host().engine
         assert isinstance(first, AsyncLLMEngine)
 
         def crash() -> Any:
@@ -124,11 +124,11 @@ def test_a_crashed_engine_loop_is_restarted_in_process(tmp_path: Path) -> None:
         with pytest.raises(openai.InternalServerError, match="engine failed"):
             client.completions.create(model=DEMO_MODEL_NAME, prompt="hi", max_tokens=2)
         deadline = time.monotonic() + 60
-        while gateway.runtime.engine is first or not gateway.runtime.is_model_loaded:
+        while gateway.runtime.host().engine is first or not gateway.runtime.is_model_loaded:
             assert time.monotonic() < deadline, "no restart"
             time.sleep(0.05)
         assert client.completions.create(model=DEMO_MODEL_NAME, prompt="hi", max_tokens=2)
-        health = gateway.runtime.engine_health()
+        health = gateway.runtime.host().health()
         assert (health.is_up, health.generation, health.num_restarts) == (True, 2, 1)
     finally:
         gateway.stop()
@@ -143,9 +143,9 @@ def test_a_replica_whose_engine_stays_down_is_not_alive(
         def cannot_load(*_args: Any) -> Any:
             raise RuntimeError("injected: the accelerator is gone")
 
-        gateway.runtime._model_loader = cannot_load  # the restarts will fail
-        assert gateway.runtime.engine is not None
-        gateway.runtime.engine.shutdown()
+        gateway.runtime.host()._loader = cannot_load  # the restarts will fail
+        assert gateway.runtime.host().engine is not None
+        gateway.runtime.host().engine.shutdown()
         deadline = time.monotonic() + 30
         while (live := httpx.get(f"{gateway.base_url}/health/live", timeout=30)).status_code == 200:
             assert time.monotonic() < deadline, "still alive"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine import TorchModelRunner
+from gateway.server.model_spec import ModelSpec
 from gateway.server.served_model import build_engine
 from gateway.server.settings import GatewaySettings, SettingsError
 from policies import TierTable
@@ -30,7 +31,7 @@ def test_bad_values_are_refused(environ: dict[str, str], message: str) -> None:
 def test_the_settings_reach_the_runner(environ: dict[str, str]) -> None:
     settings = GatewaySettings.from_sources(environ={**environ,
                                                      "TIERGATE_KV_CACHE_BYTES": str(16 << 20)})
-    engine = build_engine(settings, TierTable(), shared_demo_model_dir())
+    engine = build_engine(settings, TierTable(), ModelSpec(), shared_demo_model_dir())
     runner = engine.runner
     assert isinstance(runner, TorchModelRunner)
     if settings.max_loras == 0:

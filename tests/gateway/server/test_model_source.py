@@ -104,6 +104,6 @@ def test_serve_names_a_bad_model_without_a_traceback(tmp_path: Path) -> None:
     )
     assert result.returncode == 1
     output = result.stdout + result.stderr
-    assert "the model could not be loaded: --model " in output
-    assert "not a checkpoint directory, a .gguf file or 'demo'" in output
+    assert "no model could be loaded: --model " in output
+    assert "not a checkpoint directory, a .gguf file, 'demo' or 'default'" in output
     assert "Traceback" not in output
