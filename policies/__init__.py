@@ -47,13 +47,22 @@ from policies.rate_limits import (
     format_duration,
     rate_limit_headers,
 )
+from policies.service_tiers import (
+    REQUEST_SERVICE_TIERS,
+    AbovePlan,
+    ServiceTierError,
+    served_tier,
+)
 from policies.shedding import ShedConfig, SloShedder
 from policies.tenant_demand import TenantDemand
 from policies.tiered_policy import TieredPolicy, TieredPolicyConfig
-from policies.tiers import DEFAULT_TIERS, Tier, TierTable
+from policies.tiers import DEFAULT_TIERS, SERVICE_TIER_NAMES, Tier, TierTable
 
 __all__ = [
     "DEFAULT_TIERS",
+    "REQUEST_SERVICE_TIERS",
+    "SERVICE_TIER_NAMES",
+    "AbovePlan",
     "AdmissionConfigError",
     "AdmissionController",
     "AdmissionRefused",
@@ -88,6 +97,7 @@ __all__ = [
     "RedisLimiterConfig",
     "RedisRateLimiter",
     "RefusalReason",
+    "ServiceTierError",
     "Shed",
     "ShedConfig",
     "SloShedder",
@@ -107,4 +117,5 @@ __all__ = [
     "format_duration",
     "rate_limit_headers",
     "rules_from_tiers",
+    "served_tier",
 ]

@@ -26,15 +26,21 @@ class Tier:
     # structured_outputs.grammar), whose masks cost what the grammar makes them cost; JSON
     # schemas, regexes and choices are always allowed.
     raw_grammars: bool = True
+    # The OpenAI `service_tier` a request sends to be served in this tier (policies.
+    # service_tiers): one of SERVICE_TIER_NAMES, or None (not asked for by name).
+    service_tier: str | None = None
 
     def may_preempt(self, other: Tier) -> bool:
         return self.priority < other.priority
 
 
+# What a tier may answer to: OpenAI's service tiers but `auto` (the tenant's own tier).
+SERVICE_TIER_NAMES = ("priority", "default", "flex", "scale")
+
 DEFAULT_TIERS = (
-    Tier("premium", 0, 0.5, 0.05, 0.30, 3.0, 0.4),
-    Tier("standard", 1, 2.0, 0.10, 0.0, 1.0, None),
-    Tier("batch", 2, None, None, 0.0, 0.5, None),
+    Tier("premium", 0, 0.5, 0.05, 0.30, 3.0, 0.4, service_tier="priority"),
+    Tier("standard", 1, 2.0, 0.10, 0.0, 1.0, None, service_tier="default"),
+    Tier("batch", 2, None, None, 0.0, 0.5, None, service_tier="flex"),
 )
 
 
@@ -47,7 +53,13 @@ class TierTable:
             raise TierTableError("tier priorities must be unique")
         if sum(t.kv_reserved_fraction for t in tiers) > 1.0:
             raise TierTableError("KV reservations add up to more than the whole pool")
+        named = [t.service_tier for t in tiers if t.service_tier is not None]
+        if len(set(named)) != len(named):
+            raise TierTableError("two tiers answer to one service_tier")
         for tier in tiers:
+            if tier.service_tier is not None and tier.service_tier not in SERVICE_TIER_NAMES:
+                raise TierTableError(f"tier {tier.name}: service_tier must be one of "
+                                     f"{', '.join(SERVICE_TIER_NAMES)}")
             if not isinstance(tier.raw_grammars, bool):
                 raise TierTableError(f"tier {tier.name}: raw_grammars must be true or false")
             if not 0.0 <= tier.kv_reserved_fraction <= 1.0:
@@ -75,6 +87,10 @@ class TierTable:
     @property
     def names(self) -> list[str]:
         return list(self._tiers)
+
+    def by_service_tier(self, service_tier: str) -> Tier | None:
+        """The tier that answers to an OpenAI service_tier, if one does."""
+        return next((t for t in self._tiers.values() if t.service_tier == service_tier), None)
 
     def reserved_fractions(self) -> dict[int, float]:
         """priority -> reserved share, the form engine.CacheConfig takes."""

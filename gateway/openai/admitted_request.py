@@ -82,6 +82,7 @@ class AdmittedRequest:
             created=int(time.time()),
             model=target.name,
             include_usage=request.include_usage,
+            service_tier=runtime.tiers[principal.tier].service_tier,
         )
         self.first_token_time: float | None = None
         # Per choice: arrival times of its outputs that carried tokens (TPOT).

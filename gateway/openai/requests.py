@@ -32,6 +32,7 @@ from gateway.openai.structured import (
     structured_output,
     tool_request,
 )
+from policies import REQUEST_SERVICE_TIERS
 
 MAX_N = 128
 MAX_STOP_STRINGS = 4
@@ -100,6 +101,8 @@ class GenerationRequest:
     structured: StructuredOutput | None = None
     # Chat only: the tools offered and tool_choice.
     tools: ToolRequest = NO_TOOLS
+    # OpenAI's service_tier (policies.service_tiers); None: not sent (auto).
+    service_tier: str | None = None
 
     def constraints(self) -> list[StructuredOutput]:
         """Every schema and grammar of the request: the structured output, each tool's
@@ -111,7 +114,7 @@ class GenerationRequest:
 # Fields that only label or route a request on OpenAI's side: accepted, no effect here.
 _IGNORED_CHAT = frozenset(
     {
-        "user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
+        "user", "metadata", "store", "safety_identifier", "prompt_cache_key",
         "prompt_cache_retention", "prompt_cache_options", "reasoning_effort", "verbosity",
         "moderation",
     }
@@ -128,6 +131,7 @@ _COMMON = frozenset(
     {
         "model", "n", "temperature", "top_p", "presence_penalty", "frequency_penalty", "seed",
         "max_tokens", "stop", "stream", "stream_options", "logprobs", "logit_bias",
+        "service_tier",
     }
 )
 _CHAT_FIELDS = _COMMON | _EXTENSIONS | _IGNORED_CHAT | STRUCTURED_FIELDS | {
@@ -188,6 +192,7 @@ def parse_chat_request(body: object, bounds: RequestBounds | None = None) -> Gen
         user=fields.optional_string("user"),
         structured=structured,
         tools=tools,
+        service_tier=_service_tier(fields),
     )
 
 
@@ -224,10 +229,20 @@ def parse_completion_request(
         echo=echo,
         user=fields.optional_string("user"),
         structured=_structured(fields),
+        service_tier=_service_tier(fields),
     )
 
 
 # -- pieces ------------------------------------------------------------------------------------
+
+
+def _service_tier(fields: _Fields) -> str | None:
+    value = fields.optional_string("service_tier")
+    if value is not None and value not in REQUEST_SERVICE_TIERS:
+        raise BadRequestError(
+            f"service_tier must be one of {', '.join(REQUEST_SERVICE_TIERS)}",
+            param="service_tier")
+    return value
 
 
 def _sampling(fields: _Fields, max_tokens: int | None, num_logprobs: int | None) -> SamplingFields:

@@ -30,6 +30,17 @@ class ResponseContext:
     created: int
     model: str
     include_usage: bool
+    # The OpenAI service_tier of the tier that serves it (policies.service_tiers); None: a
+    # tier no service_tier names, left out of the bodies.
+    service_tier: str | None = None
+
+    def common(self, kind: str) -> dict[str, Any]:
+        """The fields every body and chunk starts with."""
+        fields: dict[str, Any] = {"id": self.response_id, "object": kind,
+                                  "created": self.created, "model": self.model}
+        if self.service_tier is not None:
+            fields["service_tier"] = self.service_tier
+        return fields
 
 
 @dataclass
@@ -89,14 +100,7 @@ def full_response(
             for index, choice in enumerate(choices)
         ]
         kind = "text_completion"
-    return {
-        "id": context.response_id,
-        "object": kind,
-        "created": context.created,
-        "model": context.model,
-        "choices": body_choices,
-        "usage": usage_body(summary),
-    }
+    return {**context.common(kind), "choices": body_choices, "usage": usage_body(summary)}
 
 
 def _chat_message(
@@ -152,13 +156,7 @@ def chunk(
             "finish_reason": api_finish_reason(finish_reason),
         }
         kind = "text_completion"
-    body: dict[str, Any] = {
-        "id": context.response_id,
-        "object": kind,
-        "created": context.created,
-        "model": context.model,
-        "choices": [choice],
-    }
+    body: dict[str, Any] = {**context.common(kind), "choices": [choice]}
     if context.include_usage:
         body["usage"] = None
     return body
@@ -166,16 +164,8 @@ def chunk(
 
 def usage_chunk(context: ResponseContext, summary: JobSummary) -> dict[str, Any]:
     """The last chunk of a stream with stream_options.include_usage: no choices."""
-    return {
-        "id": context.response_id,
-        "object": (
-            "chat.completion.chunk" if context.endpoint is Endpoint.CHAT else "text_completion"
-        ),
-        "created": context.created,
-        "model": context.model,
-        "choices": [],
-        "usage": usage_body(summary),
-    }
+    kind = "chat.completion.chunk" if context.endpoint is Endpoint.CHAT else "text_completion"
+    return {**context.common(kind), "choices": [], "usage": usage_body(summary)}
 
 
 def _token_text(tokenizer: Tokenizer, token_id: int) -> str:

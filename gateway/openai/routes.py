@@ -23,6 +23,7 @@ request's record, refused or run, is built by gateway.openai.record_builder.
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import time
 from typing import Any
@@ -35,7 +36,12 @@ from starlette.routing import BaseRoute, Route
 from gateway.access.admission import AdmissionRefusal, GatewayAdmission
 from gateway.access.auth import TenantPrincipal
 from gateway.access.refusal_hold import RefusalHold
-from gateway.http.errors import BadRequestError, GatewayError, NotFoundError
+from gateway.http.errors import (
+    BadRequestError,
+    GatewayError,
+    NotFoundError,
+    PermissionDeniedError,
+)
 from gateway.http.event_stream import SSE_HEADERS, EventStream
 from gateway.http.json_body import declared_length
 from gateway.observability.telemetry import GenAiRequest, RequestTrace
@@ -54,7 +60,7 @@ from gateway.openai.request_record import RequestEnd
 from gateway.openai.requests import Endpoint, GenerationRequest, RequestBounds
 from gateway.server.runtime import GatewayRuntime
 from gateway.server.served_model import ServedModel, tenant_context
-from policies import RefusalReason, Tier
+from policies import AbovePlan, RefusalReason, ServiceTierError, Tier, served_tier
 
 
 def openai_routes(runtime: GatewayRuntime, admission: GatewayAdmission) -> list[BaseRoute]:
@@ -135,6 +141,9 @@ class _OpenAIApi:
                 if body_bytes > LARGE_BODY_BYTES:
                     self.admission.spend_parse_time(principal, time.perf_counter() - started)
             del raw
+            # The tier it runs in, is billed at and reports: the tenant's own, or the one its
+            # service_tier asks for where the plan allows it.
+            principal = self._in_served_tier(principal, parsed)
             # A served model this tenant may use, or an adapter of one; any other name is
             # the same 404, whether or not it exists for another tenant.
             target = await self.runtime.adapters.resolve(
@@ -221,6 +230,20 @@ class _OpenAIApi:
                 headers={**SSE_HEADERS, **grant.headers},
             )
         return await run.respond(http_request)
+
+    def _in_served_tier(self, principal: TenantPrincipal,
+                        parsed: GenerationRequest) -> TenantPrincipal:
+        """The principal as the request runs: its tier the one its service_tier gets."""
+        try:
+            tier = served_tier(self.runtime.tiers, principal.tier, parsed.service_tier,
+                               AbovePlan(self.runtime.settings.service_tier_above_plan))
+        except ServiceTierError as exc:
+            if exc.is_permission:
+                raise PermissionDeniedError(str(exc), param="service_tier",
+                                            code="service_tier_not_allowed") from None
+            raise BadRequestError(str(exc), param="service_tier") from None
+        return principal if tier.name == principal.tier else dataclasses.replace(
+            principal, tier=tier.name)
 
     async def _screen(
         self, principal: TenantPrincipal, endpoint: Endpoint, arrival: float, *,

@@ -123,6 +123,11 @@ _OPTIONS: dict[str, _Option] = {
     "scheduling": _Option(
         "--scheduling", "TIERGATE_SCHEDULING", "tiered (default) or fcfs (baseline)"
     ),
+    "service_tier_above_plan": _Option(
+        "--service-tier-above-plan", "TIERGATE_SERVICE_TIER_ABOVE_PLAN",
+        "a request whose service_tier asks for a tier above its tenant's: downgrade (served "
+        "in the tenant's tier, the default) or refuse (403)",
+    ),
     "max_body_bytes": _Option(
         "--max-body-bytes", "TIERGATE_MAX_BODY_BYTES", "largest request body (413 above)"
     ),
@@ -198,6 +203,7 @@ class GatewaySettings:
     max_adapter_bytes: int = 512 << 20
     async_scheduling: str = "auto"  # auto | on | off (engine.EngineConfig.async_scheduling)
     scheduling: str = "tiered"
+    service_tier_above_plan: str = "downgrade"  # policies.AbovePlan
     max_body_bytes: int = 4 << 20
     max_messages: int = 2048
     max_choices: int = 256
@@ -223,6 +229,8 @@ class GatewaySettings:
             raise SettingsError("--async-scheduling must be auto, on or off")
         if self.scheduling not in ("tiered", "fcfs"):
             raise SettingsError("--scheduling must be tiered or fcfs")
+        if self.service_tier_above_plan not in ("downgrade", "refuse"):
+            raise SettingsError("--service-tier-above-plan must be downgrade or refuse")
         if self.tool_call_parser not in ("auto", "hermes", "llama3_json", "mistral"):
             raise SettingsError("--tool-call-parser must be auto, hermes, llama3_json or mistral")
         for name in (
