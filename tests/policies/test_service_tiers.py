@@ -44,7 +44,7 @@ def test_a_name_no_tier_answers_to_is_not_offered() -> None:
     assert not no.value.is_permission
     custom = TierTable([dataclasses.replace(t, service_tier=None) for t in DEFAULT_TIERS])
     assert served_tier(custom, "premium", None).name == "premium"
-    with pytest.raises(ServiceTierError, match="it takes: auto$"):
+    with pytest.raises(ServiceTierError, match=r"it takes: auto$"):
         served_tier(custom, "premium", "flex")
 
 
