@@ -2,8 +2,8 @@
 send, its own engine's KV budget and context), read from repeated `--model` /
 `--served-model-name` flags or from the config file's `models` section.
 
-Each model runs in an engine process of its own. Where no model sets its KV budget, the
-models share the device's: on a CPU each takes 1/N of the default share of the RAM available;
+Each model runs in an engine process of its own, on its own device if it names one. Where no
+model on a device sets its KV budget, the models share the device's: on a CPU each takes 1/N of the default share of the RAM available;
 on CUDA the engines are loaded one after another and the i-th (from 1) may fill the device up
 to i/N of the default fraction, since what the earlier ones hold counts as in use.
 """
@@ -25,7 +25,9 @@ from gateway.server.model_source import (
 )
 
 # The config file's keys of one model.
-_SPEC_KEYS = ("model", "name", "kv_cache_bytes", "kv_cache_memory_fraction", "max_model_len")
+_SPEC_KEYS = ("model", "name", "device", "dtype", "kv_cache_bytes", "kv_cache_memory_fraction",
+              "max_model_len")
+_DTYPES = ("float32", "bfloat16", "float16")
 
 
 class ModelSpecError(ValueError):
@@ -41,6 +43,9 @@ class ModelSpec:
     source: str | None = None
     # The id in /v1/models and the `model` field clients send; None: derived from the source.
     name: str | None = None
+    # Where and in what its engine runs (None: the replica's --device and --dtype).
+    device: str | None = None
+    dtype: str | None = None
     # Its own engine's KV budget and context (None: the replica's --kv-cache-bytes,
     # --kv-cache-memory-fraction and --max-model-len).
     kv_cache_bytes: int | None = None
@@ -100,6 +105,8 @@ def specs_from_config(entries: object) -> tuple[ModelSpec, ...]:
         specs.append(ModelSpec(
             source=_optional(entry, "model", str, where),
             name=_optional(entry, "name", str, where),
+            device=_optional(entry, "device", str, where),
+            dtype=_optional(entry, "dtype", str, where),
             kv_cache_bytes=_optional(entry, "kv_cache_bytes", int, where),
             kv_cache_memory_fraction=_optional(entry, "kv_cache_memory_fraction", float, where),
             max_model_len=_optional(entry, "max_model_len", int, where),
@@ -121,6 +128,11 @@ def check_specs(specs: Sequence[ModelSpec]) -> None:
         if name in seen:
             raise ModelSpecError(f"two models are served as {name!r}: give each its own name")
         seen.add(name)
+        if spec.device is not None and spec.device not in ("cpu", "cuda") and not (
+                spec.device.startswith("cuda:") and spec.device[5:].isdigit()):
+            raise ModelSpecError(f"{name}: device must be cpu, cuda or cuda:N")
+        if spec.dtype is not None and spec.dtype not in _DTYPES:
+            raise ModelSpecError(f"{name}: dtype must be one of {', '.join(_DTYPES)}")
         if spec.kv_cache_bytes is not None and spec.kv_cache_bytes < 1:
             raise ModelSpecError(f"{name}: kv_cache_bytes must be >= 1")
         fraction = spec.kv_cache_memory_fraction
@@ -131,14 +143,25 @@ def check_specs(specs: Sequence[ModelSpec]) -> None:
 
 
 def placed_specs(specs: Sequence[ModelSpec], device: str) -> list[ModelSpec]:
-    """specs with the part of the KV memory each takes where none sets a budget of its own
-    (see the module docstring); as they are otherwise."""
-    if len(specs) == 1 or any(s.kv_cache_bytes is not None
-                              or s.kv_cache_memory_fraction is not None for s in specs):
-        return list(specs)
-    on_cuda = device.startswith("cuda")
-    return [dataclasses.replace(spec, kv_memory_scale=(i + 1 if on_cuda else 1) / len(specs))
-            for i, spec in enumerate(specs)]
+    """specs with the part of the KV memory each takes where the models sharing its device
+    (device: the replica's, for a spec without one) set no budget of their own (see the
+    module docstring); as they are otherwise."""
+    def on(spec: ModelSpec) -> str:
+        where = spec.device or device
+        return "cuda:0" if where == "cuda" else where
+
+    placed = list(specs)
+    for shared in dict.fromkeys(on(spec) for spec in specs):
+        indexes = [i for i, spec in enumerate(specs) if on(spec) == shared]
+        if len(indexes) == 1 or any(specs[i].kv_cache_bytes is not None
+                                    or specs[i].kv_cache_memory_fraction is not None
+                                    for i in indexes):
+            continue
+        on_cuda = shared.startswith("cuda")
+        for rank, i in enumerate(indexes):
+            placed[i] = dataclasses.replace(
+                specs[i], kv_memory_scale=(rank + 1 if on_cuda else 1) / len(indexes))
+    return placed
 
 
 def _optional(entry: Mapping[str, Any], key: str, kind: type, where: str) -> Any:

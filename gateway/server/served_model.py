@@ -87,7 +87,8 @@ def load_served_model(
     """Start the model's engine in a process of its own (`EngineProcess`), which loads the
     checkpoint; returns once it is loaded."""
     source = resolve_model(
-        spec.source, settings.model_cache_dir, settings.demo_model_dir, _DTYPES[settings.dtype]
+        spec.source, settings.model_cache_dir, settings.demo_model_dir,
+        _DTYPES[spec.dtype or settings.dtype]
     )
     model_dir = source.model_dir
     model_config = ModelConfig.from_file(model_dir)
@@ -100,7 +101,8 @@ def load_served_model(
     logger.info(
         "serving %s from %s on %s: %d KV blocks of %d tokens, context %d, async scheduling "
         "%s (engine process %s)",
-        name, model_dir, settings.device, served.num_kv_blocks, served.kv_block_size,
+        name, model_dir, spec.device or settings.device, served.num_kv_blocks,
+        served.kv_block_size,
         served.max_model_len, settings.async_scheduling,
         engine.pid,
     )
@@ -116,8 +118,8 @@ def build_engine(settings: GatewaySettings, tiers: TierTable, spec: ModelSpec,
     runner = TorchModelRunner.from_model_dir(
         model_dir,
         config,
-        dtype=_DTYPES[settings.dtype],
-        device=settings.device,
+        dtype=_DTYPES[spec.dtype or settings.dtype],
+        device=spec.device or settings.device,
     )
     size = runner.kv_cache_size
     if size is not None:

@@ -51,11 +51,16 @@ def test_the_config_file_lists_models_with_their_own_budgets(tmp_path: Path) -> 
     config.write_text(
         "models:\n"
         "  - {name: small}\n"
-        "  - {model: demo, kv_cache_bytes: 1048576, max_model_len: 512}\n"
+        "  - {model: demo, kv_cache_bytes: 1048576, max_model_len: 512, device: cpu,"
+        " dtype: bfloat16}\n"
     )
     models = _settings(["--config", str(config)]).models
     assert models == (ModelSpec(name="small"),
-                      ModelSpec(source="demo", kv_cache_bytes=1 << 20, max_model_len=512))
+                      ModelSpec(source="demo", kv_cache_bytes=1 << 20, max_model_len=512,
+                                device="cpu", dtype="bfloat16"))
+    config.write_text("models:\n  - {model: demo, device: tpu}\n")
+    with pytest.raises(SettingsError, match="device must be cpu, cuda or cuda:N"):
+        _settings(["--config", str(config)])
     with pytest.raises(SettingsError, match="not both"):
         _settings(["--config", str(config), "--model", "demo"])
     config.write_text("models:\n  - {model: demo, kv_cache: 1}\n")
@@ -74,3 +79,6 @@ def test_models_without_budgets_share_the_kv_memory() -> None:
     assert placed_specs(specs[:1], "cpu") == specs[:1]
     own = [ModelSpec(source="demo", kv_cache_bytes=1 << 20), ModelSpec()]
     assert placed_specs(own, "cpu") == own
+    # Models on devices of their own take the whole of each; "cuda" is "cuda:0".
+    apart = [ModelSpec(source="demo", device="cuda:1"), ModelSpec(), ModelSpec(source="x")]
+    assert [s.kv_memory_scale for s in placed_specs(apart, "cuda")] == [1.0, 0.5, 1.0]
