@@ -1,11 +1,12 @@
 """The models one replica serves: each a `ModelSpec` (what `--model` names, the id clients
-send, its own engine's KV budget and context), read from repeated `--model` /
+send, its own device, dtype, KV budget and context), read from repeated `--model` /
 `--served-model-name` flags or from the config file's `models` section.
 
 Each model runs in an engine process of its own, on its own device if it names one. Where no
-model on a device sets its KV budget, the models share the device's: on a CPU each takes 1/N of the default share of the RAM available;
-on CUDA the engines are loaded one after another and the i-th (from 1) may fill the device up
-to i/N of the default fraction, since what the earlier ones hold counts as in use.
+model on a device sets its KV budget, the N models there share the device's: on a CPU each
+takes 1/N of the default share of the RAM available; on CUDA the engines are loaded one after
+another and the i-th (from 1) may fill the device up to i/N of the default fraction, since
+what the earlier ones hold counts as in use.
 """
 
 from __future__ import annotations
