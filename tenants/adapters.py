@@ -122,8 +122,9 @@ def begin_unregister(session: Session, adapter: LoraAdapter, *, actor: str) -> L
     return adapter
 
 
-def remove_adapter(session: Session, adapter: LoraAdapter, *, actor: str) -> None:
-    """Delete the adapter's row, and its files when no other adapter has the same content."""
+def remove_adapter(session: Session, adapter: LoraAdapter, *, actor: str) -> bool:
+    """Delete the adapter's row, and its files when no other adapter has the same content;
+    True when they went too."""
     before = adapter_snapshot(adapter)
     record_audit(session, actor=actor, action="lora_adapter.delete", adapter=adapter,
                  before=before, after={})
@@ -136,6 +137,8 @@ def remove_adapter(session: Session, adapter: LoraAdapter, *, actor: str) -> Non
         if blob is not None:
             session.delete(blob)
             session.flush()
+        return True
+    return False
 
 
 def adapter_files(session: Session, content_hash: str) -> tuple[bytes, bytes]:

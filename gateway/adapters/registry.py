@@ -258,12 +258,13 @@ class AdapterRegistry:
             except TimeoutError:
                 return {**snapshot, "deleted": False, "running_here": self.num_running(name)}
 
-        def remove(session: Session) -> None:
-            tenants.remove_adapter(session, tenants.find_adapter(session, name,
-                                                                 include_deleting=True),
-                                   actor=actor)
+        def remove(session: Session) -> bool:
+            return tenants.remove_adapter(
+                session, tenants.find_adapter(session, name, include_deleting=True),
+                actor=actor)
 
-        await self._in_session(remove)
+        if await self._in_session(remove):  # no adapter has its files: nor does this disk
+            await run_in_threadpool(self.store.remove, snapshot["content_hash"])
         return {**snapshot, "deleted": True, "running_here": 0}
 
     async def _in_session(self, work: Callable[[Session], T]) -> T:

@@ -62,3 +62,16 @@ class AdapterStore:
             if staging.exists():
                 shutil.rmtree(staging, ignore_errors=True)
         return target
+
+    def remove(self, digest: str) -> None:
+        """Delete the content's directory, if this replica has one: renamed aside first, so
+        it is gone whole or not at all."""
+        target = self.root / digest
+        if not target.is_dir():
+            return
+        doomed = self.root / f".{digest[:12]}-removed-{os.getpid()}"
+        try:
+            os.rename(target, doomed)
+        except OSError:
+            return  # removed meanwhile
+        shutil.rmtree(doomed, ignore_errors=True)

@@ -77,6 +77,7 @@ def test_visibility_and_unregistering_waits_for_running_requests(
         assert (await registry.update("a", "test", pinned=False))["pinned"] is False
         assert (await registry.update("b", "test", pinned=True))["pinned"] is True
         assert (await registry.unregister("b", "test", timeout_s=1.0))["deleted"] is True
+        assert registry.store.has(target.lora.name)  # "a" has the same files
 
         registry.started(target)
         pending = await registry.unregister("a", "test", timeout_s=0.2)
@@ -85,6 +86,7 @@ def test_visibility_and_unregistering_waits_for_running_requests(
         registry.ended(target)
         done = await registry.unregister("a", "test", timeout_s=5.0)
         assert done["deleted"] is True
+        assert not registry.store.path(target.lora.name).exists()  # nor on this disk
         assert await registry.list_all() == []
 
     asyncio.run(scenario())
