@@ -80,6 +80,12 @@ class ContractEndpoints:
                 "kv_blocks_total": 1000,
                 "kv_blocks_used": 640,
                 "prefix_cache_hit_ratio": 0.25,
+                "models": [
+                    {"model": "small", "num_running": 2, "num_waiting": 7,
+                     "kv_blocks_total": 600, "kv_blocks_used": 500, "mean_step_time_s": 0.045},
+                    {"model": "large", "num_running": 1, "num_waiting": 0,
+                     "kv_blocks_total": 400, "kv_blocks_used": 140, "mean_step_time_s": None},
+                ],
                 "tiers": [
                     {
                         **tier,
@@ -595,6 +601,9 @@ def test_live_view_refreshes_in_place_and_flags_the_slo(
         )
         expect(page.locator("#live-tiers tr[data-tier=batch]")).to_contain_text("(no SLO)")
         expect(page.locator("#live-body")).to_contain_text("640 of 1,000 blocks used (64.0 %)")
+        small = page.locator("#live-models tr[data-model=small]")
+        expect(small.locator("td")).to_have_text(["2", "7", "500 of 600", "45 ms"])
+        expect(page.locator("#live-models tr[data-model=large] td").nth(3)).to_have_text("—")
         alerts = page.locator("#live-alerts li")
         expect(alerts.first).to_have_attribute("data-state", "firing")
         expect(alerts.first).to_contain_text("PremiumTTFTHigh")

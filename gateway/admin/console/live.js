@@ -1,5 +1,6 @@
-// Live: KV usage, running and waiting requests and TTFT p99 against the SLO per tier, and
-// the alerts, polled every few seconds while the view is open and the tab is visible.
+// Live: KV usage, running and waiting requests and TTFT p99 against the SLO per tier, each
+// served model's engine, and the alerts, polled every few seconds while the view is open and
+// the tab is visible.
 
 import { api } from "./api.js";
 import { gauge } from "./charts.js";
@@ -103,6 +104,35 @@ function tiersTable(live) {
   );
 }
 
+// One row per served model: its engine's requests, KV pool and step time.
+function modelsTable(models) {
+  const headers = ["Model", "Running", "Waiting", "KV blocks used", "Mean step"];
+  return h(
+    "table",
+    { id: "live-models", class: "data" },
+    h("caption", { text: "Per model" }),
+    h("thead", {}, h("tr", {}, headers.map((label) => h("th", { scope: "col", text: label })))),
+    h(
+      "tbody",
+      {},
+      models.map((model) =>
+        h(
+          "tr",
+          { dataset: { model: model.model } },
+          h("th", { scope: "row", text: model.model }),
+          h("td", { class: "num", text: formatInt(model.num_running) }),
+          h("td", { class: "num", text: formatInt(model.num_waiting) }),
+          h("td", {
+            class: "num",
+            text: `${formatInt(model.kv_blocks_used)} of ${formatInt(model.kv_blocks_total)}`,
+          }),
+          h("td", { class: "num", text: formatSeconds(model.mean_step_time_s) }),
+        ),
+      ),
+    ),
+  );
+}
+
 function alertsSection(alerts) {
   const sorted = [...alerts].sort((a, b) => STATE_ORDER.indexOf(a.state) - STATE_ORDER.indexOf(b.state));
   const firing = alerts.filter((a) => a.state === "firing").length;
@@ -150,6 +180,7 @@ function render(live) {
       ),
     ),
     h("div", { class: "table-wrap" }, tiersTable(live)),
+    live.models?.length ? h("div", { class: "table-wrap" }, modelsTable(live.models)) : null,
     alertsSection(live.alerts),
   );
   $("live-status").textContent = `Updated ${formatTime(live.time)}; refreshes every ${REFRESH_MS / 1000} s.`;

@@ -360,6 +360,12 @@ def test_alerts_and_live_routes() -> None:
     assert live["kv_blocks_used"] == stats.num_kv_blocks_used > 0
     assert live["prefix_cache_hit_ratio"] == stats.prefix_cache_hit_ratio
     assert live["alerts"] == [alert]
+    assert live["models"] == [{
+        "model": "m", "num_running": sum(t.num_running for t in stats.tiers.values()),
+        "num_waiting": sum(t.num_waiting for t in stats.tiers.values()),
+        "kv_blocks_total": 64, "kv_blocks_used": stats.num_kv_blocks_used,
+        "mean_step_time_s": stats.mean_step_time_s,
+    }]
     tiers = {row["tier"]: row for row in live["tiers"]}
     assert [row["tier"] for row in live["tiers"]] == ["premium", "standard", "batch"]
     for row in live["tiers"]:
