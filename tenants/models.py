@@ -170,12 +170,17 @@ class ApiKey(Base):
     # Updated when a replica loads the key into its cache, so accurate to the cache TTL.
     last_used_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
     revoked_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
+    # After this the key is refused (401 naming its expiry); NULL: never.
+    expires_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
 
     tenant: Mapped[Tenant] = relationship(back_populates="api_keys")
 
     @property
     def is_revoked(self) -> bool:
         return self.revoked_at is not None
+
+    def is_expired(self, now: datetime) -> bool:
+        return self.expires_at is not None and now >= self.expires_at
 
 
 class LoraAdapterBlob(Base):

@@ -29,6 +29,7 @@ from tenants.validation import (
     is_row_id,
     validate_allowed_models,
     validate_cache_salt,
+    validate_expiry,
     validate_name,
     validate_quota,
     validate_row_id,
@@ -179,10 +180,13 @@ def _flush(session: Session, conflict_message: str) -> None:
 # --- API keys ------------------------------------------------------------------------------
 
 
-def create_api_key(session: Session, tenant: Tenant, *, name: object, actor: str) -> CreatedApiKey:
-    """A new key for tenant; the caller shows CreatedApiKey.plaintext once and drops it."""
+def create_api_key(session: Session, tenant: Tenant, *, name: object, actor: str,
+                   expires_at: object = None) -> CreatedApiKey:
+    """A new key for tenant, valid until expires_at (None: until revoked); the caller shows
+    CreatedApiKey.plaintext once and drops it."""
     if not isinstance(name, str) or not 1 <= len(name) <= 128:
         raise InvalidFieldError("name must be a string of 1-128 characters", "name")
+    expiry = validate_expiry(expires_at, utc_now())
     for _ in range(_MAX_KEY_ATTEMPTS):
         generated = generate_key()
         taken = session.scalars(select(ApiKey.id).where(ApiKey.prefix == generated.prefix))
@@ -191,7 +195,8 @@ def create_api_key(session: Session, tenant: Tenant, *, name: object, actor: str
     else:  # 36**8 prefixes: reaching this means the random source is broken.
         raise AssertionError("could not find a free API key prefix")
     api_key = ApiKey(
-        tenant_id=tenant.id, name=name, prefix=generated.prefix, key_hash=generated.key_hash
+        tenant_id=tenant.id, name=name, prefix=generated.prefix, key_hash=generated.key_hash,
+        expires_at=expiry,
     )
     session.add(api_key)
     session.flush()

@@ -45,6 +45,7 @@ def api_key_snapshot(api_key: ApiKey) -> dict[str, Any]:
         "created_at": _iso(api_key.created_at),
         "last_used_at": _iso(api_key.last_used_at),
         "revoked_at": _iso(api_key.revoked_at),
+        "expires_at": _iso(api_key.expires_at),
     }
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Collection, Mapping
+from datetime import UTC, datetime
 
 from tenants.errors import InvalidFieldError
 
@@ -107,6 +108,26 @@ def validate_allowed_models(value: object, param: str = "allowed_models") -> lis
                                 param)
     names = [validate_model_name(item, f"{param}[{i}]") for i, item in enumerate(value)]
     return list(dict.fromkeys(names))
+
+
+def validate_expiry(value: object, now: datetime, param: str = "expires_at") -> datetime | None:
+    """A key's expiry: None (never), or an ISO 8601 time with its time zone (a datetime
+    with tzinfo), later than now."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = datetime.fromisoformat(value)
+        except ValueError:
+            raise InvalidFieldError(
+                "expires_at must be an ISO 8601 time, e.g. 2027-01-31T00:00:00Z", param
+            ) from None
+    if not isinstance(value, datetime) or value.tzinfo is None:
+        raise InvalidFieldError("expires_at must be a time with its time zone (Z, +00:00...)",
+                                param)
+    if value <= now:
+        raise InvalidFieldError("expires_at must be in the future", param)
+    return value.astimezone(UTC)
 
 
 def validate_cache_salt(value: object, param: str = "cache_salt") -> str:

@@ -39,6 +39,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from datetime import UTC, datetime
 
 import anyio
 import anyio.to_thread
@@ -92,6 +93,10 @@ class RevokedApiKeyError(PermissionDeniedError):
     default_code = "api_key_revoked"
 
 
+class ExpiredApiKeyError(AuthenticationError):
+    default_code = "api_key_expired"
+
+
 class TenantDisabledError(PermissionDeniedError):
     default_code = "tenant_disabled"
 
@@ -138,6 +143,8 @@ class _CacheEntry:
     principal: TenantPrincipal
     is_revoked: bool
     is_tenant_disabled: bool
+    # When the key itself expires (wall time, UTC); None: never.
+    key_expires_at: datetime | None
     # clock() value after which the entry is not used (but kept for a database outage).
     expires_at: float
     # clock() value of the database lookup it came from (bounds its use during an outage).
@@ -363,10 +370,12 @@ class TenantKeyResolver:
                 principal=_principal(api_key),
                 is_revoked=api_key.is_revoked,
                 is_tenant_disabled=not api_key.tenant.is_active,
+                key_expires_at=api_key.expires_at,
                 expires_at=now + self.ttl_s,
                 loaded_at=now,
             )
-            if not entry.is_revoked and not entry.is_tenant_disabled:
+            if not (entry.is_revoked or entry.is_tenant_disabled
+                    or api_key.is_expired(datetime.now(UTC))):
                 try:
                     mark_api_key_used(session, api_key)
                     session.commit()
@@ -409,6 +418,10 @@ def _presented_key(authorization: str | None) -> tuple[str, str]:
 def _admit(entry: _CacheEntry) -> TenantPrincipal:
     if entry.is_revoked:
         raise RevokedApiKeyError("this API key has been revoked")
+    expiry = entry.key_expires_at
+    if expiry is not None and datetime.now(UTC) >= expiry:
+        raise ExpiredApiKeyError(
+            f"this API key expired at {expiry.isoformat(timespec='seconds')}; ask for a new one")
     if entry.is_tenant_disabled:
         raise TenantDisabledError("this tenant is disabled")
     return entry.principal

@@ -218,12 +218,13 @@ class _AdminApi:
     async def create_key(self, request: Request) -> Response:
         ref, actor = request.path_params["tenant"], admin_actor(request)
         body = await json_object(request, allow_empty=True)
-        reject_unknown(body, ("name",))
+        reject_unknown(body, ("name", "expires_at"))
 
         def work(session: Session) -> dict[str, Any]:
             tenant = tenants.find_tenant(session, ref)
             created = tenants.create_api_key(
-                session, tenant, name=body.get("name", "default"), actor=actor
+                session, tenant, name=body.get("name", "default"), actor=actor,
+                expires_at=body.get("expires_at"),
             )
             # The only time the plaintext leaves the server.
             return {**tenants.api_key_snapshot(created.api_key), "key": created.plaintext}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy.orm import Session
@@ -11,7 +12,8 @@ from sqlalchemy.orm import Session
 import tenants
 from gateway.commands.tenants import actor, common_options, run_command
 
-_KEY_COLUMNS = ("id", "tenant_id", "name", "prefix", "created_at", "last_used_at", "revoked_at")
+_KEY_COLUMNS = ("id", "tenant_id", "name", "prefix", "created_at", "last_used_at", "expires_at",
+                "revoked_at")
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -22,6 +24,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     create = commands.add_parser("create", parents=[common], help="create a key (shown once)")
     create.add_argument("tenant", help="tenant id or name")
     create.add_argument("--name", default="default", help="a label for the key")
+    expiry = create.add_mutually_exclusive_group()
+    expiry.add_argument("--expires-at", help="ISO 8601 time with its zone (default: never)")
+    expiry.add_argument("--expires-in-days", type=float, help="days from now until it expires")
     create.set_defaults(func=_create)
 
     listing = commands.add_parser("list", parents=[common], help="list keys (prefixes only)")
@@ -36,7 +41,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def _create(args: argparse.Namespace) -> int:
     def work(session: Session) -> dict[str, Any]:
         tenant = tenants.find_tenant(session, args.tenant)
-        created = tenants.create_api_key(session, tenant, name=args.name, actor=actor())
+        expires_at: object = args.expires_at
+        if args.expires_in_days is not None:
+            expires_at = datetime.now(UTC) + timedelta(days=args.expires_in_days)
+        created = tenants.create_api_key(session, tenant, name=args.name, actor=actor(),
+                                         expires_at=expires_at)
         return {**tenants.api_key_snapshot(created.api_key), "key": created.plaintext}
 
     status = run_command(args, work)
