@@ -44,8 +44,10 @@ from tenants.models import (
     UtcDateTime,
 )
 from tenants.repository import (
+    MAX_ROTATION_GRACE_S,
     TENANT_UPDATE_FIELDS,
     CreatedApiKey,
+    KeyMatch,
     create_api_key,
     create_tenant,
     find_api_key,
@@ -58,6 +60,7 @@ from tenants.repository import (
     mark_api_key_used,
     record_audit,
     revoke_api_key,
+    rotate_api_key,
     set_tenant_status,
     update_tenant,
 )
@@ -82,6 +85,7 @@ __all__ = [
     "DATABASE_URL_ENV",
     "DEFAULT_DATABASE_URL",
     "DEFAULT_TIERS",
+    "MAX_ROTATION_GRACE_S",
     "MAX_ROW_ID",
     "QUOTA_FIELDS",
     "TENANT_UPDATE_FIELDS",
@@ -98,6 +102,7 @@ __all__ = [
     "DuplicateError",
     "GeneratedKey",
     "InvalidFieldError",
+    "KeyMatch",
     "LoraAdapter",
     "Quota",
     "RowNotFoundError",
@@ -137,6 +142,7 @@ __all__ = [
     "register_adapter",
     "remove_adapter",
     "revoke_api_key",
+    "rotate_api_key",
     "session_scope",
     "set_tenant_status",
     "share_adapter",

@@ -172,6 +172,10 @@ class ApiKey(Base):
     revoked_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
     # After this the key is refused (401 naming its expiry); NULL: never.
     expires_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
+    # The secret before the last rotation, valid until previous_expires_at (its grace).
+    previous_prefix: Mapped[str | None] = mapped_column(String(16), unique=True)
+    previous_key_hash: Mapped[str | None] = mapped_column(String(64))
+    previous_expires_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
 
     tenant: Mapped[Tenant] = relationship(back_populates="api_keys")
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 import secrets
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, joinedload
 
@@ -21,7 +22,7 @@ from tenants.errors import (
     InvalidFieldError,
     TenantNotFoundError,
 )
-from tenants.keys import generate_key, lookup_prefix, verify_key
+from tenants.keys import GeneratedKey, generate_key, lookup_prefix, verify_key
 from tenants.models import ApiKey, AuditEntry, LoraAdapter, Quota, Tenant, TenantStatus, utc_now
 from tenants.snapshots import adapter_snapshot, api_key_snapshot, tenant_snapshot
 from tenants.validation import (
@@ -187,13 +188,7 @@ def create_api_key(session: Session, tenant: Tenant, *, name: object, actor: str
     if not isinstance(name, str) or not 1 <= len(name) <= 128:
         raise InvalidFieldError("name must be a string of 1-128 characters", "name")
     expiry = validate_expiry(expires_at, utc_now())
-    for _ in range(_MAX_KEY_ATTEMPTS):
-        generated = generate_key()
-        taken = session.scalars(select(ApiKey.id).where(ApiKey.prefix == generated.prefix))
-        if taken.first() is None:
-            break
-    else:  # 36**8 prefixes: reaching this means the random source is broken.
-        raise AssertionError("could not find a free API key prefix")
+    generated = _free_key(session)
     api_key = ApiKey(
         tenant_id=tenant.id, name=name, prefix=generated.prefix, key_hash=generated.key_hash,
         expires_at=expiry,
@@ -201,6 +196,47 @@ def create_api_key(session: Session, tenant: Tenant, *, name: object, actor: str
     session.add(api_key)
     session.flush()
     record_audit(session, actor=actor, action="api_key.create", api_key=api_key, before=None)
+    return CreatedApiKey(api_key=api_key, plaintext=generated.plaintext)
+
+
+def _free_key(session: Session) -> GeneratedKey:
+    """A new secret whose prefix no key uses, now or as its previous secret."""
+    for _ in range(_MAX_KEY_ATTEMPTS):
+        generated = generate_key()
+        taken = session.scalars(select(ApiKey.id).where(or_(
+            ApiKey.prefix == generated.prefix, ApiKey.previous_prefix == generated.prefix)))
+        if taken.first() is None:
+            return generated
+    # 36**8 prefixes: reaching this means the random source is broken.
+    raise AssertionError("could not find a free API key prefix")
+
+
+MAX_ROTATION_GRACE_S = 30 * 24 * 3600
+
+
+def rotate_api_key(session: Session, api_key: ApiKey, *, grace_s: object,
+                   actor: str) -> CreatedApiKey:
+    """A new secret for the key (same id, name, tenant and expiry); the current one keeps
+    working for grace_s seconds (0: stops now), and a secret from an earlier rotation stops
+    now. The caller shows CreatedApiKey.plaintext once."""
+    if isinstance(grace_s, bool) or not isinstance(grace_s, int) or not (
+            0 <= grace_s <= MAX_ROTATION_GRACE_S):
+        raise InvalidFieldError(
+            f"grace_seconds must be an integer in 0..{MAX_ROTATION_GRACE_S}", "grace_seconds")
+    if api_key.is_revoked:
+        raise InvalidFieldError("a revoked key cannot be rotated", "key_id")
+    before = api_key_snapshot(api_key)
+    generated = _free_key(session)
+    if grace_s > 0:
+        api_key.previous_prefix, api_key.previous_key_hash = api_key.prefix, api_key.key_hash
+        api_key.previous_expires_at = utc_now() + timedelta(seconds=grace_s)
+    else:
+        api_key.previous_prefix = api_key.previous_key_hash = None
+        api_key.previous_expires_at = None
+    session.flush()  # the old prefix moves out of `prefix` before the new one takes it
+    api_key.prefix, api_key.key_hash = generated.prefix, generated.key_hash
+    session.flush()
+    record_audit(session, actor=actor, action="api_key.rotate", api_key=api_key, before=before)
     return CreatedApiKey(api_key=api_key, plaintext=generated.plaintext)
 
 
@@ -229,8 +265,18 @@ def revoke_api_key(session: Session, api_key: ApiKey, *, actor: str) -> ApiKey:
     return api_key
 
 
-def find_api_key(session: Session, plaintext: str) -> ApiKey | None:
-    """The key row matching a presented key, with its tenant and quota loaded, or None.
+@dataclass(frozen=True)
+class KeyMatch:
+    """A presented secret's key, and until when that secret works (None: until revoked)."""
+
+    api_key: ApiKey
+    expires_at: datetime | None
+    is_previous: bool  # the secret from before the last rotation, in its grace
+
+
+def find_api_key(session: Session, plaintext: str) -> KeyMatch | None:
+    """The key matching a presented secret (its current one, or the one before its last
+    rotation), with its tenant and quota loaded, or None.
 
     Looks up by the public prefix, then compares hashes in constant time; the plaintext
     itself never reaches the database, not even as a query parameter.
@@ -238,11 +284,20 @@ def find_api_key(session: Session, plaintext: str) -> ApiKey | None:
     prefix = lookup_prefix(plaintext)
     if prefix is None:
         return None
-    query = select(ApiKey).where(ApiKey.prefix == prefix).options(joinedload(ApiKey.tenant))
+    query = select(ApiKey).where(
+        or_(ApiKey.prefix == prefix, ApiKey.previous_prefix == prefix)
+    ).options(joinedload(ApiKey.tenant))
     api_key = session.scalars(query).unique().one_or_none()
-    if api_key is None or not verify_key(plaintext, api_key.key_hash):
+    if api_key is None:
         return None
-    return api_key
+    if api_key.prefix == prefix and verify_key(plaintext, api_key.key_hash):
+        return KeyMatch(api_key, api_key.expires_at, is_previous=False)
+    previous_hash = api_key.previous_key_hash
+    if api_key.previous_prefix == prefix and previous_hash and verify_key(plaintext,
+                                                                        previous_hash):
+        ends = [t for t in (api_key.previous_expires_at, api_key.expires_at) if t is not None]
+        return KeyMatch(api_key, min(ends) if ends else None, is_previous=True)
+    return None
 
 
 def mark_api_key_used(session: Session, api_key: ApiKey) -> None:

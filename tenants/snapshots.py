@@ -46,6 +46,8 @@ def api_key_snapshot(api_key: ApiKey) -> dict[str, Any]:
         "last_used_at": _iso(api_key.last_used_at),
         "revoked_at": _iso(api_key.revoked_at),
         "expires_at": _iso(api_key.expires_at),
+        # The secret before the last rotation works until then (null: none does).
+        "previous_expires_at": _iso(api_key.previous_expires_at),
     }
 
 

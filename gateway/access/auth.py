@@ -143,8 +143,10 @@ class _CacheEntry:
     principal: TenantPrincipal
     is_revoked: bool
     is_tenant_disabled: bool
-    # When the key itself expires (wall time, UTC); None: never.
+    # When the presented secret stops working (wall time, UTC): the key's expiry, or the end
+    # of the grace of a secret replaced by a rotation; None: never.
     key_expires_at: datetime | None
+    is_previous_secret: bool
     # clock() value after which the entry is not used (but kept for a database outage).
     expires_at: float
     # clock() value of the database lookup it came from (bounds its use during an outage).
@@ -361,21 +363,22 @@ class TenantKeyResolver:
 
     def _lookup(self, plaintext: str) -> _CacheEntry:
         with self._session_factory() as session:
-            api_key = find_api_key(session, plaintext)
-            if api_key is None:
+            match = find_api_key(session, plaintext)
+            if match is None:
                 # Remembered apart (_unknown, by _load): never among the known keys.
                 raise InvalidApiKeyError("invalid API key")
-            now = self._clock()
+            api_key, now = match.api_key, self._clock()
             entry = _CacheEntry(
                 principal=_principal(api_key),
                 is_revoked=api_key.is_revoked,
                 is_tenant_disabled=not api_key.tenant.is_active,
-                key_expires_at=api_key.expires_at,
+                key_expires_at=match.expires_at,
+                is_previous_secret=match.is_previous,
                 expires_at=now + self.ttl_s,
                 loaded_at=now,
             )
-            if not (entry.is_revoked or entry.is_tenant_disabled
-                    or api_key.is_expired(datetime.now(UTC))):
+            if not (entry.is_revoked or entry.is_tenant_disabled or (
+                    match.expires_at is not None and datetime.now(UTC) >= match.expires_at)):
                 try:
                     mark_api_key_used(session, api_key)
                     session.commit()
@@ -420,8 +423,12 @@ def _admit(entry: _CacheEntry) -> TenantPrincipal:
         raise RevokedApiKeyError("this API key has been revoked")
     expiry = entry.key_expires_at
     if expiry is not None and datetime.now(UTC) >= expiry:
-        raise ExpiredApiKeyError(
-            f"this API key expired at {expiry.isoformat(timespec='seconds')}; ask for a new one")
+        when = expiry.isoformat(timespec="seconds")
+        if entry.is_previous_secret:
+            raise ExpiredApiKeyError(
+                f"this API key was rotated and its old secret expired at {when}; use the new "
+                "one")
+        raise ExpiredApiKeyError(f"this API key expired at {when}; ask for a new one")
     if entry.is_tenant_disabled:
         raise TenantDisabledError("this tenant is disabled")
     return entry.principal

@@ -92,6 +92,7 @@ def admin_routes(
                 Route("/keys/{key_id:int}", guard(api.get_key), methods=["GET"]),
                 Route("/keys/{key_id:int}", guard(api.revoke_key), methods=["DELETE"]),
                 Route("/keys/{key_id:int}/revoke", guard(api.revoke_key), methods=["POST"]),
+                Route("/keys/{key_id:int}/rotate", guard(api.rotate_key), methods=["POST"]),
                 Route("/audit", guard(api.list_audit), methods=["GET"]),
                 *([] if adapters is None else adapter_routes(
                     guard, adapters, served_models, unregister_timeout_s)),
@@ -238,6 +239,24 @@ class _AdminApi:
                 lambda s: tenants.api_key_snapshot(tenants.get_api_key(s, key_id))
             )
         )
+
+    async def rotate_key(self, request: Request) -> Response:
+        """A new secret for the key (its id kept); the old one works for grace_seconds
+        (default 0: stops now). The new secret is shown once."""
+        key_id: int = request.path_params["key_id"]
+        actor = admin_actor(request)
+        body = await json_object(request, allow_empty=True)
+        reject_unknown(body, ("grace_seconds",))
+
+        def work(session: Session) -> dict[str, Any]:
+            rotated = tenants.rotate_api_key(
+                session, tenants.get_api_key(session, key_id),
+                grace_s=body.get("grace_seconds", 0), actor=actor)
+            return {**tenants.api_key_snapshot(rotated.api_key), "key": rotated.plaintext}
+
+        snapshot = await self._in_session(work)
+        self._forget(api_key_id=key_id)
+        return JSONResponse(snapshot)
 
     async def revoke_key(self, request: Request) -> Response:
         key_id: int = request.path_params["key_id"]

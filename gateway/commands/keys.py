@@ -1,4 +1,5 @@
-"""`tiergate keys create|list|revoke`: tenant API keys; the plaintext is printed once."""
+"""`tiergate keys create|list|rotate|revoke`: tenant API keys; the plaintext is printed
+once."""
 
 from __future__ import annotations
 
@@ -33,6 +34,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     listing.add_argument("tenant", nargs="?", help="tenant id or name (default: all tenants)")
     listing.set_defaults(func=_list)
 
+    rotate = commands.add_parser(
+        "rotate", parents=[common],
+        help="a new secret for a key (shown once); the old one works for --grace-seconds")
+    rotate.add_argument("key_id", type=int)
+    rotate.add_argument("--grace-seconds", type=int, default=0,
+                        help="how long the old secret keeps working (default 0: not at all)")
+    rotate.set_defaults(func=_rotate)
+
     revoke = commands.add_parser("revoke", parents=[common], help="revoke a key")
     revoke.add_argument("key_id", type=int)
     revoke.set_defaults(func=_revoke)
@@ -62,6 +71,18 @@ def _list(args: argparse.Namespace) -> int:
         ]
 
     return run_command(args, work, columns=_KEY_COLUMNS)
+
+
+def _rotate(args: argparse.Namespace) -> int:
+    def work(session: Session) -> dict[str, Any]:
+        rotated = tenants.rotate_api_key(session, tenants.get_api_key(session, args.key_id),
+                                         grace_s=args.grace_seconds, actor=actor())
+        return {**tenants.api_key_snapshot(rotated.api_key), "key": rotated.plaintext}
+
+    status = run_command(args, work)
+    if status == 0:
+        print("Store this key now: it cannot be shown again.", file=sys.stderr)
+    return status
 
 
 def _revoke(args: argparse.Namespace) -> int:

@@ -196,8 +196,8 @@ def test_api_key_is_found_by_plaintext_only(session: Session) -> None:
     session.commit()
     key = created.plaintext
     found = tenants.find_api_key(session, key)
-    assert found is not None and found.id == created.api_key.id
-    assert found.tenant.name == "acme"
+    assert found is not None and found.api_key.id == created.api_key.id
+    assert found.api_key.tenant.name == "acme" and not found.is_previous
     assert tenants.find_api_key(session, key[:-1] + ("A" if key[-1] != "A" else "B")) is None
     assert tenants.find_api_key(session, "tg-zzzzzzzz_" + "x" * 43) is None
     assert tenants.find_api_key(session, "nonsense") is None
@@ -212,7 +212,31 @@ def test_revoked_key_is_still_found_and_reports_revoked(session: Session) -> Non
     tenants.revoke_api_key(session, created.api_key, actor=ACTOR)
     session.commit()
     found = tenants.find_api_key(session, created.plaintext)
-    assert found is not None and found.is_revoked
+    assert found is not None and found.api_key.is_revoked
+    with pytest.raises(InvalidFieldError, match="a revoked key cannot be rotated"):
+        tenants.rotate_api_key(session, created.api_key, grace_s=60, actor=ACTOR)
+
+
+def test_a_rotated_key_keeps_its_id_and_its_old_secret_for_the_grace(session: Session) -> None:
+    tenant = _tenant(session)
+    first = tenants.create_api_key(session, tenant, name="ci", actor=ACTOR)
+    second = tenants.rotate_api_key(session, first.api_key, grace_s=60, actor=ACTOR)
+    session.commit()
+    assert second.api_key.id == first.api_key.id and second.plaintext != first.plaintext
+    new = tenants.find_api_key(session, second.plaintext)
+    old = tenants.find_api_key(session, first.plaintext)
+    assert new is not None and not new.is_previous and new.expires_at is None
+    assert old is not None and old.is_previous and old.api_key.id == first.api_key.id
+    assert old.expires_at == second.api_key.previous_expires_at
+    # Rotating again ends the first secret at once; grace 0 ends the one it replaces too.
+    third = tenants.rotate_api_key(session, second.api_key, grace_s=0, actor=ACTOR)
+    session.commit()
+    assert tenants.find_api_key(session, first.plaintext) is None
+    assert tenants.find_api_key(session, second.plaintext) is None
+    assert tenants.find_api_key(session, third.plaintext) is not None
+    for grace in (-1, 1.5, True, tenants.MAX_ROTATION_GRACE_S + 1):
+        with pytest.raises(InvalidFieldError):
+            tenants.rotate_api_key(session, third.api_key, grace_s=grace, actor=ACTOR)
 
 
 def test_key_name_is_checked(session: Session) -> None:

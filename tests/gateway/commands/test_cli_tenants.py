@@ -93,10 +93,19 @@ def test_keys_create_list_revoke(cli: Cli, session: Session) -> None:
     assert [k["prefix"] for k in listed] == [created["prefix"]]
     assert "key" not in listed[0]
 
+    status, out, err = cli("keys", "rotate", str(created["id"]), "--grace-seconds", "600",
+                           "--json")
+    assert status == 0 and "cannot be shown again" in err
+    rotated = json.loads(out)
+    assert rotated["id"] == created["id"] and rotated["previous_expires_at"] is not None
+    old, new = tenants.find_api_key(session, key), tenants.find_api_key(session, rotated["key"])
+    assert old is not None and old.is_previous and new is not None and not new.is_previous
+    session.expire_all()
+
     revoked = cli.json("keys", "revoke", str(created["id"]))
     assert revoked["revoked_at"] is not None
-    found = tenants.find_api_key(session, key)
-    assert found is not None and found.is_revoked
+    found = tenants.find_api_key(session, rotated["key"])
+    assert found is not None and found.api_key.is_revoked
 
 
 def test_cli_writes_are_audited(cli: Cli, session: Session) -> None:
