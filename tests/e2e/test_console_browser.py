@@ -463,6 +463,35 @@ def test_create_tenant_set_rpm_issue_key_once_and_revoke(
     console.screenshot("audit")
 
 
+def test_rotate_a_key_keeps_the_old_secret_for_its_grace(
+    console: ConsolePage, server: ConsoleServer
+) -> None:
+    _create_tenants(server, {"name": "rotating"})
+    with server.admin() as admin:
+        old = admin.post("/admin/v1/tenants/rotating/keys", json={"name": "ci"}).json()
+    console.open("#tenant/rotating")
+    console.sign_in()
+    page = console.page
+    page.get_by_role("button", name=f"Rotate key {old['prefix']}").click()
+    grace = page.get_by_label("Old secret works for (s)")
+    expect(grace).to_be_focused()
+    grace.fill("600")
+    page.get_by_role("button", name=f"Confirm: rotate key {old['prefix']}").click()
+    key_field = page.get_by_label("API key", exact=True)
+    expect(key_field).to_be_focused()
+    new = key_field.input_value()
+    assert new.startswith("tg-") and new != old["key"]
+    row = page.locator("#keys-table tbody tr")
+    expect(row).to_have_count(1)
+    expect(row).to_have_attribute("data-prefix", new[:len(old["prefix"])])
+    expect(row).to_contain_text("old secret until")
+    assert server.whoami(new).json()["tenant"] == "rotating"
+    assert server.whoami(old["key"]).json()["tenant"] == "rotating"  # its grace
+    with server.admin() as admin:
+        shown = admin.get(f"/admin/v1/keys/{old['id']}").json()
+    assert shown["id"] == old["id"] and shown["previous_expires_at"] is not None
+
+
 def test_disable_and_enable_a_tenant(console: ConsolePage, server: ConsoleServer) -> None:
     _create_tenants(server, {"name": "pausable"})
     with server.admin() as admin:

@@ -1,8 +1,11 @@
 // A tenant's API keys: issue one (its plaintext is shown once, with a copy button), list
-// them filtered by prefix, revoke one after an inline confirmation.
+// them filtered by prefix with their expiry, rotate one (a new secret under the same id, the
+// old one working for a grace given inline), revoke one after an inline confirmation.
 
 import { api } from "./api.js";
 import { clearError, formatTime, h, showError } from "./dom.js";
+
+const DEFAULT_GRACE_S = 3600;
 
 function newKeyPanel(created, onDone) {
   const copied = h("span", { class: "status", role: "status" });
@@ -39,8 +42,42 @@ function newKeyPanel(created, onDone) {
   );
 }
 
-function keyRow(key, revoke) {
+function stateBadges(key) {
+  if (key.revoked_at) return [h("span", { class: "badge revoked", text: `revoked ${formatTime(key.revoked_at)}` })];
+  const now = Date.now();
+  const expired = key.expires_at && Date.parse(key.expires_at) <= now;
+  const badges = [
+    expired
+      ? h("span", { class: "badge revoked", text: `expired ${formatTime(key.expires_at)}` })
+      : h("span", { class: "badge active", text: "active" }),
+  ];
+  if (key.expires_at && !expired)
+    badges.push(h("span", { class: "muted", text: ` until ${formatTime(key.expires_at)}` }));
+  if (key.previous_expires_at && Date.parse(key.previous_expires_at) > now)
+    badges.push(h("span", { class: "muted", text: `; old secret until ${formatTime(key.previous_expires_at)}` }));
+  return badges;
+}
+
+function keyRow(key, revoke, rotate) {
   const actions = h("td", {});
+  const askRotation = () => {
+    const id = `grace-${key.id}`;
+    const grace = h("input", { id, type: "number", min: 0, step: 1, value: DEFAULT_GRACE_S });
+    actions.replaceChildren(
+      h("label", { for: id, text: "Old secret works for (s) " }),
+      grace,
+      " ",
+      h("button", {
+        type: "button",
+        onclick: () => rotate(key, Number(grace.value)),
+        text: "Rotate",
+        "aria-label": `Confirm: rotate key ${key.prefix}`,
+      }),
+      " ",
+      h("button", { type: "button", class: "secondary", onclick: reset, text: "Cancel" }),
+    );
+    grace.focus();
+  };
   const confirm = () => {
     actions.replaceChildren(
       h("span", { text: "Revoke for good? " }),
@@ -60,13 +97,25 @@ function keyRow(key, revoke) {
     actions.replaceChildren(
       key.revoked_at
         ? h("span", { class: "muted", text: "—" })
-        : h("button", {
-            type: "button",
-            class: "secondary",
-            onclick: confirm,
-            text: "Revoke…",
-            "aria-label": `Revoke key ${key.prefix}`,
-          }),
+        : h(
+            "span",
+            {},
+            h("button", {
+              type: "button",
+              class: "secondary",
+              onclick: askRotation,
+              text: "Rotate…",
+              "aria-label": `Rotate key ${key.prefix}`,
+            }),
+            " ",
+            h("button", {
+              type: "button",
+              class: "secondary",
+              onclick: confirm,
+              text: "Revoke…",
+              "aria-label": `Revoke key ${key.prefix}`,
+            }),
+          ),
     );
   };
   reset();
@@ -77,13 +126,7 @@ function keyRow(key, revoke) {
     h("td", { text: key.name }),
     h("td", { text: formatTime(key.created_at) }),
     h("td", { text: formatTime(key.last_used_at) }),
-    h(
-      "td",
-      {},
-      key.revoked_at
-        ? h("span", { class: "badge revoked", text: `revoked ${formatTime(key.revoked_at)}` })
-        : h("span", { class: "badge active", text: "active" }),
-    ),
+    h("td", {}, ...stateBadges(key)),
     actions,
   );
 }
@@ -102,7 +145,7 @@ export async function renderKeys(container, tenant) {
     const shown = keys.filter((key) => key.prefix.startsWith(prefix));
     tbody.replaceChildren(
       ...(shown.length > 0
-        ? shown.map((key) => keyRow(key, revoke))
+        ? shown.map((key) => keyRow(key, revoke, rotate))
         : [
             h(
               "tr",
@@ -130,6 +173,19 @@ export async function renderKeys(container, tenant) {
       await api("DELETE", `/keys/${key.id}`);
       await reload();
       filter.focus();
+    } catch (err) {
+      showError(alert, err);
+    }
+  }
+
+  // The new secret is shown once, as an issued key is.
+  async function rotate(key, graceSeconds) {
+    clearError(alert);
+    try {
+      const rotated = await api("POST", `/keys/${key.id}/rotate`, { body: { grace_seconds: graceSeconds } });
+      slot.replaceChildren(newKeyPanel(rotated, () => slot.replaceChildren()));
+      document.getElementById("new-key-value").focus();
+      await reload();
     } catch (err) {
       showError(alert, err);
     }
