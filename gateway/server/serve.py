@@ -27,6 +27,8 @@ logger = logging.getLogger("tiergate.serve")
 
 # Seconds uvicorn waits for connections after the drain before cancelling them.
 _GRACEFUL_SHUTDOWN_S = 5.0
+# Seconds an idle keep-alive connection is kept open (see serve()).
+_KEEP_ALIVE_S = 75
 
 
 class ServeError(Exception):
@@ -95,6 +97,11 @@ def serve(settings: GatewaySettings, *, log_level: str = "info") -> int:
         # server's HTTP parser and event loop").
         loop="uvloop",
         http=GatewayHttpProtocol,  # httptools, bounded send buffers, resets
+        # Idle keep-alive connections stay open past the longest wait a 429 asks for and past
+        # a load balancer's usual idle timeout (60 s): with uvicorn's 5 s, a client retrying
+        # after `retry-after-ms` near 5 s raced the server's close of its pooled connection
+        # and got "server disconnected" instead of its answer.
+        timeout_keep_alive=_KEEP_ALIVE_S,
         timeout_graceful_shutdown=int(_GRACEFUL_SHUTDOWN_S),
     )
     server = _DrainingServer(config, runtime, settings.drain_timeout_s)
