@@ -2,20 +2,26 @@
 # The device check of the engine (issue 35), in one run on a machine with an NVIDIA GPU.
 #
 #   ops/gpu_check.sh wheels   here, before: the packages the device image lacks, into .whl/
-#                             (llguidance and redis, for its Python 3.12; .whl is ignored)
+#                             (llguidance, redis, gguf and jsonschema, for its Python 3.12;
+#                             .whl is ignored)
 #   ops/gpu_check.sh run      there, from the repository root (the device tool's run, with
 #                             carry [".whl"], timeout_s 600): the whole check, at most 590 s
 #   DEVICE=cpu TINY=1 ops/gpu_check.sh run   here: the same steps on tiny sizes, to try it
+#   STEPS="engine lora-1b" ops/gpu_check.sh run   only the steps named (a rerun of those)
 #
 # In order, each with its own time limit, each log under $OUT (default /tmp/gpu-check):
 #   1. engine: the whole engine on the GPU against HF transformers (greedy tokens equal, with
 #      async scheduling on and off; CUDA graphs fed through engine.worker.graph_inputs; every
-#      sampling feature), tests/engine/models/test_engine_devices.py;
-#   2. bench-1b: `bench engine --device cuda --compare-hf` on the 1B Llama shape (bfloat16):
+#      sampling feature; LoRA adapters through the Triton SGMV kernels against PEFT),
+#      tests/engine/models/test_engine_devices.py, and grammar masks applied on the device
+#      through preemption (the cuda cases of tests/engine/structured_output);
+#   2. lora-1b: ops/bench/lora_throughput on the 1B Llama shape (bfloat16, random weights):
+#      32 requests over 8 rank-16 adapters against the base model, in pairs;
+#   3. kernels: the Triton kernel tests (attention, fused add-norm, LoRA shrink/expand);
+#   4. bench-1b: `bench engine --device cuda --compare-hf` on the 1B Llama shape (bfloat16):
 #      host work, step against forward at 1, 32, 128, 256 decodes, copy-rate fractions, and
-#      offline tok/s against HF generate (256 requests of the offline workload);
-#   3. bench-8b: the same on the Llama-3-8B shape at 1 and 128 decodes, without HF;
-#   4. kernels: the Triton kernel tests and the fused add-norm on CUDA.
+#      offline tok/s against HF generate (128 requests of the offline workload);
+#   5. bench-8b: the same on the Llama-3-8B shape at 1 and 128 decodes, without HF.
 set -u
 cd "$(dirname "$0")/.."
 case "${1:-}" in
@@ -23,7 +29,9 @@ case "${1:-}" in
     grep -qx /.whl/ .git/info/exclude || echo /.whl/ >> .git/info/exclude
     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
       --implementation cp --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 \
-      --platform manylinux_2_17_x86_64 -d .whl llguidance==1.9.1 redis==8.1.0
+      --platform manylinux_2_17_x86_64 -d .whl llguidance==1.9.1 redis==8.1.0 gguf==0.19.0 \
+      jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 \
+      rpds-py==2026.9.1
     exit $? ;;
   run) ;;
   *) sed -n 2,19p "$0"; exit 2 ;;
@@ -50,6 +58,7 @@ triton.__version__, 'transformers', transformers.__version__)" | tee "$OUT/versi
 step() {  # name, seconds, command...
   local name=$1 limit=$2
   shift 2
+  case " ${STEPS:-$name} " in *" $name "*) ;; *) return 0 ;; esac
   echo "== $name (limit ${limit} s) $(date +%T)"
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
@@ -74,19 +83,24 @@ if [ "$TINY" = 1 ]; then  # the bench model, tiny batches: the plumbing only
   BATCHES_1B="1 3"; BATCHES_8B="1 2"; DEVICE_STEPS=6; OFFLINE=4; REPEATS=1; COPY=$((1 << 22))
 else
   MODEL_1B=$CONFIGS/llama-1b.json; MODEL_8B=$CONFIGS/llama-8b.json; DTYPE=bfloat16
-  BATCHES_1B="1 32 128 256"; BATCHES_8B="1 128"; DEVICE_STEPS=60; OFFLINE=256; REPEATS=3
+  BATCHES_1B="1 32 128 256"; BATCHES_8B="1 128"; DEVICE_STEPS=60; OFFLINE=128; REPEATS=3
   COPY=$((1 << 30))
 fi
 
-step engine 90 $PYTHON -m pytest -q -p no:cacheprovider tests/engine/models/test_engine_devices.py
+step engine 100 $PYTHON -m pytest -q -p no:cacheprovider tests/engine/models/test_engine_devices.py \
+  tests/engine/structured_output/test_structured_output.py -k "cuda or devices"
+if [ "$TINY" = 1 ]; then LORA="--quick"; else LORA="--pairs 3"; fi
 # shellcheck disable=SC2086
-step bench-1b 270 $PYTHON -m bench.engine --device "$DEVICE" --dtype "$DTYPE" \
+step lora-1b 150 $PYTHON -m ops.bench.lora_throughput --device "$DEVICE" --dtype "$DTYPE" \
+  --model-config "$MODEL_1B" $LORA
+step kernels 60 $PYTHON -m pytest -q -p no:cacheprovider \
+  tests/engine/attention/test_triton_kernels.py tests/engine/models/test_triton_add_norm.py \
+  tests/engine/models/test_triton_lora.py
+# shellcheck disable=SC2086
+step bench-1b 170 $PYTHON -m bench.engine --device "$DEVICE" --dtype "$DTYPE" \
   --model-config "$MODEL_1B" --batches $BATCHES_1B --repeats "$REPEATS" \
   --device-steps "$DEVICE_STEPS" --copy-bytes "$COPY" --compare-hf --offline-requests "$OFFLINE"
 # shellcheck disable=SC2086
-step bench-8b 150 $PYTHON -m bench.engine --device "$DEVICE" --dtype "$DTYPE" \
+step bench-8b 110 $PYTHON -m bench.engine --device "$DEVICE" --dtype "$DTYPE" \
   --model-config "$MODEL_8B" --batches $BATCHES_8B --repeats 1 --steps 10 \
   --device-steps "$DEVICE_STEPS" --copy-bytes "$COPY"
-step kernels 80 $PYTHON -m pytest -q -p no:cacheprovider \
-  tests/engine/attention/test_triton_kernels.py tests/engine/models/test_triton_add_norm.py \
-  tests/engine/models/test_triton_lora.py

@@ -129,7 +129,10 @@ class LoraSlots:
         """kernels: apply the updates with them (CUDA) instead of grouped torch products."""
         self.device = device
         self.kernels = kernels
-        self._plan: object = None  # the kernels' plan of the bound step
+        # The kernels' plan of the bound step: made at the first `add` (a step a captured
+        # graph runs never needs it), or bound ready-made (`bind_plan`).
+        self._plan: object = None
+        self._bound_plan = False
         self.weights: list[LoraWeights | None] = [None] * num_slots
         # The bound step's slot per token (int64[T], -1: the base model), None when no token
         # is on an adapter; its groups for `add` (slot, its token rows or None for every row),
@@ -150,18 +153,24 @@ class LoraSlots:
     @property
     def active(self) -> bool:
         """The bound step has tokens on an adapter."""
-        return self.token_slots is not None
+        return self.token_slots is not None or self._bound_plan
 
     def bind(self, token_slots: np.ndarray | None) -> None:
         """The step's slot of each token (int64[T], -1: the base model); None: no token on
         an adapter."""
+        self._plan, self._bound_plan = None, False
         if token_slots is None or not bool((token_slots >= 0).any()):
             self.token_slots, self._groups = None, []
             return
         self.token_slots = np.ascontiguousarray(token_slots, dtype=np.int64)
         self._groups = None
-        if self.kernels is not None:
-            self._plan = self.kernels.plan(self.token_slots)
+
+    def bind_plan(self, plan: object) -> None:
+        """The kernels' plan of a step, ready-made: a captured decode graph's plan over its
+        static buffers (engine.worker.cuda_graphs), bound while the graph's forward runs."""
+        assert self.kernels is not None
+        self.token_slots, self._groups = None, []
+        self._plan, self._bound_plan = plan, True
 
     def _grouped(self) -> list[tuple[LoraWeights, torch.Tensor | None]]:
         """The bound step's tokens by slot (made once per step)."""
@@ -191,6 +200,9 @@ class LoraSlots:
         """out += each bound adapter's update of `product` in `layer`, on its rows of x
         ([T, in] -> out [T, N])."""
         if self.kernels is not None:
+            if self._plan is None:
+                assert self.token_slots is not None
+                self._plan = self.kernels.plan(self.token_slots)
             self.kernels.apply(layer, product, x, out, self._plan)
             return
         for weights, rows in self._grouped():

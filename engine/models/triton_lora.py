@@ -23,8 +23,9 @@ B^T of a target holds its own columns only (LoraMatrices.b_t is block-diagonal),
 reads, for a tile of output columns, only the rank rows of the targets those columns belong to
 and only up to each slot's own rank: no work on the zero blocks nor on the rank padding.
 
-Tokens: the step's tokens on adapters are sorted by slot once per step (`plan_tokens`, on the
-host, from the numpy slots the runner binds), and cut into tiles of BLOCK_M tokens of one slot;
+Tokens: the step's tokens on adapters are sorted by slot once per step (engine.models.lora_tiles,
+on the host, from the numpy slots the runner binds), and cut into tiles of BLOCK_M tokens of
+one slot (a captured decode graph launches a fixed number of tiles: those of no tokens return);
 every program of both kernels takes one tile (gathering its rows of x / out by token index), so
 its products are tl.dot tiles against a single adapter's weights. Programs: the shrink
 (tiles, rank chunks, SPLIT_K), the expand (tiles, column tiles). A long reduction (large `in`,
@@ -40,7 +41,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -50,15 +50,9 @@ import triton.language as tl
 from engine.attention.triton_paged_tile import needs_fp32_dot
 from engine.models.config import ModelConfig
 from engine.models.lora import FUSED_TARGETS, LoraWeights, target_shapes
+from engine.models.lora_tiles import LoraTokenPlan, plan_tokens
 
-__all__ = [
-    "LoraTokenPlan",
-    "TritonLoraStack",
-    "lora_expand",
-    "lora_shrink",
-    "plan_tokens",
-    "rank_capacity",
-]
+__all__ = ["TritonLoraStack", "lora_expand", "lora_shrink", "rank_capacity"]
 
 _MIN_DOT = 16  # tl.dot needs every dimension >= 16
 _SHRINK_BLOCK_R = 64  # rank rows per shrink program (at most RANK_CAP)
@@ -105,8 +99,9 @@ def _shrink_kernel(
     target = chunk // (RANK_CAP // BLOCK_R)
     r0 = (chunk % (RANK_CAP // BLOCK_R)) * BLOCK_R
     rank = tl.load(ranks_ptr + slot * NUM_TARGETS + target)
-    # A chunk past the slot's rank of the target writes nothing: the expand never reads it.
-    if r0 < rank:
+    # A chunk past the slot's rank of the target writes nothing: the expand never reads it;
+    # nor does a tile of no tokens (past a captured graph's step's own tiles).
+    if (r0 < rank) & (count > 0):
         offs_m = tl.arange(0, BLOCK_M)
         m_mask = offs_m < count
         tokens = tl.load(order_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)
@@ -175,8 +170,9 @@ def _expand_kernel(
         rank = tl.load(ranks_ptr + slot * NUM_TARGETS + target)
         first = tl.load(bounds_ptr + target)
         end = tl.load(bounds_ptr + target + 1)
-        # B^T of the target is zero outside its columns: skip it unless the tile meets them.
-        rank = tl.where((n_lo < end) & (n_lo + BLOCK_N > first), rank, 0)
+        # B^T of the target is zero outside its columns: skip it unless the tile meets them
+        # (and a tile of no tokens reads no weights).
+        rank = tl.where((n_lo < end) & (n_lo + BLOCK_N > first) & (count > 0), rank, 0)
         for r0 in range(0, rank, BLOCK_R):
             offs_r = r0 + tl.arange(0, BLOCK_R)
             r_mask = offs_r < rank
@@ -198,49 +194,6 @@ def _expand_kernel(
     o_mask = m_mask[:, None] & n_mask[None, :]
     current = tl.load(o_ptrs, mask=o_mask, other=0.0).to(tl.float32)
     tl.store(o_ptrs, (current + acc).to(out_ptr.dtype.element_ty), mask=o_mask)
-
-
-@dataclass(frozen=True)
-class LoraTokenPlan:
-    """One step's tokens on adapters, sorted by slot and cut into tiles of one slot (made once
-    per step, read by every product of every layer)."""
-
-    num_tokens: int  # T: the step's tokens, base-model ones included
-    block_m: int  # tokens per tile
-    num_tiles: int
-    order: torch.Tensor  # int32 [tokens on adapters]: token indices, grouped by slot
-    tile_slot: torch.Tensor  # int32 [num_tiles]
-    tile_start: torch.Tensor  # int32 [num_tiles]: the tile's first position in order
-    tile_len: torch.Tensor  # int32 [num_tiles]
-
-
-def plan_tokens(token_slots: np.ndarray | torch.Tensor, device: torch.device | str,
-                block_m: int | None = None) -> LoraTokenPlan:
-    """The tiles of a step whose token t is on slot token_slots[t] (int64[T], -1: the base
-    model). Computed on the host (a CUDA tensor is copied there, a sync: pass the runner's
-    numpy slots); one copy to the device. block_m: tokens per tile (a power of two >= 16),
-    by default 16, 32 or 64 after the largest slot's tokens."""
-    if isinstance(token_slots, torch.Tensor):
-        token_slots = token_slots.detach().cpu().numpy()
-    slots = np.asarray(token_slots, dtype=np.int64).reshape(-1)
-    on = np.flatnonzero(slots >= 0)
-    order = on[np.argsort(slots[on], kind="stable")]
-    used, first, counts = np.unique(slots[order], return_index=True, return_counts=True)
-    if block_m is None:
-        largest = int(counts.max()) if counts.size else 0
-        block_m = 16 if largest <= 16 else 32 if largest <= 32 else 64
-    assert block_m >= _MIN_DOT and block_m & (block_m - 1) == 0
-    tiles = [(slot, start, min(block_m, begin + count - start))
-             for slot, begin, count in zip(used.tolist(), first.tolist(), counts.tolist(),
-                                           strict=True)
-             for start in range(begin, begin + count, block_m)]
-    table = np.asarray(tiles, dtype=np.int32).reshape(-1, 3).T  # [3, num_tiles]
-    packed = torch.from_numpy(np.concatenate([order.astype(np.int32), table.reshape(-1)]))
-    packed = packed.to(device)
-    num_on, num_tiles = order.size, table.shape[1]
-    tile_slot, tile_start, tile_len = packed[num_on:].view(3, num_tiles)
-    return LoraTokenPlan(int(slots.size), block_m, num_tiles, packed[:num_on], tile_slot,
-                         tile_start, tile_len)
 
 
 def _as_plan(token_slots: LoraTokenPlan | np.ndarray | torch.Tensor,

@@ -6,14 +6,21 @@ the first time a batch size bucket is needed, and share one memory pool. They re
 inputs from engine.graph_inputs.GraphInputs, which one host-to-device copy fills each step;
 padding rows write no KV and their logits are dropped. Only used on CUDA; the CPU path never
 imports CUDA APIs from here.
+
+Decode steps with tokens on LoRA adapters replay graphs of their own (captured apart, so that a
+step on the base model alone pays nothing for adapters): the Triton SGMV kernels read the
+adapters from their fixed slot buffers and the step's tiles from the static inputs
+(GraphInputs.lora_plan), a fixed number of programs whatever the mix of adapters.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from engine.attention import AttentionBackend
 from engine.models.decoder import CausalLM, KVCache
+from engine.models.lora import LoraSlots
 from engine.worker.graph_inputs import GraphInputs
 from engine.worker.input_batch import StepInputs
 
@@ -39,31 +46,49 @@ class DecodeCudaGraphs:
         max_num_seqs: int,
         max_blocks_per_seq: int,
         capture: bool = True,
+        lora: LoraSlots | None = None,
     ) -> None:
         """capture=False runs each step's forward eagerly over the same static buffers: the
-        CPU tests' check of everything here but the capture itself."""
+        CPU tests' check of everything here but the capture itself. lora: the model's adapter
+        slots, when they apply their updates with kernels (SlotKernels) a graph can hold."""
+        assert lora is None or lora.kernels is not None
         self.model = model
+        self.lora = lora
         self.capture = capture
         self.kv_caches = kv_caches
         self.attention = attention
         self.sizes = graph_batch_sizes(max_num_seqs)
         device = model.embed_tokens.weight.device
         self.inputs = GraphInputs(self.sizes[-1], max_blocks_per_seq, device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}  # size -> static logits [size, V]
+        # (size, adapted) -> the graph, and its static logits [size, V]
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, bool], torch.Tensor] = {}
         self._first_graph: torch.cuda.CUDAGraph | None = None  # owner of the shared pool
 
-    def can_run(self, inputs: StepInputs) -> bool:
-        """Decode-only (one token per sequence, each sampled), within the captured sizes."""
-        return self.inputs.fits(inputs)
+    def can_run(self, inputs: StepInputs, adapted: bool = False) -> bool:
+        """Decode-only (one token per sequence, each sampled), within the captured sizes;
+        adapted (tokens on adapters): where the slots' kernels can be captured."""
+        return (not adapted or self.lora is not None) and self.inputs.fits(inputs)
 
-    def _capture(self, size: int) -> None:
+    def _forward(self, size: int, adapted: bool) -> torch.Tensor:
+        """The model over the static rows :size; adapted: with the adapters' updates, over the
+        static tiles."""
         batch = self.inputs.batch(size)
-
-        def forward() -> torch.Tensor:
-            self.attention.prepare(batch.attention_metadata())
+        if adapted:
+            assert self.lora is not None
+            self.lora.bind_plan(self.inputs.lora_plan(size, self.lora.num_slots))
+        self.attention.prepare(batch.attention_metadata())
+        try:
             out: torch.Tensor = self.model(batch, self.kv_caches, self.attention)
-            return out
+        finally:
+            if adapted:
+                assert self.lora is not None
+                self.lora.bind(None)
+        return out
+
+    def _capture(self, size: int, adapted: bool) -> None:
+        def forward() -> torch.Tensor:
+            return self._forward(size, adapted)
 
         # Warm up on a side stream (lazy initialisation, Triton autotuning), then capture.
         stream = torch.cuda.Stream()
@@ -75,22 +100,22 @@ class DecodeCudaGraphs:
         graph = torch.cuda.CUDAGraph()
         pool = None if self._first_graph is None else self._first_graph.pool()
         with torch.cuda.graph(graph, pool=pool):
-            self.outputs[size] = forward()
+            self.outputs[size, adapted] = forward()
         self._first_graph = self._first_graph or graph
-        self.graphs[size] = graph
+        self.graphs[size, adapted] = graph
 
-    def run(self, inputs: StepInputs,
-            sampled_on_device: torch.Tensor | None) -> torch.Tensor:  # float32[B, V]
-        """Load the step into the static buffers of the smallest fitting graph and replay."""
+    def run(self, inputs: StepInputs, sampled_on_device: torch.Tensor | None,
+            token_slots: np.ndarray | None = None) -> torch.Tensor:  # float32[B, V]
+        """Load the step into the static buffers of the smallest fitting graph and replay;
+        token_slots: each sequence's adapter slot (int64, -1: the base model) where the step
+        has tokens on adapters (can_run(inputs, adapted=True))."""
         num_seqs = inputs.context_lens.size
         size = next(s for s in self.sizes if s >= num_seqs)
-        self.inputs.load(inputs, size, sampled_on_device)
+        adapted = token_slots is not None
+        self.inputs.load(inputs, size, sampled_on_device, token_slots)
         if not self.capture:
-            batch = self.inputs.batch(size)
-            self.attention.prepare(batch.attention_metadata())
-            logits: torch.Tensor = self.model(batch, self.kv_caches, self.attention)
-            return logits[:num_seqs]
-        if size not in self.graphs:
-            self._capture(size)
-        self.graphs[size].replay()
-        return self.outputs[size][:num_seqs]
+            return self._forward(size, adapted)[:num_seqs]
+        if (size, adapted) not in self.graphs:
+            self._capture(size, adapted)
+        self.graphs[size, adapted].replay()
+        return self.outputs[size, adapted][:num_seqs]

@@ -8,9 +8,14 @@ never overwrites one whose copy may still be queued), and one host-to-device cop
 no second copy on the device, no per-field kernels. A token whose id is still on the device
 (async scheduling) is then taken from the previous step's sampled tensor with one scatter.
 
+A step with tokens on LoRA adapters also writes its tiles (engine.models.lora_tiles, of
+GRAPH_BLOCK_M tokens) into fields of the same buffer, which the adapted graphs' kernels read;
+tiles past the step's own have no tokens.
+
 Rows past the step's, up to the graph's size, are padding: they write no KV (slot -1) and
-attend over a one-token context in block 0; their logits are dropped. The query starts and
-logits rows of a decode graph never change (one token per sequence) and are not copied.
+attend over a one-token context in block 0, on no adapter; their logits are dropped. The
+query starts and logits rows of a decode graph never change (one token per sequence) and are
+not copied.
 Device-agnostic: on the CPU the same layout and copy run (the tests' check of the arithmetic).
 """
 
@@ -20,13 +25,15 @@ import numpy as np
 import torch
 
 from engine.models.batch import ForwardBatch
+from engine.models.lora_tiles import GRAPH_BLOCK_M, LoraTokenPlan, graph_tiles, tile_tokens
 from engine.worker.input_batch import StepInputs
 
 __all__ = ["GraphInputs"]
 
 # Fields copied each step, in layout order: int64 fields of max_num_seqs entries, then int32.
 _INT64_FIELDS = ("input_ids", "positions", "slot_mapping", "pending_tokens", "pending_sources")
-_INT32_FIELDS = ("context_lens", "block_tables")
+_LORA_FIELDS = ("lora_order", "lora_tile_slot", "lora_tile_start", "lora_tile_len")
+_INT32_FIELDS = ("context_lens", *_LORA_FIELDS, "block_tables")
 
 
 class _Staging:
@@ -55,6 +62,7 @@ class GraphInputs:
         self.max_blocks_per_seq = width
         sizes = {name: n * 8 for name in _INT64_FIELDS}
         sizes.update(context_lens=n * 4, block_tables=n * width * 4)
+        sizes.update({name: n * 4 for name in _LORA_FIELDS})  # tiles <= tokens <= n
         self._offsets: dict[str, tuple[int, int]] = {}
         start = 0
         for name in _INT64_FIELDS + _INT32_FIELDS:
@@ -102,11 +110,24 @@ class GraphInputs:
         fields["slot_mapping"].fill_(-1)
         fields["context_lens"].fill_(1)
         fields["block_tables"].zero_()
+        for name in _LORA_FIELDS:
+            fields[name].zero_()  # no tile has tokens
+
+    def lora_plan(self, size: int, num_slots: int) -> LoraTokenPlan:
+        """The tiles an adapted graph of size rows reads (engine.models.triton_lora): a fixed
+        number, graph_tiles(size, num_slots), over these buffers."""
+        fields, tiles = self._fields, graph_tiles(size, num_slots)
+        return LoraTokenPlan(size, GRAPH_BLOCK_M, tiles, fields["lora_order"][:size],
+                             fields["lora_tile_slot"][:tiles], fields["lora_tile_start"][:tiles],
+                             fields["lora_tile_len"][:tiles])
 
     def load(self, inputs: StepInputs, size: int,
-             sampled_on_device: torch.Tensor | None) -> None:
+             sampled_on_device: torch.Tensor | None,
+             token_slots: np.ndarray | None = None) -> None:
         """The step's inputs (fits(inputs)) into rows :size, padding past its sequences; the
-        pending input ids taken from sampled_on_device (the previous step's sampled ids)."""
+        pending input ids taken from sampled_on_device (the previous step's sampled ids);
+        token_slots: each sequence's LoRA slot (int64, -1: the base model), for an adapted
+        graph, whose tiles are written too."""
         num_seqs = inputs.context_lens.size
         assert self.fits(inputs) and num_seqs <= size <= self.max_num_seqs, "does not fit"
         staging = self._staging[self.num_loads % len(self._staging)]
@@ -127,6 +148,14 @@ class GraphInputs:
         # Entries past a row's blocks are never read (its context length bounds them).
         tables[:num_seqs, :width] = inputs.block_tables
         tables[num_seqs:size, 0] = 0
+        if token_slots is not None:
+            assert token_slots.size == num_seqs
+            order, tiles, _ = tile_tokens(token_slots, GRAPH_BLOCK_M)
+            num_tiles = tiles.shape[1]
+            host["lora_order"][: order.size] = order
+            for name, row in zip(_LORA_FIELDS[1:], tiles, strict=True):
+                host[name][:num_tiles] = row
+                host[name][num_tiles:size] = 0  # no tokens: those programs return
         num_pending = inputs.pending_tokens.size
         host["pending_tokens"][:num_pending] = inputs.pending_tokens
         host["pending_sources"][:num_pending] = inputs.pending_sources

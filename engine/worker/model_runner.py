@@ -173,7 +173,8 @@ class TorchModelRunner(BatchRunner):
         if options.use_cuda_graphs and device.type == "cuda":
             max_blocks_per_seq = -(-sizes.max_model_len // block_size)
             self.graphs = DecodeCudaGraphs(
-                model, self.kv_caches, self.attention, sizes.max_num_seqs, max_blocks_per_seq
+                model, self.kv_caches, self.attention, sizes.max_num_seqs, max_blocks_per_seq,
+                lora=self.lora.slots if self.lora is not None else None,
             )
 
     @classmethod
@@ -241,8 +242,8 @@ class TorchModelRunner(BatchRunner):
     def _forward_and_sample(
         self, chunks: list[ScheduledChunk], inputs: StepInputs, states: list[RequestState]
     ) -> SampledTokens:
-        """One forward over every chunk (a captured CUDA graph for decode-only steps on the
-        base model where one fits, the C++ decode forward on the CPU where it can, adapters or
+        """One forward over every chunk (a captured CUDA graph for decode-only steps where one
+        fits, adapters or not, the C++ decode forward on the CPU where it can, adapters or
         not), then the sampler."""
         input_batch = self.input_batch
         lora: LoraSlots | None = None  # the step's adapters, None: every token on the base
@@ -254,8 +255,11 @@ class TorchModelRunner(BatchRunner):
                     lora = self.lora.slots
             else:
                 self.lora.slots.bind(None)
-        if lora is None and self.graphs is not None and self.graphs.can_run(inputs):
-            logits = self.graphs.run(inputs, input_batch.sampled_on_device)
+        graphs = self.graphs
+        if graphs is not None and graphs.can_run(inputs, adapted=lora is not None):
+            # Decode rows are the step's tokens: the slot of each token is its sequence's.
+            logits = graphs.run(inputs, input_batch.sampled_on_device,
+                                None if lora is None else lora.token_slots)
         else:
             batch = self._to_device(inputs)
             if self.decode_forward is not None and self.decode_forward.can_run(batch, lora):

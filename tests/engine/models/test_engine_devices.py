@@ -3,7 +3,8 @@
 On the CPU this runs everywhere. Where CUDA is present (the device check, ops/gpu_check.sh)
 the same tests drive the CUDA path end to end: Triton attention, the fused add-norm, decode
 steps replayed from CUDA graphs that read their inputs from static buffers filled by one copy
-(engine.graph_inputs), async scheduling, the sampler's pinned copies and its penalty table.
+(engine.graph_inputs), async scheduling, the sampler's pinned copies and its penalty table,
+and LoRA adapters through the Triton SGMV kernels.
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
-from engine import LLMEngine, SamplingParams
+from engine import LLMEngine, LoraConfig, SamplingParams
+from engine.config import EngineConfig, RunnerConfig, SchedulerConfig
 from engine.worker.model_runner import TorchModelRunner
 from tests.engine.models.helpers import hf_greedy, model_engine, random_prompts
+from tests.engine.models.lora_adapters import Adapter, make_adapter
 
 # The seed of this module's `llama` checkpoint (the fixture in tests/engine/conftest.py).
 LLAMA_SEED = 21
@@ -90,3 +93,44 @@ def test_every_sampling_feature_runs_and_seeds_hold_in_any_batch(
     for index in (1, 3):  # the seeded ones, alone
         alone = _run(_engine(path, device, True), {"x": (prompts[index], params[index])})
         assert alone["x"] == crowded[f"m{index}"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_adapters_and_the_base_model_in_one_engine_give_peft_tokens(
+    llama: tuple[Path, PreTrainedModel], device: str, tmp_path: Path
+) -> None:
+    """Three adapters (ranks 8, 16 and 64, rsLoRA on one) and the base model in one engine with
+    async scheduling and two adapter slots: on CUDA through the Triton shrink/expand kernels
+    (engine.models.triton_lora), chunked prefills next to decodes, adapters waiting for slots;
+    every request's greedy tokens are PEFT's on the same device."""
+    path, hf = llama
+    adapters = [make_adapter(path, tmp_path / "r8", 8, seed=1),
+                make_adapter(path, tmp_path / "r16", 16, seed=2, use_rslora=True, alpha=8),
+                make_adapter(path, tmp_path / "r64", 64, seed=3)]
+    config = EngineConfig(
+        SchedulerConfig(max_num_batched_tokens=48, max_num_seqs=8, max_model_len=256),
+        async_scheduling=True,
+        runner=RunnerConfig(num_kv_blocks=128, sampler_seed=0),
+        lora=LoraConfig(max_loras=2, max_cpu_loras=4, max_lora_rank=64),
+    )
+    runner = TorchModelRunner.from_model_dir(path, config, device=device)
+    engine = LLMEngine(config, runner)
+    choices: list[Adapter | None] = [adapters[0], None, adapters[1], adapters[2], None,
+                                     adapters[0], adapters[2]]
+    prompts = random_prompts([5, 40, 17, 33, 9, 60, 12], seed=4)
+    requests = {f"l{i}": (prompt, SamplingParams(temperature=0.0, max_tokens=10,
+                                                  ignore_eos=True))
+                for i, prompt in enumerate(prompts)}
+    for (request_id, (prompt, params)), adapter in zip(requests.items(), choices, strict=True):
+        engine.add_request(request_id, prompt, params,
+                           lora=None if adapter is None else adapter.lora)
+    tokens: dict[str, list[int]] = {request_id: [] for request_id in requests}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            tokens[output.request_id] += output.new_token_ids
+    for (request_id, (prompt, _)), adapter in zip(requests.items(), choices, strict=True):
+        reference = hf if adapter is None else adapter.reference
+        assert tokens[request_id] == hf_greedy(reference.to(device), prompt, 10), request_id
+    assert runner.lora is not None
+    kernels = runner.lora.slots.kernels
+    assert (type(kernels).__name__ == "TritonLoraStack") if device == "cuda" else kernels is None

@@ -17,6 +17,7 @@ from engine import LLMEngine, LoraConfig, LoraRequest, SamplingParams
 from engine.config import CacheConfig, EngineConfig, RunnerConfig, SchedulerConfig
 from engine.models.batch import ForwardBatch
 from engine.models.lora import LoraSlots
+from engine.worker.cuda_graphs import DecodeCudaGraphs
 from engine.worker.model_runner import TorchModelRunner
 from tests.engine.models.helpers import (
     PagedDriver,
@@ -96,6 +97,37 @@ def test_the_triton_kernels_give_peft_tokens(
     for seq, adapter in zip(seqs, choices, strict=True):
         reference = hf if adapter is None else adapter.reference
         assert seq.output == hf_greedy(reference, seq.prompt, 5), seq.request_id
+
+
+def test_adapted_decodes_through_the_graphs_static_buffers_give_peft_tokens(
+    checkpoint: tuple[Path, PreTrainedModel], adapters: list[Adapter]
+) -> None:
+    """The adapted CUDA graphs' path (engine.worker.cuda_graphs with capture off, the SGMV
+    kernels under the Triton interpreter): every decode step loads its tiles into the static
+    buffers and the kernels run the graph's fixed grid, empty tiles included; four adapters,
+    the base model twice, sequences ending at different steps (graph sizes 8, 4, 2, 1)."""
+    from engine.models.triton_lora import TritonLoraStack
+
+    path, hf = checkpoint
+    runner = make_runner(path, fuse_cpu_ops=False)
+    assert runner.lora is not None
+    runner.lora.slots.kernels = TritonLoraStack.for_model(
+        runner.model_config, runner.lora.slots.num_slots, 64, torch.float32,
+        torch.device("cpu"))
+    graphs = DecodeCudaGraphs(runner.model, runner.kv_caches, runner.attention,
+                              max_num_seqs=8, max_blocks_per_seq=64, capture=False,
+                              lora=runner.lora.slots)
+    runner.graphs = graphs
+    choices: list[Adapter | None] = [adapters[0], None, *adapters[1:], None]
+    prompts = random_prompts([6, 19, 11, 25, 8, 14], seed=17)
+    seqs = [Sequence(f"g{i}", prompt, 2 + 2 * i, lora=None if a is None else a.lora)
+            for i, (prompt, a) in enumerate(zip(prompts, choices, strict=True))]
+    PagedDriver(runner).run(seqs)
+    for seq, adapter in zip(seqs, choices, strict=True):
+        reference = hf if adapter is None else adapter.reference
+        assert seq.output == hf_greedy(reference, seq.prompt, seq.max_new_tokens), seq.request_id
+    # one prefill step, then every step decodes only, through the static buffers
+    assert graphs.inputs.num_loads == max(s.max_new_tokens for s in seqs) - 1
 
 
 def test_merged_adapter_gives_the_unmerged_tokens(

@@ -54,7 +54,10 @@ def test_add_and_norm_equal_the_torch_ops(dtype: torch.dtype, shape: tuple[int, 
     torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="on CUDA every runner uses the kernel: "
+                    "test_engine_devices.py runs whole models with it against HF")
 def test_a_model_with_the_kernel_decodes_like_hf(tmp_path: Path) -> None:
+    """A CPU runner switched to the kernel, under the Triton interpreter."""
     hf: PreTrainedModel = make_checkpoint(tmp_path, "llama", seed=21)
     runner = make_runner(tmp_path, fuse_cpu_ops=False)
     runner.model.use_fused_cuda_ops()

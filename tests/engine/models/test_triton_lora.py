@@ -17,12 +17,12 @@ import pytest
 
 from engine.models.config import ModelConfig, RopeConfig
 from engine.models.lora import FUSED_TARGETS, LoraWeights, target_shapes
+from engine.models.lora_tiles import plan_tokens
 from engine.models.triton_lora import (
     TritonLoraStack,
     _shrink_kernel,
     lora_expand,
     lora_shrink,
-    plan_tokens,
 )
 
 if not torch.cuda.is_available() and type(_shrink_kernel).__name__ != "InterpretedFunction":

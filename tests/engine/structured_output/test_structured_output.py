@@ -57,6 +57,7 @@ SCHEMA = {
     "additionalProperties": False,
 }
 EMAIL = r"[a-z]{2,8}@[a-z]{2,6}\.(com|org)"
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 @pytest.fixture(scope="module")
@@ -375,12 +376,12 @@ def test_grammar_budget_limits() -> None:
 
 
 def _engine(demo: tuple[Path, Tokenizer, ModelConfig], num_kv_blocks: int = 256,
-            async_scheduling: bool = False) -> LLMEngine:
+            async_scheduling: bool = False, device: str = "cpu") -> LLMEngine:
     path, tokenizer, _ = demo
     assert tokenizer.eos_token_id is not None
     return model_engine(path, num_kv_blocks=num_kv_blocks, max_model_len=512,
                         max_num_batched_tokens=64, async_scheduling=async_scheduling,
-                        tokenizer=tokenizer, grammars=_compiler(demo))
+                        device=device, tokenizer=tokenizer, grammars=_compiler(demo))
 
 
 def _run(engine: LLMEngine) -> dict[tuple[str, int], tuple[str, list[int], str | None]]:
@@ -409,20 +410,22 @@ def _requests(engine: LLMEngine, tokenizer: Tokenizer) -> None:
     engine.add_request("plain", prompt, SamplingParams(temperature=1.0, seed=9, max_tokens=30))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_random_weights_follow_the_constraint_through_preemption(
-    demo: tuple[Path, Tokenizer, ModelConfig], async_scheduling: bool,
+    demo: tuple[Path, Tokenizer, ModelConfig], async_scheduling: bool, device: str,
 ) -> None:
     """Async scheduling: a grammar's matcher takes each token before the next step's mask
     (sampling waits for the ids), and a request its grammar ended is computed a step past
-    its end, with a finished matcher, and that token dropped."""
+    its end, with a finished matcher, and that token dropped. On CUDA (the device check,
+    ops/gpu_check.sh) the masks travel to the device and apply there."""
     tokenizer = demo[1]
-    roomy = _engine(demo)
+    roomy = _engine(demo, device=device)
     _requests(roomy, tokenizer)
     expected = _run(roomy)
     assert roomy.scheduler.num_preemptions_total == 0
     # preempts: resumed matchers replay the outputs
-    tight = _engine(demo, num_kv_blocks=10, async_scheduling=async_scheduling)
+    tight = _engine(demo, num_kv_blocks=10, async_scheduling=async_scheduling, device=device)
     _requests(tight, tokenizer)
     outputs = _run(tight)
     assert tight.scheduler.num_preemptions_total > 0
