@@ -39,10 +39,14 @@ class RequestErrorCode:
     GRAMMAR_BUDGET_EXCEEDED = "grammar_budget_exceeded"  # its masks took more time than allowed
     GRAMMAR_INTERNAL_ERROR = "grammar_internal_error"  # the grammar library panicked on it
     ADAPTER_INVALID = "adapter_invalid"  # its LoRA adapter could not be loaded
+    # A finished output failed its JSON schema's check (what the grammar could not enforce:
+    # gateway.openai.schema_check)
+    STRUCTURED_OUTPUT_INVALID = "structured_output_invalid"
 
     # The codes a request causes by what it sent (the others are the server's failures).
     CAUSED_BY_REQUEST = frozenset(
-        {GRAMMAR_INVALID, GRAMMAR_LIMIT_EXCEEDED, GRAMMAR_BUDGET_EXCEEDED, ADAPTER_INVALID}
+        {GRAMMAR_INVALID, GRAMMAR_LIMIT_EXCEEDED, GRAMMAR_BUDGET_EXCEEDED, ADAPTER_INVALID,
+         STRUCTURED_OUTPUT_INVALID}
     )
 
 

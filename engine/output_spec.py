@@ -12,6 +12,14 @@ pydantic and a TVM runtime into the server). Its resource limits (lexer fuel, Ea
 step) bound what one tenant's grammar can cost a step, which matters more in a shared engine
 than the mask's mean.
 
+A request's JSON schema compiles leniently (JSON_SCHEMA_OPTIONS): keywords llguidance does not
+implement (`not`, `if`/`then`/`else`, `uniqueItems`, `unevaluatedProperties`, `contains`,
+unknown formats...) are left out of the grammar and `oneOf` is read as `anyOf`, so the grammar
+admits a superset of what the schema allows; the gateway checks each finished output against
+the whole schema with a reference validator (gateway.openai.schema_check). Tool calls'
+argument schemas compile strictly (JSON_OPTIONS): a keyword the grammar cannot enforce is
+refused there.
+
 JSON is generated without free whitespace but with the separators most JSON a model has
 read uses (`{"a": 1, "b": 2}`, json.dumps's): free whitespace lets a model spend its tokens on
 blank space until max_tokens, and the compact form (`{"a":1}`) left SmolLM2-135M writing
@@ -36,6 +44,7 @@ from engine.errors import InvalidRequestError
 
 __all__ = [
     "JSON_OPTIONS",
+    "JSON_SCHEMA_OPTIONS",
     "MAX_STRUCTURED_SOURCE_CHARS",
     "StructuredOutput",
     "bounded_numbers",
@@ -50,6 +59,9 @@ StructuredKind = Literal["json_schema", "json_object", "regex", "choice", "gramm
 JSON_OPTIONS: JsonCompileOptions = {
     "whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
 }
+# A request's JSON schema: what the grammar cannot enforce is left to the output's check.
+JSON_SCHEMA_OPTIONS: JsonCompileOptions = {**JSON_OPTIONS, "lenient": True,
+                                           "coerce_one_of": True}
 
 
 # Numbers the model writes: at most this many decimals and below this magnitude, where the
@@ -59,6 +71,10 @@ NUMBER_MAGNITUDE = 10**15
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
 _SUBSCHEMAS = ("items", "additionalProperties", "contains", "not", "if", "then", "else")
+# Counts a schema may write as 2.0 (Draft 2020-12: an integer-valued number), which llguidance
+# takes only as integers.
+_COUNTS = ("minItems", "maxItems", "minLength", "maxLength", "minProperties", "maxProperties",
+           "minContains", "maxContains")
 
 
 def bounded_numbers(schema: object) -> object:
@@ -74,6 +90,10 @@ def bounded_numbers(schema: object) -> object:
     if not isinstance(schema, dict):
         return schema
     result = dict(schema)
+    for key in _COUNTS:  # 2.0 is the count 2
+        value = result.get(key)
+        if isinstance(value, float) and value.is_integer() and value >= 0:
+            result[key] = int(value)
     for key in _SUBSCHEMA_LISTS:
         if isinstance(result.get(key), list):
             result[key] = [bounded_numbers(item) for item in result[key]]
@@ -128,6 +148,41 @@ def _check_numbers(schema: object, param: str) -> None:
                 "1.8e308)", param=path)
 
 
+def _has_pattern_overlap(schema: object) -> bool:
+    """Whether some object of the schema has two patternProperties or more (llguidance needs
+    them disjoint)."""
+    stack = [schema]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            patterns = item.get("patternProperties")
+            if isinstance(patterns, dict) and len(patterns) > 1:
+                return True
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
+
+
+def _merged_patterns(schema: object) -> object:
+    """The schema with each object's patternProperties folded into additionalProperties as
+    an anyOf of their schemas and the additional one: a superset (a property matching some
+    patterns satisfies each, so one; any other satisfies additionalProperties), for a grammar
+    llguidance takes where the patterns overlap; the finished output's check applies the
+    schema as sent."""
+    if isinstance(schema, list):
+        return [_merged_patterns(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    result = {key: _merged_patterns(value) for key, value in schema.items()}
+    patterns = result.get("patternProperties")
+    if isinstance(patterns, dict) and len(patterns) > 1:
+        del result["patternProperties"]
+        additional = result.get("additionalProperties", True)
+        result["additionalProperties"] = {"anyOf": [*patterns.values(), additional]}
+    return result
+
+
 def grammar_limits() -> llguidance.LLParserLimits:
     """Bounds on one grammar's compilation and on each step's mask (llguidance's fuel):
     past them the grammar is refused (GrammarCompiler.check) or the request ends with an
@@ -150,17 +205,22 @@ class StructuredOutput:
     kind: StructuredKind
     source: str = ""
     param: str = "response_format"
+    # A json_schema compiled leniently (JSON_SCHEMA_OPTIONS), its outputs checked against the
+    # whole schema afterwards; else strictly (JSON_OPTIONS: a tool's parameters).
+    lenient: bool = False
 
     @classmethod
-    def json_schema(cls, schema: object, param: str) -> StructuredOutput:
+    def json_schema(cls, schema: object, param: str, lenient: bool = False) -> StructuredOutput:
         if not isinstance(schema, dict | bool):
             raise InvalidRequestError("the schema must be a JSON object", param=param)
+        if schema is False:
+            raise InvalidRequestError("the schema false matches no output", param=param)
         _check_numbers(schema, param)
         try:
             source = json.dumps(schema, separators=(",", ":"))
         except RecursionError:
             raise InvalidRequestError("the schema is nested too deeply", param=param) from None
-        return cls("json_schema", source, param).check_size()
+        return cls("json_schema", source, param, lenient).check_size()
 
     @classmethod
     def choice(cls, choices: object, param: str) -> StructuredOutput:
@@ -189,9 +249,19 @@ class StructuredOutput:
                 {"type": "object"}, defaults=JSON_OPTIONS
             )
         if self.kind == "json_schema":
-            return llguidance.LLMatcher.grammar_from_json_schema(
-                json.dumps(bounded_numbers(json.loads(self.source))), defaults=JSON_OPTIONS
-            )
+            schema = bounded_numbers(json.loads(self.source))
+            if schema is True:
+                schema = {}
+            if not self.lenient:
+                return llguidance.LLMatcher.grammar_from_json_schema(
+                    json.dumps(schema), defaults=JSON_OPTIONS)
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                json.dumps(schema), defaults=JSON_SCHEMA_OPTIONS)
+            if _has_pattern_overlap(schema) and "not disjoint" in (
+                    llguidance.LLMatcher.validate_grammar(grammar, limits=grammar_limits())):
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                    json.dumps(_merged_patterns(schema)), defaults=JSON_SCHEMA_OPTIONS)
+            return grammar
         if self.kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(self.source)
         if self.kind == "choice":

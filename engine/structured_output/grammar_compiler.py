@@ -110,7 +110,7 @@ class GrammarCompiler:
         constraint with this tokenizer within its limits. Blocking (a large schema's check
         takes as long as its compile): call it off the event loop, or through check_async.
         salt: the tenant's cache salt (what it remembers as good is the tenant's)."""
-        key = (constraint.kind, constraint.source)
+        key = (f"{constraint.kind}{'~' if constraint.lenient else ''}", constraint.source)
         with self._lock:
             if self._checked.get(salt, key):
                 return

@@ -24,6 +24,7 @@ from engine import (
     InvalidRequestError,
     LoraRequest,
     OutputStream,
+    RequestErrorCode,
     RequestMetrics,
     RequestOutput,
     SamplingParams,
@@ -33,6 +34,7 @@ from engine import (
 )
 from gateway.http.errors import BadRequestError
 from gateway.openai.requests import Endpoint, GenerationRequest
+from gateway.openai.schema_check import SchemaCheck, schema_check
 from gateway.openai.tool_calls import render_messages, required_call_grammar
 from gateway.server.served_model import ServedModel
 
@@ -172,20 +174,25 @@ async def check_constraints(
     params: SamplingParams,
     model: ServedModel,
     cache_salt: str,
-) -> None:
+) -> SchemaCheck | None:
     """400 naming the field for a schema or grammar llguidance does not take with this
-    model's tokenizer. Checked in the grammar worker thread (a large schema takes up to
-    ~20 ms), in the tenant's turn (cache_salt names it): a tenant sending many schemas
-    delays its own checks, not another tenant's."""
+    model's tokenizer, or a JSON schema the validator refuses. Checked in the grammar worker
+    thread (a large schema takes up to ~20 ms), in the tenant's turn (cache_salt names it):
+    a tenant sending many schemas delays its own checks, not another tenant's. Returns the
+    check of the finished outputs where the output must match a JSON schema."""
     constraints = request.constraints()
     if params.structured is not None and params.structured not in constraints:
         constraints.append(params.structured)  # a forced tool call's grammar
     if not constraints:
-        return
+        return None
+    structured = params.structured
+    check = (schema_check(structured)
+             if structured is not None and structured.lenient else None)
     try:
         await asyncio.wrap_future(model.grammars.check_async(constraints, cache_salt))
     except EngineError as exc:
         raise _translate(exc) from exc
+    return check
 
 
 def check_fits(
@@ -243,8 +250,11 @@ class GenerationJob:
         tenant: TenantContext,
         tokenizer: Tokenizer,
         lora: LoraRequest | None = None,
+        check: SchemaCheck | None = None,
     ) -> None:
-        """lora: the adapter the request runs on (None: the base model)."""
+        """lora: the adapter the request runs on (None: the base model); check: what each
+        choice's output must satisfy once it stops (its JSON schema), else it ends as an
+        error (structured_output_invalid)."""
         self.request_id = request_id
         self.prompts = prompts
         self.params = params
@@ -269,6 +279,8 @@ class GenerationJob:
             ]
         # Stopped because its consumer fell MAX_UNREAD_OUTPUTS_PER_CHOICE outputs behind.
         self.is_stopped_unread = False
+        self._check = check
+        self._texts = [""] * self.num_choices if check is not None else None
 
     def engine_request_id(self, prompt_index: int) -> str:
         return self.request_id if len(self.prompts) == 1 else f"{self.request_id}-{prompt_index}"
@@ -326,6 +338,10 @@ class GenerationJob:
         self.last_outputs[choice] = output
         if output.metrics is not None:
             self.last_metrics[choice] = output.metrics
+        if self._texts is not None:
+            self._texts[choice] += output.new_text
+            if output.finished and output.finish_reason == "stop":
+                self._check_output(choice, output)
         if output.finished and state.finish_reason is None:
             self._num_open -= 1
             state.finish_reason = output.finish_reason
@@ -360,6 +376,16 @@ class GenerationJob:
             num_preemptions=num_preemptions,
             finish_reasons=[c.finish_reason for c in self.choices],
         )
+
+    def _check_output(self, choice: int, output: RequestOutput) -> None:
+        """A stopped choice's whole output against its schema: one that fails ends as an
+        error the request caused (its schema asked what the grammar could not enforce)."""
+        assert self._check is not None and self._texts is not None
+        problem = self._check.problem(self._texts[choice])
+        if problem is not None:
+            output.finish_reason = "error"
+            output.error = problem
+            output.error_code = RequestErrorCode.STRUCTURED_OUTPUT_INVALID
 
     def _detokenize(self, choice: int, output: RequestOutput) -> None:
         """The output's text, made from its tokens (the engine made none)."""

@@ -160,7 +160,7 @@ class _OpenAIApi:
             prompts = await prepare_prompts(parsed, served, off_loop)
             num_prompt_tokens = sum(len(p.token_ids) for p in prompts)
             params = sampling_params(parsed, served)
-            await check_constraints(parsed, params, served, principal.cache_salt)
+            check = await check_constraints(parsed, params, served, principal.cache_salt)
             tenant = tenant_context(
                 served,
                 self.runtime.tiers,
@@ -217,7 +217,7 @@ class _OpenAIApi:
             raise
         trace.queued()
         job = GenerationJob(engine, response_id, prompts, params, tenant, served.tokenizer,
-                            target.lora)
+                            target.lora, check)
         run = AdmittedRequest(
             self.runtime, self.admission, served, principal, parsed, job, grant, arrival, trace,
             target,

@@ -139,7 +139,9 @@ def _json_schema(schema: object, param: str) -> StructuredOutput:
             raise _invalid(f"the schema is not valid JSON: {exc}", param) from exc
         except RecursionError:
             raise _invalid("the schema is nested too deeply", param) from None
-    return _constraint(StructuredOutput.json_schema, schema, param)
+    # Lenient: what the grammar cannot enforce, the finished output's check does
+    # (gateway.openai.schema_check).
+    return _constraint(StructuredOutput.json_schema, schema, param, True)
 
 
 def _text_source(kind: Any, value: object, param: str) -> StructuredOutput:

@@ -228,8 +228,14 @@ def test_a_conversation_with_a_tool_result_continues(client: openai.OpenAI) -> N
         ({"response_format": {"type": "json_schema", "json_schema": {
             "name": "x", "schema": {"type": "objectx"}}}}, "response_format.json_schema.schema"),
         ({"response_format": {"type": "json_schema", "json_schema": {
-            "name": "x", "schema": {"type": "object", "dependentSchemas": {}}}}},
+            "name": "x", "schema": {"type": "object", "properties": {
+                "a": {"$ref": "https://example.com/a.json"}}}}}},
+         "response_format.json_schema.schema.properties.a.$ref"),
+        ({"response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "object", "minProperties": "two"}}}},
          "response_format.json_schema.schema"),
+        ({"response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": False}}}, "response_format.json_schema.schema"),
         ({"response_format": {"type": "json_schema", "json_schema": {
             "name": "x", "schema": {"type": "object", "description": "x" * 40_000}}}},
          "response_format.json_schema.schema"),
@@ -325,3 +331,107 @@ def test_a_streamed_grammar_past_its_budget_ends_with_an_error_event(
     body = caught.value.body
     assert isinstance(body, dict)
     assert body.get("code") in ("grammar_budget_exceeded", "grammar_limit_exceeded"), body
+
+
+# The grammar cannot enforce `not` (llguidance leaves it out of a lenient compile): every
+# output the grammar allows has "answer", which `not` forbids. The check of the finished
+# output is what catches it.
+NEVER_VALID = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}},
+               "required": ["answer"], "additionalProperties": False,
+               "not": {"required": ["answer"]}}
+
+
+def test_a_finished_output_the_whole_schema_refuses_is_a_400_and_billed(
+    server: ServeProcess, client: openai.OpenAI
+) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=DEFAULT_MODEL_NAME, messages=[{"role": "user", "content": "Yes or no?"}],
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "never", "schema": NEVER_VALID}},
+            temperature=0, max_tokens=30,
+        )
+    body = caught.value.body
+    assert isinstance(body, dict)
+    assert body["code"] == "structured_output_invalid", body
+    assert body["param"] == "response_format.json_schema.schema"
+    assert "keyword 'not'" in body["message"], body
+    path = server.database_url.removeprefix("sqlite:///")
+    with sqlite3.connect(path) as db:
+        completion = db.execute(
+            "SELECT num_completion_tokens FROM usage_records WHERE status = 'failed' "
+            "ORDER BY finished_at DESC LIMIT 1").fetchone()[0]
+    assert completion > 0  # the tokens it used are billed
+
+
+def test_a_streamed_output_the_whole_schema_refuses_ends_with_an_error_event(
+    client: openai.OpenAI,
+) -> None:
+    stream = client.chat.completions.create(
+        model=DEFAULT_MODEL_NAME, messages=[{"role": "user", "content": "Yes or no?"}],
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "never", "schema": NEVER_VALID}},
+        temperature=0, max_tokens=30, stream=True,
+    )
+    text = ""
+    with pytest.raises(openai.APIError) as caught:
+        for event in stream:
+            for choice in event.choices:
+                assert choice.finish_reason is None  # never ended as if it were valid
+                text += choice.delta.content or ""
+    assert json.loads(text) in ({"answer": "yes"}, {"answer": "no"})  # what the grammar made
+    body = caught.value.body
+    assert isinstance(body, dict) and body.get("code") == "structured_output_invalid", body
+
+
+def test_schemas_the_grammar_enforces_in_part_give_valid_outputs_or_a_clear_error(
+    client: openai.OpenAI,
+) -> None:
+    """oneOf (a discriminated union), uniqueItems, if/then, dependentRequired and a format:
+    accepted; at temperature 1.0 every reply that finishes validates against the whole schema
+    (jsonschema, the Python reference), and any other ends as structured_output_invalid."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "pet": {"oneOf": [
+                {"type": "object", "properties": {"kind": {"const": "cat"},
+                                                  "lives": {"type": "integer", "minimum": 1,
+                                                            "maximum": 9}},
+                 "required": ["kind", "lives"], "additionalProperties": False},
+                {"type": "object", "properties": {"kind": {"const": "dog"},
+                                                  "breed": {"type": "string", "maxLength": 20}},
+                 "required": ["kind", "breed"], "additionalProperties": False},
+            ]},
+            "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "uniqueItems": True,
+                     "maxItems": 3},
+            "born": {"type": "string", "format": "date"},
+        },
+        "required": ["pet", "tags", "born"],
+        "additionalProperties": False,
+        "if": {"properties": {"tags": {"minItems": 3}}},
+        "then": {"required": ["born"]},
+        "dependentRequired": {"pet": ["tags"]},
+    }
+    outcomes = {"valid": 0, "refused": 0, "length": 0}
+    for seed in range(8):
+        try:
+            response = client.chat.completions.create(
+                model=DEFAULT_MODEL_NAME,
+                messages=[{"role": "user", "content": "Describe a pet as JSON."}],
+                response_format={"type": "json_schema",
+                                 "json_schema": {"name": "pet", "schema": schema}},
+                temperature=1.0, seed=seed, max_tokens=120,
+            )
+        except openai.BadRequestError as exc:
+            assert isinstance(exc.body, dict)
+            assert exc.body["code"] == "structured_output_invalid", exc.body
+            outcomes["refused"] += 1
+            continue
+        choice = response.choices[0]
+        if choice.finish_reason == "length":
+            outcomes["length"] += 1
+            continue
+        jsonschema.validate(json.loads(choice.message.content or ""), schema,
+                            format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+        outcomes["valid"] += 1
+    assert outcomes["valid"] >= 1, outcomes
