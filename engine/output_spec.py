@@ -148,6 +148,33 @@ def _check_numbers(schema: object, param: str) -> None:
                 "1.8e308)", param=path)
 
 
+# Keywords whose subschemas annotate properties or items of the same object: where a schema
+# has none, unevaluatedProperties / unevaluatedItems mean additionalProperties / items.
+_APPLICATORS = ("allOf", "anyOf", "oneOf", "$ref", "$dynamicRef", "if", "then", "else",
+                "dependentSchemas")
+_DATA_KEYWORDS = ("const", "enum", "default", "examples")  # values, not schemas
+
+
+def _closed_unevaluated(schema: object) -> object:
+    """The schema with `unevaluatedProperties` read as `additionalProperties` (and
+    `unevaluatedItems` as `items`) in each schema that has no applicator and no keyword of
+    the other kind: there the two mean the same, and llguidance enforces the second (a
+    lenient compile leaves the first out)."""
+    if isinstance(schema, list):
+        return [_closed_unevaluated(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    result = {key: value if key in _DATA_KEYWORDS else _closed_unevaluated(value)
+              for key, value in schema.items()}
+    if not any(key in result for key in _APPLICATORS):
+        if "unevaluatedProperties" in result and "additionalProperties" not in result:
+            result["additionalProperties"] = result.pop("unevaluatedProperties")
+        if ("unevaluatedItems" in result and "items" not in result
+                and "contains" not in result):
+            result["items"] = result.pop("unevaluatedItems")
+    return result
+
+
 def _has_pattern_overlap(schema: object) -> bool:
     """Whether some object of the schema has two patternProperties or more (llguidance needs
     them disjoint)."""
@@ -255,6 +282,7 @@ class StructuredOutput:
             if not self.lenient:
                 return llguidance.LLMatcher.grammar_from_json_schema(
                     json.dumps(schema), defaults=JSON_OPTIONS)
+            schema = _closed_unevaluated(schema)
             grammar = llguidance.LLMatcher.grammar_from_json_schema(
                 json.dumps(schema), defaults=JSON_SCHEMA_OPTIONS)
             if _has_pattern_overlap(schema) and "not disjoint" in (

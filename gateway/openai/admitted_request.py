@@ -106,6 +106,9 @@ class AdmittedRequest:
             async for index, output in self.job.outputs():
                 self._observe(index, output)
                 choice = choices[index]
+                if self.job.pop_resampled(index):  # its reply failed its schema: sampled anew
+                    choice.text = self._prompt_text(index) if self.request.echo else ""
+                    choice.logprobs.clear()
                 choice.text += output.new_text
                 choice.logprobs.extend(output.logprobs)
                 if output.finished:
@@ -339,7 +342,7 @@ class AdmittedRequest:
             arrival=self.arrival,
             http_status=self._http_status(status),
             created_at=self.created_at,
-            metrics=[m for m in self.job.last_metrics if m is not None],
+            metrics=self.job.all_metrics(),
             token_times=self._token_times,
             first_token_time=self.first_token_time,
             adapter=self.target.adapter,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -238,6 +239,11 @@ class JobSummary:
     finish_reasons: list[str | None] = field(default_factory=list)
 
 
+# A non-streamed reply that fails its JSON schema's check is sampled again this many times
+# (at temperature > 0) before the request ends as structured_output_invalid.
+STRUCTURED_OUTPUT_RESAMPLES = 2
+
+
 class GenerationJob:
     """Runs the engine requests of one HTTP request and yields (choice index, output)."""
 
@@ -251,10 +257,13 @@ class GenerationJob:
         tokenizer: Tokenizer,
         lora: LoraRequest | None = None,
         check: SchemaCheck | None = None,
+        resamples: int = 0,
     ) -> None:
         """lora: the adapter the request runs on (None: the base model); check: what each
         choice's output must satisfy once it stops (its JSON schema), else it ends as an
-        error (structured_output_invalid)."""
+        error (structured_output_invalid); resamples: how many times a choice whose output
+        fails the check is sampled again first (a new engine request of its prompt, another
+        seed), every attempt metered (a streamed choice's text is out: none)."""
         self.request_id = request_id
         self.prompts = prompts
         self.params = params
@@ -281,6 +290,15 @@ class GenerationJob:
         self.is_stopped_unread = False
         self._check = check
         self._texts = [""] * self.num_choices if check is not None else None
+        self._tokenizer = tokenizer
+        # Sampling at temperature 0 gives the same output again: no resample.
+        self._resamples_left = [resamples if params.temperature > 0 else 0] * self.num_choices
+        self._resampled: set[int] = set()  # choices restarted since their consumer last asked
+        self._resample_ids: list[str] = []  # the engine requests of the resamples
+        # What discarded attempts used: billed with the rest (summary, all_metrics).
+        self._discarded_tokens = 0
+        self._discarded_metrics: list[RequestMetrics] = []
+        self._cached_tokens: dict[int, int] = {}  # per prompt, from its first output
 
     def engine_request_id(self, prompt_index: int) -> str:
         return self.request_id if len(self.prompts) == 1 else f"{self.request_id}-{prompt_index}"
@@ -314,11 +332,14 @@ class GenerationJob:
         if self._num_open and self._engine.is_running:
             for index in range(len(self.prompts)):
                 self._engine.abort(self.engine_request_id(index))
+            for request_id in self._resample_ids:
+                self._engine.abort(request_id)
             with contextlib.suppress(TimeoutError, EngineError):
                 async with asyncio.timeout(_ABORT_WAIT_S):
                     while self._num_open:
                         self._apply(*await stream.get())
-        self._engine.release([self.engine_request_id(i) for i in range(len(self.prompts))])
+        self._engine.release([*(self.engine_request_id(i) for i in range(len(self.prompts))),
+                              *self._resample_ids])
         # Outputs that arrived after the consumer left.
         while (item := stream.get_nowait()) is not None:
             self._apply(*item)
@@ -329,12 +350,16 @@ class GenerationJob:
         self.is_stopped_unread = True
         for index in range(len(self.prompts)):
             self._engine.abort(self.engine_request_id(index))
+        for request_id in self._resample_ids:
+            self._engine.abort(request_id)
 
     def _apply(self, choice: int, output: RequestOutput) -> None:
         if self._detokenizers is not None:
             self._detokenize(choice, output)
         state = self.choices[choice]
         state.num_output_tokens = output.num_output_tokens
+        prompt_index = choice // self.params.n
+        self._cached_tokens.setdefault(prompt_index, output.num_cached_tokens)
         self.last_outputs[choice] = output
         if output.metrics is not None:
             self.last_metrics[choice] = output.metrics
@@ -360,32 +385,77 @@ class GenerationJob:
 
     def summary(self) -> JobSummary:
         num_prompt = sum(len(p.token_ids) for p in self.prompts)
-        num_cached = 0
-        num_preemptions = 0
-        for index in range(len(self.prompts)):
-            first = self.last_outputs[index * self.params.n]
-            if first is not None:
-                num_cached += first.num_cached_tokens
-        for metrics in self.last_metrics:
-            if metrics is not None:
-                num_preemptions += metrics.num_preemptions
+        num_cached = sum(self._cached_tokens.values())
+        num_preemptions = sum(m.num_preemptions for m in self.all_metrics())
         return JobSummary(
             num_prompt_tokens=num_prompt,
             num_cached_prompt_tokens=num_cached,
-            num_completion_tokens=sum(c.num_output_tokens for c in self.choices),
+            # Resampled choices' discarded attempts included: their tokens were generated.
+            num_completion_tokens=(sum(c.num_output_tokens for c in self.choices)
+                                   + self._discarded_tokens),
             num_preemptions=num_preemptions,
             finish_reasons=[c.finish_reason for c in self.choices],
         )
 
     def _check_output(self, choice: int, output: RequestOutput) -> None:
-        """A stopped choice's whole output against its schema: one that fails ends as an
-        error the request caused (its schema asked what the grammar could not enforce)."""
+        """A stopped choice's whole output against its schema: one that fails is sampled
+        again while resamples are left (the output then ends nothing: the consumer sees
+        pop_resampled), else ends as an error the request caused (its schema asked what the
+        grammar could not enforce)."""
         assert self._check is not None and self._texts is not None
         problem = self._check.problem(self._texts[choice])
-        if problem is not None:
-            output.finish_reason = "error"
-            output.error = problem
-            output.error_code = RequestErrorCode.STRUCTURED_OUTPUT_INVALID
+        if problem is None:
+            return
+        if self._resamples_left[choice] > 0 and self._resample(choice, output):
+            return
+        output.finish_reason = "error"
+        output.error = problem
+        output.error_code = RequestErrorCode.STRUCTURED_OUTPUT_INVALID
+
+    def _resample(self, choice: int, output: RequestOutput) -> bool:
+        """Discard the choice's attempt (its tokens and metering kept for the bill) and
+        submit its prompt again as a request of one sample, on another seed; False when the
+        engine takes no more work."""
+        self._resamples_left[choice] -= 1
+        attempt = len(self._resample_ids) + 1
+        request_id = f"{self.request_id}-resample-{attempt}"
+        params = self.params
+        seed = None if params.seed is None else (params.seed + 7919 * attempt) % (1 << 63)
+        prompt = self.prompts[choice // params.n]
+        assert self._stream is not None
+        try:
+            self._engine.submit(request_id, prompt.token_ids,
+                                dataclasses.replace(params, n=1, seed=seed), self._tenant,
+                                self._stream, choice, lora=self._lora)
+        except EngineError:
+            return False
+        self._resample_ids.append(request_id)
+        self._discarded_tokens += output.num_output_tokens
+        self.choices[choice].num_output_tokens = 0  # the new attempt's, as they come
+        if output.metrics is not None:
+            self._discarded_metrics.append(output.metrics)
+        self.last_metrics[choice] = None
+        assert self._texts is not None
+        self._texts[choice] = ""
+        if self._detokenizers is not None:
+            self._detokenizers[choice] = IncrementalDetokenizer(
+                self._tokenizer, prompt.token_ids, params.skip_special_tokens)
+        self._resampled.add(choice)
+        output.finished, output.finish_reason = False, None
+        output.new_text, output.new_token_ids, output.logprobs = "", [], []
+        return True
+
+    def pop_resampled(self, choice: int) -> bool:
+        """Whether the choice was sampled again since the last call: what its consumer
+        gathered of it so far is void."""
+        if choice in self._resampled:
+            self._resampled.discard(choice)
+            return True
+        return False
+
+    def all_metrics(self) -> list[RequestMetrics]:
+        """The metering of every attempt of every choice (for the usage record)."""
+        return [*self._discarded_metrics, *(m for m in self.last_metrics if m is not None)]
 
     def _detokenize(self, choice: int, output: RequestOutput) -> None:
         """The output's text, made from its tokens (the engine made none)."""

@@ -48,6 +48,7 @@ from gateway.observability.telemetry import GenAiRequest, RequestTrace
 from gateway.openai.admitted_request import AdmittedRequest
 from gateway.openai.body import LARGE_BODY_BYTES, parse_body, read_body
 from gateway.openai.generation import (
+    STRUCTURED_OUTPUT_RESAMPLES,
     GenerationJob,
     JobSummary,
     check_constraints,
@@ -217,7 +218,8 @@ class _OpenAIApi:
             raise
         trace.queued()
         job = GenerationJob(engine, response_id, prompts, params, tenant, served.tokenizer,
-                            target.lora, check)
+                            target.lora, check,
+                            resamples=0 if parsed.stream else STRUCTURED_OUTPUT_RESAMPLES)
         run = AdmittedRequest(
             self.runtime, self.admission, served, principal, parsed, job, grant, arrival, trace,
             target,

@@ -6,9 +6,11 @@ out, and `oneOf` is read as `anyOf`), so the grammar admits a superset of what t
 allows.
 What the grammar left out is checked here, once per finished output, with a reference
 validator (jsonschema-rs, Draft 2020-12 unless the schema's `$schema` names another draft, with
-the formats checked): an output that fails the check is never returned as valid. Its request
-ends with a 400 `structured_output_invalid` that names the keyword and the place in the output
-(streams: an error event after the text), and its tokens are billed. Remote `$ref`s are never
+the formats checked): an output that fails the check is never returned as valid. Unstreamed,
+it is sampled again (gateway.openai.generation.STRUCTURED_OUTPUT_RESAMPLES, at temperatures
+above 0); then, or streamed, its request ends with a 400 `structured_output_invalid` that names
+the keyword and the place in the output (streams: an error event after the text). Every
+attempt's tokens are billed. Remote `$ref`s are never
 fetched: a schema that needs one is refused with a 400 that names it and its path.
 
 The check runs on the event loop: jsonschema-rs validates a reply of a few thousand tokens in

@@ -494,3 +494,33 @@ def test_the_grammar_wins_over_min_tokens(demo: tuple[Path, Tokenizer, ModelConf
     sampler = Sampler(config.vocab_size, seed=0)
     out = sampler(torch.randn(1, config.vocab_size), [Row()])  # type: ignore[list-item]
     assert out.sampled_token_ids == {"r": tokenizer.eos_token_id}
+
+
+def test_unevaluated_properties_are_enforced_where_they_mean_additional_properties(
+    demo: tuple[Path, Tokenizer, ModelConfig],
+) -> None:
+    """A lenient compile leaves unevaluatedProperties / unevaluatedItems out; where no
+    applicator evaluates properties or items beside them they mean additionalProperties /
+    items, which the grammar then enforces. With an applicator, the check of the finished
+    reply (gateway.openai.schema_check) is what holds them."""
+    compiler, tokenizer = _compiler(demo), demo[1]
+
+    def allows(schema: dict[str, object], text: str) -> bool:
+        grammar = compiler.compile_now(StructuredOutput.json_schema(schema, "s", lenient=True))
+        matcher = grammar.matcher()
+        tokens = tokenizer.encode(text, add_special_tokens=False)
+        # validate_tokens: how many of them the grammar takes in turn
+        return matcher.validate_tokens(tokens) == len(tokens) and (
+            matcher.consume_tokens(tokens) and matcher.is_accepting())
+
+    closed = {"type": "object", "properties": {"a": {"type": "integer"}},
+              "unevaluatedProperties": False}
+    assert allows(closed, '{"a": 1}')
+    assert not allows(closed, '{"a": 1, "b": 2}')
+    with_applicator = {**closed, "allOf": [{"properties": {"b": {"type": "integer"}}}]}
+    assert allows(with_applicator, '{"a": 1, "b": 2}')
+    items = {"type": "array", "prefixItems": [{"type": "integer"}], "unevaluatedItems": False}
+    assert allows(items, "[1]")
+    assert not allows(items, "[1, 2]")
+    data = {"const": {"unevaluatedProperties": False}}  # a value, not a schema: kept as is
+    assert allows(data, '{"unevaluatedProperties": false}')

@@ -491,3 +491,60 @@ def test_schemas_the_grammar_enforces_in_part_give_valid_outputs_or_a_clear_erro
                             format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
         outcomes["valid"] += 1
     assert outcomes["valid"] >= 1, outcomes
+
+
+def test_a_refused_reply_is_sampled_again_and_every_attempt_billed(
+    server: ServeProcess, client: openai.OpenAI
+) -> None:
+    """Non-streamed at temperature 1.0, a reply the whole schema refuses is sampled again
+    (STRUCTURED_OUTPUT_RESAMPLES times) before the 400; the usage record bills every attempt.
+    At temperature 0 a second sample would repeat the first: one attempt, then the 400."""
+    def billed(temperature: float) -> int:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(
+                model=DEFAULT_MODEL_NAME, messages=[{"role": "user", "content": "Yes or no?"}],
+                response_format={"type": "json_schema",
+                                 "json_schema": {"name": "never", "schema": NEVER_VALID}},
+                temperature=temperature, seed=3, max_tokens=30,
+            )
+        assert isinstance(caught.value.body, dict)
+        assert caught.value.body["code"] == "structured_output_invalid"
+        path = server.database_url.removeprefix("sqlite:///")
+        with sqlite3.connect(path) as db:
+            tokens: int = db.execute(
+                "SELECT num_completion_tokens FROM usage_records WHERE status = 'failed' "
+                "ORDER BY finished_at DESC LIMIT 1").fetchone()[0]
+        return tokens
+
+    once = billed(0.0)
+    thrice = billed(1.0)
+    assert once > 0
+    assert thrice >= 2 * once + 1, (once, thrice)  # three attempts of about `once` each
+
+
+def test_a_resampled_reply_that_passes_is_returned_alone(client: openai.OpenAI) -> None:
+    """Valid only when the answer is "yes" (the `not` the grammar leaves out; this model
+    says "no" about four times in five at temperature 2.0): over sixteen seeds, a reply is
+    returned only when it is valid, holding nothing of the attempts before it, whose tokens
+    its usage counts; and some replies needed a second or third attempt."""
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}},
+              "required": ["answer"], "additionalProperties": False,
+              "not": {"properties": {"answer": {"const": "no"}}}}
+    usages: list[int] = []
+    for seed in range(16):
+        try:
+            response = client.chat.completions.create(
+                model=DEFAULT_MODEL_NAME, messages=[{"role": "user", "content": "Yes or no?"}],
+                response_format={"type": "json_schema",
+                                 "json_schema": {"name": "yes", "schema": schema}},
+                temperature=2.0, seed=seed, max_tokens=30,
+            )
+        except openai.BadRequestError as exc:
+            assert isinstance(exc.body, dict)
+            assert exc.body["code"] == "structured_output_invalid", exc.body
+            continue
+        assert json.loads(response.choices[0].message.content or "") == {"answer": "yes"}
+        assert response.usage is not None
+        usages.append(response.usage.completion_tokens)
+    # One attempt is the fewest tokens a reply took; more: the attempts before it counted.
+    assert usages and max(usages) > min(usages), usages
