@@ -27,7 +27,7 @@ from typing import Any
 
 import jsonschema_rs
 
-from engine.output_spec import StructuredOutput
+from engine import StructuredOutput
 from gateway.http.errors import BadRequestError
 
 __all__ = ["SchemaCheck", "schema_check"]
