@@ -61,6 +61,7 @@ from tenants.repository import (
     record_audit,
     revoke_api_key,
     rotate_api_key,
+    set_api_key_models,
     set_tenant_status,
     update_tenant,
 )
@@ -144,6 +145,7 @@ __all__ = [
     "revoke_api_key",
     "rotate_api_key",
     "session_scope",
+    "set_api_key_models",
     "set_tenant_status",
     "share_adapter",
     "tenant_snapshot",

@@ -176,6 +176,9 @@ class ApiKey(Base):
     previous_prefix: Mapped[str | None] = mapped_column(String(16), unique=True)
     previous_key_hash: Mapped[str | None] = mapped_column(String(64))
     previous_expires_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
+    # The served models this key may use, within its tenant's (their intersection); NULL: the
+    # tenant's.
+    allowed_models: Mapped[list[str] | None] = mapped_column(JSON, nullable=True)
 
     tenant: Mapped[Tenant] = relationship(back_populates="api_keys")
 

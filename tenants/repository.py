@@ -182,16 +182,18 @@ def _flush(session: Session, conflict_message: str) -> None:
 
 
 def create_api_key(session: Session, tenant: Tenant, *, name: object, actor: str,
-                   expires_at: object = None) -> CreatedApiKey:
-    """A new key for tenant, valid until expires_at (None: until revoked); the caller shows
+                   expires_at: object = None, allowed_models: object = None) -> CreatedApiKey:
+    """A new key for tenant, valid until expires_at (None: until revoked), for the models in
+    allowed_models within the tenant's (None: the tenant's); the caller shows
     CreatedApiKey.plaintext once and drops it."""
     if not isinstance(name, str) or not 1 <= len(name) <= 128:
         raise InvalidFieldError("name must be a string of 1-128 characters", "name")
     expiry = validate_expiry(expires_at, utc_now())
+    models = validate_allowed_models(allowed_models)
     generated = _free_key(session)
     api_key = ApiKey(
         tenant_id=tenant.id, name=name, prefix=generated.prefix, key_hash=generated.key_hash,
-        expires_at=expiry,
+        expires_at=expiry, allowed_models=models,
     )
     session.add(api_key)
     session.flush()
@@ -238,6 +240,18 @@ def rotate_api_key(session: Session, api_key: ApiKey, *, grace_s: object,
     session.flush()
     record_audit(session, actor=actor, action="api_key.rotate", api_key=api_key, before=before)
     return CreatedApiKey(api_key=api_key, plaintext=generated.plaintext)
+
+
+def set_api_key_models(session: Session, api_key: ApiKey, *, allowed_models: object,
+                       actor: str) -> ApiKey:
+    """The models the key may use from now on, within its tenant's (None: the tenant's);
+    audited. Replicas see it when their cached copy of the key expires."""
+    models = validate_allowed_models(allowed_models)
+    before = api_key_snapshot(api_key)
+    api_key.allowed_models = models
+    session.flush()
+    record_audit(session, actor=actor, action="api_key.update", api_key=api_key, before=before)
+    return api_key
 
 
 def get_api_key(session: Session, api_key_id: int) -> ApiKey:

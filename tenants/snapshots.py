@@ -48,6 +48,9 @@ def api_key_snapshot(api_key: ApiKey) -> dict[str, Any]:
         "expires_at": _iso(api_key.expires_at),
         # The secret before the last rotation works until then (null: none does).
         "previous_expires_at": _iso(api_key.previous_expires_at),
+        # Within the tenant's allowed models; null: the tenant's.
+        "allowed_models": (None if api_key.allowed_models is None
+                           else list(api_key.allowed_models)),
     }
 
 

@@ -434,6 +434,16 @@ def _admit(entry: _CacheEntry) -> TenantPrincipal:
     return entry.principal
 
 
+def _allowed_models(tenant_models: list[str] | None,
+                    key_models: list[str] | None) -> frozenset[str] | None:
+    """What a key may use: its own list within its tenant's (None, either: no limit there)."""
+    if tenant_models is None:
+        return None if key_models is None else frozenset(key_models)
+    if key_models is None:
+        return frozenset(tenant_models)
+    return frozenset(tenant_models) & frozenset(key_models)
+
+
 def _principal(api_key: ApiKey) -> TenantPrincipal:
     tenant, quota = api_key.tenant, api_key.tenant.quota
     return TenantPrincipal(
@@ -443,8 +453,7 @@ def _principal(api_key: ApiKey) -> TenantPrincipal:
         weight=tenant.weight,
         cache_salt=tenant.cache_salt,
         api_key_id=api_key.id,
-        allowed_models=(None if tenant.allowed_models is None
-                        else frozenset(tenant.allowed_models)),
+        allowed_models=_allowed_models(tenant.allowed_models, api_key.allowed_models),
         quota=TenantQuota(
             requests_per_minute=quota.requests_per_minute,
             tokens_per_minute=quota.tokens_per_minute,

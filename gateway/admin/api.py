@@ -91,6 +91,7 @@ def admin_routes(
                 Route("/tenants/{tenant}/keys", guard(api.create_key), methods=["POST"]),
                 Route("/keys/{key_id:int}", guard(api.get_key), methods=["GET"]),
                 Route("/keys/{key_id:int}", guard(api.revoke_key), methods=["DELETE"]),
+                Route("/keys/{key_id:int}", guard(api.update_key), methods=["PATCH"]),
                 Route("/keys/{key_id:int}/revoke", guard(api.revoke_key), methods=["POST"]),
                 Route("/keys/{key_id:int}/rotate", guard(api.rotate_key), methods=["POST"]),
                 Route("/audit", guard(api.list_audit), methods=["GET"]),
@@ -219,13 +220,13 @@ class _AdminApi:
     async def create_key(self, request: Request) -> Response:
         ref, actor = request.path_params["tenant"], admin_actor(request)
         body = await json_object(request, allow_empty=True)
-        reject_unknown(body, ("name", "expires_at"))
+        reject_unknown(body, ("name", "expires_at", "allowed_models"))
 
         def work(session: Session) -> dict[str, Any]:
             tenant = tenants.find_tenant(session, ref)
             created = tenants.create_api_key(
                 session, tenant, name=body.get("name", "default"), actor=actor,
-                expires_at=body.get("expires_at"),
+                expires_at=body.get("expires_at"), allowed_models=body.get("allowed_models"),
             )
             # The only time the plaintext leaves the server.
             return {**tenants.api_key_snapshot(created.api_key), "key": created.plaintext}
@@ -239,6 +240,26 @@ class _AdminApi:
                 lambda s: tenants.api_key_snapshot(tenants.get_api_key(s, key_id))
             )
         )
+
+    async def update_key(self, request: Request) -> Response:
+        """{"allowed_models": [...] | null}: the models the key may use, within its tenant's
+        (null: the tenant's)."""
+        key_id: int = request.path_params["key_id"]
+        actor = admin_actor(request)
+        body = await json_object(request)
+        reject_unknown(body, ("allowed_models",))
+        if "allowed_models" not in body:
+            raise BadRequestError("nothing to change: send allowed_models", param="body")
+
+        def work(session: Session) -> dict[str, Any]:
+            api_key = tenants.set_api_key_models(
+                session, tenants.get_api_key(session, key_id),
+                allowed_models=body["allowed_models"], actor=actor)
+            return tenants.api_key_snapshot(api_key)
+
+        snapshot = await self._in_session(work)
+        self._forget(api_key_id=key_id)
+        return JSONResponse(snapshot)
 
     async def rotate_key(self, request: Request) -> Response:
         """A new secret for the key (its id kept); the old one works for grace_seconds

@@ -1,4 +1,4 @@
-"""`tiergate keys create|list|rotate|revoke`: tenant API keys; the plaintext is printed
+"""`tiergate keys create|list|rotate|models|revoke`: tenant API keys; the plaintext is printed
 once."""
 
 from __future__ import annotations
@@ -11,10 +11,12 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 import tenants
-from gateway.commands.tenants import actor, common_options, run_command
+from gateway.commands.tenants import actor, common_options, model_list, run_command
 
 _KEY_COLUMNS = ("id", "tenant_id", "name", "prefix", "created_at", "last_used_at", "expires_at",
-                "revoked_at")
+                "revoked_at", "allowed_models")
+_MODELS_HELP = ("served models the key may use, within its tenant's, comma-separated ('*': the "
+                "tenant's, the default)")
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -28,6 +30,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     expiry = create.add_mutually_exclusive_group()
     expiry.add_argument("--expires-at", help="ISO 8601 time with its zone (default: never)")
     expiry.add_argument("--expires-in-days", type=float, help="days from now until it expires")
+    create.add_argument("--allowed-models", type=model_list, default=None, help=_MODELS_HELP)
     create.set_defaults(func=_create)
 
     listing = commands.add_parser("list", parents=[common], help="list keys (prefixes only)")
@@ -42,6 +45,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                         help="how long the old secret keeps working (default 0: not at all)")
     rotate.set_defaults(func=_rotate)
 
+    models = commands.add_parser("models", parents=[common],
+                                 help="set the models a key may use, within its tenant's")
+    models.add_argument("key_id", type=int)
+    models.add_argument("allowed_models", type=model_list, help=_MODELS_HELP)
+    models.set_defaults(func=_models)
+
     revoke = commands.add_parser("revoke", parents=[common], help="revoke a key")
     revoke.add_argument("key_id", type=int)
     revoke.set_defaults(func=_revoke)
@@ -54,7 +63,8 @@ def _create(args: argparse.Namespace) -> int:
         if args.expires_in_days is not None:
             expires_at = datetime.now(UTC) + timedelta(days=args.expires_in_days)
         created = tenants.create_api_key(session, tenant, name=args.name, actor=actor(),
-                                         expires_at=expires_at)
+                                         expires_at=expires_at,
+                                         allowed_models=args.allowed_models)
         return {**tenants.api_key_snapshot(created.api_key), "key": created.plaintext}
 
     status = run_command(args, work)
@@ -83,6 +93,15 @@ def _rotate(args: argparse.Namespace) -> int:
     if status == 0:
         print("Store this key now: it cannot be shown again.", file=sys.stderr)
     return status
+
+
+def _models(args: argparse.Namespace) -> int:
+    def work(session: Session) -> dict[str, Any]:
+        api_key = tenants.set_api_key_models(session, tenants.get_api_key(session, args.key_id),
+                                             allowed_models=args.allowed_models, actor=actor())
+        return tenants.api_key_snapshot(api_key)
+
+    return run_command(args, work)
 
 
 def _revoke(args: argparse.Namespace) -> int:

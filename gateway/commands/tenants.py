@@ -26,7 +26,7 @@ _MODELS_HELP = ("served models its requests may name, comma-separated ('*': ever
                 "default; '': none)")
 
 
-def _model_list(value: str) -> list[str] | None:
+def model_list(value: str) -> list[str] | None:
     """--allowed-models: '*' for every model, else the comma-separated names."""
     if value.strip() == "*":
         return None
@@ -43,7 +43,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     create.add_argument("--tier", default="standard", help="tier name (default: standard)")
     create.add_argument("--weight", type=float, default=1.0, help="fair-share weight (> 0)")
     create.add_argument("--cache-salt", help="prefix-cache salt (default: random)")
-    create.add_argument("--allowed-models", type=_model_list, default=None, help=_MODELS_HELP)
+    create.add_argument("--allowed-models", type=model_list, default=None, help=_MODELS_HELP)
     _add_quota_options(create)
     create.set_defaults(func=_create)
 
@@ -61,7 +61,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     update.add_argument("--tier", default=argparse.SUPPRESS)
     update.add_argument("--weight", type=float, default=argparse.SUPPRESS)
     update.add_argument("--cache-salt", default=argparse.SUPPRESS)
-    update.add_argument("--allowed-models", type=_model_list, default=argparse.SUPPRESS,
+    update.add_argument("--allowed-models", type=model_list, default=argparse.SUPPRESS,
                         help=_MODELS_HELP)
     _add_quota_options(update)
     update.set_defaults(func=_update)

@@ -1,5 +1,5 @@
 // A tenant's API keys: issue one (its plaintext is shown once, with a copy button), list
-// them filtered by prefix with their expiry, rotate one (a new secret under the same id, the
+// them filtered by prefix with their expiry and own model list, rotate one (a new secret under the same id, the
 // old one working for a grace given inline), revoke one after an inline confirmation.
 
 import { api } from "./api.js";
@@ -55,6 +55,9 @@ function stateBadges(key) {
     badges.push(h("span", { class: "muted", text: ` until ${formatTime(key.expires_at)}` }));
   if (key.previous_expires_at && Date.parse(key.previous_expires_at) > now)
     badges.push(h("span", { class: "muted", text: `; old secret until ${formatTime(key.previous_expires_at)}` }));
+  // Its own list, within the tenant's (none: the tenant's).
+  if (key.allowed_models)
+    badges.push(h("span", { class: "muted", text: `; models: ${key.allowed_models.join(", ") || "none"}` }));
   return badges;
 }
 

@@ -141,6 +141,62 @@ def test_a_tenant_sees_and_reaches_only_its_allowed_models(two_models: ServeProc
                 max_tokens=2)
 
 
+def test_a_keys_allowed_models_narrow_its_tenants(two_models: ServeProcess) -> None:
+    """Two keys of one tenant that may use both models: the one limited to the demo model
+    reaches only it (the same 404 as the tenant's own list gives); its list is changed through
+    the admin API (at once on this replica) and the CLI (audited); a key's list never widens
+    its tenant's."""
+    wide = _tenant(two_models, "two-keys", None)
+    with admin_client(two_models) as admin:
+        created = admin.post("/admin/v1/tenants/two-keys/keys",
+                             json={"name": "demo", "allowed_models": [DEMO_MODEL_NAME]})
+        assert created.status_code == 201, created.text
+        assert created.json()["allowed_models"] == [DEMO_MODEL_NAME]
+        narrow, key_id = str(created.json()["key"]), created.json()["id"]
+        bad = admin.patch(f"/admin/v1/keys/{key_id}", json={"allowed_models": "all"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "allowed_models"
+    with _client(two_models, narrow) as client:
+        assert [m.id for m in client.models.list()] == [DEMO_MODEL_NAME]
+        with pytest.raises(openai.NotFoundError):
+            client.chat.completions.create(
+                model=DEFAULT_MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
+                max_tokens=2)
+    with _client(two_models, wide) as client:
+        assert sorted(m.id for m in client.models.list()) == sorted(
+            [DEFAULT_MODEL_NAME, DEMO_MODEL_NAME])
+    with admin_client(two_models) as admin:
+        widened = admin.patch(f"/admin/v1/keys/{key_id}", json={"allowed_models": None})
+        assert widened.status_code == 200 and widened.json()["allowed_models"] is None
+    with _client(two_models, narrow) as client:
+        assert client.chat.completions.create(
+            model=DEFAULT_MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
+            max_tokens=2).model == DEFAULT_MODEL_NAME
+    shown = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "keys", "models", str(key_id), DEFAULT_MODEL_NAME,
+         "--database-url", two_models.database_url, "--json"],
+        check=True, capture_output=True, text=True, timeout=60)
+    assert json.loads(shown.stdout)["allowed_models"] == [DEFAULT_MODEL_NAME]
+    with admin_client(two_models) as admin:
+        audit = admin.get("/admin/v1/audit", params={"target_type": "api_key",
+                                                      "target_id": key_id}).json()["data"]
+        updates = [entry for entry in audit if entry["action"] == "api_key.update"]
+        assert [entry["after"]["allowed_models"] for entry in updates] == [
+            [DEFAULT_MODEL_NAME], None]  # newest first
+        assert all("key" not in entry["after"] for entry in audit)  # never a secret
+        # A demo-only tenant's key listing the default model reaches no model at all.
+        demo_only = admin.post("/admin/v1/tenants",
+                               json={"name": "demo-tenant", "allowed_models": [DEMO_MODEL_NAME]})
+        assert demo_only.status_code == 201
+        key = admin.post("/admin/v1/tenants/demo-tenant/keys",
+                         json={"allowed_models": [DEFAULT_MODEL_NAME]}).json()["key"]
+    with _client(two_models, key) as client:
+        assert [m.id for m in client.models.list()] == []
+        with pytest.raises(openai.NotFoundError):
+            client.chat.completions.create(
+                model=DEFAULT_MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
+                max_tokens=2)
+
+
 def test_a_model_that_fails_to_load_leaves_the_other_serving(tmp_path: Path) -> None:
     missing = tmp_path / "gone"
     server = ServeProcess(f"sqlite:///{tmp_path / 'db'}",
