@@ -127,7 +127,52 @@ def _response_format(value: object) -> StructuredOutput | None:
     schema = spec.get("schema")
     if schema is None:  # no schema: any JSON object
         return _constraint(StructuredOutput, "json_object", "", "response_format.json_schema")
-    return _json_schema(schema, "response_format.json_schema.schema")
+    constraint = _json_schema(schema, "response_format.json_schema.schema")
+    if strict:
+        _check_strict(json.loads(constraint.source), "response_format.json_schema.schema")
+    return constraint
+
+
+# Where subschemas sit, for strict's walk: lists of them, maps of them, and single ones.
+_STRICT_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_STRICT_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+_STRICT_SINGLE = ("items", "additionalProperties", "contains", "not", "if", "then", "else",
+                  "unevaluatedProperties", "unevaluatedItems", "propertyNames")
+
+
+def _check_strict(schema: object, param: str) -> None:
+    """`strict: true` as OpenAI's structured outputs define it: every object schema sets
+    additionalProperties: false and requires every property it lists; else a 400 naming the
+    object's path. (Keywords past OpenAI's subset are taken: the finished reply's check holds
+    them.)"""
+    stack: list[tuple[object, str]] = [(schema, "")]
+    while stack:
+        item, path = stack.pop()
+        if not isinstance(item, dict):
+            continue
+        properties = item.get("properties")
+        if item.get("type") == "object" or isinstance(properties, dict):
+            if item.get("additionalProperties") is not False:
+                raise _invalid(
+                    "strict: true needs additionalProperties: false on every object schema "
+                    "(send strict: false for this schema)", f"{param}{path}")
+            listed = set(properties) if isinstance(properties, dict) else set()
+            required = item.get("required", [])
+            missing = sorted(listed - set(required if isinstance(required, list) else []))
+            if missing:
+                raise _invalid(
+                    f"strict: true needs every property required; not required: "
+                    f"{', '.join(missing)} (make them nullable, or send strict: false)",
+                    f"{param}{path}.required")
+        for key in _STRICT_LISTS:
+            if isinstance(item.get(key), list):
+                stack.extend((sub, f"{path}.{key}[{i}]") for i, sub in enumerate(item[key]))
+        for key in _STRICT_MAPS:
+            if isinstance(item.get(key), dict):
+                stack.extend((sub, f"{path}.{key}.{name}") for name, sub in item[key].items())
+        for key in _STRICT_SINGLE:
+            if isinstance(item.get(key), dict):
+                stack.append((item[key], f"{path}.{key}"))
 
 
 def _json_schema(schema: object, param: str) -> StructuredOutput:

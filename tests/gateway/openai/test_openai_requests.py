@@ -48,7 +48,8 @@ def test_chat_fields_are_read() -> None:
     [
         ({"response_format": {"type": "json_object"}}, "json_object", "response_format"),
         ({"response_format": {"type": "json_schema", "json_schema": {
-            "name": "p", "schema": {"type": "object"}, "strict": True}}}, "json_schema",
+            "name": "p", "schema": {"type": "object", "additionalProperties": False},
+            "strict": True}}}, "json_schema",
          "response_format.json_schema.schema"),
         ({"structured_outputs": {"json": '{"type": "integer"}'}}, "json_schema",
          "structured_outputs.json"),
@@ -64,6 +65,37 @@ def test_structured_outputs_are_read(fields: dict[str, Any], kind: str, param: s
         constraint = parse({**body, **fields}).structured
         assert constraint is not None
         assert (constraint.kind, constraint.param) == (kind, param)
+
+
+@pytest.mark.parametrize(
+    ("schema", "param"),
+    [
+        ({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]},
+         "response_format.json_schema.schema"),
+        ({"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "integer"}},
+          "required": ["a"], "additionalProperties": False},
+         "response_format.json_schema.schema.required"),
+        ({"type": "object", "additionalProperties": False, "required": ["inner"],
+          "properties": {"inner": {"anyOf": [{"type": "null"}, {"type": "object"}]}}},
+         "response_format.json_schema.schema.properties.inner.anyOf[1]"),
+        ({"$defs": {"x": {"type": "object", "properties": {}}}, "$ref": "#/$defs/x"},
+         "response_format.json_schema.schema.$defs.x"),
+    ],
+)
+def test_strict_schemas_follow_openais_rules(schema: dict[str, Any], param: str) -> None:
+    """strict: true: every object sets additionalProperties: false and requires all its
+    properties (OpenAI's structured outputs), else a 400 naming the object; strict: false
+    takes the same schema."""
+    for strict in (True, False):
+        body = {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "s", "schema": schema, "strict": strict}}}
+        if not strict:
+            assert parse_chat_request(body).structured is not None
+            continue
+        with pytest.raises(BadRequestError) as refused:
+            parse_chat_request(body)
+        assert refused.value.param == param
+        assert "strict: true" in refused.value.message
 
 
 def test_tools_are_read() -> None:

@@ -167,7 +167,8 @@ def test_ten_schemas_validate_in_every_one_of_50_requests_at_temperature_1(
                 {"role": "user", "content": f"Give an example {name} record as JSON."},
             ],
             response_format={"type": "json_schema", "json_schema": {
-                "name": name, "schema": SCHEMAS[name], "strict": True}},
+                # Not strict: four of them have optional properties (strict: true refuses).
+                "name": name, "schema": SCHEMAS[name], "strict": False}},
             temperature=1.0,
             seed=seed,
             max_tokens=400,
