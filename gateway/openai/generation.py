@@ -329,6 +329,7 @@ class GenerationJob:
         stream = self._stream
         if stream is None:
             return
+        self._resamples_left = [0] * self.num_choices  # nothing starts while it ends
         if self._num_open and self._engine.is_running:
             for index in range(len(self.prompts)):
                 self._engine.abort(self.engine_request_id(index))
@@ -348,6 +349,7 @@ class GenerationJob:
         """Abort the engine requests of a consumer that does not read: the engine frees
         their blocks and sends their final outputs (metering), which end the job."""
         self.is_stopped_unread = True
+        self._resamples_left = [0] * self.num_choices
         for index in range(len(self.prompts)):
             self._engine.abort(self.engine_request_id(index))
         for request_id in self._resample_ids:
