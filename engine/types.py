@@ -166,6 +166,10 @@ class GrammarTemplate(Protocol):
     @property
     def constraint(self) -> StructuredOutput: ...
 
+    @property
+    def closing_ids(self) -> np.ndarray | None:  # a JSON constraint's closing tokens
+        ...
+
     def matcher(self) -> llguidance.LLMatcher: ...
 
 

@@ -46,6 +46,7 @@ import torch
 
 from engine.device_copy import to_device_async
 from engine.errors import RequestFault
+from engine.sample.closing_nudge import nudge_towards_closing
 from engine.sample.grammar_mask import (
     ConstrainedRow,
     GrammarWork,
@@ -110,6 +111,7 @@ class SampleRow(Protocol):
     sample_index: int  # seeded samples of one prompt differ by it
     penalty_counts: PenaltyCounts | None  # the sampler's, kept with the request; None at first
     matcher: llguidance.LLMatcher | None  # its grammar's state; None: unconstrained
+    json_closers: np.ndarray | None  # a JSON constraint's closing tokens (closing_nudge)
 
     @property
     def prompt_token_ids(self) -> list[int]:  # repetition penalty
@@ -294,6 +296,11 @@ class Sampler:
         if features & Feature.CONSTRAINED:
             rows = columns.rows_with(Feature.CONSTRAINED)
             constrained = [(i, m) for i in rows.tolist() if (m := seqs[i].matcher) is not None]
+            # Near max_tokens, a JSON reply leans towards closing (engine.closing_nudge).
+            logits = nudge_towards_closing(logits, [
+                (i, limit - seqs[i].num_output_tokens, limit, closers) for i, _ in constrained
+                if (closers := seqs[i].json_closers) is not None
+                and (limit := seqs[i].sampling_params.max_tokens) is not None])
             # The grammar wins over min_tokens only where min_tokens suppresses something.
             suppressing = bool(np.isin(rows, below_min).any())
             logits = apply_grammar_masks(logits, constrained,

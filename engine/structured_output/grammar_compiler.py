@@ -28,9 +28,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 import llguidance
+import numpy as np
 
 from engine.errors import InvalidRequestError, is_fatal
 from engine.output_spec import StructuredOutput, grammar_limits
+from engine.sample.closing_nudge import closing_token_ids
 from engine.structured_output.fair_worker import FairWorker
 from engine.structured_output.partitioned_lru import PartitionedLru
 from engine.text.tokenizer import Tokenizer
@@ -57,6 +59,9 @@ class CompiledGrammar:
 
     constraint: StructuredOutput
     _template: llguidance.LLMatcher  # never advanced; copied for each sample
+    # A JSON constraint's tokens that only close what is open (engine.sample.closing_nudge);
+    # None for other kinds.
+    closing_ids: np.ndarray | None = None
 
     def matcher(self) -> llguidance.LLMatcher:
         return self._template.deep_copy()
@@ -99,6 +104,7 @@ class GrammarCompiler:
             _CHECKED_SIZE, MAX_CACHED_TENANTS)
         self._lock = threading.Lock()
         self._tokenizer_lock = threading.Lock()
+        self._closing: np.ndarray | None = None
         self._worker = worker or FairWorker("tiergate-grammar")
         self.num_compiled = 0
         self.num_cache_hits = 0
@@ -190,6 +196,15 @@ class GrammarCompiler:
         grammar = self._compile(key)
         return grammar, time.perf_counter() - started
 
+    def _closing_ids(self) -> np.ndarray:
+        """The vocabulary's closing tokens (closing_nudge), found once (tens of ms)."""
+        with self._tokenizer_lock:
+            if self._closing is None:
+                texts = [self._source.decode([i], skip_special_tokens=False)
+                         for i in range(self.vocab_size)]
+                self._closing = closing_token_ids(texts)
+            return self._closing
+
     def _llg_tokenizer(self) -> llguidance.LLTokenizer:
         with self._tokenizer_lock:
             if self._tokenizer is None and self._tokenizer_error is None:
@@ -220,7 +235,9 @@ class GrammarCompiler:
             if isinstance(exc, GrammarError) or is_fatal(exc):
                 raise
             raise GrammarError(f"{type(exc).__name__}: {exc}") from exc
-        grammar = CompiledGrammar(constraint, matcher)
+        closing = (self._closing_ids() if constraint.kind in ("json_schema", "json_object")
+                   else None)
+        grammar = CompiledGrammar(constraint, matcher, closing)
         with self._lock:
             self.num_compiled += 1
             self._cache.put(key[0], constraint, grammar)

@@ -42,6 +42,7 @@ class RequestState:
     __slots__ = (
         "_batch",
         "eos_token_id",
+        "json_closers",
         "lora",
         "matcher",
         "penalty_counts",
@@ -63,7 +64,10 @@ class RequestState:
         # Structured output: the grammar's state after the request's outputs so far (a
         # resumed request's are fed again; the sampler advances it with each new token).
         self.matcher: llguidance.LLMatcher | None = None
+        # A JSON constraint's closing tokens (engine.sample.closing_nudge), else None.
+        self.json_closers: np.ndarray | None = None
         if data.grammar is not None:
+            self.json_closers = data.grammar.closing_ids
             self.matcher = data.grammar.matcher()
             outputs = data.token_ids[data.num_prompt_tokens:]
             if outputs:

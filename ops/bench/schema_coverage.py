@@ -42,6 +42,7 @@ from engine import EngineConfig, LLMEngine, RunnerConfig, SamplingParams, Schedu
 from engine.errors import InvalidRequestError
 from engine.models.config import ModelConfig
 from engine.output_spec import StructuredOutput
+from engine.sample import closing_nudge
 from engine.structured_output.grammar_compiler import GrammarCompiler
 from engine.worker.model_runner import TorchModelRunner
 from gateway.http.errors import BadRequestError
@@ -64,6 +65,7 @@ class Family:
     valid: int = 0
     refused: int = 0
     length: int = 0
+    errors: int = 0  # ended by the engine (a grammar past its time budget, say)
     compile_ms: list[float] = field(default_factory=list)
     check_us: list[float] = field(default_factory=list)
 
@@ -121,7 +123,14 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--limit", type=int, default=None, help="the first N schemas only")
+    parser.add_argument("--show-cut", action="store_true",
+                        help="print the end of each reply cut by max_tokens")
+    parser.add_argument("--no-nudge", action="store_true",
+                        help="without the closing nudge near max_tokens (engine.sample."
+                             "closing_nudge), for a before/after")
     args = parser.parse_args()
+    if args.no_nudge:
+        closing_nudge.CLOSE_WINDOW = 0
     torch.manual_seed(args.seed)
     cache_dir = Path(GatewaySettings().model_cache_dir)
     model_dir = gguf_model_dir(default_model_file(cache_dir), cache_dir, torch.float32)
@@ -174,8 +183,13 @@ def main() -> None:
                     family.compile_ms.append(out.metrics.grammar_compile_s * 1e3)
                 if out.finish_reason == "length":
                     family.length += 1
+                    if args.show_cut:
+                        print(f"cut: {case.family}: ...{texts[out.request_id][-70:]!r}")
                     continue
-                assert out.finish_reason == "stop", (out.finish_reason, out.error)
+                if out.finish_reason != "stop":
+                    family.errors += 1
+                    print(f"error: {case.family}: {out.error_code}: {out.error}")
+                    continue
                 output = texts[out.request_id]
                 began = time.perf_counter()
                 problem = case.check.problem(output)
@@ -202,7 +216,8 @@ def main() -> None:
         print(f"| {name} | {family.satisfiable} | {family.remote} | {family.accepted} | "
               f"{family.valid} | {family.refused} | {family.length} | "
               f"{_pair(family.compile_ms)} | {_pair(family.check_us, median=True)} |")
-        for attr in ("satisfiable", "remote", "accepted", "valid", "refused", "length"):
+        for attr in ("satisfiable", "remote", "accepted", "valid", "refused", "length",
+                     "errors"):
             setattr(total, attr, getattr(total, attr) + getattr(family, attr))
         total.compile_ms += family.compile_ms
         total.check_us += family.check_us
@@ -218,7 +233,8 @@ def main() -> None:
     print(f"finished: {finished}; returned as valid {total.valid}, of which python-jsonschema "
           f"refuses {len(refusals)} and cannot check {len(disagreements) - len(refusals)}; "
           f"refused by the check (400 structured_output_invalid) {total.refused}; cut by "
-          f"max_tokens {total.length}")
+          f"max_tokens {total.length}; ended by the engine {total.errors}; closing nudge "
+          f"{'off' if args.no_nudge else 'on'}")
     for line in disagreements:
         print(f"python-jsonschema: {line}")
 

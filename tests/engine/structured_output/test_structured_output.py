@@ -231,6 +231,7 @@ def test_a_matcher_that_fails_ends_its_request_with_an_error() -> None:
         eos_token_id = None
         sample_index = 0
         penalty_counts = None
+        json_closers = None
         num_output_tokens = 0
 
         def __init__(self) -> None:
@@ -283,6 +284,7 @@ def test_a_panicking_matcher_fails_its_row_only(
         eos_token_id = None
         sample_index = 0
         penalty_counts = None
+        json_closers = None
         num_output_tokens = 0
 
         def __init__(self, request_id: str, matcher: object) -> None:
@@ -482,6 +484,7 @@ def test_the_grammar_wins_over_min_tokens(demo: tuple[Path, Tokenizer, ModelConf
         eos_token_id = tokenizer.eos_token_id
         sample_index = 0
         penalty_counts = None
+        json_closers = None
         num_output_tokens = 1
 
         def __init__(self) -> None:
