@@ -4,11 +4,11 @@ A constrained reply that runs out of tokens ends unfinished (`finish_reason: "le
 JSON does not parse. Most such replies of a small model are a string or an array that goes on
 (ops/bench/journal.md, "JSON schemas as people send them"). In the last tokens of its budget
 (a quarter of max_tokens, at most CLOSE_WINDOW), each token that only closes (`"`, `]`, `}`
-and their runs, from `closing_token_ids`) gets a logit bias that grows to CLOSE_BIAS at the
-last token, before the grammar's mask: the grammar still decides what is allowed (a string
-shorter than its minLength cannot close), no value the schema allows is refused, and a reply
-with room to finish is never touched. Only rows whose constraint is JSON carry closing
-tokens.
+and their runs: engine.structured_output.closing_tokens, carried by the row) gets a logit
+bias that grows to CLOSE_BIAS at the last token, before the grammar's mask: the grammar still
+decides what is allowed (a string shorter than its minLength cannot close), no value the
+schema allows is refused, and a reply with room to finish is never touched. Only rows whose
+constraint is JSON carry closing tokens.
 """
 
 from __future__ import annotations
@@ -18,21 +18,10 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-__all__ = ["CLOSE_BIAS", "CLOSE_WINDOW", "close_window", "closing_token_ids",
-           "nudge_towards_closing"]
+__all__ = ["CLOSE_BIAS", "CLOSE_WINDOW", "close_window", "nudge_towards_closing"]
 
 CLOSE_WINDOW = 48  # most tokens before max_tokens where the nudge starts
 CLOSE_BIAS = 8.0  # the logit bias at the last token (a linear ramp from 0 before it)
-_CLOSERS = frozenset('"]}')
-
-
-def closing_token_ids(token_texts: Sequence[str]) -> np.ndarray:
-    """The ids of the tokens whose text, spaces aside, is only `"`, `]` and `}`."""
-    ids = [i for i, text in enumerate(token_texts)
-           if (stripped := text.strip(" ")) and set(stripped) <= _CLOSERS]
-    return np.asarray(ids, dtype=np.int64)
-
-
 def close_window(max_tokens: int) -> int:
     """The tokens before max_tokens where a reply is nudged: a quarter of its budget, at
     most CLOSE_WINDOW (a short reply is left alone for its first three quarters)."""

@@ -32,7 +32,7 @@ import numpy as np
 
 from engine.errors import InvalidRequestError, is_fatal
 from engine.output_spec import StructuredOutput, grammar_limits
-from engine.sample.closing_nudge import closing_token_ids
+from engine.structured_output.closing_tokens import closing_token_ids
 from engine.structured_output.fair_worker import FairWorker
 from engine.structured_output.partitioned_lru import PartitionedLru
 from engine.text.tokenizer import Tokenizer

@@ -11,9 +11,9 @@ from engine.sample.closing_nudge import (
     CLOSE_BIAS,
     CLOSE_WINDOW,
     close_window,
-    closing_token_ids,
     nudge_towards_closing,
 )
+from engine.structured_output.closing_tokens import closing_token_ids
 
 
 def test_closing_tokens_only_close() -> None:
