@@ -44,7 +44,7 @@ from engine.errors import (
     RequestFault,
 )
 from engine.grammar_budget import GrammarBudget
-from engine.output_spec import JSON_OPTIONS, StructuredOutput, bounded_numbers
+from engine.output_spec import JSON_OPTIONS, StructuredOutput, bounded_numbers, subschemas
 from engine.process.engine_client import EngineClient, OutputStream
 from engine.process.engine_process import EngineProcess
 from engine.sampling_params import (
@@ -135,6 +135,7 @@ __all__ = [
     "WaitingQueue",
     "bounded_numbers",
     "read_lora_adapter",
+    "subschemas",
     "tier_allowance",
     "write_demo_model",
 ]

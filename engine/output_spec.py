@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -49,6 +50,8 @@ __all__ = [
     "StructuredOutput",
     "bounded_numbers",
     "grammar_limits",
+    "map_subschemas",
+    "subschemas",
 ]
 
 # Longest schema, regex, grammar or list of choices a request may send (as JSON text).
@@ -68,13 +71,48 @@ JSON_SCHEMA_OPTIONS: JsonCompileOptions = {**JSON_OPTIONS, "lenient": True,
 # schema sets no step or bound of its own (see bounded_numbers).
 NUMBER_STEP = 1e-6
 NUMBER_MAGNITUDE = 10**15
+# Where a schema's subschemas sit (Draft 2020-12): in lists, in maps by name, and alone. Every
+# walk of a schema here and in the gateway goes through subschemas / map_subschemas, so none
+# reads a value (const, enum, default, examples) as a schema.
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
-_SUBSCHEMAS = ("items", "additionalProperties", "contains", "not", "if", "then", "else")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties",
+                   "dependentSchemas")
+_SUBSCHEMAS = ("items", "additionalProperties", "contains", "not", "if", "then", "else",
+               "unevaluatedProperties", "unevaluatedItems", "propertyNames")
 # Counts a schema may write as 2.0 (Draft 2020-12: an integer-valued number), which llguidance
 # takes only as integers.
 _COUNTS = ("minItems", "maxItems", "minLength", "maxLength", "minProperties", "maxProperties",
            "minContains", "maxContains")
+
+
+def subschemas(schema: dict[str, object]) -> Iterator[tuple[str, object]]:
+    """The schema's direct subschemas, each with its path from the schema (`.anyOf[0]`,
+    `.properties.name`, `.items`)."""
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(items := schema.get(key), list):
+            yield from ((f".{key}[{i}]", sub) for i, sub in enumerate(items))
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(named := schema.get(key), dict):
+            yield from ((f".{key}.{name}", sub) for name, sub in named.items())
+    for key in _SUBSCHEMAS:
+        if isinstance(sub := schema.get(key), dict | bool):
+            yield f".{key}", sub
+
+
+def map_subschemas(schema: dict[str, object],
+                   change: Callable[[object], object]) -> dict[str, object]:
+    """A copy of the schema with change applied to each direct subschema."""
+    result = dict(schema)
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(items := result.get(key), list):
+            result[key] = [change(sub) for sub in items]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(named := result.get(key), dict):
+            result[key] = {name: change(sub) for name, sub in named.items()}
+    for key in _SUBSCHEMAS:
+        if isinstance(sub := result.get(key), dict | bool):
+            result[key] = change(sub)
+    return result
 
 
 def bounded_numbers(schema: object) -> object:
@@ -89,20 +127,11 @@ def bounded_numbers(schema: object) -> object:
         return [bounded_numbers(item) for item in schema]
     if not isinstance(schema, dict):
         return schema
-    result = dict(schema)
+    result = map_subschemas(schema, bounded_numbers)
     for key in _COUNTS:  # 2.0 is the count 2
         value = result.get(key)
         if isinstance(value, float) and value.is_integer() and value >= 0:
             result[key] = int(value)
-    for key in _SUBSCHEMA_LISTS:
-        if isinstance(result.get(key), list):
-            result[key] = [bounded_numbers(item) for item in result[key]]
-    for key in _SUBSCHEMA_MAPS:
-        if isinstance(result.get(key), dict):
-            result[key] = {name: bounded_numbers(sub) for name, sub in result[key].items()}
-    for key in _SUBSCHEMAS:
-        if isinstance(result.get(key), dict):
-            result[key] = bounded_numbers(result[key])
     kinds = result.get("type")
     kinds = kinds if isinstance(kinds, list) else [kinds]
     if ("number" in kinds or "integer" in kinds) and "const" not in result \
@@ -152,7 +181,6 @@ def _check_numbers(schema: object, param: str) -> None:
 # has none, unevaluatedProperties / unevaluatedItems mean additionalProperties / items.
 _APPLICATORS = ("allOf", "anyOf", "oneOf", "$ref", "$dynamicRef", "if", "then", "else",
                 "dependentSchemas")
-_DATA_KEYWORDS = ("const", "enum", "default", "examples")  # values, not schemas
 
 
 def _closed_unevaluated(schema: object) -> object:
@@ -160,12 +188,9 @@ def _closed_unevaluated(schema: object) -> object:
     `unevaluatedItems` as `items`) in each schema that has no applicator and no keyword of
     the other kind: there the two mean the same, and llguidance enforces the second (a
     lenient compile leaves the first out)."""
-    if isinstance(schema, list):
-        return [_closed_unevaluated(item) for item in schema]
     if not isinstance(schema, dict):
         return schema
-    result = {key: value if key in _DATA_KEYWORDS else _closed_unevaluated(value)
-              for key, value in schema.items()}
+    result = map_subschemas(schema, _closed_unevaluated)
     if not any(key in result for key in _APPLICATORS):
         if "unevaluatedProperties" in result and "additionalProperties" not in result:
             result["additionalProperties"] = result.pop("unevaluatedProperties")
@@ -185,9 +210,7 @@ def _has_pattern_overlap(schema: object) -> bool:
             patterns = item.get("patternProperties")
             if isinstance(patterns, dict) and len(patterns) > 1:
                 return True
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
+            stack.extend(sub for _, sub in subschemas(item))
     return False
 
 
@@ -197,11 +220,9 @@ def _merged_patterns(schema: object) -> object:
     patterns satisfies each, so one; any other satisfies additionalProperties), for a grammar
     llguidance takes where the patterns overlap; the finished output's check applies the
     schema as sent."""
-    if isinstance(schema, list):
-        return [_merged_patterns(item) for item in schema]
     if not isinstance(schema, dict):
         return schema
-    result = {key: _merged_patterns(value) for key, value in schema.items()}
+    result = map_subschemas(schema, _merged_patterns)
     patterns = result.get("patternProperties")
     if isinstance(patterns, dict) and len(patterns) > 1:
         del result["patternProperties"]

@@ -27,7 +27,7 @@ from typing import Any
 
 import jsonschema_rs
 
-from engine import StructuredOutput
+from engine import StructuredOutput, subschemas
 from gateway.http.errors import BadRequestError
 
 __all__ = ["SchemaCheck", "schema_check"]
@@ -102,23 +102,23 @@ def schema_check(constraint: StructuredOutput) -> SchemaCheck:
 
 
 def _remote_ref(schema: object, message: str) -> tuple[str, str] | None:
-    """The `$ref` (and its path, `.a.b` form) whose resource the validator could not find,
-    as its message names it; None when the message is about something else."""
+    """The `$ref` (`$dynamicRef`, `$schema`) and its path (`.a.b` form) whose resource the
+    validator could not find, as its message names it; None when the message is about
+    something else."""
     if "not present in a registry" not in message and "Unknown meta-schema" not in message:
         return None
     stack: list[tuple[object, str]] = [(schema, "")]
     first: tuple[str, str] | None = None
     while stack:
         item, path = stack.pop()
-        if isinstance(item, dict):
-            for key in ("$ref", "$dynamicRef", "$schema"):
-                ref = item.get(key)
-                if isinstance(ref, str) and not ref.startswith("#"):
-                    resource = ref.split("#", 1)[0]
-                    if resource and resource in message:
-                        return ref, f"{path}.{key}"
-                    first = first or (ref, f"{path}.{key}")
-            stack.extend((value, f"{path}.{key}") for key, value in item.items())
-        elif isinstance(item, list):
-            stack.extend((value, f"{path}[{index}]") for index, value in enumerate(item))
+        if not isinstance(item, dict):
+            continue
+        for key in ("$ref", "$dynamicRef", "$schema"):
+            ref = item.get(key)
+            if isinstance(ref, str) and not ref.startswith("#"):
+                resource = ref.split("#", 1)[0]
+                if resource and resource in message:
+                    return ref, f"{path}.{key}"
+                first = first or (ref, f"{path}.{key}")
+        stack.extend((sub, f"{path}{where}") for where, sub in subschemas(item))
     return first

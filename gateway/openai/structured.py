@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from engine import InvalidRequestError, StructuredOutput
+from engine import InvalidRequestError, StructuredOutput, subschemas
 from gateway.http.errors import BadRequestError
 from gateway.openai.tool_calls import FunctionTool, ToolChoice
 
@@ -133,13 +133,6 @@ def _response_format(value: object) -> StructuredOutput | None:
     return constraint
 
 
-# Where subschemas sit, for strict's walk: lists of them, maps of them, and single ones.
-_STRICT_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_STRICT_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
-_STRICT_SINGLE = ("items", "additionalProperties", "contains", "not", "if", "then", "else",
-                  "unevaluatedProperties", "unevaluatedItems", "propertyNames")
-
-
 def _check_strict(schema: object, param: str) -> None:
     """`strict: true` as OpenAI's structured outputs define it: every object schema sets
     additionalProperties: false and requires every property it lists; else a 400 naming the
@@ -164,15 +157,7 @@ def _check_strict(schema: object, param: str) -> None:
                     f"strict: true needs every property required; not required: "
                     f"{', '.join(missing)} (make them nullable, or send strict: false)",
                     f"{param}{path}.required")
-        for key in _STRICT_LISTS:
-            if isinstance(item.get(key), list):
-                stack.extend((sub, f"{path}.{key}[{i}]") for i, sub in enumerate(item[key]))
-        for key in _STRICT_MAPS:
-            if isinstance(item.get(key), dict):
-                stack.extend((sub, f"{path}.{key}.{name}") for name, sub in item[key].items())
-        for key in _STRICT_SINGLE:
-            if isinstance(item.get(key), dict):
-                stack.append((item[key], f"{path}.{key}"))
+        stack.extend((sub, f"{path}{where}") for where, sub in subschemas(item))
 
 
 def _json_schema(schema: object, param: str) -> StructuredOutput:
