@@ -441,6 +441,23 @@ def test_a_streamed_output_the_whole_schema_refuses_ends_with_an_error_event(
     assert isinstance(body, dict) and body.get("code") == "structured_output_invalid", body
 
 
+def _reply(client: openai.OpenAI, schema: dict[str, Any], *, content: str = "Yes or no?",
+           temperature: float, seed: int, max_tokens: int = 30) -> Any:
+    """The completion under schema, or None where it ended as the 400
+    structured_output_invalid (a reply the whole schema refused, resamples spent)."""
+    try:
+        return client.chat.completions.create(
+            model=DEFAULT_MODEL_NAME, messages=[{"role": "user", "content": content}],
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "answer", "schema": schema}},
+            temperature=temperature, seed=seed, max_tokens=max_tokens,
+        )
+    except openai.BadRequestError as exc:
+        assert isinstance(exc.body, dict)
+        assert exc.body["code"] == "structured_output_invalid", exc.body
+        return None
+
+
 def test_schemas_the_grammar_enforces_in_part_give_valid_outputs_or_a_clear_error(
     client: openai.OpenAI,
 ) -> None:
@@ -471,17 +488,9 @@ def test_schemas_the_grammar_enforces_in_part_give_valid_outputs_or_a_clear_erro
     }
     outcomes = {"valid": 0, "refused": 0, "length": 0}
     for seed in range(8):
-        try:
-            response = client.chat.completions.create(
-                model=DEFAULT_MODEL_NAME,
-                messages=[{"role": "user", "content": "Describe a pet as JSON."}],
-                response_format={"type": "json_schema",
-                                 "json_schema": {"name": "pet", "schema": schema}},
-                temperature=1.0, seed=seed, max_tokens=120,
-            )
-        except openai.BadRequestError as exc:
-            assert isinstance(exc.body, dict)
-            assert exc.body["code"] == "structured_output_invalid", exc.body
+        response = _reply(client, schema, content="Describe a pet as JSON.", temperature=1.0,
+                          seed=seed, max_tokens=120)
+        if response is None:
             outcomes["refused"] += 1
             continue
         choice = response.choices[0]
@@ -501,15 +510,7 @@ def test_a_refused_reply_is_sampled_again_and_every_attempt_billed(
     (STRUCTURED_OUTPUT_RESAMPLES times) before the 400; the usage record bills every attempt.
     At temperature 0 a second sample would repeat the first: one attempt, then the 400."""
     def billed(temperature: float) -> int:
-        with pytest.raises(openai.BadRequestError) as caught:
-            client.chat.completions.create(
-                model=DEFAULT_MODEL_NAME, messages=[{"role": "user", "content": "Yes or no?"}],
-                response_format={"type": "json_schema",
-                                 "json_schema": {"name": "never", "schema": NEVER_VALID}},
-                temperature=temperature, seed=3, max_tokens=30,
-            )
-        assert isinstance(caught.value.body, dict)
-        assert caught.value.body["code"] == "structured_output_invalid"
+        assert _reply(client, NEVER_VALID, temperature=temperature, seed=3) is None
         path = server.database_url.removeprefix("sqlite:///")
         with sqlite3.connect(path) as db:
             tokens: int = db.execute(
@@ -533,16 +534,8 @@ def test_a_resampled_reply_that_passes_is_returned_alone(client: openai.OpenAI) 
               "not": {"properties": {"answer": {"const": "no"}}}}
     usages: list[int] = []
     for seed in range(16):
-        try:
-            response = client.chat.completions.create(
-                model=DEFAULT_MODEL_NAME, messages=[{"role": "user", "content": "Yes or no?"}],
-                response_format={"type": "json_schema",
-                                 "json_schema": {"name": "yes", "schema": schema}},
-                temperature=2.0, seed=seed, max_tokens=30,
-            )
-        except openai.BadRequestError as exc:
-            assert isinstance(exc.body, dict)
-            assert exc.body["code"] == "structured_output_invalid", exc.body
+        response = _reply(client, schema, temperature=2.0, seed=seed)
+        if response is None:
             continue
         assert json.loads(response.choices[0].message.content or "") == {"answer": "yes"}
         assert response.usage is not None

@@ -11,6 +11,7 @@ import sys
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -50,6 +51,11 @@ def _tenant(server: ServeProcess, name: str, allowed: list[str] | None) -> str:
 
 def _client(server: ServeProcess, key: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=key, max_retries=0)
+
+
+def _hi(client: openai.OpenAI, model: str) -> Any:
+    return client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
 
 
 def _engine_up(server: ServeProcess) -> dict[str, float]:
@@ -158,9 +164,7 @@ def test_a_keys_allowed_models_narrow_its_tenants(two_models: ServeProcess) -> N
     with _client(two_models, narrow) as client:
         assert [m.id for m in client.models.list()] == [DEMO_MODEL_NAME]
         with pytest.raises(openai.NotFoundError):
-            client.chat.completions.create(
-                model=DEFAULT_MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
-                max_tokens=2)
+            _hi(client, DEFAULT_MODEL_NAME)
     with _client(two_models, wide) as client:
         assert sorted(m.id for m in client.models.list()) == sorted(
             [DEFAULT_MODEL_NAME, DEMO_MODEL_NAME])
@@ -168,9 +172,7 @@ def test_a_keys_allowed_models_narrow_its_tenants(two_models: ServeProcess) -> N
         widened = admin.patch(f"/admin/v1/keys/{key_id}", json={"allowed_models": None})
         assert widened.status_code == 200 and widened.json()["allowed_models"] is None
     with _client(two_models, narrow) as client:
-        assert client.chat.completions.create(
-            model=DEFAULT_MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
-            max_tokens=2).model == DEFAULT_MODEL_NAME
+        assert _hi(client, DEFAULT_MODEL_NAME).model == DEFAULT_MODEL_NAME
     shown = subprocess.run(
         [sys.executable, "-m", "gateway.cli", "keys", "models", str(key_id), DEFAULT_MODEL_NAME,
          "--database-url", two_models.database_url, "--json"],
@@ -192,9 +194,7 @@ def test_a_keys_allowed_models_narrow_its_tenants(two_models: ServeProcess) -> N
     with _client(two_models, key) as client:
         assert [m.id for m in client.models.list()] == []
         with pytest.raises(openai.NotFoundError):
-            client.chat.completions.create(
-                model=DEFAULT_MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
-                max_tokens=2)
+            _hi(client, DEFAULT_MODEL_NAME)
 
 
 def test_a_model_that_fails_to_load_leaves_the_other_serving(tmp_path: Path) -> None:
