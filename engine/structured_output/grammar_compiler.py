@@ -100,7 +100,7 @@ class GrammarCompiler:
             cache_size, MAX_CACHED_TENANTS)
         self._compiling: dict[tuple[str, StructuredOutput],
                               Future[tuple[CompiledGrammar, float]]] = {}
-        self._checked: PartitionedLru[tuple[str, str], bool] = PartitionedLru(
+        self._checked: PartitionedLru[tuple[str, bool, str], bool] = PartitionedLru(
             _CHECKED_SIZE, MAX_CACHED_TENANTS)
         self._lock = threading.Lock()
         self._tokenizer_lock = threading.Lock()
@@ -116,7 +116,7 @@ class GrammarCompiler:
         constraint with this tokenizer within its limits. Blocking (a large schema's check
         takes as long as its compile): call it off the event loop, or through check_async.
         salt: the tenant's cache salt (what it remembers as good is the tenant's)."""
-        key = (f"{constraint.kind}{'~' if constraint.lenient else ''}", constraint.source)
+        key = (constraint.kind, constraint.lenient, constraint.source)
         with self._lock:
             if self._checked.get(salt, key):
                 return

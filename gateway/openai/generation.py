@@ -289,7 +289,9 @@ class GenerationJob:
         # Stopped because its consumer fell MAX_UNREAD_OUTPUTS_PER_CHOICE outputs behind.
         self.is_stopped_unread = False
         self._check = check
-        self._texts = [""] * self.num_choices if check is not None else None
+        # Each checked choice's text so far, in pieces (joined once, when it stops).
+        self._texts: list[list[str]] | None = (
+            [[] for _ in range(self.num_choices)] if check is not None else None)
         self._tokenizer = tokenizer
         # Sampling at temperature 0 gives the same output again: no resample.
         self._resamples_left = [resamples if params.temperature > 0 else 0] * self.num_choices
@@ -366,7 +368,7 @@ class GenerationJob:
         if output.metrics is not None:
             self.last_metrics[choice] = output.metrics
         if self._texts is not None:
-            self._texts[choice] += output.new_text
+            self._texts[choice].append(output.new_text)
             if output.finished and output.finish_reason == "stop":
                 self._check_output(choice, output)
         if output.finished and state.finish_reason is None:
@@ -405,7 +407,7 @@ class GenerationJob:
         pop_resampled), else ends as an error the request caused (its schema asked what the
         grammar could not enforce)."""
         assert self._check is not None and self._texts is not None
-        problem = self._check.problem(self._texts[choice])
+        problem = self._check.problem("".join(self._texts[choice]))
         if problem is None:
             return
         if self._resamples_left[choice] > 0 and self._resample(choice, output):
@@ -438,7 +440,7 @@ class GenerationJob:
             self._discarded_metrics.append(output.metrics)
         self.last_metrics[choice] = None
         assert self._texts is not None
-        self._texts[choice] = ""
+        self._texts[choice] = []
         if self._detokenizers is not None:
             self._detokenizers[choice] = IncrementalDetokenizer(
                 self._tokenizer, prompt.token_ids, params.skip_special_tokens)
