@@ -158,6 +158,13 @@ class ApiKey(Base):
     """A tenant's API key; the plaintext is never stored, only its lookup prefix and hash."""
 
     __tablename__ = "api_keys"
+    __table_args__ = (
+        CheckConstraint(
+            "requests_per_minute >= 0 AND tokens_per_minute >= 0"
+            " AND monthly_token_budget >= 0 AND monthly_spend_budget_usd_micros >= 0",
+            name="limits_not_negative",
+        ),
+    )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
@@ -179,6 +186,13 @@ class ApiKey(Base):
     # The served models this key may use, within its tenant's (their intersection); NULL: the
     # tenant's.
     allowed_models: Mapped[list[str] | None] = mapped_column(JSON, nullable=True)
+    # The key's own limits, each binding before its tenant's (both apply); NULL: only the
+    # tenant's.
+    requests_per_minute: Mapped[int | None] = mapped_column(Integer)
+    tokens_per_minute: Mapped[int | None] = mapped_column(BigInteger)
+    monthly_token_budget: Mapped[int | None] = mapped_column(BigInteger)
+    # Whole micro-dollars, as the tenant's.
+    monthly_spend_budget_usd_micros: Mapped[int | None] = mapped_column(BigInteger)
 
     tenant: Mapped[Tenant] = relationship(back_populates="api_keys")
 
@@ -265,3 +279,25 @@ class AuditEntry(Base):
     target_id: Mapped[str] = mapped_column(String(64))
     before: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     after: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+
+
+class StoredResponse(Base):
+    """A Responses API response kept (its `store` was true) for retrieval and for a later
+    request's previous_response_id, visible to its tenant only, until expires_at."""
+
+    __tablename__ = "stored_responses"
+
+    # "resp_" + 32 hex digits, as the API returned it.
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(
+        ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    model: Mapped[str] = mapped_column(String(256))
+    previous_response_id: Mapped[str | None] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime, default=utc_now)
+    # Created plus the deployment's retention; purged after.
+    expires_at: Mapped[datetime] = mapped_column(UtcDateTime, index=True)
+    # The response object as the API returned it.
+    body: Mapped[dict[str, Any]] = mapped_column(JSON)
+    # The chat messages this response ends (previous turns, this input, this output), without
+    # the instructions: what a request naming it as previous_response_id continues.
+    conversation: Mapped[list[dict[str, Any]]] = mapped_column(JSON)
