@@ -67,6 +67,7 @@ class Endpoint(enum.StrEnum):
 
     CHAT_COMPLETIONS = "chat.completions"
     COMPLETIONS = "completions"
+    RESPONSES = "responses"
 
 
 _ENDPOINTS = tuple(e.value for e in Endpoint)

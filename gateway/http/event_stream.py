@@ -1,5 +1,5 @@
 """Server-sent events: the response that streams them to a client that must keep reading
-(EventStream), and one JSON body as an event (sse_data)."""
+(EventStream), and one JSON body as an event (sse_data, or sse_event with its type named)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from gateway.http.protocol import abort_connection
 
-__all__ = ["SSE_HEADERS", "EventStream", "sse_data"]
+__all__ = ["SSE_HEADERS", "EventStream", "sse_data", "sse_event"]
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +26,11 @@ SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 def sse_data(body: dict[str, Any]) -> str:
     """One `data:` event holding body as compact JSON."""
     return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+
+def sse_event(kind: str, body: dict[str, Any]) -> str:
+    """One typed event (`event:` names it, as the Responses API's streams do)."""
+    return f"event: {kind}\n{sse_data(body)}"
 
 
 class EventStream(StreamingResponse):

@@ -10,6 +10,8 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator
+from contextlib import aclosing
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -34,17 +36,35 @@ from gateway.openai.record_builder import build_record, trace_response
 from gateway.openai.request_record import RequestEnd, RequestRecord
 from gateway.openai.requests import GenerationRequest
 from gateway.openai.responses import ChoiceText, ResponseContext, chunk, full_response, usage_chunk
-from gateway.openai.tool_calls import StreamedToolCalls
+from gateway.openai.tool_calls import ParsedCall, StreamedToolCalls
 from gateway.server.runtime import GatewayRuntime, RecordLostError
 from gateway.server.served_model import ServedModel
 
-__all__ = ["AdmittedRequest"]
+__all__ = ["AdmittedRequest", "ChoiceDelta", "StreamFailure"]
 
 logger = logging.getLogger(__name__)
 
 # Tool calls are read out of a reply this long (in characters) in a worker thread: the
 # parse is linear, but a long reply's JSON is still milliseconds of work.
 TOOL_PARSE_OFF_LOOP_CHARS = 64 << 10
+
+
+@dataclass(frozen=True)
+class ChoiceDelta:
+    """What one engine output adds to its choice, in a stream."""
+
+    index: int
+    text: str  # content: never a part of a tool call
+    output: RequestOutput
+    finish_reason: str | None  # the API's, "tool_calls" when it ended calling tools
+    calls: list[ParsedCall]  # at the choice's end: the tools it called
+
+
+@dataclass(frozen=True)
+class StreamFailure:
+    """The end of a stream that failed: the error body its client gets."""
+
+    body: dict[str, Any]
 
 
 class AdmittedRequest:
@@ -90,12 +110,34 @@ class AdmittedRequest:
         self._finalized = False
         self._has_started = False
         # Tools offered: calls are read out of each choice's text (gateway.openai.tool_calls).
-        self._tool_format = served.tool_format if request.tools.is_active else None
-        self._tool_names = frozenset(tool.name for tool in request.tools.tools)
+        self.tool_format = served.tool_format if request.tools.is_active else None
+        self.tool_names = frozenset(tool.name for tool in request.tools.tools)
 
     # -- non-streamed ----------------------------------------------------------------------------
 
     async def respond(self, http_request: Request) -> Response:
+        """The chat or completions body of the finished request."""
+        choices = await self.finished_choices(http_request)
+        if choices is None:
+            return Response(status_code=499)  # nobody is listening
+        args = (self.context, choices, self.job.summary(), self.served.tokenizer,
+                self.tool_format, self.tool_names)
+        if self.has_long_tool_text(choices):
+            body = await anyio.to_thread.run_sync(full_response, *args)
+        else:
+            body = full_response(*args)
+        return JSONResponse(body, headers=self.grant.headers)
+
+    def has_long_tool_text(self, choices: list[ChoiceText]) -> bool:
+        """Whether tool calls are read out of so much text that the parse belongs in a
+        worker thread."""
+        return self.tool_format is not None and sum(len(c.text) for c in choices) > (
+            TOOL_PARSE_OFF_LOOP_CHARS)
+
+    async def finished_choices(self, http_request: Request) -> list[ChoiceText] | None:
+        """Every choice's whole text once the request has ended and its record is written;
+        None when the client left first. Raises the error the client gets when it failed or
+        its record was lost."""
         choices = [ChoiceText() for _ in range(self.job.num_choices)]
         if self.request.echo:
             for index, choice in enumerate(choices):
@@ -128,7 +170,7 @@ class AdmittedRequest:
                     status, error = self._outcome()
                 is_recorded = await self._finalize(status)
         if status is RequestEnd.ABORTED:
-            return Response(status_code=499)  # nobody is listening
+            return None
         if not is_recorded:
             raise _record_lost_error()
         if status is RequestEnd.FAILED:
@@ -140,24 +182,35 @@ class AdmittedRequest:
             raise InternalServerError(
                 "the engine failed while generating this request", code="engine_error"
             )
-        args = (self.context, choices, self.job.summary(), self.served.tokenizer,
-                self._tool_format, self._tool_names)
-        if self._tool_format is not None and sum(len(c.text) for c in choices) > (
-                TOOL_PARSE_OFF_LOOP_CHARS):
-            body = await anyio.to_thread.run_sync(full_response, *args)
-        else:
-            body = full_response(*args)
-        return JSONResponse(body, headers=self.grant.headers)
+        return choices
 
     # -- streamed --------------------------------------------------------------------------------
 
     async def stream(self) -> AsyncGenerator[str, None]:
-        status = RequestEnd.ABORTED
+        """The chat or completions event stream."""
         started = [False] * self.job.num_choices
         offsets = [0] * self.job.num_choices
+        async with aclosing(self.stream_items()) as items:
+            async for item in items:
+                if isinstance(item, StreamFailure):
+                    yield sse_data(item.body)
+                    return
+                yield self._choice_chunk(item, started, offsets)
+        if self.request.include_usage:
+            yield sse_data(usage_chunk(self.context, self.job.summary()))
+        yield "data: [DONE]\n\n"
+
+    async def stream_items(self) -> AsyncGenerator[ChoiceDelta | StreamFailure, None]:
+        """What each output adds to its choice, as it comes: text that cannot be part of a
+        tool call at once, the calls at the choice's end. A StreamFailure is the last item of
+        a request that failed or whose record was lost; the record of a request that ends is
+        written before its last item (a client that saw the end is billed). Close it
+        (contextlib.aclosing): its end cancels the job and writes the record."""
+        status = RequestEnd.ABORTED
+        started = [False] * self.job.num_choices
         tool_streams = (
-            None if self._tool_format is None
-            else [StreamedToolCalls(self._tool_format, self._tool_names)
+            None if self.tool_format is None
+            else [StreamedToolCalls(self.tool_format, self.tool_names)
                   for _ in range(self.job.num_choices)]
         )
         try:
@@ -166,16 +219,17 @@ class AdmittedRequest:
                 text = output.new_text
                 if not started[index] and self.request.echo:
                     text = self._prompt_text(index) + text
+                started[index] = True
                 if self.job.is_finished:
                     # The request's last output: its record is durable before the client
                     # sees the end, or the client sees an error instead of the end.
                     status, _ = self._outcome()
                     if not await self._finalize(status):
-                        yield sse_data(_record_lost_error().body())
+                        yield StreamFailure(_record_lost_error().body())
                         return
                     if status is RequestEnd.FAILED:
                         fault = self._request_fault()
-                        yield sse_data(
+                        yield StreamFailure(
                             error_body("the engine failed while generating this request",
                                        "server_error", code="engine_error")
                             if fault is None else
@@ -184,7 +238,7 @@ class AdmittedRequest:
                         )
                         return
                     if self.job.is_stopped_unread:
-                        yield sse_data(error_body(
+                        yield StreamFailure(error_body(
                             f"this stream was stopped: its client left more than "
                             f"{MAX_UNREAD_OUTPUTS_PER_CHOICE} chunks a choice unread",
                             "invalid_request_error", code="stream_not_read",
@@ -193,7 +247,7 @@ class AdmittedRequest:
                 if output.finished and output.finish_reason not in ("stop", "length"):
                     continue  # an error ends the stream above, not as a choice
                 finish_reason = output.finish_reason if output.finished else None
-                tool_calls = None
+                calls: list[ParsedCall] = []
                 if tool_streams is not None:
                     text = tool_streams[index].feed(text)
                     if output.finished:
@@ -204,21 +258,15 @@ class AdmittedRequest:
                             else streamed.finish()
                         )
                         text += rest
-                        if calls:
-                            tool_calls = [call.as_openai(i) for i, call in enumerate(calls)]
-                            finish_reason = "tool_calls" if finish_reason == "stop" else (
-                                finish_reason)
-                yield self._choice_chunk(index, text, output, started, offsets,
-                                         finish_reason, tool_calls)
-            if self.request.include_usage:
-                yield sse_data(usage_chunk(self.context, self.job.summary()))
-            yield "data: [DONE]\n\n"
+                        if calls and finish_reason == "stop":
+                            finish_reason = "tool_calls"
+                yield ChoiceDelta(index, text, output, finish_reason, calls)
         except Exception as exc:  # the engine loop died mid-stream
             logger.error("stream %s failed: %s", self.job.request_id, exc)
             status = RequestEnd.FAILED
             with anyio.CancelScope(shield=True):
                 await self._finalize(status)
-            yield sse_data(error_body(
+            yield StreamFailure(error_body(
                 "the engine failed while generating this request", "server_error",
                 code="engine_error",
             ))
@@ -227,29 +275,21 @@ class AdmittedRequest:
                 await self.job.cancel()
                 await self._finalize(status)
 
-    def _choice_chunk(
-        self,
-        index: int,
-        text: str,
-        output: RequestOutput,
-        started: list[bool],
-        offsets: list[int],
-        finish_reason: str | None,
-        tool_calls: list[dict[str, Any]] | None,
-    ) -> str:
+    def _choice_chunk(self, item: ChoiceDelta, started: list[bool], offsets: list[int]) -> str:
+        index = item.index
         body = chunk(
             self.context,
             index,
-            text=text,
+            text=item.text,
             role=not started[index],
-            logprobs=output.logprobs or None,
-            finish_reason=finish_reason,
+            logprobs=item.output.logprobs or None,
+            finish_reason=item.finish_reason,
             text_offset=offsets[index],
             tokenizer=self.served.tokenizer,
-            tool_calls=tool_calls,
+            tool_calls=[call.as_openai(i) for i, call in enumerate(item.calls)] or None,
         )
         started[index] = True
-        offsets[index] += len(text)
+        offsets[index] += len(item.text)
         return sse_data(body)
 
     # -- shared ----------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """A generation request's body: read with its size bounded (413 past --max-body-bytes; a
 body found to be large is screened again before it is read on), then parsed as JSON into the
-endpoint's request (gateway.openai.requests)."""
+endpoint's request (gateway.openai.requests; gateway.openai.responses_request for the
+Responses API)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from gateway.openai.requests import (
     parse_chat_request,
     parse_completion_request,
 )
+from gateway.openai.responses_request import ResponsesCall, parse_responses_request
 
 __all__ = ["LARGE_BODY_BYTES", "parse_body", "read_body"]
 
@@ -47,8 +49,11 @@ async def read_body(
     return b"".join(chunks)
 
 
-def parse_body(raw: bytes, endpoint: Endpoint, bounds: RequestBounds) -> GenerationRequest:
+def parse_body(raw: bytes, endpoint: Endpoint, bounds: RequestBounds
+               ) -> GenerationRequest | ResponsesCall:
     """The endpoint's request from the body's bytes; 400 for bad JSON or a bad field."""
     if endpoint is Endpoint.CHAT:
         return parse_chat_request(parse_json_body(raw), bounds)
+    if endpoint is Endpoint.RESPONSES:
+        return parse_responses_request(parse_json_body(raw), bounds)
     return parse_completion_request(parse_json_body(raw), bounds)

@@ -76,7 +76,7 @@ def _prepare(
     request: GenerationRequest, model: ServedModel, encode: Callable[[str, bool], list[int]]
 ) -> list[PreparedPrompt]:
     tokenizer = model.tokenizer
-    if request.endpoint is Endpoint.CHAT:
+    if request.endpoint.is_chat:
         offered = request.tools.tools if request.tools.is_active else ()
         messages, tools = render_messages(request.messages, offered, tokenizer.chat_template)
         try:

@@ -54,6 +54,12 @@ class RequestBounds:
 class Endpoint(Enum):
     CHAT = "chat.completions"
     COMPLETIONS = "completions"
+    RESPONSES = "responses"  # a chat request in the Responses API's words
+
+    @property
+    def is_chat(self) -> bool:
+        """Whether its requests are conversations (rendered with the chat template)."""
+        return self is not Endpoint.COMPLETIONS
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""POST /v1/chat/completions, POST /v1/completions and GET /v1/models.
+"""POST /v1/chat/completions, POST /v1/completions, the Responses API (POST /v1/responses,
+GET and DELETE /v1/responses/{id}) and GET /v1/models.
 
 Order of work for a generation request: accepting (not draining, model loaded), the caller's
 key, the screen (the tenant's rate limits have a request and a token left, read without
@@ -45,6 +46,7 @@ from gateway.http.errors import (
 from gateway.http.event_stream import SSE_HEADERS, EventStream
 from gateway.http.json_body import declared_length
 from gateway.observability.telemetry import GenAiRequest, RequestTrace
+from gateway.openai import responses_reply
 from gateway.openai.admitted_request import AdmittedRequest
 from gateway.openai.body import LARGE_BODY_BYTES, parse_body, read_body
 from gateway.openai.generation import (
@@ -59,6 +61,9 @@ from gateway.openai.generation import (
 from gateway.openai.record_builder import build_record, trace_response
 from gateway.openai.request_record import RequestEnd
 from gateway.openai.requests import Endpoint, GenerationRequest, RequestBounds
+from gateway.openai.response_store import ResponseStore
+from gateway.openai.responses_output import ResponseShell, new_response_id
+from gateway.openai.responses_request import ResponsesCall
 from gateway.server.runtime import GatewayRuntime
 from gateway.server.served_model import ServedModel, tenant_context
 from policies import AbovePlan, RefusalReason, ServiceTierError, Tier, served_tier
@@ -71,6 +76,9 @@ def openai_routes(runtime: GatewayRuntime, admission: GatewayAdmission) -> list[
         Route("/v1/models/{model:path}", api.get_model, methods=["GET"]),
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
+        Route("/v1/responses", api.responses, methods=["POST"]),
+        Route("/v1/responses/{response_id}", api.get_response, methods=["GET"]),
+        Route("/v1/responses/{response_id}", api.delete_response, methods=["DELETE"]),
     ]
 
 
@@ -82,6 +90,8 @@ class _OpenAIApi:
         self._refusal_hold = RefusalHold()
         settings = runtime.settings
         self._bounds = RequestBounds(settings.max_messages, settings.max_choices)
+        self._responses = ResponseStore(runtime.session_factory,
+                                        settings.response_retention_days)
 
     async def list_models(self, request: Request) -> Response:
         """The served models this tenant may use, and its adapters of them."""
@@ -114,6 +124,27 @@ class _OpenAIApi:
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, Endpoint.COMPLETIONS)
 
+    async def responses(self, request: Request) -> Response:
+        return await self._generate(request, Endpoint.RESPONSES)
+
+    async def get_response(self, request: Request) -> Response:
+        """A stored response of the caller's tenant; any other id is the same 404."""
+        self.runtime.check_accepting()
+        principal = await self.runtime.key_resolver.authenticate(request)
+        response_id = request.path_params["response_id"]
+        row = await self._responses.find(principal.tenant_id, response_id)
+        if row is None:
+            raise _unknown_response(response_id)
+        return JSONResponse(row.body)
+
+    async def delete_response(self, request: Request) -> Response:
+        self.runtime.check_accepting()
+        principal = await self.runtime.key_resolver.authenticate(request)
+        response_id = request.path_params["response_id"]
+        if not await self._responses.delete(principal.tenant_id, response_id):
+            raise _unknown_response(response_id)
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
     async def _generate(self, http_request: Request, endpoint: Endpoint) -> Response:
         arrival = time.monotonic()
         self.runtime.check_accepting()
@@ -137,11 +168,17 @@ class _OpenAIApi:
             body_bytes = len(raw)
             started = time.perf_counter()
             try:
-                parsed = parse_body(raw, endpoint, self._bounds)
+                parsed_body = parse_body(raw, endpoint, self._bounds)
             finally:
                 if body_bytes > LARGE_BODY_BYTES:
                     self.admission.spend_parse_time(principal, time.perf_counter() - started)
             del raw
+            call = None  # the Responses API's request, around the chat request it runs as
+            if isinstance(parsed_body, ResponsesCall):
+                call = await self._continued(parsed_body, principal)
+                parsed = call.request
+            else:
+                parsed = parsed_body
             # The tier it runs in, is billed at and reports: the tenant's own, or the one its
             # service_tier asks for where the plan allows it.
             principal = self._in_served_tier(principal, parsed)
@@ -226,12 +263,35 @@ class _OpenAIApi:
         )
         self.runtime.request_started()
         self.runtime.adapters.started(target)
+        if call is not None:
+            shell = ResponseShell(
+                call, response_id, target.name, run.context.service_tier, served.tokenizer,
+                is_stored=call.store and self._responses.keeps_responses)
+            if parsed.stream:
+                return EventStream(responses_reply.stream(run, shell, self._responses),
+                                   settings.stream_write_timeout_s,
+                                   headers={**SSE_HEADERS, **grant.headers})
+            return await responses_reply.respond(run, shell, self._responses, http_request)
         if parsed.stream:
             return EventStream(
                 run.stream(), settings.stream_write_timeout_s,
                 headers={**SSE_HEADERS, **grant.headers},
             )
         return await run.respond(http_request)
+
+    async def _continued(self, call: ResponsesCall, principal: TenantPrincipal
+                         ) -> ResponsesCall:
+        """The call after the stored conversation of its previous_response_id (the
+        tenant's own, within its retention; any other id is a 400)."""
+        if call.previous_response_id is None:
+            return call
+        row = await self._responses.find(principal.tenant_id, call.previous_response_id)
+        if row is None:
+            raise BadRequestError(
+                f"previous response {call.previous_response_id!r} not found (it may have "
+                "been deleted, expired, or never stored)",
+                param="previous_response_id", code="previous_response_not_found")
+        return call.continued(row.conversation, self._bounds)
 
     def _in_served_tier(self, principal: TenantPrincipal,
                         parsed: GenerationRequest) -> TenantPrincipal:
@@ -307,10 +367,12 @@ class _OpenAIApi:
 
 def _operation(endpoint: Endpoint) -> str:
     """gen_ai.operation.name."""
-    return "chat" if endpoint is Endpoint.CHAT else "text_completion"
+    return "chat" if endpoint.is_chat else "text_completion"
 
 
 def _response_id(endpoint: Endpoint) -> str:
+    if endpoint is Endpoint.RESPONSES:
+        return new_response_id()
     prefix = "chatcmpl" if endpoint is Endpoint.CHAT else "cmpl"
     return f"{prefix}-{secrets.token_hex(16)}"
 
@@ -328,6 +390,11 @@ def _check_tier_allows(request: GenerationRequest, tier: Tier) -> None:
 
 def _model_card(served: ServedModel) -> dict[str, Any]:
     return {"id": served.name, "object": "model", "created": served.created, "owned_by": "tiergate"}
+
+
+def _unknown_response(response_id: str) -> GatewayError:
+    return NotFoundError(f"no response with id {response_id!r} is stored for this key's "
+                         "tenant", param="response_id", code="response_not_found")
 
 
 def _unknown_model(name: str) -> GatewayError:

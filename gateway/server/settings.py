@@ -137,6 +137,11 @@ _OPTIONS: dict[str, _Option] = {
     "max_choices": _Option(
         "--max-choices", "TIERGATE_MAX_CHOICES", "most prompts x n in one request"
     ),
+    "response_retention_days": _Option(
+        "--response-retention-days", "TIERGATE_RESPONSE_RETENTION_DAYS",
+        "how long the Responses API keeps a response sent with store (its default) for "
+        "retrieval and previous_response_id; 0 keeps none",
+    ),
     "drain_timeout_s": _Option(
         "--drain-timeout", "TIERGATE_DRAIN_TIMEOUT_S", "seconds SIGTERM waits for requests"
     ),
@@ -207,6 +212,7 @@ class GatewaySettings:
     max_body_bytes: int = 4 << 20
     max_messages: int = 2048
     max_choices: int = 256
+    response_retention_days: float = 30.0
     drain_timeout_s: float = 30.0
     stream_write_timeout_s: float = 30.0
     demo_model_dir: Path = Path.home() / ".cache" / "tiergate" / "demo-model"
@@ -255,6 +261,8 @@ class GatewaySettings:
             0 <= self.cpu_decode_rows <= CPU_DECODE_MAX_ROWS
         ):
             raise SettingsError(f"--cpu-decode-rows must be in 0..{CPU_DECODE_MAX_ROWS}")
+        if self.response_retention_days < 0:
+            raise SettingsError("--response-retention-days must be >= 0")
         if self.drain_timeout_s < 0:
             raise SettingsError("--drain-timeout must be >= 0")
         if not self.stream_write_timeout_s > 0:
