@@ -1,5 +1,6 @@
 """schemathesis against OpenAI's own spec (createChatCompletion, createCompletion,
-listModels) on a real `tiergate serve`: no 5xx and no response-schema violation."""
+listModels, createResponse) on a real `tiergate serve`: no 5xx and no response-schema
+violation."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ def _spec_for_served_model(directory: Path) -> Path:
         if "model" in part.get("properties", {}):
             part["properties"]["model"] = pinned
     schemas["CreateCompletionRequest"]["properties"]["model"] = pinned
+    schemas["ResponseProperties"]["properties"]["model"] = pinned
     path = directory / "spec.json"
     path.write_text(json.dumps(spec))
     return path

@@ -1,5 +1,6 @@
 """Write the part of OpenAI's OpenAPI spec that tiergate serves (createChatCompletion,
-createCompletion, listModels and every schema they reference) next to this file.
+createCompletion, listModels, createResponse and every schema they reference) next to this
+file.
 
     python tests/gateway/openai_spec/extract.py PATH/TO/openai-openapi.yaml
 
@@ -16,7 +17,10 @@ from typing import Any
 
 import yaml
 
-OPERATIONS = {("/chat/completions", "post"), ("/completions", "post"), ("/models", "get")}
+OPERATIONS = {
+    ("/chat/completions", "post"), ("/completions", "post"), ("/models", "get"),
+    ("/responses", "post"),
+}
 OUTPUT = Path(__file__).with_name("openai-subset.json")
 
 
