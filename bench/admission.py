@@ -62,6 +62,9 @@ class _FixedUsage:
     async def monthly_usage(self, tenant_id: str) -> MonthlyUsage:
         return self._totals[tenant_id]
 
+    async def key_monthly_usage(self, api_key_id: str) -> MonthlyUsage:
+        return MonthlyUsage(0, 0)  # the bench's requests carry no key limits
+
 
 def measure_decision_latency(num_decisions: int = 20_000, seed: int = 0) -> list[LatencyRow]:
     """Time each admission check, and whole admit() calls on the memory limiter.

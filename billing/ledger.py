@@ -61,7 +61,7 @@ from billing.models import USAGE_RECORDS
 from billing.monthly import MonthlyTotals, MonthlyUsage
 from billing.period import Period
 from billing.records import UsageRecord
-from billing.rollups import UsageTotals, interval_totals
+from billing.rollups import UsageTotals, interval_totals, key_interval_totals
 from billing.spool import Spool, encode_record
 from billing.store import insert_records
 from tenants import CallTimedOut, DeadlineCall, DeadlineCalls
@@ -107,9 +107,10 @@ class _Write:
 
 @dataclass(frozen=True)
 class _Load:
-    tenant_id: int
+    tenant_id: int  # whose total to load; ignored when api_key_id is set
     period: Period
     settle: _Settle
+    api_key_id: int | None = None  # an API key's own total instead of its tenant's
 
 
 class _Stop:
@@ -207,6 +208,14 @@ class UsageLedger:
         period = Period.containing(self._clock())
         while (usage := self._totals.get(tenant_id, period)) is None:
             await self._submit(lambda settle: _Load(tenant_id, period, settle))
+        return usage
+
+    async def key_monthly_usage(self, api_key_id: int) -> MonthlyUsage:
+        """An API key's own running total for the current UTC month (its records' tokens and
+        charges), loaded and kept as monthly_usage's."""
+        period = Period.containing(self._clock())
+        while (usage := self._totals.get_key(api_key_id, period)) is None:
+            await self._submit(lambda settle: _Load(0, period, settle, api_key_id))
         return usage
 
     async def close(self) -> None:
@@ -343,7 +352,11 @@ class UsageLedger:
         return records
 
     def _load(self, load: _Load, may_defer: bool) -> None:
-        if self._totals.get(load.tenant_id, load.period) is None:
+        if load.api_key_id is not None:
+            is_loaded = self._totals.get_key(load.api_key_id, load.period) is not None
+        else:
+            is_loaded = self._totals.get(load.tenant_id, load.period) is not None
+        if not is_loaded:
             try:
                 with self._io_lock:
                     # The spool first, so the database sum includes what only the spool holds.
@@ -368,7 +381,10 @@ class UsageLedger:
             usage = MonthlyUsage(
                 totals.num_prompt_tokens + totals.num_completion_tokens, totals.amount_usd_micros
             )
-            self._totals.set_loaded(load.tenant_id, load.period, usage)
+            if load.api_key_id is not None:
+                self._totals.set_key_loaded(load.api_key_id, load.period, usage)
+            else:
+                self._totals.set_loaded(load.tenant_id, load.period, usage)
         load.settle(None)
 
     def _retry_if_due(self) -> None:
@@ -440,6 +456,9 @@ class UsageLedger:
 
     def _interval_totals(self, load: _Load) -> UsageTotals:
         with self._session_factory() as session:
+            if load.api_key_id is not None:
+                return key_interval_totals(
+                    session, load.period.start, load.period.end, load.api_key_id)
             return interval_totals(session, load.period.start, load.period.end, load.tenant_id)
 
     def _replay_all(self) -> ReplayReport:

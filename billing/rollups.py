@@ -139,6 +139,15 @@ def interval_totals(
     return _own_totals(own) + _charged_totals(charged)
 
 
+def key_interval_totals(
+    session: Session, start: datetime, end: datetime, api_key_id: int
+) -> UsageTotals:
+    """An API key's own totals over [start, end) (its budgets): its records' tokens and
+    charges; recompute charges go to tenants, never to a key."""
+    conditions = [*_own_filter(start, end, None), Row.api_key_id == api_key_id]
+    return _own_totals(session.execute(select(*_own_sums()).where(*conditions)).one())
+
+
 def _own_sums() -> list[ColumnElement[Any]]:
     return [
         func.coalesce(func.sum(Row.num_requests), 0),

@@ -21,6 +21,9 @@ from policies.errors import (
     AdmissionRefused,
     BudgetExhausted,
     BudgetHeld,
+    KeyBudgetExhausted,
+    KeyBudgetHeld,
+    KeyRateLimited,
     LimiterUnavailable,
     LimitName,
     ParseTimeSpent,
@@ -33,6 +36,7 @@ from policies.errors import (
     UnknownTierError,
 )
 from policies.fair_queue import TieredFairQueue
+from policies.key_limits import KeyLimits
 from policies.parse_time import ParseTimeBudget, ParseTimeConfig
 from policies.queue_wait import TenantShare, estimate_queue_wait_s
 from policies.rate_limiter_memory import MemoryRateLimiter
@@ -79,6 +83,10 @@ __all__ = [
     "BudgetHeld",
     "BudgetHold",
     "FailurePolicy",
+    "KeyBudgetExhausted",
+    "KeyBudgetHeld",
+    "KeyLimits",
+    "KeyRateLimited",
     "LimitName",
     "LimiterBackend",
     "LimiterUnavailable",

@@ -14,6 +14,11 @@ request is both over its rate limit and shed, it is reported as shed (the server
 with the server's retry delay); its retry then meets the rate limit with the tenant's own
 reset time. A shed refusal reads the tenant's limits (peek) only for its headers.
 
+A request made with an API key that has limits of its own (policies/key_limits.py) passes
+the key's budgets before the tenant's, and the key's buckets with the tenant's in the
+limiter's one atomic step; the key's budget holds are kept per key as the tenant's are per
+tenant.
+
 How long decisions take: `tiergate bench admission` (bench.admission; seeded, prints a table).
 """
 
@@ -26,11 +31,15 @@ from dataclasses import dataclass
 from engine import SchedulerStats
 from policies.budget_hold import BudgetHold, budget_period
 from policies.budgets import (
+    MonthlyUsage,
     MonthlyUsageSource,
     check_budgets,
+    check_key_budgets,
+    check_key_reservation,
     check_token_reservation,
 )
 from policies.errors import QueueFull
+from policies.key_limits import KeyLimits
 from policies.queue_wait import TenantShare, estimate_queue_wait_s
 from policies.rate_limits import (
     RateLimiter,
@@ -53,6 +62,7 @@ class AdmissionRequest:
     weight: float = 1.0  # the tenant's fair-share weight inside its tier
     # The served model whose engine runs it (shedding reads that engine's statistics).
     model: str = ""
+    key: KeyLimits | None = None  # its API key's own limits; None: the key has none
 
     @property
     def num_tokens_reserved(self) -> int:
@@ -98,6 +108,9 @@ class AdmissionController:
         # Monthly token budget held by requests admitted here and not yet released.
         self._budget_held: dict[str, int] = {}
         self._budget_tickets: set[AdmissionTicket] = set()
+        # The same per API key, for keys with a monthly token budget of their own.
+        self._key_budget_held: dict[str, int] = {}
+        self._key_budget_tickets: set[AdmissionTicket] = set()
 
     async def admit(self, request: AdmissionRequest) -> AdmissionTicket:
         """Admit or raise an AdmissionRefused subclass (nothing is charged on refusal).
@@ -106,14 +119,22 @@ class AdmissionController:
         fail_closed);
         UnknownTierError for a tier not in the table.
         """
-        limits = request.limits
+        limits, key = request.limits, request.key
         has_budget = (
             limits.monthly_token_budget is not None
             or limits.monthly_spend_budget_usd_micros is not None
         )
-        budget: BudgetHold | None = None
+        # Both totals are read before any check: from the checks to the holds nothing awaits,
+        # so admissions of the same key or tenant meanwhile see this one's holds.
+        key_usage = None
+        if self._usage is not None and key is not None and key.has_budget:
+            key_usage = await self._usage.key_monthly_usage(key.api_key_id)
+        usage = None
         if self._usage is not None and has_budget:
             usage = await self._usage.monthly_usage(request.tenant_id)
+        key_budget = None if key_usage is None else self._check_key_budgets(request, key_usage)
+        budget: BudgetHold | None = None
+        if usage is not None:
             exhausted = check_budgets(request.tenant_id, limits, usage)
             if exhausted is not None:
                 raise exhausted
@@ -146,15 +167,19 @@ class AdmissionController:
         # This replica's holds are taken before the limiter's await (admissions of the same
         # tenant run meanwhile and must see them), and given back if it refuses.
         budget_tokens = 0 if budget is None else request.num_tokens_reserved
+        key_budget_tokens = 0 if key_budget is None else request.num_tokens_reserved
+        key_id = "" if key is None else key.api_key_id
         is_queue_counted = limits.max_queued_requests is not None
         _add(self._budget_held, request.tenant_id, budget_tokens)
+        _add(self._key_budget_held, key_id, key_budget_tokens)
         _add(self._num_queued, request.tenant_id, int(is_queue_counted))
         try:
             lease = await self._limiter.acquire(
-                request.tenant_id, limits, request.num_tokens_reserved, budget
+                request.tenant_id, limits, request.num_tokens_reserved, budget, key, key_budget
             )
         except BaseException:
             _add(self._budget_held, request.tenant_id, -budget_tokens)
+            _add(self._key_budget_held, key_id, -key_budget_tokens)
             _add(self._num_queued, request.tenant_id, -int(is_queue_counted))
             raise
         shedder.admitted(request.tier, request.num_prompt_tokens, request.tenant_id)
@@ -163,7 +188,28 @@ class AdmissionController:
             self._queued_tickets.add(ticket)
         if budget_tokens:  # until release(), which comes once its usage is in the totals
             self._budget_tickets.add(ticket)
+        if key_budget_tokens:
+            self._key_budget_tickets.add(ticket)
         return ticket
+
+    def _check_key_budgets(
+        self, request: AdmissionRequest, usage: MonthlyUsage
+    ) -> BudgetHold | None:
+        """Raise when the request's key has spent its own budgets (usage: the key's this
+        month) or cannot hold the request's tokens in what is left of them (less what its
+        requests in flight here hold); the key's hold for the limiter when it has a token
+        budget."""
+        key = request.key
+        assert key is not None
+        refusal = check_key_budgets(key, usage) or check_key_reservation(
+            key, usage, self._key_budget_held.get(key.api_key_id, 0),
+            request.num_tokens_reserved,
+        )
+        if refusal is not None:
+            raise refusal
+        if key.monthly_token_budget is None:
+            return None
+        return BudgetHold(budget_period(), usage.num_tokens)
 
     def _shedder(self, model: str) -> SloShedder:
         shedder = self._shedders.get(model)
@@ -189,34 +235,48 @@ class AdmissionController:
         if ticket in self._budget_tickets:
             self._budget_tickets.discard(ticket)
             _add(self._budget_held, ticket.request.tenant_id, -ticket.request.num_tokens_reserved)
+        if ticket in self._key_budget_tickets and ticket.request.key is not None:
+            self._key_budget_tickets.discard(ticket)
+            _add(self._key_budget_held, ticket.request.key.api_key_id,
+                 -ticket.request.num_tokens_reserved)
         return await self._limiter.release(ticket.lease, num_tokens_used)
 
     async def peek(self, request: AdmissionRequest) -> RateLimitSnapshot | None:
         """The tenant's rate limits now, charging nothing: for the headers of a refusal that
         came before the limiter was asked (budget, shedding)."""
-        levels = await self._limiter.peek(request.tenant_id, request.limits)
-        return None if levels is None else levels.snapshot(request.limits)
+        levels = await self._limiter.peek(request.tenant_id, request.limits, request.key)
+        return None if levels is None else levels.snapshot(request.limits, request.key)
 
-    async def screen(self, tenant_id: str, limits: TenantLimits) -> None:
-        """Raise RateLimited when the tenant's buckets hold no request or no token, charging
-        nothing: asked before costly work (reading and tokenizing a large body), so a tenant
-        out of quota is turned away before it makes the gateway work. Concurrency is left to
-        admission (a slot may free meanwhile); an unreadable limiter lets the request on."""
-        if limits.requests_per_minute is None and limits.tokens_per_minute is None:
+    async def screen(
+        self, tenant_id: str, limits: TenantLimits, key: KeyLimits | None = None
+    ) -> None:
+        """Raise RateLimited when the tenant's buckets (or its key's) hold no request or no
+        token, charging nothing: asked before costly work (reading and tokenizing a large
+        body), so a tenant out of quota is turned away before it makes the gateway work.
+        Concurrency is left to admission (a slot may free meanwhile); an unreadable limiter
+        lets the request on."""
+        if key is not None and not key.has_rate_limits:
+            key = None
+        if limits.requests_per_minute is None and limits.tokens_per_minute is None and (
+                key is None):
             return  # no bucket to read (with Redis, no round trip)
-        levels = await self._limiter.peek(tenant_id, limits)
+        levels = await self._limiter.peek(tenant_id, limits, key)
         if levels is None:
             return
         unlimited_slots = dataclasses.replace(limits, max_concurrent_requests=None)
-        refusal = check_limits(unlimited_slots, levels, 1, concurrency_retry_after_s=0.0)
+        refusal = check_limits(unlimited_slots, levels, 1, concurrency_retry_after_s=0.0, key=key)
         if refusal is not None:
-            refusal.snapshot = levels.snapshot(limits)
+            refusal.snapshot = levels.snapshot(limits, key)
             raise refusal
 
-    async def charge_refused(self, tenant_id: str, limits: TenantLimits, num_tokens: int) -> None:
+    async def charge_refused(
+        self, tenant_id: str, limits: TenantLimits, num_tokens: int,
+        key: KeyLimits | None = None,
+    ) -> None:
         """Charge a request refused after it made the gateway work (a 4xx once its tenant was
-        known): one request and the tokens it was found to hold, as far as the buckets go."""
-        await self._limiter.charge(tenant_id, limits, num_tokens)
+        known): one request and the tokens it was found to hold, as far as the buckets go
+        (its key's too)."""
+        await self._limiter.charge(tenant_id, limits, num_tokens, key)
 
     async def aclose(self) -> None:
         await self._limiter.aclose()

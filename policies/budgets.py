@@ -6,7 +6,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Protocol
 
-from policies.errors import BudgetExhausted, BudgetHeld
+from policies.errors import BudgetExhausted, BudgetHeld, KeyBudgetExhausted, KeyBudgetHeld
+from policies.key_limits import KeyLimits
 from policies.rate_limits import TenantLimits
 
 
@@ -27,6 +28,21 @@ class MonthlyUsageSource(Protocol):
 
     async def monthly_usage(self, tenant_id: str) -> MonthlyUsage: ...
 
+    async def key_monthly_usage(self, api_key_id: str) -> MonthlyUsage:
+        """An API key's own usage this month (its requests' tokens and charges), for the
+        key's budgets; the same caching as monthly_usage."""
+        ...
+
+
+class BudgetLimits(Protocol):
+    """Whose monthly budgets are checked: a tenant's (TenantLimits) or a key's (KeyLimits)."""
+
+    @property
+    def monthly_token_budget(self) -> int | None: ...
+
+    @property
+    def monthly_spend_budget_usd_micros(self) -> int | None: ...
+
 
 def check_budgets(
     tenant_id: str, limits: TenantLimits, usage: MonthlyUsage, now: datetime | None = None
@@ -36,11 +52,29 @@ def check_budgets(
     A budget is exhausted once usage reaches it; check_token_reservation then keeps the
     tokens a request may use within what is left.
     """
+    return _check_budgets(f"tenant {tenant_id}", limits, usage, now, BudgetExhausted)
+
+
+def check_key_budgets(
+    key: KeyLimits, usage: MonthlyUsage, now: datetime | None = None
+) -> BudgetExhausted | None:
+    """check_budgets for an API key's own budgets against the key's usage this month
+    (KeyBudgetExhausted, naming the key)."""
+    return _check_budgets(f"API key {key.api_key_id}", key, usage, now, KeyBudgetExhausted)
+
+
+def _check_budgets(
+    owner: str,
+    limits: BudgetLimits,
+    usage: MonthlyUsage,
+    now: datetime | None,
+    exhausted: type[BudgetExhausted],
+) -> BudgetExhausted | None:
     budget = limits.monthly_token_budget
     if budget is not None and usage.num_tokens >= budget:
         resets = _resets(now)
-        return BudgetExhausted(
-            f"Monthly token budget exhausted for tenant {tenant_id}: used {usage.num_tokens} of "
+        return exhausted(
+            f"Monthly token budget exhausted for {owner}: used {usage.num_tokens} of "
             f"{budget} tokens, 0 remaining. {resets}",
             budget_name="tokens",
             used=usage.num_tokens,
@@ -49,8 +83,8 @@ def check_budgets(
     budget = limits.monthly_spend_budget_usd_micros
     if budget is not None and usage.spend_usd_micros >= budget:
         resets = _resets(now)
-        return BudgetExhausted(
-            f"Monthly spend budget exhausted for tenant {tenant_id}: spent "
+        return exhausted(
+            f"Monthly spend budget exhausted for {owner}: spent "
             f"${usage.spend_usd_micros / 1e6:.2f} of ${budget / 1e6:.2f}, $0.00 remaining. "
             f"{resets}",
             budget_name="spend_usd_micros",
@@ -75,23 +109,50 @@ def check_token_reservation(
     larger than what is left at all is refused for good (lower max_tokens); one that fits
     only once those in flight end is told to retry.
     """
+    return _check_reservation(
+        f"tenant {tenant_id}", "its", limits, usage, num_tokens_held, num_tokens,
+        BudgetExhausted, BudgetHeld,
+    )
+
+
+def check_key_reservation(
+    key: KeyLimits, usage: MonthlyUsage, num_tokens_held: int, num_tokens: int
+) -> BudgetExhausted | BudgetHeld | None:
+    """check_token_reservation for an API key's own token budget, num_tokens_held being
+    what the key's requests in flight reserved (KeyBudgetExhausted, KeyBudgetHeld)."""
+    return _check_reservation(
+        f"API key {key.api_key_id}", "the key's", key, usage, num_tokens_held, num_tokens,
+        KeyBudgetExhausted, KeyBudgetHeld,
+    )
+
+
+def _check_reservation(
+    owner: str,
+    whose: str,
+    limits: BudgetLimits,
+    usage: MonthlyUsage,
+    num_tokens_held: int,
+    num_tokens: int,
+    exhausted: type[BudgetExhausted],
+    held: type[BudgetHeld],
+) -> BudgetExhausted | BudgetHeld | None:
     budget = limits.monthly_token_budget
     if budget is None:
         return None
     remaining = max(0, budget - usage.num_tokens)
     if num_tokens > remaining:
-        return BudgetExhausted(
+        return exhausted(
             f"This request may use up to {num_tokens} tokens (prompt and max_tokens for each "
-            f"choice), and {remaining} of the monthly token budget of tenant {tenant_id} "
+            f"choice), and {remaining} of the monthly token budget of {owner} "
             f"remain; lower max_tokens. {_resets(None)}",
             budget_name="tokens",
             used=usage.num_tokens,
             budget=budget,
         )
     if num_tokens > remaining - num_tokens_held:
-        return BudgetHeld(
-            f"{num_tokens_held} of the {remaining} tokens left in the monthly budget of tenant "
-            f"{tenant_id} are held by its requests in flight; retry when they end.",
+        return held(
+            f"{num_tokens_held} of the {remaining} tokens left in the monthly budget of "
+            f"{owner} are held by {whose} requests in flight; retry when they end.",
             num_tokens_held=num_tokens_held,
         )
     return None

@@ -9,7 +9,7 @@ the client.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from policies.rate_limits import RateLimitSnapshot
@@ -42,6 +42,8 @@ class RefusalReason(StrEnum):
     QUEUE_FULL = "queue_full"
     LIMITER_UNAVAILABLE = "limiter_unavailable"
     PARSE_TIME = "parse_time"
+    KEY_RATE_LIMIT = "key_rate_limit"  # the API key's own requests or tokens per minute
+    KEY_BUDGET = "key_budget"  # the API key's own monthly token or spend budget
 
 
 class AdmissionRefused(PolicyError):
@@ -49,6 +51,8 @@ class AdmissionRefused(PolicyError):
 
     reason: RefusalReason
     should_retry = True  # False: retrying the same request cannot succeed (x-should-retry)
+    # The OpenAI error code; None: the gateway's for the status (rate_limit_exceeded, ...).
+    code: str | None = None
 
     def __init__(
         self,
@@ -97,6 +101,17 @@ class RateLimited(AdmissionRefused):
         }[limit_name]
 
 
+class KeyRateLimited(RateLimited):
+    """The API key's own requests or tokens per minute are spent (429
+    key_rate_limit_exceeded); its tenant's may still have room for its other keys."""
+
+    code = "key_rate_limit_exceeded"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.reason = RefusalReason.KEY_RATE_LIMIT
+
+
 class ParseTimeSpent(AdmissionRefused):
     """The tenant's large bodies took its share of this replica's event loop (429, retry
     once the share has refilled)."""
@@ -126,6 +141,22 @@ class BudgetHeld(AdmissionRefused):
     def __init__(self, message: str, num_tokens_held: int) -> None:
         super().__init__(message, retry_after_s=1.0)
         self.num_tokens_held = num_tokens_held
+
+
+class KeyBudgetExhausted(BudgetExhausted):
+    """The API key's own monthly token or spend budget is used up (429 key_budget_exceeded,
+    no retry); its tenant's other keys are not concerned."""
+
+    reason = RefusalReason.KEY_BUDGET
+    code = "key_budget_exceeded"
+
+
+class KeyBudgetHeld(BudgetHeld):
+    """The API key's own monthly token budget left is held by its requests in flight (429
+    key_budget_exceeded, retry when they end)."""
+
+    reason = RefusalReason.KEY_BUDGET
+    code = "key_budget_exceeded"
 
 
 class Shed(AdmissionRefused):

@@ -1,10 +1,12 @@
 """Rate limiter shared by all replicas through Redis: one Lua script call per admission.
 
 Each tenant's state lives under `<prefix>:{<tenant_id>}:...` (one hash tag, so one node):
-a requests bucket, a tokens bucket and a sorted set of concurrency leases scored by expiry.
-The script (admit.lua) checks and charges all three at once, with Redis's clock. Leases held
-by this process are renewed in the background every third of their ttl; a replica that dies
-stops renewing and its slots free themselves when the ttl runs out.
+a requests bucket, a tokens bucket and a sorted set of concurrency leases scored by expiry,
+and under `<prefix>:{<tenant_id>}:key:<api_key_id>:...` its keys' own buckets and budget
+counts (policies/key_limits.py). The script (admit.lua) checks and charges them all at once,
+with Redis's clock. Leases held by this process are renewed in the background every third
+of their ttl; a replica that dies stops renewing and its slots free themselves when the ttl
+runs out.
 
 An admission whose reply does not come within `timeout_s` may still run in Redis (a slow
 network, a stalled server): its lease id is then cancelled in the background (admit.lua's
@@ -61,12 +63,13 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from policies.budget_hold import BudgetHold
-from policies.budgets import MonthlyUsage, check_token_reservation
+from policies.budgets import MonthlyUsage, check_key_reservation, check_token_reservation
 from policies.errors import (
     AdmissionConfigError,
     AdmissionRefused,
     LimiterUnavailable,
 )
+from policies.key_limits import KeyLimits
 from policies.rate_limiter_memory import DEFAULT_CONCURRENCY_RETRY_AFTER_S, MemoryRateLimiter
 from policies.rate_limits import (
     EMPTY_SNAPSHOT,
@@ -107,7 +110,8 @@ class FailurePolicy(StrEnum):
 
 @dataclass(frozen=True)
 class RedisLimiterConfig:
-    # keys: <prefix>:{<tenant_id>}:requests|tokens|leases|cancelled|budget|holds
+    # keys: <prefix>:{<tenant_id>}:requests|tokens|leases|cancelled|budget|holds, and
+    # <prefix>:{<tenant_id>}:key:<api_key_id>:requests|tokens|budget|holds
     key_prefix: str = "tiergate"
     on_failure: FailurePolicy = FailurePolicy.FAIL_OPEN
     num_replicas: int = 1  # fail_open: each replica enforces limits / num_replicas
@@ -191,24 +195,31 @@ class RedisRateLimiter:
         limits: TenantLimits,
         num_tokens: int,
         budget: BudgetHold | None = None,
+        key: KeyLimits | None = None,
+        key_budget: BudgetHold | None = None,
     ) -> RateLimitLease:
         if limits.monthly_token_budget is None:
             budget = None
+        if key is None or key.monthly_token_budget is None:
+            key_budget = None
         if self._may_try_redis():
             lease_id = uuid.uuid4().hex
             args = self._args(
                 "admit", limits, num_tokens, lease_id,
                 budget, 0 if budget is None else budget.num_tokens_used,
+                key, key_budget, 0 if key_budget is None else key_budget.num_tokens_used,
             )
             try:
-                reply = await self._run(tenant_id, args)
+                reply = await self._run(tenant_id, args, key)
             except _UNAVAILABLE as exc:
                 self._mark_down(exc)
                 if isinstance(exc, _NO_REPLY):  # sent, and it may have run
-                    self._settle_soon(tenant_id, ["cancel", *args[1:]])
+                    self._settle_soon(tenant_id, ["cancel", *args[1:]], key)
             else:
                 self._mark_up()
-                return self._admitted(tenant_id, limits, num_tokens, lease_id, budget, reply)
+                return self._admitted(
+                    tenant_id, limits, num_tokens, lease_id, budget, reply, key, key_budget
+                )
         if self._config.on_failure is FailurePolicy.FAIL_CLOSED:
             raise LimiterUnavailable(
                 "The rate limiter is unavailable; please retry shortly.",
@@ -221,6 +232,7 @@ class RedisRateLimiter:
             tenant_id, share, num_tokens,
             num_held_elsewhere=self._held_count(tenant_id)
             + self._others_over_share(tenant_id, limits, share),
+            key=None if key is None else key.divided(self._config.num_replicas),
         )
 
     async def release(self, lease: RateLimitLease, num_tokens_used: int) -> RateLimitSnapshot:
@@ -235,45 +247,52 @@ class RedisRateLimiter:
         _discard(self._held, lease.tenant_id, lease.lease_id)
         refund = max(0, lease.num_tokens_reserved - num_tokens_used)
         args = self._args(
-            "release", lease.limits, refund, lease.lease_id, lease.budget, num_tokens_used
+            "release", lease.limits, refund, lease.lease_id, lease.budget, num_tokens_used,
+            lease.key, lease.key_budget, num_tokens_used,
         )
         if not self._may_try_redis():
-            self._settle_soon(lease.tenant_id, args)
+            self._settle_soon(lease.tenant_id, args, lease.key)
             return EMPTY_SNAPSHOT
         try:
-            reply = await self._run(lease.tenant_id, args)
+            reply = await self._run(lease.tenant_id, args, lease.key)
         except _UNAVAILABLE as exc:
             self._mark_down(exc)
-            self._settle_soon(lease.tenant_id, args)  # a second release does nothing more
+            # a second release does nothing more
+            self._settle_soon(lease.tenant_id, args, lease.key)
             return EMPTY_SNAPSHOT
         self._mark_up()
         self._saw(lease.tenant_id, int(reply[1]))
-        return _levels(reply).snapshot(lease.limits)
+        return _levels(reply).snapshot(lease.limits, lease.key)
 
-    async def peek(self, tenant_id: str, limits: TenantLimits) -> LimitLevels | None:
+    async def peek(
+        self, tenant_id: str, limits: TenantLimits, key: KeyLimits | None = None
+    ) -> LimitLevels | None:
         """The levels in Redis; while it is away, the local share (fail_open) or None. Never
         a probe: a refused request does not bring the limiter back to Redis."""
-        return await self._without_lease("peek", tenant_id, limits, 0)
+        return await self._without_lease("peek", tenant_id, limits, 0, key)
 
     async def charge(
-        self, tenant_id: str, limits: TenantLimits, num_tokens: int
+        self, tenant_id: str, limits: TenantLimits, num_tokens: int, key: KeyLimits | None = None
     ) -> LimitLevels | None:
         """Charged in Redis; while it is away, to the local share (fail_open) or not at all
         (fail_closed: the local buckets admit nothing there). Never a probe."""
-        return await self._without_lease("charge", tenant_id, limits, num_tokens)
+        return await self._without_lease("charge", tenant_id, limits, num_tokens, key)
 
     async def _without_lease(
-        self, op: str, tenant_id: str, limits: TenantLimits, num_tokens: int
+        self, op: str, tenant_id: str, limits: TenantLimits, num_tokens: int,
+        key: KeyLimits | None,
     ) -> LimitLevels | None:
         if self._is_down:
             if self._config.on_failure is FailurePolicy.FAIL_CLOSED:
                 return None
             share = limits.divided(self._config.num_replicas)
+            key_share = None if key is None else key.divided(self._config.num_replicas)
             if op == "charge":
-                return self._fallback.charge_now(tenant_id, share, num_tokens)
-            return self._fallback.peek_now(tenant_id, share)
+                return self._fallback.charge_now(tenant_id, share, num_tokens, key_share)
+            return self._fallback.peek_now(tenant_id, share, key_share)
         try:
-            reply = await self._run(tenant_id, self._args(op, limits, num_tokens, ""))
+            reply = await self._run(
+                tenant_id, self._args(op, limits, num_tokens, "", key=key), key)
         except _UNAVAILABLE as exc:
             self._mark_down(exc)
             return None
@@ -328,18 +347,22 @@ class RedisRateLimiter:
             return 0
         return max(0, num_others - (limit - own_share))
 
-    def _settle_soon(self, tenant_id: str, args: list[str | int | float]) -> None:
+    def _settle_soon(
+        self, tenant_id: str, args: list[str | int | float], key: KeyLimits | None = None
+    ) -> None:
         """Run a cancel or release that has not reached Redis, in the background: tried
         every SETTLE_RETRY_S until Redis answers, for as long as its lease could live."""
-        task = asyncio.get_running_loop().create_task(self._settle(tenant_id, args))
+        task = asyncio.get_running_loop().create_task(self._settle(tenant_id, args, key))
         self._settlements.add(task)
         task.add_done_callback(self._settlements.discard)
 
-    async def _settle(self, tenant_id: str, args: list[str | int | float]) -> None:
+    async def _settle(
+        self, tenant_id: str, args: list[str | int | float], key: KeyLimits | None
+    ) -> None:
         deadline_s = self._clock() + self._config.lease_ttl_s
         while True:
             try:
-                reply = await self._run(tenant_id, args)
+                reply = await self._run(tenant_id, args, key)
             except _UNAVAILABLE:
                 if self._clock() >= deadline_s:
                     return  # the lease has expired by itself meanwhile
@@ -375,10 +398,17 @@ class RedisRateLimiter:
 
     # -- Redis calls ------------------------------------------------------------------------
 
-    async def _run(self, tenant_id: str, args: Sequence[str | int | float]) -> Any:
-        """The script on the tenant's keys, loading it first if Redis does not know it."""
+    async def _run(
+        self, tenant_id: str, args: Sequence[str | int | float], key: KeyLimits | None = None
+    ) -> Any:
+        """The script on the tenant's keys (and its API key's; a request without one names
+        keys the script never touches), loading it first if Redis does not know it."""
         prefix = f"{self._config.key_prefix}:{{{tenant_id}}}"
-        keys = tuple(f"{prefix}:{name}" for name in _KEY_NAMES)
+        key_prefix = f"{prefix}:key:{'-' if key is None else key.api_key_id}"
+        keys = (
+            *(f"{prefix}:{name}" for name in _KEY_NAMES),
+            *(f"{key_prefix}:{name}" for name in _API_KEY_NAMES),
+        )
         async with asyncio.timeout(self._config.timeout_s):
             try:
                 return await self._client.evalsha(_SCRIPT_SHA, len(keys), *keys, *args)
@@ -395,12 +425,21 @@ class RedisRateLimiter:
         lease_id: str,
         budget: BudgetHold | None = None,
         budget_tokens: int = 0,
+        key: KeyLimits | None = None,
+        key_budget: BudgetHold | None = None,
+        key_budget_tokens: int = 0,
     ) -> list[str | int | float]:
         """admit.lua's arguments; budget_tokens: the month's tokens used as this replica
-        knows them (admit) or the tokens the request used (release)."""
+        knows them (admit) or the tokens the request used (release); key_budget_tokens: the
+        same for the API key's own budget."""
         requests, tokens = limits.requests_bucket, limits.tokens_bucket
         max_concurrent = limits.max_concurrent_requests
         budget_limit = limits.monthly_token_budget
+        key_requests = None if key is None else key.requests_bucket
+        key_tokens = None if key is None else key.tokens_bucket
+        key_budget_limit = None if key is None else key.monthly_token_budget
+        period = budget.period if budget is not None else (
+            "" if key_budget is None else key_budget.period)
         return [
             op,
             -1 if requests is None else requests.capacity,
@@ -412,8 +451,14 @@ class RedisRateLimiter:
             lease_id,
             round(self._config.lease_ttl_s * 1000),
             -1 if budget is None or budget_limit is None else budget_limit,
-            "" if budget is None else budget.period,
+            period,
             budget_tokens,
+            -1 if key_requests is None else key_requests.capacity,
+            0.0 if key_requests is None else key_requests.rate_per_s,
+            -1 if key_tokens is None else key_tokens.capacity,
+            0.0 if key_tokens is None else key_tokens.rate_per_s,
+            -1 if key_budget is None or key_budget_limit is None else key_budget_limit,
+            key_budget_tokens,
         ]
 
     def _admitted(
@@ -424,18 +469,26 @@ class RedisRateLimiter:
         lease_id: str,
         budget: BudgetHold | None,
         reply: Any,
+        key: KeyLimits | None = None,
+        key_budget: BudgetHold | None = None,
     ) -> RateLimitLease:
         levels = _levels(reply)
         self._saw(tenant_id, int(reply[1]))  # taken before any lease of this admission
         if not int(reply[0]):
+            # The key's limits are named before the tenant's, as admission checks them.
             refusal: AdmissionRefused | None = None
-            if budget is not None and float(reply[4]) >= 0:  # the budget was read
-                used = int(float(reply[4]))
+            if key is not None and key_budget is not None and float(reply[8]) >= 0:
+                used = int(float(reply[8]))
+                refusal = check_key_reservation(
+                    key, MonthlyUsage(used, 0), int(float(reply[9])), num_tokens
+                )
+            if refusal is None and budget is not None and float(reply[4]) >= 0:
+                used = int(float(reply[4]))  # the budget was read
                 refusal = check_token_reservation(
                     tenant_id, limits, MonthlyUsage(used, 0), int(float(reply[5])), num_tokens
                 )
             refusal = refusal or check_limits(
-                limits, levels, num_tokens, self._config.concurrency_retry_after_s
+                limits, levels, num_tokens, self._config.concurrency_retry_after_s, key
             )
             assert refusal is not None, "admit.lua and the Python rules disagree"
             raise refusal
@@ -448,8 +501,10 @@ class RedisRateLimiter:
             num_tokens_reserved=num_tokens,
             limits=limits,
             backend=LimiterBackend.REDIS,
-            snapshot=levels.charged(num_tokens).snapshot(limits),
+            snapshot=levels.charged(num_tokens).snapshot(limits, key),
             budget=budget,
+            key=key,
+            key_budget=key_budget,
         )
 
     async def _renew_forever(self) -> None:
@@ -495,6 +550,7 @@ class RedisRateLimiter:
 
 
 _KEY_NAMES = ("requests", "tokens", "leases", "cancelled", "budget", "holds")
+_API_KEY_NAMES = ("requests", "tokens", "budget", "holds")  # under <tenant's>:key:<id>
 
 
 def _discard(ids_by_tenant: dict[str, set[str]], tenant_id: str, lease_id: str) -> None:
@@ -507,12 +563,14 @@ def _discard(ids_by_tenant: dict[str, set[str]], tenant_id: str, lease_id: str) 
 
 def _levels(reply: Any) -> LimitLevels:
     """LimitLevels from the script's reply {flag, leases held, requests level, tokens level,
-    budget used, budget held}."""
+    budget used, budget held, key requests level, key tokens level, key budget used, key
+    budget held}."""
 
     def level(raw: bytes | str) -> float | None:
         value = float(raw)
         return None if value < 0 else value
 
     return LimitLevels(
-        requests=level(reply[2]), tokens=level(reply[3]), num_concurrent=int(reply[1])
+        requests=level(reply[2]), tokens=level(reply[3]), num_concurrent=int(reply[1]),
+        key_requests=level(reply[6]), key_tokens=level(reply[7]),
     )

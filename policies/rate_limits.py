@@ -14,10 +14,13 @@ import math
 from dataclasses import dataclass, fields
 from enum import StrEnum
 from functools import cached_property, partial
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from policies.budget_hold import BudgetHold
-from policies.errors import AdmissionConfigError, LimitName, RateLimited
+from policies.errors import AdmissionConfigError, KeyRateLimited, LimitName, RateLimited
+
+if TYPE_CHECKING:
+    from policies.key_limits import KeyLimits
 
 
 @dataclass(frozen=True)
@@ -153,14 +156,20 @@ class LimitLevels:
     requests: float | None  # requests bucket level; None: no request limit
     tokens: float | None  # tokens bucket level; None: no token limit
     num_concurrent: int  # slots held (live leases)
+    key_requests: float | None = None  # the API key's own requests bucket; None: none
+    key_tokens: float | None = None  # the API key's own tokens bucket; None: none
 
-    def snapshot(self, limits: TenantLimits) -> RateLimitSnapshot:
-        requests, tokens = limits.requests_bucket, limits.tokens_bucket
+    def snapshot(self, limits: TenantLimits, key: KeyLimits | None = None) -> RateLimitSnapshot:
+        """Per bucket kind, the binding one of the tenant's and the key's: the one with less
+        left (the key's on a tie), so the headers show what the next request meets first."""
+        requests = _level_snapshot(limits.requests_bucket, self.requests)
+        tokens = _level_snapshot(limits.tokens_bucket, self.tokens)
+        if key is not None:
+            requests = _binding(_level_snapshot(key.requests_bucket, self.key_requests), requests)
+            tokens = _binding(_level_snapshot(key.tokens_bucket, self.key_tokens), tokens)
         return RateLimitSnapshot(
-            requests=None
-            if requests is None or self.requests is None
-            else requests.snapshot(self.requests),
-            tokens=None if tokens is None or self.tokens is None else tokens.snapshot(self.tokens),
+            requests=requests,
+            tokens=tokens,
             num_concurrent=self.num_concurrent,
             max_concurrent=limits.max_concurrent_requests,
         )
@@ -171,7 +180,19 @@ class LimitLevels:
             requests=None if self.requests is None else self.requests - 1,
             tokens=None if self.tokens is None else self.tokens - num_tokens,
             num_concurrent=self.num_concurrent + 1,
+            key_requests=None if self.key_requests is None else self.key_requests - 1,
+            key_tokens=None if self.key_tokens is None else self.key_tokens - num_tokens,
         )
+
+
+def _level_snapshot(spec: BucketSpec | None, level: float | None) -> BucketSnapshot | None:
+    return None if spec is None or level is None else spec.snapshot(level)
+
+
+def _binding(key: BucketSnapshot | None, tenant: BucketSnapshot | None) -> BucketSnapshot | None:
+    if key is None or tenant is None:
+        return tenant if key is None else key
+    return min(key, tenant, key=lambda bucket: (bucket.remaining, bucket.limit))
 
 
 def check_limits(
@@ -179,26 +200,29 @@ def check_limits(
     levels: LimitLevels,
     num_tokens: int,
     concurrency_retry_after_s: float,
+    key: KeyLimits | None = None,
 ) -> RateLimited | None:
     """The refusal for a request reserving num_tokens, or None when every limit has room.
 
     All-or-nothing: a request is admitted only when the requests bucket holds 1, the tokens
-    bucket holds num_tokens and a concurrency slot is free. When several limits refuse, the
-    one that keeps the request out longest is named and its wait is the retry delay.
+    bucket holds num_tokens and a concurrency slot is free, in the tenant's buckets and in
+    its key's (key: the key's own limits, if any). The key's bind first: when they refuse,
+    they are named (KeyRateLimited). Otherwise, when several limits refuse, the one that
+    keeps the request out longest is named and its wait is the retry delay.
     """
+    if key is not None:
+        key_refusals = _bucket_refusals(
+            key.requests_bucket, levels.key_requests, key.tokens_bucket, levels.key_tokens,
+            num_tokens, key.api_key_id,
+        )
+        if key_refusals:
+            wait_s, refusal = max(key_refusals, key=lambda item: item[0])
+            return refusal(wait_s, levels.snapshot(limits, key))
     # (wait, refusal builder) per limit without room; inf: the request can never fit
-    refusals: list[tuple[float, partial[RateLimited]]] = []
-    requests, tokens = limits.requests_bucket, limits.tokens_bucket
-    if requests is not None and levels.requests is not None and levels.requests < 1:
-        wait_s = requests.seconds_until(levels.requests, 1)
-        refusals.append(
-            (wait_s, partial(_bucket_refusal, LimitName.REQUESTS, requests, levels.requests, 1))
-        )
-    if tokens is not None and levels.tokens is not None and levels.tokens < num_tokens:
-        wait_s = tokens.seconds_until(levels.tokens, num_tokens)
-        refusals.append(
-            (wait_s, partial(_bucket_refusal, LimitName.TOKENS, tokens, levels.tokens, num_tokens))
-        )
+    refusals = _bucket_refusals(
+        limits.requests_bucket, levels.requests, limits.tokens_bucket, levels.tokens,
+        num_tokens, None,
+    )
     max_concurrent = limits.max_concurrent_requests
     if max_concurrent is not None and levels.num_concurrent >= max_concurrent:
         wait_s = math.inf if max_concurrent == 0 else concurrency_retry_after_s
@@ -208,7 +232,29 @@ def check_limits(
     if not refusals:
         return None
     wait_s, refusal = max(refusals, key=lambda item: item[0])
-    return refusal(wait_s, levels.snapshot(limits))
+    return refusal(wait_s, levels.snapshot(limits, key))
+
+
+def _bucket_refusals(
+    requests: BucketSpec | None,
+    requests_level: float | None,
+    tokens: BucketSpec | None,
+    tokens_level: float | None,
+    num_tokens: int,
+    api_key_id: str | None,
+) -> list[tuple[float, partial[RateLimited]]]:
+    """(wait, refusal builder) for each of one owner's buckets without room (api_key_id:
+    the key's buckets; None: the tenant's)."""
+    refusals: list[tuple[float, partial[RateLimited]]] = []
+    if requests is not None and requests_level is not None and requests_level < 1:
+        wait_s = requests.seconds_until(requests_level, 1)
+        refusals.append((wait_s, partial(
+            _bucket_refusal, LimitName.REQUESTS, requests, requests_level, 1, api_key_id)))
+    if tokens is not None and tokens_level is not None and tokens_level < num_tokens:
+        wait_s = tokens.seconds_until(tokens_level, num_tokens)
+        refusals.append((wait_s, partial(
+            _bucket_refusal, LimitName.TOKENS, tokens, tokens_level, num_tokens, api_key_id)))
+    return refusals
 
 
 def _concurrency_refusal(
@@ -244,26 +290,32 @@ def _bucket_refusal(
     spec: BucketSpec,
     level: float,
     amount: int,
+    api_key_id: str | None,
     wait_s: float,
     snapshot: RateLimitSnapshot,
 ) -> RateLimited:
+    """api_key_id: the bucket is that key's own (KeyRateLimited, named in the message)."""
     remaining = max(0, math.floor(level))
     reset_s = spec.seconds_until(level, spec.capacity)
     requested = " (prompt + max_tokens)" if name is LimitName.TOKENS else ""
+    bucket = _BUCKET_NAMES[name]
+    if api_key_id is not None:
+        bucket = f"API key {api_key_id}'s own {bucket}"
+    refused = RateLimited if api_key_id is None else KeyRateLimited
     if math.isinf(wait_s):
         message = (
-            f"Request too large for {_BUCKET_NAMES[name]}: limit {spec.capacity}, "
+            f"Request too large for {bucket}: limit {spec.capacity}, "
             f"requested {amount}{requested}. Reduce the request; retrying cannot succeed."
         )
-        return RateLimited(
+        return refused(
             message, name, spec.capacity, remaining, reset_s, None, snapshot, should_retry=False
         )
     message = (
-        f"Rate limit reached for {_BUCKET_NAMES[name]}: limit {spec.capacity}, "
+        f"Rate limit reached for {bucket}: limit {spec.capacity}, "
         f"remaining {remaining}, requested {amount}{requested}; "
         f"resets in {format_duration(reset_s)}. Please retry after {format_duration(wait_s)}."
     )
-    return RateLimited(message, name, spec.capacity, remaining, reset_s, wait_s, snapshot)
+    return refused(message, name, spec.capacity, remaining, reset_s, wait_s, snapshot)
 
 
 class LimiterBackend(StrEnum):
@@ -285,6 +337,8 @@ class RateLimitLease:
     backend: LimiterBackend
     snapshot: RateLimitSnapshot  # right after the charge
     budget: BudgetHold | None = None  # the budget tokens it holds in Redis until its release
+    key: KeyLimits | None = None  # its API key's own limits as charged (None: none)
+    key_budget: BudgetHold | None = None  # the key's budget tokens it holds in Redis
 
 
 class RateLimiter(Protocol):
@@ -296,12 +350,16 @@ class RateLimiter(Protocol):
         limits: TenantLimits,
         num_tokens: int,
         budget: BudgetHold | None = None,
+        key: KeyLimits | None = None,
+        key_budget: BudgetHold | None = None,
     ) -> RateLimitLease:
         """Charge one request and num_tokens and take a concurrency slot, all or nothing.
 
         budget: the request holds num_tokens of limits.monthly_token_budget as well, where
         the backend shares budgets between replicas (Redis); a backend local to the process
-        leaves budgets to the admission controller's own holds.
+        leaves budgets to the admission controller's own holds. key: the request's API key's
+        own limits, charged in the same step (neither is charged when either refuses);
+        key_budget: as budget, for key.monthly_token_budget.
         Raises RateLimited, BudgetExhausted or BudgetHeld (nothing charged), or
         LimiterUnavailable (fail_closed).
         """
@@ -311,18 +369,21 @@ class RateLimiter(Protocol):
         """Free the lease's slot and refund its unused tokens; a second call does nothing."""
         ...
 
-    async def peek(self, tenant_id: str, limits: TenantLimits) -> LimitLevels | None:
+    async def peek(
+        self, tenant_id: str, limits: TenantLimits, key: KeyLimits | None = None
+    ) -> LimitLevels | None:
         """The tenant's levels now, charging nothing (the headers of a request refused before
         the limiter was asked, a screen before costly work); None when they cannot be read
         (Redis away, fail_closed)."""
         ...
 
     async def charge(
-        self, tenant_id: str, limits: TenantLimits, num_tokens: int
+        self, tenant_id: str, limits: TenantLimits, num_tokens: int, key: KeyLimits | None = None
     ) -> LimitLevels | None:
-        """Take one request and num_tokens from the buckets, as far as they hold them (never
-        below empty, never refused, no slot): what a request refused after it made the gateway
-        work costs its tenant. None when Redis is away and fail_closed (nothing charged)."""
+        """Take one request and num_tokens from the buckets (the key's too), as far as they
+        hold them (never below empty, never refused, no slot): what a request refused after it
+        made the gateway work costs its tenant. None when Redis is away and fail_closed
+        (nothing charged)."""
         ...
 
     async def aclose(self) -> None:

@@ -62,6 +62,7 @@ from tenants.repository import (
     record_audit,
     revoke_api_key,
     rotate_api_key,
+    set_api_key_limits,
     set_api_key_models,
     set_tenant_status,
     update_tenant,
@@ -82,6 +83,7 @@ from tenants.snapshots import (
 )
 from tenants.validation import (
     DEFAULT_TIERS,
+    KEY_LIMIT_FIELDS,
     MAX_ROW_ID,
     QUOTA_FIELDS,
     is_row_id,
@@ -93,6 +95,7 @@ __all__ = [
     "DATABASE_URL_ENV",
     "DEFAULT_DATABASE_URL",
     "DEFAULT_TIERS",
+    "KEY_LIMIT_FIELDS",
     "MAX_ROTATION_GRACE_S",
     "MAX_ROW_ID",
     "QUOTA_FIELDS",
@@ -157,6 +160,7 @@ __all__ = [
     "rotate_api_key",
     "save_response",
     "session_scope",
+    "set_api_key_limits",
     "set_api_key_models",
     "set_tenant_status",
     "share_adapter",

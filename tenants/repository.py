@@ -31,6 +31,7 @@ from tenants.validation import (
     validate_allowed_models,
     validate_cache_salt,
     validate_expiry,
+    validate_key_limits,
     validate_name,
     validate_quota,
     validate_row_id,
@@ -182,18 +183,21 @@ def _flush(session: Session, conflict_message: str) -> None:
 
 
 def create_api_key(session: Session, tenant: Tenant, *, name: object, actor: str,
-                   expires_at: object = None, allowed_models: object = None) -> CreatedApiKey:
+                   expires_at: object = None, allowed_models: object = None,
+                   limits: Mapping[str, object] | None = None) -> CreatedApiKey:
     """A new key for tenant, valid until expires_at (None: until revoked), for the models in
-    allowed_models within the tenant's (None: the tenant's); the caller shows
+    allowed_models within the tenant's (None: the tenant's), under its own limits (fields of
+    KEY_LIMIT_FIELDS; absent or None: only the tenant's); the caller shows
     CreatedApiKey.plaintext once and drops it."""
     if not isinstance(name, str) or not 1 <= len(name) <= 128:
         raise InvalidFieldError("name must be a string of 1-128 characters", "name")
     expiry = validate_expiry(expires_at, utc_now())
     models = validate_allowed_models(allowed_models)
+    own_limits = validate_key_limits(limits or {})
     generated = _free_key(session)
     api_key = ApiKey(
         tenant_id=tenant.id, name=name, prefix=generated.prefix, key_hash=generated.key_hash,
-        expires_at=expiry, allowed_models=models,
+        expires_at=expiry, allowed_models=models, **own_limits,
     )
     session.add(api_key)
     session.flush()
@@ -249,6 +253,20 @@ def set_api_key_models(session: Session, api_key: ApiKey, *, allowed_models: obj
     models = validate_allowed_models(allowed_models)
     before = api_key_snapshot(api_key)
     api_key.allowed_models = models
+    session.flush()
+    record_audit(session, actor=actor, action="api_key.update", api_key=api_key, before=before)
+    return api_key
+
+
+def set_api_key_limits(session: Session, api_key: ApiKey, *, limits: Mapping[str, object],
+                       actor: str) -> ApiKey:
+    """Set the key's own limits named in limits (fields of KEY_LIMIT_FIELDS; None: only the
+    tenant's applies), the others kept; audited. Replicas see it when their cached copy of
+    the key expires."""
+    clean = validate_key_limits(limits)
+    before = api_key_snapshot(api_key)
+    for field, value in clean.items():
+        setattr(api_key, field, value)
     session.flush()
     record_audit(session, actor=actor, action="api_key.update", api_key=api_key, before=before)
     return api_key

@@ -10,7 +10,7 @@ from datetime import datetime
 from typing import Any
 
 from tenants.models import ApiKey, AuditEntry, LoraAdapter, Quota, Tenant
-from tenants.validation import QUOTA_FIELDS
+from tenants.validation import KEY_LIMIT_FIELDS, QUOTA_FIELDS
 
 
 def _iso(value: datetime | None) -> str | None:
@@ -51,6 +51,8 @@ def api_key_snapshot(api_key: ApiKey) -> dict[str, Any]:
         # Within the tenant's allowed models; null: the tenant's.
         "allowed_models": (None if api_key.allowed_models is None
                            else list(api_key.allowed_models)),
+        # Its own limits inside its tenant's; null: only the tenant's applies.
+        **{field: getattr(api_key, field) for field in KEY_LIMIT_FIELDS},
     }
 
 

@@ -31,6 +31,11 @@ QUOTA_COUNT_LIMITS: dict[str, int] = {
     "monthly_spend_budget_usd_micros": _INT64_MAX,
 }
 QUOTA_FIELDS: tuple[str, ...] = (*QUOTA_COUNT_LIMITS, "kv_cap_share")
+# An API key's own limits (api_keys columns), each binding before its tenant's of that name.
+KEY_LIMIT_FIELDS: tuple[str, ...] = (
+    "requests_per_minute", "tokens_per_minute", "monthly_token_budget",
+    "monthly_spend_budget_usd_micros",
+)
 
 QuotaValue = int | float | None
 
@@ -154,6 +159,20 @@ def validate_quota(values: Mapping[str, object], param: str = "quota") -> dict[s
             clean[field] = share
         else:
             clean[field] = _as_count(value, QUOTA_COUNT_LIMITS[field], field_param)
+    return clean
+
+
+def validate_key_limits(values: Mapping[str, object]) -> dict[str, int | None]:
+    """Clean API key limit fields (a subset is fine: the caller sets only those); None means
+    only the tenant's limit applies."""
+    clean: dict[str, int | None] = {}
+    for field, value in values.items():
+        if field not in KEY_LIMIT_FIELDS:
+            raise InvalidFieldError(
+                f"unknown key limit; expected one of: {', '.join(KEY_LIMIT_FIELDS)}", field
+            )
+        clean[field] = None if value is None else _as_count(
+            value, QUOTA_COUNT_LIMITS[field], field)
     return clean
 
 

@@ -1,7 +1,9 @@
 """Admission control at the gateway: the policies' AdmissionController behind the routes,
 its refusals translated to OpenAI-shaped 429/503 errors with truthful retry headers.
 
-Limits come from the caller's quota row (TenantPrincipal.quota); a Redis URL shares the
+Limits come from the caller's quota row (TenantPrincipal.quota) and its API key's own
+(TenantPrincipal.key_quota, binding first; a refusal by them has code
+key_rate_limit_exceeded or key_budget_exceeded); a Redis URL shares the
 buckets across replicas, otherwise they live in this process. Every response, streaming or
 not, carries the tenant's x-ratelimit-* headers as of its admission; a refusal carries them
 as of its refusal (read without charging when it came before the limiter: budget, shedding).
@@ -29,6 +31,7 @@ from policies import (
     AdmissionTicket,
     BudgetExhausted,
     FailurePolicy,
+    KeyLimits,
     LimiterUnavailable,
     MemoryRateLimiter,
     MonthlyUsageSource,
@@ -140,6 +143,7 @@ class GatewayAdmission:
             num_max_tokens=num_max_tokens,
             weight=principal.weight,
             model=model,
+            key=_key_limits(principal),
         )
         try:
             ticket = await self.controller.admit(request)
@@ -154,7 +158,8 @@ class GatewayAdmission:
         """429 now, before the gateway reads or tokenizes a large body, when the tenant's
         rate limits have no request or no token left (charges nothing)."""
         try:
-            await self.controller.screen(str(principal.tenant_id), _limits(principal))
+            await self.controller.screen(
+                str(principal.tenant_id), _limits(principal), _key_limits(principal))
         except AdmissionRefused as refused:
             raise _translate(refused) from None
 
@@ -174,7 +179,7 @@ class GatewayAdmission:
         """A request refused with a 4xx after authentication still costs its tenant one
         request and the tokens it was found to hold, so bad requests are rate-limited too."""
         await self.controller.charge_refused(
-            str(principal.tenant_id), _limits(principal), num_tokens
+            str(principal.tenant_id), _limits(principal), num_tokens, _key_limits(principal)
         )
 
     def started(self, grant: AdmissionGrant) -> None:
@@ -229,6 +234,19 @@ def _limits(principal: TenantPrincipal) -> TenantLimits:
     )
 
 
+def _key_limits(principal: TenantPrincipal) -> KeyLimits | None:
+    """The key's own limits, or None when it has none (nothing more to check or charge)."""
+    quota = principal.key_quota
+    key = KeyLimits(
+        api_key_id=str(principal.api_key_id),
+        requests_per_minute=quota.requests_per_minute,
+        tokens_per_minute=quota.tokens_per_minute,
+        monthly_token_budget=quota.monthly_token_budget,
+        monthly_spend_budget_usd_micros=quota.monthly_spend_budget_usd_micros,
+    )
+    return key if key.has_rate_limits or key.has_budget else None
+
+
 def _translate(refused: AdmissionRefused) -> AdmissionRefusal:
     headers: dict[str, str] = {}
     if refused.snapshot is not None:
@@ -240,11 +258,11 @@ def _translate(refused: AdmissionRefused) -> AdmissionRefusal:
         headers["x-should-retry"] = "false"
     error: AdmissionRefusal
     if isinstance(refused, BudgetExhausted):
-        error = QuotaRefusal(refused.message, headers=headers)
+        error = QuotaRefusal(refused.message, headers=headers, code=refused.code)
     elif isinstance(refused, LimiterUnavailable):
-        error = LimiterDownRefusal(refused.message, headers=headers)
+        error = LimiterDownRefusal(refused.message, headers=headers, code=refused.code)
     else:
-        error = RateLimitRefusal(refused.message, headers=headers)
+        error = RateLimitRefusal(refused.message, headers=headers, code=refused.code)
     error.reason = str(refused.reason)
     error.retry_after_s = refused.retry_after_s
     return error

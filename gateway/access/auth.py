@@ -119,6 +119,17 @@ class TenantQuota:
 
 
 @dataclass(frozen=True)
+class KeyQuota:
+    """The API key's own limits at resolution time, inside its tenant's; None: only the
+    tenant's limit applies."""
+
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+    monthly_token_budget: int | None = None
+    monthly_spend_budget_usd_micros: int | None = None
+
+
+@dataclass(frozen=True)
 class TenantPrincipal:
     """Who is calling: what admission and the engine need, with no database behind it."""
 
@@ -133,6 +144,8 @@ class TenantPrincipal:
     quota: TenantQuota
     # The served models its requests may name (adapters of them included); None: every one.
     allowed_models: frozenset[str] | None = None
+    # The key's own limits, binding before the tenant's (both apply).
+    key_quota: KeyQuota = KeyQuota()
 
     def may_use(self, model: str) -> bool:
         return self.allowed_models is None or model in self.allowed_models
@@ -454,6 +467,12 @@ def _principal(api_key: ApiKey) -> TenantPrincipal:
         cache_salt=tenant.cache_salt,
         api_key_id=api_key.id,
         allowed_models=_allowed_models(tenant.allowed_models, api_key.allowed_models),
+        key_quota=KeyQuota(
+            requests_per_minute=api_key.requests_per_minute,
+            tokens_per_minute=api_key.tokens_per_minute,
+            monthly_token_budget=api_key.monthly_token_budget,
+            monthly_spend_budget_usd_micros=api_key.monthly_spend_budget_usd_micros,
+        ),
         quota=TenantQuota(
             requests_per_minute=quota.requests_per_minute,
             tokens_per_minute=quota.tokens_per_minute,

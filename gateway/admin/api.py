@@ -220,13 +220,14 @@ class _AdminApi:
     async def create_key(self, request: Request) -> Response:
         ref, actor = request.path_params["tenant"], admin_actor(request)
         body = await json_object(request, allow_empty=True)
-        reject_unknown(body, ("name", "expires_at", "allowed_models"))
+        reject_unknown(body, ("name", "expires_at", "allowed_models", *tenants.KEY_LIMIT_FIELDS))
 
         def work(session: Session) -> dict[str, Any]:
             tenant = tenants.find_tenant(session, ref)
             created = tenants.create_api_key(
                 session, tenant, name=body.get("name", "default"), actor=actor,
                 expires_at=body.get("expires_at"), allowed_models=body.get("allowed_models"),
+                limits=_key_limits(body),
             )
             # The only time the plaintext leaves the server.
             return {**tenants.api_key_snapshot(created.api_key), "key": created.plaintext}
@@ -243,18 +244,25 @@ class _AdminApi:
 
     async def update_key(self, request: Request) -> Response:
         """{"allowed_models": [...] | null}: the models the key may use, within its tenant's
-        (null: the tenant's)."""
+        (null: the tenant's); and/or the key's own limits (requests_per_minute,
+        tokens_per_minute, monthly_token_budget, monthly_spend_budget_usd_micros: a
+        non-negative integer, or null: only the tenant's applies)."""
         key_id: int = request.path_params["key_id"]
         actor = admin_actor(request)
         body = await json_object(request)
-        reject_unknown(body, ("allowed_models",))
-        if "allowed_models" not in body:
-            raise BadRequestError("nothing to change: send allowed_models", param="body")
+        reject_unknown(body, ("allowed_models", *tenants.KEY_LIMIT_FIELDS))
+        limits = _key_limits(body)
+        if "allowed_models" not in body and not limits:
+            raise BadRequestError(
+                "nothing to change: send allowed_models or a key limit", param="body")
 
         def work(session: Session) -> dict[str, Any]:
-            api_key = tenants.set_api_key_models(
-                session, tenants.get_api_key(session, key_id),
-                allowed_models=body["allowed_models"], actor=actor)
+            api_key = tenants.get_api_key(session, key_id)
+            if "allowed_models" in body:
+                tenants.set_api_key_models(
+                    session, api_key, allowed_models=body["allowed_models"], actor=actor)
+            if limits:
+                tenants.set_api_key_limits(session, api_key, limits=limits, actor=actor)
             return tenants.api_key_snapshot(api_key)
 
         snapshot = await self._in_session(work)
@@ -314,6 +322,11 @@ class _AdminApi:
             ]
         )
         return list_response(data)
+
+
+def _key_limits(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The key limit fields a body sends (validated by tenants)."""
+    return {field: body[field] for field in tenants.KEY_LIMIT_FIELDS if field in body}
 
 
 def _status_param(value: str | None) -> TenantStatus | None:

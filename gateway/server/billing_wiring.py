@@ -90,3 +90,13 @@ class LedgerBudgets:
             logger.warning("monthly usage of tenant %s unknown (database down)", tenant_id)
             return MonthlyUsage(num_tokens=0, spend_usd_micros=0)
         return MonthlyUsage(num_tokens=usage.num_tokens, spend_usd_micros=usage.spend_usd_micros)
+
+    async def key_monthly_usage(self, api_key_id: str) -> MonthlyUsage:
+        """An API key's own usage this month; unknown (0) while the database is down, as a
+        tenant's."""
+        try:
+            usage = await self.ledger.key_monthly_usage(int(api_key_id))
+        except LedgerUnavailableError:
+            logger.warning("monthly usage of API key %s unknown (database down)", api_key_id)
+            return MonthlyUsage(num_tokens=0, spend_usd_micros=0)
+        return MonthlyUsage(num_tokens=usage.num_tokens, spend_usd_micros=usage.spend_usd_micros)

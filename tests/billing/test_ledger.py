@@ -490,6 +490,45 @@ def test_monthly_usage_loads_once_then_counts_new_records(
     assert tenant_2 == MonthlyUsage(120 + 120, 134 + 134)  # no recompute charge for tenant 2
 
 
+def test_key_monthly_usage_counts_only_the_keys_own_records(
+    session_factory: sessionmaker[Session], tmp_path: Path
+) -> None:
+    """An API key's total (its own budgets): its records' tokens and charges this month,
+    loaded once then kept current; recompute charged to its tenant is not the key's."""
+    with session_factory.begin() as session:
+        insert_records(
+            session,
+            [
+                make_record("key-10", finished_at=NOW, amount_usd_micros=1_000),
+                make_record("key-11", api_key_id=11, finished_at=NOW),
+                make_record("last-month", finished_at=datetime(2026, 10, 31, 23, 59, tzinfo=UTC)),
+            ],
+        )
+
+    async def scenario() -> list[MonthlyUsage]:
+        ledger = _ledger(session_factory, tmp_path / "spool.jsonl")
+        await ledger.start()
+        seen = [await ledger.key_monthly_usage(10), await ledger.monthly_usage(1)]
+        await ledger.record(make_record("new", finished_at=NOW, amount_usd_micros=500))
+        await ledger.record(make_record("other-key", api_key_id=11, finished_at=NOW))
+        await ledger.record(make_record(
+            "preempted", tenant_id=2, api_key_id=20, finished_at=NOW,
+            recompute_gpu_seconds=0.5, recompute_charged_tenant_id=1,
+            recompute_amount_usd_micros=200,
+        ))
+        seen += [await ledger.key_monthly_usage(10), await ledger.key_monthly_usage(11),
+                 await ledger.monthly_usage(1)]
+        await ledger.close()
+        return seen
+
+    key_loaded, tenant_loaded, key_after, other_key, tenant_after = _run(scenario)
+    assert key_loaded == MonthlyUsage(120, 1_000)
+    assert tenant_loaded == MonthlyUsage(240, 1_000 + 134)
+    assert key_after == MonthlyUsage(240, 1_500)
+    assert other_key == MonthlyUsage(240, 268)
+    assert tenant_after == MonthlyUsage(480, 1_134 + 500 + 134 + 200)
+
+
 def test_monthly_usage_counts_spooled_records_once(
     own_database: OwnDatabase, tmp_path: Path
 ) -> None:

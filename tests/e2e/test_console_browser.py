@@ -468,7 +468,9 @@ def test_rotate_a_key_keeps_the_old_secret_for_its_grace(
 ) -> None:
     _create_tenants(server, {"name": "rotating"})
     with server.admin() as admin:
-        old = admin.post("/admin/v1/tenants/rotating/keys", json={"name": "ci"}).json()
+        old = admin.post("/admin/v1/tenants/rotating/keys", json={
+            "name": "ci", "requests_per_minute": 5, "monthly_spend_budget_usd_micros": 20_000_000,
+        }).json()
     console.open("#tenant/rotating")
     console.sign_in()
     page = console.page
@@ -485,6 +487,7 @@ def test_rotate_a_key_keeps_the_old_secret_for_its_grace(
     expect(row).to_have_count(1)
     expect(row).to_have_attribute("data-prefix", new[:len(old["prefix"])])
     expect(row).to_contain_text("old secret until")
+    expect(row).to_contain_text("limits: 5 RPM, $20.00/month")  # the key's own, kept
     assert server.whoami(new).json()["tenant"] == "rotating"
     assert server.whoami(old["key"]).json()["tenant"] == "rotating"  # its grace
     with server.admin() as admin:

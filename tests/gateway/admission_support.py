@@ -76,20 +76,31 @@ def create_tenant(
     server: ServeProcess, quota: Mapping[str, int | None], *, tier: str = "standard"
 ) -> str:
     """A new tenant with quota, through the admin API; returns its API key."""
-    admin = {"x-admin-token": ADMIN_TOKEN}
-    name = f"t-{secrets.token_hex(4)}"
+    return create_key(server, create_tenant_id(server, quota, tier=tier))
+
+
+def create_tenant_id(
+    server: ServeProcess, quota: Mapping[str, int | None], *, tier: str = "standard"
+) -> int:
+    """A new tenant with quota and no key yet, through the admin API; returns its id."""
     created = httpx.post(
         f"{server.base_url}/admin/v1/tenants",
-        json={"name": name, "tier": tier, "quota": dict(quota)},
-        headers=admin,
+        json={"name": f"t-{secrets.token_hex(4)}", "tier": tier, "quota": dict(quota)},
+        headers={"x-admin-token": ADMIN_TOKEN},
         timeout=30,
     )
     assert created.status_code == 201, created.text
-    tenant_id = created.json()["id"]
+    return int(created.json()["id"])
+
+
+def create_key(
+    server: ServeProcess, tenant_id: int, limits: Mapping[str, int | None] | None = None
+) -> str:
+    """A new API key of the tenant (limits: the key's own), through the admin API."""
     key = httpx.post(
         f"{server.base_url}/admin/v1/tenants/{tenant_id}/keys",
-        json={"name": "e2e"},
-        headers=admin,
+        json={"name": "e2e", **(limits or {})},
+        headers={"x-admin-token": ADMIN_TOKEN},
         timeout=30,
     )
     assert key.status_code == 201, key.text

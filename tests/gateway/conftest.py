@@ -76,6 +76,7 @@ def build_harness(
                 "tier": principal.tier,
                 "api_key_id": principal.api_key_id,
                 "requests_per_minute": principal.quota.requests_per_minute,
+                "key_requests_per_minute": principal.key_quota.requests_per_minute,
             }
         )
 

@@ -17,6 +17,9 @@ from policies import (
     AdmissionTicket,
     BudgetExhausted,
     BudgetHeld,
+    KeyBudgetExhausted,
+    KeyBudgetHeld,
+    KeyLimits,
     MemoryRateLimiter,
     MonthlyUsage,
     QueueFull,
@@ -47,9 +50,13 @@ class LedgerTotals:
 
     def __init__(self) -> None:
         self.totals: dict[str, MonthlyUsage] = {}
+        self.key_totals: dict[str, MonthlyUsage] = {}  # by API key id
 
     async def monthly_usage(self, tenant_id: str) -> MonthlyUsage:
         return self.totals.get(tenant_id, MonthlyUsage(0, 0))
+
+    async def key_monthly_usage(self, api_key_id: str) -> MonthlyUsage:
+        return self.key_totals.get(api_key_id, MonthlyUsage(0, 0))
 
 
 class EngineStats:
@@ -127,6 +134,52 @@ def test_budget_is_checked_first_and_says_not_to_retry() -> None:
         # the limiter was never charged: a full minute's requests are still there
         lease = limiter.acquire_now("t1", LIMITS, 1)
         assert lease.snapshot.requests is not None and lease.snapshot.requests.remaining == 59
+
+    asyncio.run(main())
+
+
+def test_a_keys_own_budgets_bind_before_its_tenants_and_spare_its_other_keys() -> None:
+    ledger = LedgerTotals()
+    spent = KeyLimits("5", monthly_spend_budget_usd_micros=2_000_000)
+    tokens = KeyLimits("6", monthly_token_budget=2_500)
+    limits = replace(LIMITS, max_concurrent_requests=None)
+
+    async def main() -> None:
+        controller, limiter = _controller(ledger)
+        # the tenant's budgets are spent too: the key's refusal is the one named
+        ledger.totals["t1"] = MonthlyUsage(num_tokens=1_000_000, spend_usd_micros=0)
+        ledger.key_totals["5"] = MonthlyUsage(num_tokens=10, spend_usd_micros=2_000_000)
+        with pytest.raises(KeyBudgetExhausted) as exhausted:
+            await controller.admit(replace(_request(limits=limits), key=spent))
+        assert exhausted.value.code == "key_budget_exceeded"
+        assert exhausted.value.reason is RefusalReason.KEY_BUDGET
+        assert not exhausted.value.should_retry
+        assert "Monthly spend budget exhausted for API key 5" in exhausted.value.message
+        # the tenant's refusal for a key with room of its own is the tenant's
+        with pytest.raises(BudgetExhausted) as tenant_exhausted:
+            await controller.admit(replace(_request(limits=limits), key=tokens))
+        assert not isinstance(tenant_exhausted.value, KeyBudgetExhausted)
+        assert tenant_exhausted.value.code is None
+        ledger.totals["t1"] = MonthlyUsage(num_tokens=0, spend_usd_micros=0)
+        # the key's token budget holds what its requests in flight may use, as the tenant's
+        ledger.key_totals["6"] = MonthlyUsage(num_tokens=500, spend_usd_micros=0)
+        first = await controller.admit(replace(_request(limits=limits), key=tokens))
+        second = await controller.admit(replace(_request(limits=limits), key=tokens))
+        with pytest.raises(KeyBudgetHeld) as held:
+            small = _request(limits=limits, prompt=10, max_tokens=10)
+            await controller.admit(replace(small, key=tokens))
+        assert held.value.code == "key_budget_exceeded" and held.value.should_retry
+        assert "API key 6" in held.value.message
+        # the tenant's other keys pass meanwhile
+        other = await controller.admit(replace(_request(limits=limits), key=KeyLimits("7")))
+        for ticket in (first, second, other):
+            await controller.release(ticket, num_tokens_used=1000)
+        ledger.key_totals["6"] = MonthlyUsage(num_tokens=1500, spend_usd_micros=0)
+        # released: the hold is gone, and 1,000 tokens are left for the key
+        await controller.admit(replace(_request(limits=limits), key=tokens))
+        # a refusal by the key's budget took nothing from the rate limits
+        levels = limiter.peek_now("t1", limits)
+        assert levels.requests == 56  # four admitted of 60
 
     asyncio.run(main())
 

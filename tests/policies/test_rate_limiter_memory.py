@@ -7,7 +7,16 @@ import random
 
 import pytest
 
-from policies import LimiterBackend, LimitName, MemoryRateLimiter, RateLimited, TenantLimits
+from policies import (
+    KeyLimits,
+    KeyRateLimited,
+    LimiterBackend,
+    LimitName,
+    MemoryRateLimiter,
+    RateLimited,
+    RefusalReason,
+    TenantLimits,
+)
 from tests.manual_clock import ManualClock
 
 
@@ -135,3 +144,45 @@ def test_concurrent_tasks_cannot_overshoot() -> None:
     num_requests, num_tokens = asyncio.run(main())
     assert num_requests == 100
     assert 10_000 - max(sizes) < num_tokens <= 10_000
+
+
+def test_a_keys_own_limits_bind_before_its_tenants_and_refusals_charge_neither() -> None:
+    clock = ManualClock()
+    limiter = MemoryRateLimiter(clock)
+    tenant = TenantLimits(requests_per_minute=100, tokens_per_minute=1000)
+    capped = KeyLimits("7", requests_per_minute=5, tokens_per_minute=300)
+    other = KeyLimits("8", tokens_per_minute=10_000)
+    leases = [limiter.acquire_now("a", tenant, 10, key=capped) for _ in range(5)]
+    # the headers show the binding bucket: the key's 5 RPM, not the tenant's 100
+    assert leases[-1].snapshot.requests is not None
+    assert (leases[-1].snapshot.requests.limit, leases[-1].snapshot.requests.remaining) == (5, 0)
+    with pytest.raises(KeyRateLimited) as refused:
+        limiter.acquire_now("a", tenant, 10, key=capped)
+    assert refused.value.limit_name is LimitName.REQUESTS
+    assert refused.value.code == "key_rate_limit_exceeded"
+    assert refused.value.reason is RefusalReason.KEY_RATE_LIMIT
+    assert "API key 7" in refused.value.message
+    assert refused.value.retry_after_s == pytest.approx(12.0)  # one of 5 a minute
+    # the key's refusal took nothing from the tenant: 95 requests and 950 tokens left
+    levels = limiter.peek_now("a", tenant, capped)
+    assert (levels.requests, levels.tokens) == (95, 950)
+    assert (levels.key_requests, levels.key_tokens) == (0, 250)
+    # another key of the tenant still passes
+    lease = limiter.acquire_now("a", tenant, 900, key=other)
+    assert limiter.peek_now("a", tenant, other).key_tokens == 9100
+    # a release refunds the unused tokens to the tenant's bucket and to its key's
+    limiter.release_now(leases[0], num_tokens_used=4)
+    levels = limiter.peek_now("a", tenant, capped)
+    assert (levels.tokens, levels.key_tokens) == (56, 256)
+    limiter.release_now(lease, num_tokens_used=100)
+    levels = limiter.peek_now("a", tenant, other)
+    assert (levels.tokens, levels.key_tokens) == (856, 9900)
+    # when the tenant's bucket refuses, the key's is not charged either
+    roomy = KeyLimits("9", tokens_per_minute=5000)
+    with pytest.raises(RateLimited) as tenant_refused:
+        limiter.acquire_now("a", tenant, 900, key=roomy)
+    assert not isinstance(tenant_refused.value, KeyRateLimited)
+    assert tenant_refused.value.limit_name is LimitName.TOKENS
+    assert tenant_refused.value.code is None  # the gateway's rate_limit_exceeded
+    levels = limiter.peek_now("a", tenant, roomy)
+    assert (levels.requests, levels.tokens, levels.key_tokens) == (94, 856, 5000)

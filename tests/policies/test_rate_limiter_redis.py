@@ -17,6 +17,8 @@ from redis.asyncio import Redis as AsyncRedis
 
 from policies import (
     FailurePolicy,
+    KeyLimits,
+    KeyRateLimited,
     LimiterBackend,
     LimiterUnavailable,
     LimitName,
@@ -187,6 +189,73 @@ def test_refusal_charges_nothing_and_release_refunds(redis_url: str, key_prefix:
             assert not too_large.value.should_retry
         finally:
             await limiter.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_keys_own_limits_bind_first_across_replicas_and_charge_all_or_nothing(
+    redis_url: str, key_prefix: str
+) -> None:
+    """Two replicas share a key's 5 RPM inside its tenant's 100: the key gets 5 requests
+    in all, its refusals charge the tenant nothing, the tenant's charge its key nothing,
+    and a release refunds both tokens buckets."""
+    tenant = TenantLimits(
+        requests_per_minute=1, burst_requests=100, tokens_per_minute=1, burst_tokens=1000
+    )
+    capped = KeyLimits("7", requests_per_minute=5, tokens_per_minute=60)
+    roomy = KeyLimits("8", tokens_per_minute=1200)  # refills 20 tokens a second
+
+    async def attempt(replica: RedisRateLimiter) -> RateLimitLease | KeyRateLimited:
+        try:
+            return await replica.acquire("t", tenant, 10, key=capped)
+        except KeyRateLimited as refused:
+            return refused
+
+    async def main() -> None:
+        replicas = _replicas(redis_url, key_prefix, 2, **_PATIENT)
+        try:
+            outcomes = await asyncio.gather(*(attempt(replicas[i % 2]) for i in range(20)))
+            leases = [o for o in outcomes if isinstance(o, RateLimitLease)]
+            refusals = [o for o in outcomes if isinstance(o, KeyRateLimited)]
+            assert len(leases) == 5 and len(refusals) == 15
+            for refused in refusals:
+                assert refused.code == "key_rate_limit_exceeded"
+                assert refused.limit_name is LimitName.REQUESTS
+                # the headers show the key's bucket, the one that bound
+                assert refused.snapshot is not None and refused.snapshot.requests is not None
+                assert refused.snapshot.requests.limit == 5
+            # only the five admitted were charged to the tenant
+            levels = await replicas[1].peek("t", tenant, capped)
+            assert levels is not None
+            assert levels.requests == pytest.approx(95, abs=0.2)
+            assert levels.tokens == pytest.approx(950, abs=0.2)
+            assert levels.key_requests == pytest.approx(0, abs=0.5)
+            # another key of the tenant still passes, on either replica
+            other = await replicas[0].acquire("t", tenant, 900, key=roomy)
+            # the tenant's tokens refuse the next one: the key's bucket is left full
+            with pytest.raises(RateLimited) as tenant_refused:
+                await replicas[1].acquire("t", tenant, 100, key=roomy)
+            assert not isinstance(tenant_refused.value, KeyRateLimited)
+            assert tenant_refused.value.code is None
+            levels = await replicas[1].peek("t", tenant, roomy)
+            # 300 left after the 900 and refilling: not 100 less (the refused request)
+            assert levels is not None and levels.key_tokens is not None
+            assert 300 - 0.5 <= levels.key_tokens < 380
+            assert levels.requests == pytest.approx(94, abs=0.2)
+            # a release refunds the unused tokens to the tenant's bucket and to the key's
+            before = await replicas[0].peek("t", tenant, capped)
+            await replicas[1].release(leases[0], num_tokens_used=4)
+            after = await replicas[0].peek("t", tenant, capped)
+            assert before is not None and after is not None
+            assert before.tokens is not None and after.tokens is not None
+            assert before.key_tokens is not None and after.key_tokens is not None
+            assert after.tokens - before.tokens == pytest.approx(6, abs=0.2)
+            assert after.key_tokens - before.key_tokens == pytest.approx(6, abs=0.5)
+            await replicas[0].release(other, num_tokens_used=900)
+            for lease in leases[1:]:
+                await replicas[0].release(lease, num_tokens_used=10)
+        finally:
+            await _close(replicas)
 
     asyncio.run(main())
 

@@ -17,6 +17,9 @@ from policies import (
     BudgetExhausted,
     BudgetHeld,
     BudgetHold,
+    KeyBudgetExhausted,
+    KeyBudgetHeld,
+    KeyLimits,
     MonthlyUsage,
     RateLimitLease,
     RedisLimiterConfig,
@@ -39,6 +42,9 @@ class Totals:
     async def monthly_usage(self, tenant_id: str) -> MonthlyUsage:
         return MonthlyUsage(self.num_tokens, 0)
 
+    async def key_monthly_usage(self, api_key_id: str) -> MonthlyUsage:
+        return MonthlyUsage(0, 0)  # what the replica's ledger knows of a key: nothing yet
+
 
 class LocalHoldsOnly(RedisRateLimiter):
     """The limiter as it was before budgets were held in Redis: the budget is not passed
@@ -50,8 +56,10 @@ class LocalHoldsOnly(RedisRateLimiter):
         limits: TenantLimits,
         num_tokens: int,
         budget: BudgetHold | None = None,
+        key: KeyLimits | None = None,
+        key_budget: BudgetHold | None = None,
     ) -> RateLimitLease:
-        return await super().acquire(tenant_id, limits, num_tokens)
+        return await super().acquire(tenant_id, limits, num_tokens, key=key)
 
 
 def _replicas(
@@ -167,5 +175,48 @@ def test_the_count_follows_the_ledger_and_the_month(redis_url: str, key_prefix: 
                 client.close()
         finally:
             await limiter.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_keys_own_budget_is_held_across_replicas_and_binds_before_its_tenants(
+    redis_url: str, key_prefix: str
+) -> None:
+    """A key with a budget of 1,000 tokens under a tenant with none: requests together on
+    three replicas hold at most the key's budget, what they used counts on every replica,
+    and the tenant's other key is not concerned."""
+    capped = KeyLimits("31", monthly_token_budget=1_000)
+
+    def request(key: KeyLimits | None) -> AdmissionRequest:
+        return AdmissionRequest("k", "standard", TenantLimits(), num_prompt_tokens=20,
+                                num_max_tokens=REQUEST_TOKENS - 20, key=key)
+
+    async def main() -> None:
+        controllers = _replicas(redis_url, key_prefix, [Totals(), Totals(), Totals()])
+        try:
+            results = await asyncio.gather(
+                *(controllers[i % 3].admit(request(capped)) for i in range(24)),
+                return_exceptions=True,
+            )
+            admitted = [r for r in results if isinstance(r, AdmissionTicket)]
+            refused = [r for r in results if not isinstance(r, AdmissionTicket)]
+            assert len(admitted) == 1_000 // REQUEST_TOKENS
+            assert all(isinstance(r, KeyBudgetHeld) for r in refused), refused
+            assert {r.code for r in refused if isinstance(r, KeyBudgetHeld)} == {
+                "key_budget_exceeded"}
+            # the tenant's other key passes meanwhile
+            other = await controllers[1].admit(request(KeyLimits("32")))
+            for ticket in admitted:
+                await controllers[0].release(ticket, REQUEST_TOKENS)
+            await controllers[1].release(other, REQUEST_TOKENS)
+            # 960 used, counted in Redis: a replica whose ledger knows nothing refuses for good
+            try:
+                await controllers[2].admit(request(capped))
+            except KeyBudgetExhausted as exc:
+                assert exc.code == "key_budget_exceeded" and "API key 31" in exc.message
+            else:
+                raise AssertionError("admitted past the key's budget")
+        finally:
+            await _close(controllers)
 
     asyncio.run(main())

@@ -58,8 +58,22 @@ function stateBadges(key) {
   // Its own list, within the tenant's (none: the tenant's).
   if (key.allowed_models)
     badges.push(h("span", { class: "muted", text: `; models: ${key.allowed_models.join(", ") || "none"}` }));
+  // Its own limits, binding before the tenant's (none set: only the tenant's apply).
+  const limits = keyLimitsText(key);
+  if (limits) badges.push(h("span", { class: "muted key-limits", text: `; limits: ${limits}` }));
   return badges;
 }
+
+function keyLimitsText(key) {
+  const parts = [];
+  if (key.requests_per_minute != null) parts.push(`${key.requests_per_minute} RPM`);
+  if (key.tokens_per_minute != null) parts.push(`${key.tokens_per_minute} TPM`);
+  if (key.monthly_token_budget != null) parts.push(`${key.monthly_token_budget} tokens/month`);
+  if (key.monthly_spend_budget_usd_micros != null)
+    parts.push(`$${(key.monthly_spend_budget_usd_micros / 1e6).toFixed(2)}/month`);
+  return parts.join(", ");
+}
+
 
 function keyRow(key, revoke, rotate) {
   const actions = h("td", {});

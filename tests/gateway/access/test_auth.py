@@ -106,6 +106,7 @@ def test_valid_key_resolves_to_its_tenant(client: TestClient, session: Session) 
         "tier": "premium",
         "api_key_id": key_id,
         "requests_per_minute": 60,
+        "key_requests_per_minute": None,  # the key has no limit of its own
     }
 
 

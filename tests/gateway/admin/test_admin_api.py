@@ -327,6 +327,47 @@ def test_revoke_key(admin: TestClient, method: str) -> None:
     assert _error(whoami, 403)["code"] == "api_key_revoked"
 
 
+def test_a_keys_own_limits_round_trip_validated_audited_and_reach_its_principal(
+    admin: TestClient,
+) -> None:
+    _create_tenant(admin)
+    created = admin.post("/admin/v1/tenants/acme/keys", json={
+        "name": "ci", "requests_per_minute": 5, "monthly_spend_budget_usd_micros": 2_000_000})
+    assert created.status_code == 201, created.text
+    key = created.json()
+    assert (key["requests_per_minute"], key["tokens_per_minute"], key["monthly_token_budget"],
+            key["monthly_spend_budget_usd_micros"]) == (5, None, None, 2_000_000)
+    bearer = {"authorization": f"Bearer {key['key']}"}
+    assert admin.get("/v1/whoami", headers=bearer).json()["key_requests_per_minute"] == 5
+
+    path = f"/admin/v1/keys/{key['id']}"
+    changed = admin.patch(path, json={"requests_per_minute": 7, "tokens_per_minute": 1000})
+    assert changed.status_code == 200, changed.text
+    assert (changed.json()["requests_per_minute"], changed.json()["tokens_per_minute"],
+            changed.json()["monthly_spend_budget_usd_micros"]) == (7, 1000, 2_000_000)
+    # the change reaches the key's cached principal at once (no wait for the cache's TTL)
+    assert admin.get("/v1/whoami", headers=bearer).json()["key_requests_per_minute"] == 7
+    cleared = admin.patch(path, json={"requests_per_minute": None})
+    assert cleared.json()["requests_per_minute"] is None
+    assert admin.get("/v1/whoami", headers=bearer).json()["key_requests_per_minute"] is None
+
+    for field, value in (("tokens_per_minute", -1), ("monthly_token_budget", "10"),
+                         ("requests_per_minute", 1.5), ("monthly_spend_budget_usd_micros", True),
+                         ("requests_per_minute", 2**31)):
+        assert _error(admin.patch(path, json={field: value}), 400)["param"] == field
+        refused = admin.post("/admin/v1/tenants/acme/keys", json={field: value})
+        assert _error(refused, 400)["param"] == field
+    assert _error(admin.patch(path, json={}), 400)["param"] == "body"
+    assert admin.get(path).json()["tokens_per_minute"] == 1000  # the 400s changed nothing
+
+    entries = admin.get("/admin/v1/audit", params={"target_type": "api_key"}).json()["data"]
+    assert [e["action"] for e in entries] == ["api_key.update", "api_key.update", "api_key.create"]
+    assert entries[1]["before"]["requests_per_minute"] == 5
+    assert entries[1]["after"]["requests_per_minute"] == 7
+    assert entries[1]["after"]["tokens_per_minute"] == 1000
+    assert entries[0]["after"]["requests_per_minute"] is None
+
+
 # --- audit log -------------------------------------------------------------------------------
 
 

@@ -108,6 +108,33 @@ def test_keys_create_list_revoke(cli: Cli, session: Session) -> None:
     assert found is not None and found.api_key.is_revoked
 
 
+def test_keys_limits_set_keep_and_clear_a_keys_own_limits(cli: Cli, session: Session) -> None:
+    cli.json("tenants", "create", "acme")
+    created = cli.json("keys", "create", "acme", "--requests-per-minute", "5",
+                       "--monthly-spend-budget-usd", "12.50")
+    assert (created["requests_per_minute"], created["monthly_spend_budget_usd_micros"]) == (
+        5, 12_500_000)
+    key_id = str(created["id"])
+    changed = cli.json("keys", "limits", key_id, "--tokens-per-minute", "2000",
+                       "--monthly-token-budget", "100000", "--requests-per-minute", "none")
+    assert (changed["requests_per_minute"], changed["tokens_per_minute"],
+            changed["monthly_token_budget"], changed["monthly_spend_budget_usd_micros"]) == (
+        None, 2000, 100_000, 12_500_000)  # what no option names is kept
+    cleared = cli.json("keys", "limits", key_id, "--monthly-spend-budget-usd", "none")
+    assert cleared["monthly_spend_budget_usd_micros"] is None
+    status, _, err = cli("keys", "limits", key_id, "--tokens-per-minute", "-3")
+    assert status == 1 and "(tokens_per_minute)" in err
+    status, _, err = cli("keys", "limits", key_id)
+    assert status == 2 and "nothing to change" in err
+    with pytest.raises(SystemExit):  # argparse: not a number of dollars
+        cli("keys", "limits", key_id, "--monthly-spend-budget-usd", "lots")
+    entries = tenants.list_audit_entries(session, target_type="api_key")
+    assert [e.action for e in entries] == ["api_key.update", "api_key.update", "api_key.create"]
+    assert entries[1].before is not None and entries[1].after is not None
+    assert entries[1].before["requests_per_minute"] == 5
+    assert entries[1].after["requests_per_minute"] is None
+
+
 def test_cli_writes_are_audited(cli: Cli, session: Session) -> None:
     cli.json("tenants", "create", "acme")
     cli.json("tenants", "update", "acme", "--weight", "3")
