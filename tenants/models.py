@@ -131,6 +131,7 @@ class Quota(Base):
             name="counts_not_negative",
         ),
         CheckConstraint("burst_requests >= 0 AND burst_tokens >= 0", name="bursts_not_negative"),
+        CheckConstraint("file_storage_bytes >= 0", name="file_storage_not_negative"),
     )
 
     tenant_id: Mapped[int] = mapped_column(
@@ -149,6 +150,8 @@ class Quota(Base):
     monthly_token_budget: Mapped[int | None] = mapped_column(BigInteger)
     # Whole micro-dollars (1 USD = 1_000_000), exact on every backend.
     monthly_spend_budget_usd_micros: Mapped[int | None] = mapped_column(BigInteger)
+    # Most bytes its uploaded files (the Files API) may hold together.
+    file_storage_bytes: Mapped[int | None] = mapped_column(BigInteger)
     updated_at: Mapped[datetime] = mapped_column(UtcDateTime, default=utc_now, onupdate=utc_now)
 
     tenant: Mapped[Tenant] = relationship(back_populates="quota")
@@ -301,3 +304,23 @@ class StoredResponse(Base):
     # The chat messages this response ends (previous turns, this input, this output), without
     # the instructions: what a request naming it as previous_response_id continues.
     conversation: Mapped[list[dict[str, Any]]] = mapped_column(JSON)
+
+
+class StoredFile(Base):
+    """A file a tenant uploaded through the Files API; its bytes are in the deployment's file
+    storage (gateway.files) under its id. Visible to its tenant only."""
+
+    __tablename__ = "files"
+    __table_args__ = (
+        CheckConstraint("bytes >= 0 AND num_lines >= 0", name="sizes_not_negative"),
+    )
+
+    # "file-" + 24 hex digits, as the API returns it.
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(
+        ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    filename: Mapped[str] = mapped_column(String(256))
+    purpose: Mapped[str] = mapped_column(String(32))
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    num_lines: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime, default=utc_now)

@@ -29,6 +29,7 @@ QUOTA_COUNT_LIMITS: dict[str, int] = {
     "max_queued_requests": _INT32_MAX,
     "monthly_token_budget": _INT64_MAX,
     "monthly_spend_budget_usd_micros": _INT64_MAX,
+    "file_storage_bytes": _INT64_MAX,
 }
 QUOTA_FIELDS: tuple[str, ...] = (*QUOTA_COUNT_LIMITS, "kv_cap_share")
 # An API key's own limits (api_keys columns), each binding before its tenant's of that name.

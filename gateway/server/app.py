@@ -14,6 +14,7 @@ from starlette.routing import BaseRoute
 
 from gateway.access.admission import GatewayAdmission
 from gateway.admin.api import admin_routes
+from gateway.files.api import files_routes
 from gateway.http.errors import exception_handlers
 from gateway.http.request_context import RequestContextMiddleware
 from gateway.openai.routes import openai_routes
@@ -57,6 +58,7 @@ def build_app(
     routes: list[BaseRoute] = [
         *health_routes(runtime),
         *openai_routes(runtime, admission),
+        *files_routes(runtime, runtime.file_storage),
         # Before the admin API: its /admin/v1 mount would shadow other admin routes.
         *extra_routes,
         *admin_routes(

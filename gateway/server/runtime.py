@@ -26,6 +26,7 @@ import tenants
 from engine import EngineClient, SchedulerStats
 from gateway.access.auth import TenantKeyResolver, TenantPrincipal
 from gateway.adapters import AdapterRegistry, AdapterStore
+from gateway.files.storage import FileStorage, file_storage
 from gateway.http.errors import ServiceUnavailableError
 from gateway.observability.engine_health import EngineHealth
 from gateway.observability.telemetry import Telemetry, TelemetrySettings, setup_telemetry
@@ -79,6 +80,9 @@ class GatewayRuntime:
             max_pinned=settings.max_cpu_loras - settings.max_loras,
             serves_adapters=settings.max_loras > 0,
         )
+        # Uploaded files' bytes (the Files API; batches read their input and write their
+        # output there).
+        self.file_storage: FileStorage = file_storage(settings.file_storage, settings.data_dir)
         # The served models by the name clients send, in the order they were given.
         self.models: dict[str, ModelHost] = {
             spec.served_name: ModelHost(settings, tiers, spec, model_loader)

@@ -137,6 +137,15 @@ _OPTIONS: dict[str, _Option] = {
     "max_choices": _Option(
         "--max-choices", "TIERGATE_MAX_CHOICES", "most prompts x n in one request"
     ),
+    "file_storage": _Option(
+        "--file-storage", "TIERGATE_FILE_STORAGE",
+        "where uploaded files (the Files API) are kept: local (the data directory's files/, "
+        "the default), a directory, or s3://bucket[/prefix] (an S3-compatible store shared by "
+        "replicas; endpoint and credentials from AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...)",
+    ),
+    "max_file_bytes": _Option(
+        "--max-file-bytes", "TIERGATE_MAX_FILE_BYTES", "largest file an upload may hold"
+    ),
     "response_retention_days": _Option(
         "--response-retention-days", "TIERGATE_RESPONSE_RETENTION_DAYS",
         "how long the Responses API keeps a response sent with store (its default) for "
@@ -212,6 +221,8 @@ class GatewaySettings:
     max_body_bytes: int = 4 << 20
     max_messages: int = 2048
     max_choices: int = 256
+    file_storage: str = "local"
+    max_file_bytes: int = 200 << 20
     response_retention_days: float = 30.0
     drain_timeout_s: float = 30.0
     stream_write_timeout_s: float = 30.0
@@ -241,7 +252,7 @@ class GatewaySettings:
             raise SettingsError("--tool-call-parser must be auto, hermes, llama3_json or mistral")
         for name in (
             "max_num_seqs", "max_num_batched_tokens", "max_body_bytes", "max_messages",
-            "max_choices",
+            "max_choices", "max_file_bytes",
         ):
             if getattr(self, name) < 1:
                 raise SettingsError(f"{_OPTIONS[name].flag} must be >= 1")
@@ -261,6 +272,8 @@ class GatewaySettings:
             0 <= self.cpu_decode_rows <= CPU_DECODE_MAX_ROWS
         ):
             raise SettingsError(f"--cpu-decode-rows must be in 0..{CPU_DECODE_MAX_ROWS}")
+        if self.file_storage.startswith("s3://") and not self.file_storage[5:].strip("/"):
+            raise SettingsError("--file-storage s3:// needs a bucket: s3://bucket[/prefix]")
         if self.response_retention_days < 0:
             raise SettingsError("--response-retention-days must be >= 0")
         if self.drain_timeout_s < 0:

@@ -22,15 +22,18 @@ depends_on: str | Sequence[str] | None = None
 def upgrade() -> None:
     op.create_table(
         "stored_responses",
-        sa.Column("id", sa.String(64), primary_key=True),
-        sa.Column("tenant_id", sa.Integer(),
-                  sa.ForeignKey("tenants.id", ondelete="CASCADE"), nullable=False),
+        sa.Column("id", sa.String(64), nullable=False),
+        sa.Column("tenant_id", sa.Integer(), nullable=False),
         sa.Column("model", sa.String(256), nullable=False),
         sa.Column("previous_response_id", sa.String(64), nullable=True),
         sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
         sa.Column("expires_at", sa.DateTime(timezone=True), nullable=False),
         sa.Column("body", sa.JSON(), nullable=False),
         sa.Column("conversation", sa.JSON(), nullable=False),
+        sa.PrimaryKeyConstraint("id", name="pk_stored_responses"),
+        sa.ForeignKeyConstraint(["tenant_id"], ["tenants.id"],
+                                name="fk_stored_responses_tenant_id_tenants",
+                                ondelete="CASCADE"),
     )
     op.create_index("ix_stored_responses_tenant_id", "stored_responses", ["tenant_id"])
     op.create_index("ix_stored_responses_expires_at", "stored_responses", ["expires_at"])

@@ -22,6 +22,7 @@ const QUOTA_LABELS = {
   monthly_token_budget: "Monthly token budget",
   [SPEND_BUDGET]: "Monthly spend budget (USD)",
   kv_cap_share: "KV cache cap (share of blocks, 0–1]",
+  file_storage_bytes: "File storage (bytes)",
 };
 
 // The value a quota input shows for the stored value, and the value sent back for an input.
