@@ -324,3 +324,66 @@ class StoredFile(Base):
     bytes: Mapped[int] = mapped_column(BigInteger)
     num_lines: Mapped[int] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(UtcDateTime, default=utc_now)
+
+
+class Batch(Base):
+    """A tenant's batch (the Batches API): the requests of one input file, run in the batch
+    tier by whichever replicas claim its lines, until it completes, fails, expires or is
+    cancelled."""
+
+    __tablename__ = "batches"
+
+    # "batch_" + 32 hex digits.
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(
+        ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    # The key that created it: its lines run under that key's limits and models.
+    api_key_id: Mapped[int | None] = mapped_column(Integer)
+    endpoint: Mapped[str] = mapped_column(String(64))  # "/v1/chat/completions", ...
+    input_file_id: Mapped[str] = mapped_column(String(64))
+    completion_window: Mapped[str] = mapped_column(String(16))
+    # validating, in_progress, finalizing, completed, failed, expired, cancelling, cancelled
+    status: Mapped[str] = mapped_column(String(16), index=True)
+    metadata_: Mapped[dict[str, str] | None] = mapped_column("metadata", JSON)
+    # Why it failed or stopped: [{"code", "message", "line"}].
+    errors: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON)
+    output_file_id: Mapped[str | None] = mapped_column(String(64))
+    error_file_id: Mapped[str | None] = mapped_column(String(64))
+    total: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime, default=utc_now)
+    # The end of its completion window: lines not run by then end as batch_expired.
+    expires_at: Mapped[datetime] = mapped_column(UtcDateTime)
+    in_progress_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
+    finalizing_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
+    completed_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
+    failed_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
+    expired_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
+    cancelling_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
+    cancelled_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
+
+
+class BatchLine(Base):
+    """One request of a batch: pending until a replica claims it (for a lease it renews while
+    the request runs; another replica takes it over once the lease lapses), then done with
+    its output or error line."""
+
+    __tablename__ = "batch_lines"
+
+    batch_id: Mapped[str] = mapped_column(
+        ForeignKey("batches.id", ondelete="CASCADE"), primary_key=True)
+    line_index: Mapped[int] = mapped_column(Integer, primary_key=True)  # 0-based, in the file
+    custom_id: Mapped[str] = mapped_column(String(512))
+    body: Mapped[dict[str, Any]] = mapped_column(JSON)
+    # The start of its prompt: lines are claimed in this order, so those sharing a prefix
+    # run together and hit the prefix cache.
+    prefix_key: Mapped[str] = mapped_column(String(128))
+    status: Mapped[str] = mapped_column(String(16), index=True)  # pending, running, done
+    claimed_by: Mapped[str | None] = mapped_column(String(64))
+    claim_expires_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
+    # Not claimed again before this (a line refused for the moment, e.g. rate-limited).
+    not_before: Mapped[datetime | None] = mapped_column(UtcDateTime)
+    # Runs that ended in a server error (retried up to a limit, then an error line).
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    is_error: Mapped[bool] = mapped_column(Boolean, default=False)
+    # Its line of the output file (is_error false) or of the error file.
+    result: Mapped[dict[str, Any] | None] = mapped_column(JSON)

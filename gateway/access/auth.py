@@ -285,6 +285,21 @@ class TenantKeyResolver:
             entry = self._load(plaintext, key_hash)
         return _admit(entry)
 
+    def principal_of_key(self, api_key_id: int) -> TenantPrincipal:
+        """The principal of a key by its id, read from the database now (blocking): what a
+        batch its key created runs as. A key revoked or expired since, or whose tenant is
+        disabled, raises as authenticate would; a deleted one is an InvalidApiKeyError."""
+        with self._session_factory() as session:
+            api_key = session.get(ApiKey, api_key_id)
+            if api_key is None:
+                raise InvalidApiKeyError("the API key no longer exists")
+            entry = _CacheEntry(
+                principal=_principal(api_key), is_revoked=api_key.is_revoked,
+                is_tenant_disabled=not api_key.tenant.is_active,
+                key_expires_at=api_key.expires_at, is_previous_secret=False,
+                expires_at=0.0, loaded_at=0.0)
+        return _admit(entry)
+
     def wait_for_refreshes(self, timeout_s: float | None = None) -> None:
         """Block until the background reloads started so far have ended."""
         with self._lock:

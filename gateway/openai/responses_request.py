@@ -25,6 +25,7 @@ from typing import Any
 
 from engine import StructuredOutput
 from gateway.http.errors import BadRequestError
+from gateway.openai.metadata import parse_metadata
 from gateway.openai.requests import (
     Endpoint,
     GenerationRequest,
@@ -66,9 +67,6 @@ _CHAT_TO_RESPONSES = {
 }
 _MESSAGE_ROLES = frozenset({"user", "assistant", "system", "developer"})
 _RESPONSE_ID = re.compile(r"resp_[0-9a-f]{32}")
-MAX_METADATA_KEYS = 16
-MAX_METADATA_KEY_CHARS = 64
-MAX_METADATA_VALUE_CHARS = 512
 
 
 @dataclass(frozen=True)
@@ -162,7 +160,7 @@ def parse_responses_request(body: object, bounds: RequestBounds | None = None) -
         instructions=instructions,
         previous_response_id=previous,
         store=store,
-        metadata=_metadata(body.get("metadata")),
+        metadata=parse_metadata(body.get("metadata")),
         tools=tools,
         tool_choice=body.get("tool_choice", "auto"),
         text_format=(body.get("text") or {}).get("format") or {"type": "text"},
@@ -389,23 +387,3 @@ def _text_format(text: object) -> dict[str, Any] | None:
         return {"type": "json_schema", "json_schema": schema}
     raise BadRequestError('text.format.type must be "text", "json_object" or "json_schema"',
                           param="text.format.type")
-
-
-def _metadata(value: object) -> dict[str, str]:
-    """OpenAI's metadata: up to 16 string pairs, keys up to 64 characters, values 512."""
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise BadRequestError("metadata must be an object", param="metadata")
-    if len(value) > MAX_METADATA_KEYS:
-        raise BadRequestError(f"metadata holds at most {MAX_METADATA_KEYS} keys",
-                              param="metadata")
-    for key, item in value.items():
-        if len(key) > MAX_METADATA_KEY_CHARS:
-            raise BadRequestError(f"metadata keys hold at most {MAX_METADATA_KEY_CHARS} "
-                                  "characters", param="metadata")
-        if not isinstance(item, str) or len(item) > MAX_METADATA_VALUE_CHARS:
-            raise BadRequestError(f"metadata values must be strings of at most "
-                                  f"{MAX_METADATA_VALUE_CHARS} characters",
-                                  param=f"metadata.{key}")
-    return dict(value)

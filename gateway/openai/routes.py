@@ -24,7 +24,9 @@ request's record, refused or run, is built by gateway.openai.record_builder.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import json
 import secrets
 import time
 from typing import Any
@@ -33,6 +35,7 @@ import anyio
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
+from starlette.types import Message
 
 from gateway.access.admission import AdmissionRefusal, GatewayAdmission
 from gateway.access.auth import TenantPrincipal
@@ -70,7 +73,7 @@ from policies import AbovePlan, RefusalReason, ServiceTierError, Tier, served_ti
 
 
 def openai_routes(runtime: GatewayRuntime, admission: GatewayAdmission) -> list[BaseRoute]:
-    api = _OpenAIApi(runtime, admission)
+    api = OpenAIApi(runtime, admission)
     return [
         Route("/v1/models", api.list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", api.get_model, methods=["GET"]),
@@ -82,7 +85,7 @@ def openai_routes(runtime: GatewayRuntime, admission: GatewayAdmission) -> list[
     ]
 
 
-class _OpenAIApi:
+class OpenAIApi:
     def __init__(self, runtime: GatewayRuntime, admission: GatewayAdmission) -> None:
         self.runtime = runtime
         self.admission = admission
@@ -145,10 +148,29 @@ class _OpenAIApi:
             raise _unknown_response(response_id)
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
-    async def _generate(self, http_request: Request, endpoint: Endpoint) -> Response:
+    async def run_batch_line(self, principal: TenantPrincipal, endpoint: Endpoint,
+                             body: bytes, request_id: str) -> tuple[int, dict[str, Any]]:
+        """One line of a batch, run as the request it holds would be for principal (whose
+        tier is the batch's): its status and body. request_id is the line's own, the same on
+        every replica, so a line run twice is recorded once (the ledger keeps the first
+        record of an id). Raises AdmissionRefusal when admission says no."""
+        try:
+            response = await self._generate(_batch_line_request(endpoint, body), endpoint,
+                                            as_principal=principal, response_id=request_id)
+        except AdmissionRefusal:
+            raise
+        except GatewayError as error:
+            return error.status_code, error.body()
+        return response.status_code, json.loads(bytes(response.body))
+
+    async def _generate(self, http_request: Request, endpoint: Endpoint, *,
+                        as_principal: TenantPrincipal | None = None,
+                        response_id: str | None = None) -> Response:
+        """as_principal: the one it runs as, when the caller is not authenticated by the
+        request (a batch line); response_id: its id (else a new one)."""
         arrival = time.monotonic()
         self.runtime.check_accepting()
-        principal = await self.runtime.key_resolver.authenticate(http_request)
+        principal = as_principal or await self.runtime.key_resolver.authenticate(http_request)
         settings = self.runtime.settings
         num_prompt_tokens = 0  # what a refused request is found to hold, charged to it
         declared = declared_length(http_request)
@@ -220,7 +242,7 @@ class _OpenAIApi:
                 # gateway parse and tokenize without limit by sending what it will refuse.
                 await self.admission.charge_refused(principal, num_prompt_tokens)
             raise
-        response_id = _response_id(endpoint)
+        response_id = response_id or _response_id(endpoint)
         trace = self.runtime.telemetry.start_request(
             GenAiRequest(
                 operation=_operation(endpoint),
@@ -375,6 +397,26 @@ def _response_id(endpoint: Endpoint) -> str:
         return new_response_id()
     prefix = "chatcmpl" if endpoint is Endpoint.CHAT else "cmpl"
     return f"{prefix}-{secrets.token_hex(16)}"
+
+
+def _batch_line_request(endpoint: Endpoint, body: bytes) -> Request:
+    """A request holding body, as a batch line's run reads it: once the body is read, its
+    client never leaves."""
+    delivered = False
+
+    async def receive() -> Message:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.Event().wait()  # never a disconnect
+        raise AssertionError("unreachable")
+
+    scope = {"type": "http", "method": "POST", "path": f"/v1/{endpoint.value.replace('.', '/')}",
+             "headers": [(b"content-type", b"application/json"),
+                         (b"content-length", str(len(body)).encode())],
+             "query_string": b"", "client": None}
+    return Request(scope, receive)
 
 
 def _check_tier_allows(request: GenerationRequest, tier: Tier) -> None:

@@ -146,6 +146,15 @@ _OPTIONS: dict[str, _Option] = {
     "max_file_bytes": _Option(
         "--max-file-bytes", "TIERGATE_MAX_FILE_BYTES", "largest file an upload may hold"
     ),
+    "batch_max_in_flight": _Option(
+        "--batch-max-in-flight", "TIERGATE_BATCH_MAX_IN_FLIGHT",
+        "most batch lines (the Batches API) one replica runs at once, in the batch tier",
+    ),
+    "batch_lease_s": _Option(
+        "--batch-lease-s", "TIERGATE_BATCH_LEASE_S",
+        "seconds a replica's claim on a batch line lasts unless renewed: how soon another "
+        "replica takes over the lines of one that died",
+    ),
     "response_retention_days": _Option(
         "--response-retention-days", "TIERGATE_RESPONSE_RETENTION_DAYS",
         "how long the Responses API keeps a response sent with store (its default) for "
@@ -223,6 +232,8 @@ class GatewaySettings:
     max_choices: int = 256
     file_storage: str = "local"
     max_file_bytes: int = 200 << 20
+    batch_max_in_flight: int = 8
+    batch_lease_s: float = 30.0
     response_retention_days: float = 30.0
     drain_timeout_s: float = 30.0
     stream_write_timeout_s: float = 30.0
@@ -252,7 +263,7 @@ class GatewaySettings:
             raise SettingsError("--tool-call-parser must be auto, hermes, llama3_json or mistral")
         for name in (
             "max_num_seqs", "max_num_batched_tokens", "max_body_bytes", "max_messages",
-            "max_choices", "max_file_bytes",
+            "max_choices", "max_file_bytes", "batch_max_in_flight",
         ):
             if getattr(self, name) < 1:
                 raise SettingsError(f"{_OPTIONS[name].flag} must be >= 1")
@@ -274,6 +285,8 @@ class GatewaySettings:
             raise SettingsError(f"--cpu-decode-rows must be in 0..{CPU_DECODE_MAX_ROWS}")
         if self.file_storage.startswith("s3://") and not self.file_storage[5:].strip("/"):
             raise SettingsError("--file-storage s3:// needs a bucket: s3://bucket[/prefix]")
+        if not self.batch_lease_s >= 1:
+            raise SettingsError("--batch-lease-s must be >= 1")
         if self.response_retention_days < 0:
             raise SettingsError("--response-retention-days must be >= 0")
         if self.drain_timeout_s < 0:
