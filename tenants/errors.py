@@ -5,7 +5,8 @@ TenantsError
 ├── RowNotFoundError
 │   ├── TenantNotFoundError
 │   ├── ApiKeyNotFoundError
-│   └── AdapterNotFoundError
+│   ├── AdapterNotFoundError
+│   └── AdminCredentialNotFoundError
 └── DuplicateError         the change would break a uniqueness rule (duplicate name)
 """
 
@@ -46,3 +47,7 @@ class DuplicateError(TenantsError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+class AdminCredentialNotFoundError(RowNotFoundError):
+    """No admin credential with this id."""

@@ -306,6 +306,48 @@ class StoredResponse(Base):
     conversation: Mapped[list[dict[str, Any]]] = mapped_column(JSON)
 
 
+class AdminRole(enum.StrEnum):
+    """What an admin credential may do; the admin API maps each route to the least role it
+    needs (gateway.admin.roles). billing and operator each add to read-only, owner has all."""
+
+    READ_ONLY = "read-only"
+    BILLING = "billing"
+    OPERATOR = "operator"
+    OWNER = "owner"
+
+
+class AdminCredential(Base):
+    """A named secret that opens the admin API with one role; like tenant keys only its
+    public lookup prefix and SHA-256 are stored."""
+
+    __tablename__ = "admin_credentials"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    # Who or what holds it ("ci-export", "alice"); named in the audit log's actor.
+    name: Mapped[str] = mapped_column(String(128))
+    role: Mapped[AdminRole] = mapped_column(
+        Enum(
+            AdminRole,
+            native_enum=False,
+            length=16,
+            values_callable=lambda members: [m.value for m in members],
+        )
+    )
+    # Public part of the secret ("tga-" + 8 characters), unique, used to find the row.
+    prefix: Mapped[str] = mapped_column(String(16), unique=True)
+    # SHA-256 hex digest of the whole secret.
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime, default=utc_now)
+    # Refused from then on (by each replica within its credential cache's TTL).
+    revoked_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
+    # Updated when a replica loads the credential into its cache, so accurate to the TTL.
+    last_used_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
+
+    @property
+    def is_revoked(self) -> bool:
+        return self.revoked_at is not None
+
+
 class StoredFile(Base):
     """A file a tenant uploaded through the Files API; its bytes are in the deployment's file
     storage (gateway.files) under its id. Visible to its tenant only."""

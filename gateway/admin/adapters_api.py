@@ -33,6 +33,7 @@ from gateway.admin.bodies import (
     reject_unknown,
     translate_tenants_error,
 )
+from gateway.admin.roles import ADMIN_API_PREFIX
 from gateway.http.errors import BadRequestError, PayloadTooLargeError, ServiceUnavailableError
 from gateway.http.json_body import declared_length
 
@@ -55,12 +56,13 @@ def adapter_routes(guard: AdminGuard, registry: AdapterRegistry,
     """Routes to mount under /admin/v1. served_models: the replica's models by name (None
     until loaded)."""
     api = _AdaptersApi(registry, served_models, unregister_timeout_s)
+    mounted_at = ADMIN_API_PREFIX
     return [
-        Route("/adapters", guard(api.list_adapters), methods=["GET"]),
-        Route("/adapters", guard(api.register), methods=["POST"]),
-        Route("/adapters/{name}", guard(api.get_adapter), methods=["GET"]),
-        Route("/adapters/{name}", guard(api.update), methods=["PATCH"]),
-        Route("/adapters/{name}", guard(api.unregister), methods=["DELETE"]),
+        guard.route("/adapters", api.list_adapters, "GET", mounted_at=mounted_at),
+        guard.route("/adapters", api.register, "POST", mounted_at=mounted_at),
+        guard.route("/adapters/{name}", api.get_adapter, "GET", mounted_at=mounted_at),
+        guard.route("/adapters/{name}", api.update, "PATCH", mounted_at=mounted_at),
+        guard.route("/adapters/{name}", api.unregister, "DELETE", mounted_at=mounted_at),
     ]
 
 

@@ -1,9 +1,10 @@
-"""The admin HTTP API under /admin/v1: tenants and their quotas, API keys, the audit log.
+"""The admin HTTP API under /admin/v1: tenants and their quotas, API keys, the audit log,
+and whoami (the credential asking).
 
-Authenticated by one admin token (TIERGATE_ADMIN_TOKEN), sent as ``x-admin-token: <token>``
-or ``Authorization: Bearer <token>`` and compared in constant time. Tenant keys never open
-these routes: one presented here gets 403. With no token configured the API is off and
-every /admin/v1 route answers 404 with code ``admin_api_disabled``.
+Authenticated by an admin credential or the deployment's TIERGATE_ADMIN_TOKEN, each route
+needing the role gateway.admin.roles names (gateway.admin.auth). Tenant keys never open
+these routes: one presented here gets 403. With neither a token nor a credential every
+/admin/v1 route answers 404 with code ``admin_api_disabled``.
 
 Every write goes through tenants.repository, which records an audit entry (before/after)
 in the same transaction; changes that affect authentication are pushed to this process's
@@ -20,24 +21,26 @@ from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import BaseRoute, Mount, Route
+from starlette.routing import BaseRoute, Mount
 
 import tenants
 from gateway.access.auth import TenantKeyResolver
 from gateway.adapters import AdapterRegistry
 from gateway.admin.adapters_api import adapter_routes
-from gateway.admin.auth import ADMIN_METHODS, ADMIN_TOKEN_ENV, AdminGuard, admin_disabled
+from gateway.admin.auth import AdminGuard
 from gateway.admin.bodies import (
     admin_actor,
+    admin_principal,
     json_object,
     list_response,
     reject_unknown,
     translate_tenants_error,
 )
+from gateway.admin.roles import ADMIN_API_PREFIX, grants
 from gateway.http.errors import (
     BadRequestError,
 )
-from tenants import DEFAULT_TIERS, TenantStatus
+from tenants import DEFAULT_TIERS, AdminRole, TenantStatus
 
 if TYPE_CHECKING:
     from gateway.server.served_model import ServedModel
@@ -60,8 +63,10 @@ def admin_routes(
     adapters: AdapterRegistry | None = None,
     served_models: Callable[[], Mapping[str, ServedModel | None]] = dict,
     unregister_timeout_s: float = 30.0,
+    guard: AdminGuard | None = None,
 ) -> list[BaseRoute]:
-    """Routes to add to the app; with no (or an empty) admin token, routes that answer 404.
+    """Routes to add to the app, checked by guard (default: admin_token, if set, and the
+    admin credentials in session_factory's database).
 
     key_resolver, when given, is the resolver the app authenticates tenants with: revoking a
     key or changing a tenant here invalidates its cache entries immediately. adapters, when
@@ -69,37 +74,50 @@ def admin_routes(
     against the base model it names in served_models() and wait up to unregister_timeout_s
     for its requests to end.
     """
-    if not admin_token:
-        logger.warning("admin API disabled: %s is not set", ADMIN_TOKEN_ENV)
-        return [
-            Route("/admin/v1", admin_disabled, methods=ADMIN_METHODS),
-            Route("/admin/v1/{path:path}", admin_disabled, methods=ADMIN_METHODS),
-        ]
+    if guard is None:
+        guard = AdminGuard.for_deployment(admin_token, session_factory)
     api = _AdminApi(session_factory, key_resolver, known_tiers)
-    guard = AdminGuard(admin_token)
+    routes = [
+        ("/whoami", whoami, "GET"),
+        ("/tenants", api.list_tenants, "GET"),
+        ("/tenants", api.create_tenant, "POST"),
+        ("/tenants/{tenant}", api.get_tenant, "GET"),
+        ("/tenants/{tenant}", api.update_tenant, "PATCH"),
+        ("/tenants/{tenant}/disable", api.disable_tenant, "POST"),
+        ("/tenants/{tenant}/enable", api.enable_tenant, "POST"),
+        ("/tenants/{tenant}/keys", api.list_keys, "GET"),
+        ("/tenants/{tenant}/keys", api.create_key, "POST"),
+        ("/keys/{key_id:int}", api.get_key, "GET"),
+        ("/keys/{key_id:int}", api.revoke_key, "DELETE"),
+        ("/keys/{key_id:int}", api.update_key, "PATCH"),
+        ("/keys/{key_id:int}/revoke", api.revoke_key, "POST"),
+        ("/keys/{key_id:int}/rotate", api.rotate_key, "POST"),
+        ("/audit", api.list_audit, "GET"),
+    ]
     return [
         Mount(
-            "/admin/v1",
+            ADMIN_API_PREFIX,
             routes=[
-                Route("/tenants", guard(api.list_tenants), methods=["GET"]),
-                Route("/tenants", guard(api.create_tenant), methods=["POST"]),
-                Route("/tenants/{tenant}", guard(api.get_tenant), methods=["GET"]),
-                Route("/tenants/{tenant}", guard(api.update_tenant), methods=["PATCH"]),
-                Route("/tenants/{tenant}/disable", guard(api.disable_tenant), methods=["POST"]),
-                Route("/tenants/{tenant}/enable", guard(api.enable_tenant), methods=["POST"]),
-                Route("/tenants/{tenant}/keys", guard(api.list_keys), methods=["GET"]),
-                Route("/tenants/{tenant}/keys", guard(api.create_key), methods=["POST"]),
-                Route("/keys/{key_id:int}", guard(api.get_key), methods=["GET"]),
-                Route("/keys/{key_id:int}", guard(api.revoke_key), methods=["DELETE"]),
-                Route("/keys/{key_id:int}", guard(api.update_key), methods=["PATCH"]),
-                Route("/keys/{key_id:int}/revoke", guard(api.revoke_key), methods=["POST"]),
-                Route("/keys/{key_id:int}/rotate", guard(api.rotate_key), methods=["POST"]),
-                Route("/audit", guard(api.list_audit), methods=["GET"]),
+                *(guard.route(path, handler, method, mounted_at=ADMIN_API_PREFIX)
+                  for path, handler, method in routes),
                 *([] if adapters is None else adapter_routes(
                     guard, adapters, served_models, unregister_timeout_s)),
             ],
         )
     ]
+
+
+async def whoami(request: Request) -> Response:
+    """The credential asking: its id (null for TIERGATE_ADMIN_TOKEN), name and role, and
+    which roles' routes it may use (the console hides the controls it may not)."""
+    principal = admin_principal(request)
+    return JSONResponse({
+        "object": "admin_credential",
+        "id": principal.credential_id,
+        "name": principal.name,
+        "role": principal.role.value,
+        "grants": {role.value: grants(principal.role, role) for role in AdminRole},
+    })
 
 
 class _AdminApi:

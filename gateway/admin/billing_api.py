@@ -7,7 +7,8 @@
     GET /admin/v1/billing/export?period=YYYY-MM&format=csv|jsonl[&tenant_id=N][&detail=true]
         the same file as `tiergate billing export`, streamed as a download
 
-Guarded like every admin route (gateway.admin.auth). These are plain routes under
+Guarded like every admin route (gateway.admin.auth): usage needs read-only, the export
+billing (gateway.admin.roles). These are plain routes under
 /admin/v1/billing, so the app must list them before admin.api's /admin/v1 mount, which would
 otherwise answer 404 for them.
 """
@@ -25,7 +26,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import QueryParams
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import BaseRoute, Route
+from starlette.routing import BaseRoute
 
 import tenants
 from billing import (
@@ -41,7 +42,7 @@ from billing import (
     export_lines,
     parse_day,
 )
-from gateway.admin.auth import ADMIN_METHODS, AdminGuard, admin_disabled
+from gateway.admin.auth import AdminGuard
 from gateway.http.errors import BadRequestError, ServiceUnavailableError
 
 # Longest range /usage answers in one response, both days included: a year, leap or not.
@@ -52,17 +53,12 @@ _TRUE = ("true", "1", "yes")
 _FALSE = ("false", "0", "no", "")
 
 
-def billing_routes(
-    session_factory: sessionmaker[Session], admin_token: str | None
-) -> list[BaseRoute]:
-    """The billing admin routes; with no admin token, routes that answer 404 (disabled)."""
-    if not admin_token:
-        return [Route("/admin/v1/billing/{path:path}", admin_disabled, methods=ADMIN_METHODS)]
+def billing_routes(session_factory: sessionmaker[Session], guard: AdminGuard) -> list[BaseRoute]:
+    """The billing admin routes, checked by guard."""
     api = _BillingApi(session_factory)
-    guard = AdminGuard(admin_token)
     return [
-        Route("/admin/v1/billing/usage", guard(api.usage), methods=["GET"]),
-        Route("/admin/v1/billing/export", guard(api.export), methods=["GET"]),
+        guard.route("/admin/v1/billing/usage", api.usage, "GET"),
+        guard.route("/admin/v1/billing/export", api.export, "GET"),
     ]
 
 

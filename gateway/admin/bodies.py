@@ -10,6 +10,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 import tenants
+from gateway.admin.credentials import AdminPrincipal
 from gateway.http.errors import (
     BadRequestError,
     ConflictError,
@@ -32,8 +33,17 @@ def translate_tenants_error(exc: tenants.TenantsError) -> GatewayError:
     raise AssertionError(f"untranslated tenants error {type(exc).__name__}") from exc
 
 
+def admin_principal(request: Request) -> AdminPrincipal:
+    """Who AdminGuard authenticated the request as (every admin route is guarded)."""
+    principal = getattr(request.state, "admin", None)
+    assert isinstance(principal, AdminPrincipal), "admin route reached without AdminGuard"
+    return principal
+
+
 def admin_actor(request: Request) -> str:
-    return f"admin-api:{request.client.host if request.client else 'unknown'}"
+    """The audit log's actor for a change made through the admin API: the credential's id
+    and name ("admin:<id>:<name>"), never its secret."""
+    return admin_principal(request).actor(request.client.host if request.client else "unknown")
 
 
 def list_response(data: list[dict[str, Any]]) -> JSONResponse:

@@ -38,7 +38,7 @@ def alerts_routes(guard: AdminGuard, monitor: AlertMonitor) -> list[Route]:
     async def list_alerts(_request: Request) -> Response:
         return JSONResponse({"alerts": [alert_json(s) for s in monitor.statuses()]})
 
-    return [Route("/admin/v1/alerts", guard(list_alerts), methods=["GET"])]
+    return [guard.route("/admin/v1/alerts", list_alerts, "GET")]
 
 
 def live_route(
@@ -97,7 +97,7 @@ def live_route(
             }
         )
 
-    return Route("/admin/v1/live", guard(live), methods=["GET"])
+    return guard.route("/admin/v1/live", live, "GET")
 
 
 def _model_row(name: str, stats: SchedulerStats) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from starlette.routing import BaseRoute
 
 from gateway.access.admission import GatewayAdmission
 from gateway.admin.api import admin_routes
+from gateway.admin.auth import AdminGuard
 from gateway.batches.api import batch_routes
 from gateway.batches.runner import BatchRunner
 from gateway.files.api import files_routes
@@ -33,11 +34,13 @@ def build_app(
     extra_routes: Sequence[BaseRoute] = (),
     middleware: Sequence[Middleware] = (),
     on_fatal: Callable[[BaseException], None] | None = None,
+    admin_guard: AdminGuard | None = None,
 ) -> Starlette:
     """The app; its lifespan loads the model in the background (ready when loaded) and
     closes the runtime at shutdown. on_fatal is called if the model cannot be loaded.
     middleware wraps the routes and the error handlers (inside the request-context
-    middleware), so it sees the error responses they send."""
+    middleware), so it sees the error responses they send. admin_guard: the one the
+    extra routes' admin routes use (default: a guard of the admin API's own)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: Starlette) -> AsyncIterator[None]:
@@ -78,6 +81,7 @@ def build_app(
             adapters=runtime.adapters,
             served_models=lambda: {name: host.served for name, host in runtime.models.items()},
             unregister_timeout_s=runtime.settings.drain_timeout_s,
+            guard=admin_guard,
         ),
     ]
     return Starlette(

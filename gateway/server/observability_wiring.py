@@ -82,22 +82,16 @@ class Observability:
         await self.loop_watch.stop()
         self.telemetry.shutdown()
 
-    def routes(self, admin_token: str | None) -> list[BaseRoute]:
-        # Anonymous: tenant labels summed away; the admin credential sees them.
-        routes: list[BaseRoute] = [
-            metrics_route(without_tenants(self.metrics.registry), refresh=self.refresh)
+    def routes(self, guard: AdminGuard) -> list[BaseRoute]:
+        # Anonymous: tenant labels summed away; an admin credential sees them.
+        return [
+            metrics_route(without_tenants(self.metrics.registry), refresh=self.refresh),
+            metrics_route(self.metrics.registry, "/admin/v1/metrics", self.refresh,
+                          guard.requiring("GET", "/admin/v1/metrics")),
+            *alerts_routes(guard, self.monitor),
+            live_route(guard, engine_stats=self._stats_by_model, tiers=self.tiers,
+                       monitor=self.monitor),
         ]
-        if admin_token:
-            guard = AdminGuard(admin_token)
-            routes.append(metrics_route(
-                self.metrics.registry, "/admin/v1/metrics", self.refresh, guard
-            ))
-            routes += alerts_routes(guard, self.monitor)
-            routes.append(
-                live_route(guard, engine_stats=self._stats_by_model, tiers=self.tiers,
-                           monitor=self.monitor)
-            )
-        return routes
 
     def middleware(self) -> list[Middleware]:
         """For build_app(middleware=...): counts the requests refused before admission."""

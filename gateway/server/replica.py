@@ -11,6 +11,7 @@ from starlette.applications import Starlette
 
 from billing import BillingError, Pricing, RefusalTally, UsageLedger
 from gateway.access.admission import AdmissionSettings, GatewayAdmission, build_admission
+from gateway.admin.auth import AdminGuard
 from gateway.admin.billing_api import billing_routes
 from gateway.admin.console_routes import console_routes
 from gateway.observability.dependency_health import DependencyHealth
@@ -89,14 +90,17 @@ def compose_replica(
     # Last: everything the drain let finish has been recorded by now.
     runtime.on_close(refusals.close)
     runtime.on_close(ledger.close)
+    # One guard, so the admin routes share one cache of the admin credentials.
+    admin_guard = AdminGuard.for_deployment(settings.admin_token, runtime.session_factory)
     app = build_app(
         runtime,
         admission,
         extra_routes=[
-            *observability.routes(settings.admin_token),
-            *billing_routes(runtime.session_factory, settings.admin_token),
+            *observability.routes(admin_guard),
+            *billing_routes(runtime.session_factory, admin_guard),
             *console_routes(),
         ],
+        admin_guard=admin_guard,
         middleware=observability.middleware(),
         on_fatal=on_fatal,
     )

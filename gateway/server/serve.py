@@ -57,7 +57,9 @@ def freeze_startup_heap() -> None:
 def serve(settings: GatewaySettings, *, log_level: str = "info") -> int:
     """Serve until SIGTERM/SIGINT; returns the exit code."""
     if settings.admin_token is None:
-        logger.warning("admin API disabled: set %s to enable /admin", ADMIN_TOKEN_ENV)
+        logger.warning("%s is not set: /admin opens only to admin credentials "
+                       "(tiergate admin-credentials create), and is off while none exists",
+                       ADMIN_TOKEN_ENV)
     else:
         try:
             validate_admin_token(settings.admin_token)

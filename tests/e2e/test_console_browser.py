@@ -40,7 +40,12 @@ from gateway.admin.api import admin_routes
 from gateway.admin.auth import AdminGuard
 from gateway.admin.console_routes import console_routes
 from gateway.http.errors import exception_handlers
-from tenants import DatabaseSettings, create_db_engine, create_session_factory
+from tenants import (
+    DatabaseSettings,
+    create_admin_credential,
+    create_db_engine,
+    create_session_factory,
+)
 from tests.adapter_archive import adapter_tar_gz as tar_gz
 from tests.e2e.conftest import ADMIN_TOKEN, ConsolePage, console_page, serve_in_thread
 from tests.tenants.conftest import scratch_database
@@ -66,9 +71,9 @@ class ContractEndpoints:
     def routes(self) -> list[BaseRoute]:
         guard = AdminGuard(ADMIN_TOKEN)
         return [
-            Route("/admin/v1/live", guard(self.live), methods=["GET"]),
-            Route("/admin/v1/billing/usage", guard(self.usage), methods=["GET"]),
-            Route("/admin/v1/billing/export", guard(self.export), methods=["GET"]),
+            guard.route("/admin/v1/live", self.live, "GET"),
+            guard.route("/admin/v1/billing/usage", self.usage, "GET"),
+            guard.route("/admin/v1/billing/export", self.export, "GET"),
         ]
 
     async def live(self, _request: Request) -> Response:
@@ -509,6 +514,49 @@ def test_disable_and_enable_a_tenant(console: ConsolePage, server: ConsoleServer
     page.get_by_role("button", name="Enable tenant").click()
     expect(page.locator("#tenant-status")).to_have_text("Tenant enabled.")
     assert server.whoami(key).status_code == 200
+
+
+def _mint_credential(database: Engine, name: str, role: str) -> str:
+    with create_session_factory(database).begin() as session:
+        return create_admin_credential(session, name=name, role=role, actor="test").plaintext
+
+
+def test_a_read_only_credential_sees_the_data_and_no_change_control(
+    console: ConsolePage, server: ConsoleServer, database: Engine
+) -> None:
+    _create_tenants(server, {"name": "acme"})
+    with server.admin() as admin:
+        admin.post("/admin/v1/tenants/acme/keys", json={"name": "ci"})
+    answers = _admin_requests(console.page)
+    console.open("#tenants")
+    console.sign_in(_mint_credential(database, "auditor", "read-only"))
+    page = console.page
+    expect(page.locator("#whoami")).to_have_text("auditor (read-only)")
+    expect(page.locator("#tenants-table")).to_contain_text("acme")
+    expect(page.locator("#create-tenant-form")).to_be_hidden()
+
+    console.open("#tenant/acme")  # a reload: the role is asked for again before the view
+    expect(page.locator("#keys-table")).to_contain_text("ci")
+    expect(page.get_by_label("Fair-share weight")).to_be_disabled()
+    for control in ("#edit-tenant-form button[type=submit]", "#status-toggle",
+                    "#issue-key-form", "#keys-table button"):
+        expect(page.locator(control).first).to_be_attached()  # in the page, not shown
+        expect(page.locator(control).first).to_be_hidden()
+    expect(page.get_by_role("button", name=re.compile("Save|Disable|Issue|Rotate|Revoke"))
+           ).to_have_count(0)
+    console.go("Adapters")
+    expect(page.locator("#register-adapter-form")).to_be_hidden()
+    console.go("Usage")
+    expect(page.locator("#export-form")).to_be_hidden()
+    console.screenshot("read-only-credential")
+    assert all(status != 403 for _url, status in answers), answers
+
+    console.page.get_by_role("button", name="Sign out").click()
+    console.sign_in(_mint_credential(database, "ops", "operator"))
+    expect(page.locator("#whoami")).to_have_text("ops (operator)")
+    expect(page.locator("#create-tenant-form")).to_be_visible()
+    console.go("Usage")
+    expect(page.locator("#export-form")).to_be_hidden()  # exports are billing's
 
 
 def test_admin_api_errors_are_shown_inline_on_the_field_they_name(

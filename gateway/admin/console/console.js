@@ -6,6 +6,7 @@ import { adaptersView } from "./adapters.js";
 import { api, forgetToken, setUnauthorizedHandler, storedToken, storeToken } from "./api.js";
 import { auditView } from "./audit.js";
 import { $, clearError, showError } from "./dom.js";
+import { setGrants } from "./grants.js";
 import { liveView } from "./live.js";
 import { tenantView } from "./tenant.js";
 import { tenantsView } from "./tenants.js";
@@ -75,8 +76,9 @@ async function signIn(event) {
   const button = form.querySelector("button[type=submit]");
   button.disabled = true;
   try {
-    // Any read proves the token; nothing is shown or kept unless it succeeds.
-    await api("GET", "/tenants", { token });
+    // Any read proves the token (whoami also says what its role may do); nothing is shown or
+    // kept unless it succeeds.
+    setGrants(await api("GET", "/whoami", { token }));
   } catch (err) {
     showError(alert, err);
     input.select();
@@ -96,7 +98,18 @@ function signOut(message) {
   location.replace(location.pathname);
 }
 
-function start() {
+// The credential's role decides which controls the views show: known before the first one.
+async function loadGrants() {
+  try {
+    setGrants(await api("GET", "/whoami"));
+  } catch (err) {
+    // 401 signs out (the unauthorized handler); otherwise the views show their own errors
+    // and no change control until a reload succeeds.
+    if (err.status !== 401) $("signin-error").textContent = err.message;
+  }
+}
+
+async function start() {
   $("signin-form").addEventListener("submit", signIn);
   $("sign-out").addEventListener("click", () => signOut(null));
   setUnauthorizedHandler((err) => signOut(`Signed out: ${err.message}`));
@@ -106,6 +119,7 @@ function start() {
     $("signin-error").textContent = message;
   }
   window.addEventListener("hashchange", route);
+  if (storedToken() !== null) await loadGrants();
   route();
 }
 

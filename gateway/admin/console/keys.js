@@ -116,7 +116,7 @@ function keyRow(key, revoke, rotate) {
         ? h("span", { class: "muted", text: "—" })
         : h(
             "span",
-            {},
+            { dataset: { needs: "operator" } },
             h("button", {
               type: "button",
               class: "secondary",
@@ -217,7 +217,7 @@ export async function renderKeys(container, tenant) {
   });
   const form = h(
     "form",
-    { id: "issue-key-form", class: "row", novalidate: true },
+    { id: "issue-key-form", class: "row", novalidate: true, dataset: { needs: "operator" } },
     h("div", { class: "field" }, h("label", { for: "key-name", text: "Key name" }), nameInput),
     h("div", { class: "field actions" }, h("button", { type: "submit", text: "Issue key" })),
   );

@@ -3,6 +3,7 @@
 
 import { renderTenantAdapters } from "./adapters.js";
 import { api } from "./api.js";
+import { may } from "./grants.js";
 import { $, clearError, formatTime, h, latestOnly, showError } from "./dom.js";
 import { renderKeys } from "./keys.js";
 import { loadTenants, tierOptions } from "./tenants.js";
@@ -143,8 +144,10 @@ function editForm(tenant, tenants) {
       Object.entries(tenant.quota).map(([field, value]) => quotaField(field, value)),
     ),
     alert,
-    h("button", { type: "submit", text: "Save changes" }),
+    h("button", { type: "submit", text: "Save changes", dataset: { needs: "operator" } }),
   );
+  // A role that may not change tenants still sees the values, in fields it cannot edit.
+  if (!may("operator")) for (const field of form.elements) field.disabled = true;
   form.addEventListener("submit", async (event) => {
     event.preventDefault();
     clearError(alert, form);
@@ -193,6 +196,7 @@ function statusPanel(tenant) {
     h("button", {
       type: "button",
       id: "status-toggle",
+      dataset: { needs: "operator" },
       class: active ? "danger" : null,
       onclick: toggle,
       text: active ? "Disable tenant" : "Enable tenant",

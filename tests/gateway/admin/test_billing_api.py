@@ -24,6 +24,7 @@ from billing import (
     UsageRecord,
     export_lines,
 )
+from gateway.admin.auth import AdminGuard
 from gateway.admin.billing_api import billing_routes
 from gateway.http.errors import exception_handlers
 from tenants import DatabaseSettings, create_db_engine, create_session_factory
@@ -46,7 +47,9 @@ USAGE_KEYS = {
 
 def _client(session_factory: sessionmaker[Session], admin_token: str | None) -> TestClient:
     app = Starlette(
-        routes=billing_routes(session_factory, admin_token), exception_handlers=exception_handlers()
+        routes=billing_routes(session_factory,
+                              AdminGuard.for_deployment(admin_token, session_factory)),
+        exception_handlers=exception_handlers(),
     )
     return TestClient(app, raise_server_exceptions=False)
 
