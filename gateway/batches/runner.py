@@ -3,9 +3,12 @@ as the request it holds (in the batch tier, under the limits and budgets of the 
 created the batch), stores its result, and writes a batch's output and error files once its
 lines are done.
 
-- Capacity: at most --batch-max-in-flight lines run at once on a replica, in the batch tier:
-  the engine's tiered policy serves premium and standard first and preempts batch work for
-  them, while the batch tier's floor share keeps a batch from starving.
+- Capacity: lines run in the batch tier, from idle capacity: while no request of a more
+  important tier runs or waits in an engine of the replica, up to --batch-max-in-flight lines
+  at once; while one does, no more than --batch-floor-in-flight (the floor that keeps a batch
+  from starving), so the steps interactive requests share hold few batch sequences. The
+  engine's tiered policy serves premium and standard first and preempts batch work for
+  them.
 - Takeover: a claim is a lease (LEASE_S), renewed while its line runs; the lines of a replica
   that died are claimed by another once their leases lapse. A result is stored only under the
   claim that ran it, so each line has one result, and each line's request id is its own on
@@ -65,12 +68,17 @@ def line_request_id(batch_id: str, line_index: int) -> str:
 
 class BatchRunner:
     def __init__(self, runtime: GatewayRuntime, api: OpenAIApi, storage: FileStorage, *,
-                 max_in_flight: int, lease_s: float = LEASE_S, poll_s: float = POLL_S
-                 ) -> None:
+                 max_in_flight: int, floor_in_flight: int = 1, lease_s: float = LEASE_S,
+                 poll_s: float = POLL_S) -> None:
         self.runtime = runtime
         self.api = api
         self.storage = storage
         self.max_in_flight = max_in_flight
+        self.floor_in_flight = min(floor_in_flight, max_in_flight)
+        flex = runtime.tiers.by_service_tier("flex")
+        # Requests of tiers above this priority take the capacity first.
+        self._batch_priority = flex.priority if flex is not None else max(
+            tier.priority for tier in runtime.tiers)
         self.lease_s = lease_s
         self.poll_s = poll_s
         self.replica = f"replica-{secrets.token_hex(8)}"
@@ -124,8 +132,18 @@ class BatchRunner:
 
     # -- lines -----------------------------------------------------------------------------------
 
+    def _interactive_work(self) -> bool:
+        """Whether a request of a tier above the batch tier runs or waits in an engine."""
+        for name in self.runtime.models:
+            for tier in self.runtime.engine_stats(name).tiers.values():
+                if tier.priority < self._batch_priority and (tier.num_running
+                                                             or tier.num_waiting):
+                    return True
+        return False
+
     async def _claim(self) -> None:
-        room = self.max_in_flight - len(self._running)
+        allowed = self.floor_in_flight if self._interactive_work() else self.max_in_flight
+        room = allowed - len(self._running)
         if room <= 0:
             return
         now = datetime.now(UTC)

@@ -63,6 +63,7 @@ def build_app(
     # Each replica runs lines of the batches in the database, as its own requests would run.
     runner = BatchRunner(runtime, OpenAIApi(runtime, admission), runtime.file_storage,
                          max_in_flight=runtime.settings.batch_max_in_flight,
+                         floor_in_flight=runtime.settings.batch_floor_in_flight,
                          lease_s=runtime.settings.batch_lease_s)
     runtime.on_start(runner.start)
     runtime.on_close(runner.close)

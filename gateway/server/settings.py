@@ -150,6 +150,11 @@ _OPTIONS: dict[str, _Option] = {
         "--batch-max-in-flight", "TIERGATE_BATCH_MAX_IN_FLIGHT",
         "most batch lines (the Batches API) one replica runs at once, in the batch tier",
     ),
+    "batch_floor_in_flight": _Option(
+        "--batch-floor-in-flight", "TIERGATE_BATCH_FLOOR_IN_FLIGHT",
+        "batch lines a replica still runs at once while interactive requests keep its engine "
+        "busy (the floor that keeps a batch from starving; 0: none)",
+    ),
     "batch_lease_s": _Option(
         "--batch-lease-s", "TIERGATE_BATCH_LEASE_S",
         "seconds a replica's claim on a batch line lasts unless renewed: how soon another "
@@ -233,6 +238,7 @@ class GatewaySettings:
     file_storage: str = "local"
     max_file_bytes: int = 200 << 20
     batch_max_in_flight: int = 8
+    batch_floor_in_flight: int = 1
     batch_lease_s: float = 30.0
     response_retention_days: float = 30.0
     drain_timeout_s: float = 30.0
@@ -285,6 +291,8 @@ class GatewaySettings:
             raise SettingsError(f"--cpu-decode-rows must be in 0..{CPU_DECODE_MAX_ROWS}")
         if self.file_storage.startswith("s3://") and not self.file_storage[5:].strip("/"):
             raise SettingsError("--file-storage s3:// needs a bucket: s3://bucket[/prefix]")
+        if self.batch_floor_in_flight < 0:
+            raise SettingsError("--batch-floor-in-flight must be >= 0")
         if not self.batch_lease_s >= 1:
             raise SettingsError("--batch-lease-s must be >= 1")
         if self.response_retention_days < 0:

@@ -74,7 +74,6 @@ function keyLimitsText(key) {
   return parts.join(", ");
 }
 
-
 function keyRow(key, revoke, rotate) {
   const actions = h("td", {});
   const askRotation = () => {
