@@ -61,12 +61,19 @@ def find_batch(session: Session, tenant_id: int, batch_id: str) -> Batch | None:
                                               Batch.tenant_id == tenant_id))
 
 
-def list_batches(session: Session, tenant_id: int, *, after: str | None,
-                 limit: int) -> list[Batch]:
-    """The tenant's batches, newest first, those after the batch `after` (a page's last)."""
-    query = select(Batch).where(Batch.tenant_id == tenant_id)
+def list_batches(session: Session, tenant_id: int | None, *, after: str | None,
+                 limit: int, status: str | None = None) -> list[Batch]:
+    """The tenant's batches (None: every tenant's), newest first, those after the batch
+    `after` (a page's last); status: only those in it."""
+    query = select(Batch)
+    if tenant_id is not None:
+        query = query.where(Batch.tenant_id == tenant_id)
+    if status is not None:
+        query = query.where(Batch.status == status)
     if after is not None:
-        cursor = find_batch(session, tenant_id, after)
+        cursor = session.get(Batch, after)
+        if cursor is not None and tenant_id not in (None, cursor.tenant_id):
+            cursor = None
         if cursor is not None:
             query = query.where(or_(Batch.created_at < cursor.created_at, and_(
                 Batch.created_at == cursor.created_at, Batch.id < cursor.id)))
@@ -152,17 +159,18 @@ def release_line(session: Session, replica: str, batch_id: str, line_index: int,
 
 
 def end_pending_lines(session: Session, batch_id: str, *, status: str,
-                      error: dict[str, str] | None = None) -> None:
+                      error: dict[str, str] | None = None, id_prefix: str = "") -> int:
     """End every line not run yet: cancelled, or done with the same error (its error line
-    made from the line's custom_id)."""
-    lines = session.scalars(select(BatchLine).where(
-        BatchLine.batch_id == batch_id, BatchLine.status == PENDING))
+    made from the line's custom_id, its id id_prefix + its index); how many."""
+    lines = list(session.scalars(select(BatchLine).where(
+        BatchLine.batch_id == batch_id, BatchLine.status == PENDING)))
     for line in lines:
         line.status = status
         if error is not None:
             line.is_error = True
-            line.result = {"id": f"{batch_id}-{line.line_index}", "custom_id": line.custom_id,
+            line.result = {"id": f"{id_prefix}{line.line_index}", "custom_id": line.custom_id,
                            "response": None, "error": error}
+    return len(lines)
 
 
 def result_lines(session: Session, batch_id: str, *, errors: bool) -> list[dict[str, Any]]:

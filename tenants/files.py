@@ -49,17 +49,21 @@ def find_file(session: Session, tenant_id: int, file_id: str) -> StoredFile | No
         StoredFile.id == file_id, StoredFile.tenant_id == tenant_id))
 
 
-def list_files(session: Session, tenant_id: int, *, purpose: str | None, after: str | None,
-               limit: int, newest_first: bool) -> list[StoredFile]:
-    """Up to limit of the tenant's files in creation order (newest first, or oldest), those
-    after the file `after` in that order (a page's last id)."""
-    query = select(StoredFile).where(StoredFile.tenant_id == tenant_id)
+def list_files(session: Session, tenant_id: int | None, *, purpose: str | None,
+               after: str | None, limit: int, newest_first: bool) -> list[StoredFile]:
+    """Up to limit of the tenant's files (None: every tenant's) in creation order (newest
+    first, or oldest), those after the file `after` in that order (a page's last id)."""
+    query = select(StoredFile)
+    if tenant_id is not None:
+        query = query.where(StoredFile.tenant_id == tenant_id)
     if purpose is not None:
         query = query.where(StoredFile.purpose == purpose)
     order = (StoredFile.created_at.desc(), StoredFile.id.desc()) if newest_first else (
         StoredFile.created_at.asc(), StoredFile.id.asc())
     if after is not None:
-        cursor = find_file(session, tenant_id, after)
+        cursor = session.get(StoredFile, after)
+        if cursor is not None and tenant_id not in (None, cursor.tenant_id):
+            cursor = None
         if cursor is not None:
             query = query.where(_before(cursor) if newest_first else _after(cursor))
     return list(session.scalars(query.order_by(*order).limit(limit)))

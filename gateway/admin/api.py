@@ -37,6 +37,8 @@ from gateway.admin.bodies import (
     translate_tenants_error,
 )
 from gateway.admin.roles import ADMIN_API_PREFIX, grants
+from gateway.batches.api import batch_object
+from gateway.files.api import file_object
 from gateway.http.errors import (
     BadRequestError,
 )
@@ -52,6 +54,9 @@ MAX_AUDIT_PAGE = 1000
 _CREATE_TENANT_FIELDS = ("name", "tier", "weight", "cache_salt", "allowed_models", "quota")
 
 T = TypeVar("T")
+
+# Batches and files a tenant's page lists at most (the latest).
+MAX_LISTED = 100
 
 
 def admin_routes(
@@ -85,6 +90,8 @@ def admin_routes(
         ("/tenants/{tenant}", api.update_tenant, "PATCH"),
         ("/tenants/{tenant}/disable", api.disable_tenant, "POST"),
         ("/tenants/{tenant}/enable", api.enable_tenant, "POST"),
+        ("/tenants/{tenant}/batches", api.list_batches, "GET"),
+        ("/tenants/{tenant}/files", api.list_files, "GET"),
         ("/tenants/{tenant}/keys", api.list_keys, "GET"),
         ("/tenants/{tenant}/keys", api.create_key, "POST"),
         ("/keys/{key_id:int}", api.get_key, "GET"),
@@ -222,6 +229,31 @@ class _AdminApi:
         return JSONResponse(snapshot)
 
     # --- keys ------------------------------------------------------------------------------
+
+    async def list_batches(self, request: Request) -> Response:
+        """The tenant's latest batches (the Batches API), newest first, as the API shows
+        them."""
+        ref = request.path_params["tenant"]
+
+        def work(session: Session) -> list[dict[str, Any]]:
+            tenant = tenants.find_tenant(session, ref)
+            return [batch_object(b, tenants.line_counts(session, b.id))
+                    for b in tenants.list_batches(session, tenant.id, after=None,
+                                                  limit=MAX_LISTED)]
+
+        return list_response(await self._in_session(work))
+
+    async def list_files(self, request: Request) -> Response:
+        """The tenant's latest uploaded files and batch result files, newest first."""
+        ref = request.path_params["tenant"]
+
+        def work(session: Session) -> list[dict[str, Any]]:
+            tenant = tenants.find_tenant(session, ref)
+            return [file_object(f) for f in tenants.list_files(
+                session, tenant.id, purpose=None, after=None, limit=MAX_LISTED,
+                newest_first=True)]
+
+        return list_response(await self._in_session(work))
 
     async def list_keys(self, request: Request) -> Response:
         ref = request.path_params["tenant"]

@@ -47,6 +47,9 @@ ROUTE_ROLES: Final[dict[RouteKey, AdminRole | None]] = {
     ("PATCH", "/admin/v1/tenants/{tenant}"): _OPERATOR,
     ("POST", "/admin/v1/tenants/{tenant}/disable"): _OPERATOR,
     ("POST", "/admin/v1/tenants/{tenant}/enable"): _OPERATOR,
+    # a tenant's batches and files (the Batches and Files APIs)
+    ("GET", "/admin/v1/tenants/{tenant}/batches"): _READ,
+    ("GET", "/admin/v1/tenants/{tenant}/files"): _READ,
     # tenant API keys
     ("GET", "/admin/v1/tenants/{tenant}/keys"): _READ,
     ("POST", "/admin/v1/tenants/{tenant}/keys"): _OPERATOR,

@@ -62,15 +62,24 @@ _BUDGET_REASONS = (RefusalReason.BUDGET, RefusalReason.KEY_BUDGET)
 LINE_DONE = "done"  # tenants.batches' status of a line with its result
 
 
+def line_id_prefix(batch_id: str) -> str:
+    return f"batch_req_{batch_id.removeprefix('batch_')}_"
+
+
 def line_request_id(batch_id: str, line_index: int) -> str:
-    return f"batch_req_{batch_id.removeprefix('batch_')}_{line_index}"
+    """A line's request id: its own, the same on every replica that runs it."""
+    return f"{line_id_prefix(batch_id)}{line_index}"
 
 
 class BatchRunner:
     def __init__(self, runtime: GatewayRuntime, api: OpenAIApi, storage: FileStorage, *,
                  max_in_flight: int, floor_in_flight: int = 1, lease_s: float = LEASE_S,
-                 poll_s: float = POLL_S) -> None:
+                 poll_s: float = POLL_S,
+                 count_lines: Callable[[str, int], None] = lambda _status, _n: None) -> None:
+        """count_lines(status, n): n lines ended (or were given back) here with status (the
+        tiergate_batch_lines metric)."""
         self.runtime = runtime
+        self._count = count_lines
         self.api = api
         self.storage = storage
         self.max_in_flight = max_in_flight
@@ -178,6 +187,7 @@ class BatchRunner:
             else:
                 await self._release(line, refusal.retry_after_s or RETRY_BACKOFF_S,
                                     failed_attempt=False)
+                self._count("retried", 1)
             return
         except GatewayError as error:  # its key revoked, expired or its tenant disabled
             status, body = error.status_code, error.body()
@@ -188,12 +198,15 @@ class BatchRunner:
             status, body = 500, error_body("the batch line could not be run", "server_error")
         if status >= 500 and line.attempts + 1 < MAX_ATTEMPTS:
             await self._release(line, RETRY_BACKOFF_S, failed_attempt=True)
+            self._count("retried", 1)
             return
         result = {"id": request_id, "custom_id": line.custom_id,
                   "response": {"status_code": status, "request_id": request_id, "body": body},
                   "error": None}
-        await self._in_session(lambda s: tenants.finish_line(
-            s, self.replica, line.batch_id, line.line_index, result, is_error=status != 200))
+        if await self._in_session(lambda s: tenants.finish_line(
+                s, self.replica, line.batch_id, line.line_index, result,
+                is_error=status != 200)):
+            self._count("completed" if status == 200 else "failed", 1)
 
     async def _release(self, line: tenants.ClaimedLine, delay_s: float, *,
                        failed_attempt: bool) -> None:
@@ -211,16 +224,17 @@ class BatchRunner:
                   "response": {"status_code": refusal.status_code, "request_id": request_id,
                                "body": refusal.body()}, "error": None}
 
-        def stop(session: Session) -> None:
+        def stop(session: Session) -> int:
             tenants.finish_line(session, self.replica, line.batch_id, line.line_index, result,
                                 is_error=True)
             batch = session.get(tenants.Batch, line.batch_id)
             if batch is not None and not batch.errors:
                 batch.errors = [{**error, "line": line.line_index + 1, "param": None}]
-            tenants.end_pending_lines(session, line.batch_id, status=LINE_DONE,
-                                      error=error)
+            return 1 + tenants.end_pending_lines(session, line.batch_id, status=LINE_DONE,
+                                                 error=error,
+                                                 id_prefix=line_id_prefix(line.batch_id))
 
-        await self._in_session(stop)
+        self._count("budget_stopped", await self._in_session(stop))
 
     async def _principal(self, line: tenants.ClaimedLine) -> TenantPrincipal:
         """The principal of the batch's key, in the batch tier (reloaded every
@@ -251,6 +265,8 @@ class BatchRunner:
         now = datetime.now(UTC)
         stale = now - timedelta(seconds=self.lease_s)
 
+        ended = {"expired": 0, "budget_stopped": 0}
+
         def due(session: Session) -> list[str]:
             ready = []
             for batch in tenants.batches_in(session, (*tenants.ACTIVE_BATCH_STATUSES,
@@ -259,19 +275,26 @@ class BatchRunner:
                     if batch.finalizing_at is not None and batch.finalizing_at < stale:
                         ready.append(batch.id)  # its finalizer died: take it over
                     continue
+                prefix = line_id_prefix(batch.id)
                 if batch.status == "in_progress" and now >= batch.expires_at:
-                    tenants.end_pending_lines(session, batch.id, status=LINE_DONE, error={
-                        "code": "batch_expired",
-                        "message": "the batch's completion window ended before this request "
-                                   "ran"})
+                    ended["expired"] += tenants.end_pending_lines(
+                        session, batch.id, status=LINE_DONE, id_prefix=prefix, error={
+                            "code": "batch_expired",
+                            "message": "the batch's completion window ended before this "
+                                       "request ran"})
                 elif batch.status == "in_progress" and batch.errors:
-                    tenants.end_pending_lines(session, batch.id, status=LINE_DONE, error={
-                        "code": "budget_exceeded", "message": batch.errors[0]["message"]})
+                    ended["budget_stopped"] += tenants.end_pending_lines(
+                        session, batch.id, status=LINE_DONE, id_prefix=prefix, error={
+                            "code": "budget_exceeded", "message": batch.errors[0]["message"]})
                 if not tenants.has_unfinished_lines(session, batch.id):
                     ready.append(batch.id)
             return ready
 
-        for batch_id in await self._in_session(due):
+        ready = await self._in_session(due)
+        for status, count in ended.items():
+            if count:
+                self._count(status, count)
+        for batch_id in ready:
             if await self._in_session(functools.partial(
                     tenants.start_finalizing, batch_id=batch_id, now=now, stale_before=stale)):
                 await self._write_files(batch_id)

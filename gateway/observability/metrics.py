@@ -287,6 +287,13 @@ class _Series:
             "tiergate_alert_firing", "1 while the in-process alert fires.",
             ("alertname", "tier"), registry=r,
         )  # fmt: skip
+        self.batch_lines = Counter(
+            "tiergate_batch_lines",
+            "Batch lines this replica ended or gave back, by status: completed, failed (an "
+            "error line), retried (given back until its retry-after), budget_stopped (ended by "
+            "a budget), expired (ended by the completion window).",
+            ("status",), registry=r,
+        )  # fmt: skip
 
 
 class GatewayMetrics:
@@ -373,6 +380,10 @@ class GatewayMetrics:
             s.recompute_gpu_seconds.labels(obs.tier, obs.model, self.tenants.label(charged)).inc(
                 obs.recompute_gpu_seconds
             )
+
+    def count_batch_lines(self, status: str, num_lines: int = 1) -> None:
+        """Batch lines that ended (or were given back) with this status."""
+        self._series.batch_lines.labels(status).inc(num_lines)
 
     def record_rejection(self, tier: str, reason: str) -> None:
         """One request refused by admission; reason is a fixed word (e.g. 'tokens_per_minute')."""

@@ -16,11 +16,10 @@ from gateway.access.admission import GatewayAdmission
 from gateway.admin.api import admin_routes
 from gateway.admin.auth import AdminGuard
 from gateway.batches.api import batch_routes
-from gateway.batches.runner import BatchRunner
 from gateway.files.api import files_routes
 from gateway.http.errors import exception_handlers
 from gateway.http.request_context import RequestContextMiddleware
-from gateway.openai.routes import OpenAIApi, openai_routes
+from gateway.openai.routes import openai_routes
 from gateway.server.health import health_routes
 from gateway.server.runtime import GatewayRuntime
 
@@ -60,13 +59,6 @@ def build_app(
                 await loading
             await runtime.close()
 
-    # Each replica runs lines of the batches in the database, as its own requests would run.
-    runner = BatchRunner(runtime, OpenAIApi(runtime, admission), runtime.file_storage,
-                         max_in_flight=runtime.settings.batch_max_in_flight,
-                         floor_in_flight=runtime.settings.batch_floor_in_flight,
-                         lease_s=runtime.settings.batch_lease_s)
-    runtime.on_start(runner.start)
-    runtime.on_close(runner.close)
     routes: list[BaseRoute] = [
         *health_routes(runtime),
         *openai_routes(runtime, admission),

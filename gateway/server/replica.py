@@ -14,8 +14,10 @@ from gateway.access.admission import AdmissionSettings, GatewayAdmission, build_
 from gateway.admin.auth import AdminGuard
 from gateway.admin.billing_api import billing_routes
 from gateway.admin.console_routes import console_routes
+from gateway.batches.runner import BatchRunner
 from gateway.observability.dependency_health import DependencyHealth
 from gateway.observability.telemetry import Telemetry
+from gateway.openai.routes import OpenAIApi
 from gateway.server.app import build_app
 from gateway.server.billing_wiring import LedgerBudgets, LedgerSink
 from gateway.server.observability_wiring import Observability
@@ -87,6 +89,14 @@ def compose_replica(
     runtime.sinks.append(observability)
     runtime.on_start(observability.start)
     runtime.on_close(observability.close)
+    # The lines of the batches in the database, run as this replica's own requests would be.
+    runner = BatchRunner(runtime, OpenAIApi(runtime, admission), runtime.file_storage,
+                         max_in_flight=settings.batch_max_in_flight,
+                         floor_in_flight=settings.batch_floor_in_flight,
+                         lease_s=settings.batch_lease_s,
+                         count_lines=observability.metrics.count_batch_lines)
+    runtime.on_start(runner.start)
+    runtime.on_close(runner.close)
     # Last: everything the drain let finish has been recorded by now.
     runtime.on_close(refusals.close)
     runtime.on_close(ledger.close)

@@ -41,7 +41,10 @@ from gateway.admin.auth import AdminGuard
 from gateway.admin.console_routes import console_routes
 from gateway.http.errors import exception_handlers
 from tenants import (
+    Batch,
+    BatchLine,
     DatabaseSettings,
+    StoredFile,
     create_admin_credential,
     create_db_engine,
     create_session_factory,
@@ -514,6 +517,38 @@ def test_disable_and_enable_a_tenant(console: ConsolePage, server: ConsoleServer
     page.get_by_role("button", name="Enable tenant").click()
     expect(page.locator("#tenant-status")).to_have_text("Tenant enabled.")
     assert server.whoami(key).status_code == 200
+
+
+def test_a_tenants_batches_and_files_are_listed(
+    console: ConsolePage, server: ConsoleServer, database: Engine
+) -> None:
+    _create_tenants(server, {"name": "nightly"})
+    with server.admin() as admin:
+        created = admin.get("/admin/v1/tenants/nightly").json()
+    now = datetime.now(UTC)
+    with create_session_factory(database).begin() as session:
+        session.add(StoredFile(id="file-" + "a" * 24, tenant_id=created["id"],
+                               filename="requests.jsonl", purpose="batch", bytes=2048,
+                               num_lines=2, created_at=now))
+        session.add(Batch(id="batch_" + "b" * 32, tenant_id=created["id"], api_key_id=None,
+                          endpoint="/v1/chat/completions", input_file_id="file-" + "a" * 24,
+                          completion_window="24h", status="in_progress", total=2,
+                          created_at=now, in_progress_at=now, expires_at=now + timedelta(1)))
+        session.flush()
+        session.add_all([
+            BatchLine(batch_id="batch_" + "b" * 32, line_index=i, custom_id=f"c{i}", body={},
+                      prefix_key="", status="done" if i == 0 else "pending", attempts=0,
+                      is_error=False, result={"id": "x"} if i == 0 else None)
+            for i in range(2)])
+    console.open("#tenant/nightly")
+    console.sign_in()
+    page = console.page
+    batches = page.locator("#batches-table")
+    expect(batches).to_contain_text("batch_" + "b" * 32)
+    expect(batches).to_contain_text("in_progress")
+    expect(batches).to_contain_text("1 / 2")
+    expect(page.locator("#files-table")).to_contain_text("requests.jsonl")
+    console.screenshot("tenant-batches")
 
 
 def _mint_credential(database: Engine, name: str, role: str) -> str:

@@ -5,6 +5,7 @@ import { renderTenantAdapters } from "./adapters.js";
 import { api } from "./api.js";
 import { may } from "./grants.js";
 import { $, clearError, formatTime, h, latestOnly, showError } from "./dom.js";
+import { renderBatches } from "./batches.js";
 import { renderKeys } from "./keys.js";
 import { loadTenants, tierOptions } from "./tenants.js";
 
@@ -228,11 +229,13 @@ async function render(tenant, message = "", isCurrent = startLoad()) {
     statusPanel(tenant),
     h("div", { id: "keys-panel" }),
     h("div", { id: "tenant-adapters-panel" }),
+    h("div", { id: "batches-panel" }),
   );
   $("tenant-status").textContent = message;
   await Promise.all([
     renderKeys($("keys-panel"), tenant),
     renderTenantAdapters($("tenant-adapters-panel"), tenant, tenants),
+    renderBatches($("batches-panel"), tenant),
   ]);
 }
 

@@ -116,6 +116,14 @@ def test_a_batch_runs_every_line_once_and_bills_each_in_the_batch_tier(
     # over HTTP), each with the line's own id, in the batch tier.
     assert sorted(r[0] for r in records) == sorted(o["id"] for o in outputs)
     assert {(r[1], r[2]) for r in records} == {("batch", "completed")}
+    metrics = admin.get("/metrics").text
+    assert _counter(metrics, "completed") >= 12 and _counter(metrics, "failed") >= 2
+
+
+def _counter(metrics: str, status: str) -> float:
+    prefix = f'tiergate_batch_lines_total{{status="{status}"}} '
+    return sum(float(line[len(prefix):]) for line in metrics.splitlines()
+               if line.startswith(prefix))
 
 
 def test_cancel_ends_the_lines_not_started(server: ServeProcess, admin: httpx.Client) -> None:
@@ -177,6 +185,24 @@ def test_a_budget_reached_mid_batch_stops_it_without_overspending(
             "FROM usage_records WHERE request_id LIKE ?",
             (f"batch_req_{batch.id.removeprefix('batch_')}_%",)).fetchall()
     assert used <= budget
+    assert _counter(admin.get("/metrics").text, "budget_stopped") >= 1
+
+
+def test_lines_over_the_rate_limit_wait_for_their_retry_after(
+    server: ServeProcess, admin: httpx.Client,
+) -> None:
+    client = new_client(server, admin, "throttled",
+                        {"requests_per_minute": 120, "burst_requests": 2})
+    lines = [chat_line(f"t-{i}", "Say hi") for i in range(8)]
+    file = client.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
+    batch = client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    before = _counter(admin.get("/metrics").text, "retried")
+    done = wait_for(client, batch.id, ("completed",))
+    assert done.request_counts is not None
+    assert (done.request_counts.completed, done.request_counts.failed) == (8, 0)
+    # Two requests at once, then one every half second: the others were given back.
+    assert _counter(admin.get("/metrics").text, "retried") > before
 
 
 def test_another_tenants_batch_is_a_404_and_bad_creates_are_400s(
