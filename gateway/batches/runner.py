@@ -4,9 +4,10 @@ created the batch), stores its result, and writes a batch's output and error fil
 lines are done.
 
 - Capacity: lines run in the batch tier, from idle capacity: while no request of a more
-  important tier runs or waits in an engine of the replica, up to --batch-max-in-flight lines
-  at once; while one does, no more than --batch-floor-in-flight (the floor that keeps a batch
-  from starving), so the steps interactive requests share hold few batch sequences. The
+  important tier runs, waits or arrived lately in an engine of the replica, up to
+  --batch-max-in-flight lines at once; otherwise no more than --batch-floor-in-flight (the
+  floor that keeps a batch from starving), so the steps interactive requests share hold few
+  batch sequences. The
   engine's tiered policy serves premium and standard first and preempts batch work for
   them.
 - Takeover: a claim is a lease (LEASE_S), renewed while its line runs; the lines of a replica
@@ -142,11 +143,16 @@ class BatchRunner:
     # -- lines -----------------------------------------------------------------------------------
 
     def _interactive_work(self) -> bool:
-        """Whether a request of a tier above the batch tier runs or waits in an engine."""
+        """Whether requests of a tier above the batch tier run, wait or arrived lately (the
+        engine's arrival window, seconds) in an engine of this replica."""
         for name in self.runtime.models:
-            for tier in self.runtime.engine_stats(name).tiers.values():
+            stats = self.runtime.engine_stats(name)
+            for tier in stats.tiers.values():
                 if tier.priority < self._batch_priority and (tier.num_running
                                                              or tier.num_waiting):
+                    return True
+            for priority, arrivals in stats.arrivals.items():
+                if priority < self._batch_priority and arrivals.requests_per_s > 0:
                     return True
         return False
 
