@@ -15,7 +15,9 @@ MAX_PURGED_PER_CALL = 1000
 
 
 def save_response(session: Session, response: StoredResponse) -> None:
-    session.add(response)
+    """Keep the response; one of the same id is replaced (a batch line run again on another
+    replica stores its response under the line's own id)."""
+    session.merge(response)
 
 
 def find_response(
