@@ -27,7 +27,9 @@ from gateway.files.batch_lines import BATCH_URLS
 from gateway.files.storage import FileStorage
 from gateway.http.errors import BadRequestError, GatewayError, NotFoundError
 from gateway.http.json_body import parse_json_body
+from gateway.http.list_page import list_page
 from gateway.openai.metadata import parse_metadata
+from gateway.server.db_work import detached, in_transaction
 from gateway.server.runtime import GatewayRuntime
 
 T = TypeVar("T")
@@ -108,7 +110,7 @@ class _BatchesApi:
         if not isinstance(file_id, str):
             raise BadRequestError("input_file_id must be a string", param="input_file_id")
         file = await self._in_session(
-            lambda session: _detached(session, tenants.find_file(
+            lambda session: detached(session, tenants.find_file(
                 session, principal.tenant_id, file_id)))
         if file is None or file.purpose != "batch":
             raise NotFoundError(f"no batch input file with id {file_id!r}",
@@ -154,12 +156,7 @@ class _BatchesApi:
                                            after=query.get("after"), limit=limit + 1)
             return [batch_object(b, tenants.line_counts(session, b.id)) for b in batches]
 
-        rows = await self._in_session(read)
-        page = rows[:limit]
-        return JSONResponse({"object": "list", "data": page,
-                             "first_id": page[0]["id"] if page else None,
-                             "last_id": page[-1]["id"] if page else None,
-                             "has_more": len(rows) > limit})
+        return list_page(await self._in_session(read), limit)
 
     async def cancel(self, request: Request) -> Response:
         """Lines not started are cancelled at once; those running finish, then the batch's
@@ -187,17 +184,7 @@ class _BatchesApi:
         return await self.runtime.key_resolver.authenticate(request)
 
     async def _in_session(self, work: Callable[[Session], T]) -> T:
-        def run() -> T:
-            with self.runtime.session_factory.begin() as session:
-                return work(session)
-
-        return await run_in_threadpool(run)
-
-
-def _detached(session: Session, row: T | None) -> T | None:
-    if row is not None:
-        session.expunge(row)
-    return row
+        return await in_transaction(self.runtime.session_factory, work)
 
 
 def _lines(batch: tenants.Batch, content: bytes) -> list[tenants.BatchLine]:

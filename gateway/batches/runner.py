@@ -44,6 +44,7 @@ from gateway.files.storage import FileStorage
 from gateway.http.errors import GatewayError, error_body
 from gateway.openai.requests import Endpoint
 from gateway.openai.routes import OpenAIApi
+from gateway.server.db_work import detached, in_transaction
 from gateway.server.runtime import GatewayRuntime
 from policies import AbovePlan, RefusalReason, served_tier
 
@@ -307,7 +308,7 @@ class BatchRunner:
 
     async def _write_files(self, batch_id: str) -> None:
         batch, outputs, errors = await self._in_session(lambda s: (
-            _detached(s, s.get(tenants.Batch, batch_id)),
+            detached(s, s.get(tenants.Batch, batch_id)),
             tenants.result_lines(s, batch_id, errors=False),
             tenants.result_lines(s, batch_id, errors=True)))
         if batch is None:
@@ -358,14 +359,4 @@ class BatchRunner:
         return row
 
     async def _in_session(self, work: Callable[[Session], T]) -> T:
-        def run() -> T:
-            with self.runtime.session_factory.begin() as session:
-                return work(session)
-
-        return await run_in_threadpool(run)
-
-
-def _detached(session: Session, row: T | None) -> T | None:
-    if row is not None:
-        session.expunge(row)
-    return row
+        return await in_transaction(self.runtime.session_factory, work)

@@ -21,6 +21,8 @@ from gateway.files.batch_lines import check_batch_lines
 from gateway.files.storage import FileStorage
 from gateway.files.upload import read_upload
 from gateway.http.errors import BadRequestError, GatewayError, NotFoundError
+from gateway.http.list_page import list_page
+from gateway.server.db_work import detached, in_transaction
 from gateway.server.runtime import GatewayRuntime
 
 T = TypeVar("T")
@@ -105,12 +107,7 @@ class _FilesApi:
                 after=query.get("after"), limit=limit + 1, newest_first=order == "desc")
             return [file_object(row) for row in rows]
 
-        rows = await self._in_session(read)
-        page = rows[:limit]
-        return JSONResponse({"object": "list", "data": page,
-                             "first_id": page[0]["id"] if page else None,
-                             "last_id": page[-1]["id"] if page else None,
-                             "has_more": len(rows) > limit})
+        return list_page(await self._in_session(read), limit)
 
     async def retrieve(self, request: Request) -> Response:
         row = await self._own_file(request)
@@ -134,23 +131,14 @@ class _FilesApi:
         principal = await self.runtime.key_resolver.authenticate(request)
         file_id = request.path_params["file_id"]
 
-        def read(session: Session) -> tenants.StoredFile | None:
-            row = tenants.find_file(session, principal.tenant_id, file_id)
-            if row is not None:
-                session.expunge(row)
-            return row
-
-        row = await self._in_session(read)
+        row = await self._in_session(lambda session: detached(
+            session, tenants.find_file(session, principal.tenant_id, file_id)))
         if row is None:
             raise _unknown_file(file_id)
         return row
 
     async def _in_session(self, work: Callable[[Session], T]) -> T:
-        def run() -> T:
-            with self._session_factory.begin() as session:
-                return work(session)
-
-        return await run_in_threadpool(run)
+        return await in_transaction(self._session_factory, work)
 
 
 def _first_chunk(storage: FileStorage, key: str) -> Iterator[bytes]:

@@ -16,10 +16,10 @@ from typing import Any, TypeVar
 
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
-from starlette.concurrency import run_in_threadpool
 
 import tenants
 from gateway.http.errors import ServiceUnavailableError
+from gateway.server.db_work import detached, in_transaction
 
 logger = logging.getLogger(__name__)
 
@@ -44,13 +44,8 @@ class ResponseStore:
         """The tenant's stored response (another tenant's, or an expired one: None)."""
         now = datetime.now(UTC)
 
-        def read(session: Session) -> tenants.StoredResponse | None:
-            row = tenants.find_response(session, tenant_id, response_id, now)
-            if row is not None:
-                session.expunge(row)
-            return row
-
-        return await self._in_session(read)
+        return await self._in_session(lambda session: detached(
+            session, tenants.find_response(session, tenant_id, response_id, now)))
 
     async def save(self, tenant_id: int, body: dict[str, Any],
                    conversation: list[dict[str, Any]]) -> None:
@@ -76,12 +71,8 @@ class ResponseStore:
             lambda session: tenants.delete_response(session, tenant_id, response_id))
 
     async def _in_session(self, work: Callable[[Session], T]) -> T:
-        def run() -> T:
-            with self._session_factory.begin() as session:
-                return work(session)
-
         try:
-            return await run_in_threadpool(run)
+            return await in_transaction(self._session_factory, work)
         except SQLAlchemyError as exc:
             logger.error("the response store failed: %s", type(exc).__name__)
             raise ServiceUnavailableError(
