@@ -77,19 +77,21 @@ class BatchRunner:
     def __init__(self, runtime: GatewayRuntime, api: OpenAIApi, storage: FileStorage, *,
                  max_in_flight: int, floor_in_flight: int = 1, lease_s: float = LEASE_S,
                  poll_s: float = POLL_S,
-                 count_lines: Callable[[str, int], None] = lambda _status, _n: None) -> None:
-        """count_lines(status, n): n lines ended (or were given back) here with status (the
-        tiergate_batch_lines metric)."""
+                 count_lines: Callable[[str, str, int], None] = lambda _tier, _status, _n: None
+                 ) -> None:
+        """count_lines(tier, status, n): n lines of the batch tier ended (or were given back)
+        here with status (the tiergate_batch_lines metric)."""
         self.runtime = runtime
-        self._count = count_lines
+        self._count_lines = count_lines
         self.api = api
         self.storage = storage
         self.max_in_flight = max_in_flight
         self.floor_in_flight = min(floor_in_flight, max_in_flight)
         flex = runtime.tiers.by_service_tier("flex")
+        batch_tier = flex if flex is not None else max(runtime.tiers, key=lambda t: t.priority)
+        self._batch_tier = batch_tier.name
         # Requests of tiers above this priority take the capacity first.
-        self._batch_priority = flex.priority if flex is not None else max(
-            tier.priority for tier in runtime.tiers)
+        self._batch_priority = batch_tier.priority
         self.lease_s = lease_s
         self.poll_s = poll_s
         self.replica = f"replica-{secrets.token_hex(8)}"
@@ -142,6 +144,9 @@ class BatchRunner:
                 await asyncio.wait_for(self._wake.wait(), self.poll_s)
 
     # -- lines -----------------------------------------------------------------------------------
+
+    def _count(self, status: str, num_lines: int) -> None:
+        self._count_lines(self._batch_tier, status, num_lines)
 
     def _interactive_work(self) -> bool:
         """Whether requests of a tier above the batch tier run, wait or arrived lately (the

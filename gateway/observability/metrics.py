@@ -292,7 +292,7 @@ class _Series:
             "Batch lines this replica ended or gave back, by status: completed, failed (an "
             "error line), retried (given back until its retry-after), budget_stopped (ended by "
             "a budget), expired (ended by the completion window).",
-            ("status",), registry=r,
+            ("tier", "status"), registry=r,
         )  # fmt: skip
 
 
@@ -381,9 +381,10 @@ class GatewayMetrics:
                 obs.recompute_gpu_seconds
             )
 
-    def count_batch_lines(self, status: str, num_lines: int = 1) -> None:
-        """Batch lines that ended (or were given back) with this status."""
-        self._series.batch_lines.labels(status).inc(num_lines)
+    def count_batch_lines(self, tier: str, status: str, num_lines: int = 1) -> None:
+        """Batch lines of a tier (the one batches run in) that ended, or were given back,
+        with this status."""
+        self._series.batch_lines.labels(tier, status).inc(num_lines)
 
     def record_rejection(self, tier: str, reason: str) -> None:
         """One request refused by admission; reason is a fixed word (e.g. 'tokens_per_minute')."""

@@ -121,7 +121,7 @@ def test_a_batch_runs_every_line_once_and_bills_each_in_the_batch_tier(
 
 
 def _counter(metrics: str, status: str) -> float:
-    prefix = f'tiergate_batch_lines_total{{status="{status}"}} '
+    prefix = f'tiergate_batch_lines_total{{status="{status}",tier="batch"}} '
     return sum(float(line[len(prefix):]) for line in metrics.splitlines()
                if line.startswith(prefix))
 

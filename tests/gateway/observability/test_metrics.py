@@ -280,6 +280,7 @@ def populated_metrics() -> GatewayMetrics:
     )
     metrics.observe_request(_completed(adapter="french"))
     metrics.record_rejection("standard", "requests_per_minute")
+    metrics.count_batch_lines("batch", "completed")
     stats = make_engine().stats()
     stats.mean_step_time_s = 0.01
     metrics.update_engine_health("m", EngineHealth(is_up=True, generation=1))
@@ -306,7 +307,7 @@ def test_metrics_route_serves_the_exposition_format() -> None:
     content_type, text = _scrape(metrics)
     assert content_type.startswith("text/plain; version=0.0.4")
     families = _families(text)
-    assert len(families) == 38
+    assert len(families) == 39
     for family in families:
         assert family.name.startswith("tiergate_"), family.name
         assert family.samples, family.name
