@@ -9,11 +9,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator
-from contextlib import aclosing
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, Sequence
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 from starlette.requests import Request
@@ -31,7 +29,12 @@ from gateway.http.errors import (
 )
 from gateway.http.event_stream import sse_data
 from gateway.observability.telemetry import RequestTrace
-from gateway.openai.generation import MAX_UNREAD_OUTPUTS_PER_CHOICE, ChoiceState, GenerationJob
+from gateway.openai.generation import (
+    MAX_UNREAD_OUTPUTS_PER_CHOICE,
+    ChoiceState,
+    GenerationJob,
+    JobSummary,
+)
 from gateway.openai.record_builder import build_record, trace_response
 from gateway.openai.request_record import RequestEnd, RequestRecord
 from gateway.openai.requests import GenerationRequest
@@ -40,7 +43,7 @@ from gateway.openai.tool_calls import ParsedCall, StreamedToolCalls
 from gateway.server.runtime import GatewayRuntime, RecordLostError
 from gateway.server.served_model import ServedModel
 
-__all__ = ["AdmittedRequest", "ChoiceDelta", "StreamFailure"]
+__all__ = ["AdmittedRequest", "StreamRendering"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,22 +52,23 @@ logger = logging.getLogger(__name__)
 TOOL_PARSE_OFF_LOOP_CHARS = 64 << 10
 
 
-@dataclass(frozen=True)
-class ChoiceDelta:
-    """What one engine output adds to its choice, in a stream."""
+class StreamRendering(Protocol):
+    """How a stream's events are written: chat or completions chunks (_ChatChunks), or the
+    Responses API's typed events (gateway.openai.responses_reply)."""
 
-    index: int
-    text: str  # content: never a part of a tool call
-    output: RequestOutput
-    finish_reason: str | None  # the API's, "tool_calls" when it ended calling tools
-    calls: list[ParsedCall]  # at the choice's end: the tools it called
+    def opening(self) -> Sequence[str]:
+        """Events before the first output."""
 
+    def choice(self, index: int, text: str, output: RequestOutput, finish_reason: str | None,
+               calls: list[ParsedCall]) -> Sequence[str]:
+        """What one output adds to its choice: text, and at the choice's end (finish_reason
+        set, "tool_calls" when it called tools) the calls."""
 
-@dataclass(frozen=True)
-class StreamFailure:
-    """The end of a stream that failed: the error body its client gets."""
+    def failure(self, body: dict[str, Any]) -> str:
+        """The last event of a stream that failed: its error body."""
 
-    body: dict[str, Any]
+    async def closing(self, summary: JobSummary) -> Sequence[str]:
+        """The last events of a stream whose choices all ended."""
 
 
 class AdmittedRequest:
@@ -186,26 +190,16 @@ class AdmittedRequest:
 
     # -- streamed --------------------------------------------------------------------------------
 
-    async def stream(self) -> AsyncGenerator[str, None]:
-        """The chat or completions event stream."""
-        started = [False] * self.job.num_choices
-        offsets = [0] * self.job.num_choices
-        async with aclosing(self.stream_items()) as items:
-            async for item in items:
-                if isinstance(item, StreamFailure):
-                    yield sse_data(item.body)
-                    return
-                yield self._choice_chunk(item, started, offsets)
-        if self.request.include_usage:
-            yield sse_data(usage_chunk(self.context, self.job.summary()))
-        yield "data: [DONE]\n\n"
-
-    async def stream_items(self) -> AsyncGenerator[ChoiceDelta | StreamFailure, None]:
-        """What each output adds to its choice, as it comes: text that cannot be part of a
-        tool call at once, the calls at the choice's end. A StreamFailure is the last item of
-        a request that failed or whose record was lost; the record of a request that ends is
-        written before its last item (a client that saw the end is billed). Close it
-        (contextlib.aclosing): its end cancels the job and writes the record."""
+    async def stream(self, rendering: StreamRendering | None = None
+                     ) -> AsyncGenerator[str, None]:
+        """The request's event stream, written by rendering (default: chat or completions
+        chunks): text that cannot be part of a tool call at once, the calls at the choice's
+        end. The record of a request that ends is written before its last event (a client
+        that saw the end is billed); a request that failed, or whose record was lost, ends
+        with rendering.failure instead."""
+        rendering = rendering or _ChatChunks(self)
+        for event in rendering.opening():
+            yield event
         status = RequestEnd.ABORTED
         started = [False] * self.job.num_choices
         tool_streams = (
@@ -225,11 +219,11 @@ class AdmittedRequest:
                     # sees the end, or the client sees an error instead of the end.
                     status, _ = self._outcome()
                     if not await self._finalize(status):
-                        yield StreamFailure(_record_lost_error().body())
+                        yield rendering.failure(_record_lost_error().body())
                         return
                     if status is RequestEnd.FAILED:
                         fault = self._request_fault()
-                        yield StreamFailure(
+                        yield rendering.failure(
                             error_body("the engine failed while generating this request",
                                        "server_error", code="engine_error")
                             if fault is None else
@@ -238,7 +232,7 @@ class AdmittedRequest:
                         )
                         return
                     if self.job.is_stopped_unread:
-                        yield StreamFailure(error_body(
+                        yield rendering.failure(error_body(
                             f"this stream was stopped: its client left more than "
                             f"{MAX_UNREAD_OUTPUTS_PER_CHOICE} chunks a choice unread",
                             "invalid_request_error", code="stream_not_read",
@@ -260,13 +254,16 @@ class AdmittedRequest:
                         text += rest
                         if calls and finish_reason == "stop":
                             finish_reason = "tool_calls"
-                yield ChoiceDelta(index, text, output, finish_reason, calls)
+                for event in rendering.choice(index, text, output, finish_reason, calls):
+                    yield event
+            for event in await rendering.closing(self.job.summary()):
+                yield event
         except Exception as exc:  # the engine loop died mid-stream
             logger.error("stream %s failed: %s", self.job.request_id, exc)
             status = RequestEnd.FAILED
             with anyio.CancelScope(shield=True):
                 await self._finalize(status)
-            yield StreamFailure(error_body(
+            yield rendering.failure(error_body(
                 "the engine failed while generating this request", "server_error",
                 code="engine_error",
             ))
@@ -274,23 +271,6 @@ class AdmittedRequest:
             with anyio.CancelScope(shield=True):
                 await self.job.cancel()
                 await self._finalize(status)
-
-    def _choice_chunk(self, item: ChoiceDelta, started: list[bool], offsets: list[int]) -> str:
-        index = item.index
-        body = chunk(
-            self.context,
-            index,
-            text=item.text,
-            role=not started[index],
-            logprobs=item.output.logprobs or None,
-            finish_reason=item.finish_reason,
-            text_offset=offsets[index],
-            tokenizer=self.served.tokenizer,
-            tool_calls=[call.as_openai(i) for i, call in enumerate(item.calls)] or None,
-        )
-        started[index] = True
-        offsets[index] += len(item.text)
-        return sse_data(body)
 
     # -- shared ----------------------------------------------------------------------------------
 
@@ -437,3 +417,42 @@ class _DisconnectWatch:
             self._timer.cancel()
         if self._reader is not None and not self._reader.done():
             self._reader.cancel()
+
+
+class _ChatChunks:
+    """A chat or completions stream: a chunk per output, then usage (when asked) and
+    [DONE]."""
+
+    def __init__(self, run: AdmittedRequest) -> None:
+        self._run = run
+        self._started = [False] * run.job.num_choices
+        self._offsets = [0] * run.job.num_choices
+
+    def opening(self) -> Sequence[str]:
+        return ()
+
+    def choice(self, index: int, text: str, output: RequestOutput, finish_reason: str | None,
+               calls: list[ParsedCall]) -> Sequence[str]:
+        run = self._run
+        body = chunk(
+            run.context,
+            index,
+            text=text,
+            role=not self._started[index],
+            logprobs=output.logprobs or None,
+            finish_reason=finish_reason,
+            text_offset=self._offsets[index],
+            tokenizer=run.served.tokenizer,
+            tool_calls=[call.as_openai(i) for i, call in enumerate(calls)] or None,
+        )
+        self._started[index] = True
+        self._offsets[index] += len(text)
+        return (sse_data(body),)
+
+    def failure(self, body: dict[str, Any]) -> str:
+        return sse_data(body)
+
+    async def closing(self, summary: JobSummary) -> Sequence[str]:
+        if self._run.request.include_usage:
+            return (sse_data(usage_chunk(self._run.context, summary)), "data: [DONE]\n\n")
+        return ("data: [DONE]\n\n",)

@@ -72,8 +72,7 @@ from gateway.server.served_model import ServedModel, tenant_context
 from policies import AbovePlan, RefusalReason, ServiceTierError, Tier, served_tier
 
 
-def openai_routes(runtime: GatewayRuntime, admission: GatewayAdmission) -> list[BaseRoute]:
-    api = OpenAIApi(runtime, admission)
+def openai_routes(api: OpenAIApi) -> list[BaseRoute]:
     return [
         Route("/v1/models", api.list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", api.get_model, methods=["GET"]),
@@ -290,7 +289,9 @@ class OpenAIApi:
                 call, response_id, target.name, run.context.service_tier, served.tokenizer,
                 is_stored=call.store and self._responses.keeps_responses)
             if parsed.stream:
-                return EventStream(responses_reply.stream(run, shell, self._responses),
+                rendering = responses_reply.ResponsesStream(shell, self._responses,
+                                                            principal.tenant_id)
+                return EventStream(run.stream(rendering),
                                    settings.stream_write_timeout_s,
                                    headers={**SSE_HEADERS, **grant.headers})
             return await responses_reply.respond(run, shell, self._responses, http_request)

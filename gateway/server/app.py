@@ -12,14 +12,13 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.routing import BaseRoute
 
-from gateway.access.admission import GatewayAdmission
 from gateway.admin.api import admin_routes
 from gateway.admin.auth import AdminGuard
 from gateway.batches.api import batch_routes
 from gateway.files.api import files_routes
 from gateway.http.errors import exception_handlers
 from gateway.http.request_context import RequestContextMiddleware
-from gateway.openai.routes import openai_routes
+from gateway.openai.routes import OpenAIApi, openai_routes
 from gateway.server.health import health_routes
 from gateway.server.runtime import GatewayRuntime
 
@@ -28,14 +27,15 @@ logger = logging.getLogger(__name__)
 
 def build_app(
     runtime: GatewayRuntime,
-    admission: GatewayAdmission,
+    api: OpenAIApi,
     *,
     extra_routes: Sequence[BaseRoute] = (),
     middleware: Sequence[Middleware] = (),
     on_fatal: Callable[[BaseException], None] | None = None,
     admin_guard: AdminGuard | None = None,
 ) -> Starlette:
-    """The app; its lifespan loads the model in the background (ready when loaded) and
+    """The app, its OpenAI routes served by api (the replica's one, which its batch runner
+    shares); its lifespan loads the model in the background (ready when loaded) and
     closes the runtime at shutdown. on_fatal is called if the model cannot be loaded.
     middleware wraps the routes and the error handlers (inside the request-context
     middleware), so it sees the error responses they send. admin_guard: the one the
@@ -61,7 +61,7 @@ def build_app(
 
     routes: list[BaseRoute] = [
         *health_routes(runtime),
-        *openai_routes(runtime, admission),
+        *openai_routes(api),
         *files_routes(runtime, runtime.file_storage),
         *batch_routes(runtime, runtime.file_storage),
         # Before the admin API: its /admin/v1 mount would shadow other admin routes.

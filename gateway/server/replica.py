@@ -90,7 +90,10 @@ def compose_replica(
     runtime.on_start(observability.start)
     runtime.on_close(observability.close)
     # The lines of the batches in the database, run as this replica's own requests would be.
-    runner = BatchRunner(runtime, OpenAIApi(runtime, admission), runtime.file_storage,
+    # One OpenAIApi serves the routes and the batch lines: one encoder thread for large
+    # prompts, one response store.
+    api = OpenAIApi(runtime, admission)
+    runner = BatchRunner(runtime, api, runtime.file_storage,
                          max_in_flight=settings.batch_max_in_flight,
                          floor_in_flight=settings.batch_floor_in_flight,
                          lease_s=settings.batch_lease_s,
@@ -104,7 +107,7 @@ def compose_replica(
     admin_guard = AdminGuard.for_deployment(settings.admin_token, runtime.session_factory)
     app = build_app(
         runtime,
-        admission,
+        api,
         extra_routes=[
             *observability.routes(admin_guard),
             *billing_routes(runtime.session_factory, admin_guard),

@@ -12,7 +12,7 @@ import json
 import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import jsonschema
@@ -23,25 +23,14 @@ from openai.types.responses import FunctionToolParam
 from pydantic import BaseModel, Field
 
 from gateway.server.model_source import DEFAULT_MODEL_NAME, default_model_file, gguf_model_dir
+from tests.gateway.openai.test_structured_outputs import WEATHER_TOOL as CHAT_WEATHER_TOOL
 from tests.serve_process import ADMIN_TOKEN, ServeProcess, default_model_server
 
 pytestmark = pytest.mark.slow
 
-WEATHER_TOOL: FunctionToolParam = {
-    "type": "function",
-    "name": "get_weather",
-    "description": "The current weather in a city.",
-    "parameters": {
-        "type": "object",
-        "properties": {
-            "city": {"type": "string", "maxLength": 40},
-            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-        },
-        "required": ["city", "unit"],
-        "additionalProperties": False,
-    },
-    "strict": True,
-}
+# The chat tests' tool in the Responses API's flat shape.
+WEATHER_TOOL = cast(FunctionToolParam, {
+    "type": "function", **cast(dict[str, Any], CHAT_WEATHER_TOOL["function"]), "strict": True})
 
 
 @pytest.fixture(scope="module")
