@@ -193,8 +193,12 @@ def test_overload_sheds_standard_fast_with_truthful_retry_after_premium_admitted
     # the overload's prompts nearly free. On a slow host a round of distinct prompts can
     # itself pass the shedding threshold, and then its last requests are rightly shed: the
     # round's admitted requests size the overload.
+    # The faster round sizes the overload: a round slowed by something else on the host (one
+    # CI run measured 240 ms a request against 64 ms alone) made arrivals at 4x its rate no
+    # overload once the host was quick again (38 of 40 admitted).
     prompt_seeds = itertools.count()
     warm_up_statuses: list[list[int]] = []
+    overloads: list[_Overload] = []
     for _ in range(2):
         warm_up = [
             completion_body(NUM_PROMPT_TOKENS, 16, next(prompt_seeds)) for _ in range(NUM_WARM_UP)
@@ -209,7 +213,8 @@ def test_overload_sheds_standard_fast_with_truthful_retry_after_premium_admitted
         num_warmed_up = statuses.count(200)
         assert num_warmed_up, statuses
         warm_up_statuses.append(statuses)
-    overload = _Overload.from_warm_up(warm_up_s, num_warmed_up)
+        overloads.append(_Overload.from_warm_up(warm_up_s, num_warmed_up))
+    overload = min(overloads, key=lambda o: o.service_s)
 
     before = _standard_counts(server)
     # Timed: no garbage collection meanwhile. Late in the test session a full collection of
@@ -222,11 +227,16 @@ def test_overload_sheds_standard_fast_with_truthful_retry_after_premium_admitted
     shed = [c for c in clients if c.status_code == 429]
     admitted = [c for c in clients if c.status_code == 200]
     assert len(shed) + len(admitted) == len(clients), [c.status_code for c in clients]
+    admitted_p50_ms, _, admitted_max_ms = (
+        quantiles_ms([c.latency_s for c in admitted]) if admitted else (0.0, 0.0, 0.0)
+    )
     summary = (
         f"{len(clients)} standard clients of {NUM_PROMPT_TOKENS}-token prompts every "
-        f"{1000 * overload.arrival_gap_s:.1f} ms (warm-up: {1000 * overload.service_s:.1f} ms "
-        f"a request; warm-up rounds {warm_up_statuses}), SLO scale {SLO_SCALE}: "
-        f"{len(admitted)} admitted, {len(shed)} shed"
+        f"{1000 * overload.arrival_gap_s:.1f} ms (warm-up rounds: "
+        f"{', '.join(f'{1000 * o.service_s:.1f}' for o in overloads)} ms a request, "
+        f"statuses {warm_up_statuses}), SLO scale {SLO_SCALE}: "
+        f"{len(admitted)} admitted (latency p50 {admitted_p50_ms:.0f} ms, max "
+        f"{admitted_max_ms:.0f} ms), {len(shed)} shed"
     )
     assert len(shed) >= 5 and len(admitted) >= 3, summary
     for client in shed:
@@ -237,9 +247,8 @@ def test_overload_sheds_standard_fast_with_truthful_retry_after_premium_admitted
     num_first_retries_ok = sum(c.retry_status_codes[0] == 200 for c in shed)
     num_retries = sum(len(c.retry_status_codes) for c in shed)
     p50_ms, p99_ms, max_ms = quantiles_ms([c.latency_s for c in shed])
-    admitted_p50_ms, _, _ = quantiles_ms([c.latency_s for c in admitted])
     report(
-        f"overload, {summary} (admitted latency p50 {admitted_p50_ms:.0f} ms); "
+        f"overload, {summary}; "
         f"429 latency p50 {p50_ms:.1f} ms, p99 {p99_ms:.1f} ms, "
         f"max {max_ms:.1f} ms; retry-after-ms {sorted(c.retry_after_ms or 0 for c in shed)}; "
         f"first retry after retry-after-ms admitted {num_first_retries_ok}/{len(shed)}, "
