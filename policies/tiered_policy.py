@@ -11,6 +11,11 @@ With fair sharing, a tier's prefills in progress are served in order of their te
 running requests per unit of weight, fewest first, and in the most important tier with work a
 light tenant's prompt goes before the decodes; when such prompts leave budget over, the step
 carries them alone (the under-share lane, at most one step in `under_share_lane_every_steps`).
+
+Background tiers (the batch tier: `background_priority`) run in the capacity the others
+leave: while a more important request runs or waits, a background prompt is computed only in
+a step that carries no more important prompt, a capped chunk at a time, and at least once in
+`background_prefill_every_steps` steps (a floor, so a batch never starves).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from operator import attrgetter
 
-from engine import Request, StepBuilder, Verdict, WaitingQueue
+from engine import AdmissionGate, Request, StepBuilder, Verdict, WaitingQueue
 from policies.errors import PolicyError
 from policies.fair_queue import TieredFairQueue
 from policies.tenant_demand import TenantDemand
@@ -48,10 +53,23 @@ class TieredPolicyConfig:
     # Thrash guard: requests preempted this many times are the last victims of admission
     # preemption.
     max_preemptions_per_request: int = 3
+    # Background work: requests of this priority or a less important one (the batch tier's)
+    # run in the capacity the others leave. While a more important request runs or waits,
+    # their prompts are computed only in steps that carry no more important prompt, at most
+    # background_prefill_tokens of them a step; their decodes run as usual (None: no
+    # background tier). A premium prompt then neither shares its step with a batch prompt
+    # nor waits long behind one.
+    background_priority: int | None = None
+    background_prefill_tokens: int = 32
+    # Starvation guard: background prompts get their capped share at least once in this many
+    # steps, even while more important prompts arrive in every step.
+    background_prefill_every_steps: int = 8
 
     def __post_init__(self) -> None:
         if self.under_share_lane_every_steps < 0:
             raise PolicyError("under_share_lane_every_steps must be >= 0")
+        if self.background_prefill_tokens < 1 or self.background_prefill_every_steps < 1:
+            raise PolicyError("the background prefill limits must be >= 1")
         if self.preemption_min_run_steps < 0 or self.max_preemptions_per_request < 0:
             raise PolicyError("the thrash guards must be >= 0")
 
@@ -69,6 +87,8 @@ class TieredPolicy:
         self.demand = TenantDemand()  # prompts each tenant sent lately
         self.num_lane_steps = 0
         self._last_lane_step: int | None = None
+        # the step from which background prompts have waited for more important ones
+        self._background_held_since: int | None = None
         # this step's light senders by priority (`TenantDemand.light_senders`)
         self._light_senders: dict[int, frozenset[str]] = {}
 
@@ -93,15 +113,30 @@ class TieredPolicy:
             (decodes if request.is_prefill_done else prefills).append(request)
         decodes.sort(key=_priority)
         prefills.sort(key=_priority)
+        head = self.waiting.peek(set())
+        # With work of a more important tier, background prompts go last and apart.
+        background = self.config.background_priority
+        if background is not None and not (
+            (head is not None and head.priority < background)
+            or any(r.priority < background for r in step.running)
+        ):
+            background = None
+        background_prefills: list[Request] = []
+        gate: AdmissionGate | None = None
+        if background is not None:
+            background_prefills = [r for r in prefills if r.priority >= background]
+            prefills = [r for r in prefills if r.priority < background]
+            gate = _ForegroundGate(background)
+        decode_ids = {r.request_id for r in decodes}
         if not self.config.fair_share:
             step.run(decodes)
             step.run(prefills)
-            step.admit()
+            step.admit(gate)
+            self._run_background(step, decode_ids, background_prefills, background)
             return
         self._light_senders = self.demand.light_senders(now_s)
         shares = TierShares.by_priority(step.running, self._light_senders)
         prefills.sort(key=lambda r: (r.priority, shares[r.priority].load(r.tenant_id)))
-        head = self.waiting.peek(set())
         best_waiting = float("inf") if head is None else head.priority
         first_tier = min(min(shares, default=float("inf")), best_waiting)
         if first_tier != float("inf"):
@@ -118,9 +153,39 @@ class TieredPolicy:
         step.run(decodes)
         if best_waiting != first_tier:
             step.run(r for r in prefills if r.priority < best_waiting)
-            self._admit_under_share(step)
+            if background is None or best_waiting < background:
+                self._admit_under_share(step)
         step.run(prefills)
-        step.admit()
+        step.admit(gate)
+        self._run_background(step, decode_ids, background_prefills, background)
+
+    def _run_background(
+        self, step: StepBuilder, decode_ids: set[str], prefills: list[Request],
+        background: int | None,
+    ) -> None:
+        """Background prompts (prefills in progress, then admissions) after the rest of the
+        step, at most background_prefill_tokens of them, and only in a step that carries no
+        more important prompt (every request scheduled so far was decoding) or after
+        background_prefill_every_steps - 1 steps held back in a row. background None: no more
+        important work, nothing held back."""
+        if background is None:
+            return
+        head = self.waiting.peek(set())
+        if not prefills and (head is None or head.priority < background):
+            self._background_held_since = None  # no background prompt to hold back
+            return
+        if any(request_id not in decode_ids for request_id in step.scheduled):
+            if self._background_held_since is None:
+                self._background_held_since = step.num_steps
+            num_held = step.num_steps - self._background_held_since
+            if num_held < self.config.background_prefill_every_steps - 1:
+                return
+        budget = step.budget
+        with step.capped(self.config.background_prefill_tokens):
+            step.run(prefills)
+            step.admit()
+        if step.budget < budget:
+            self._background_held_since = None
 
     def _admit_under_share(self, step: StepBuilder) -> None:
         # Nobody goes ahead of the running requests in a step where one of them could not
@@ -215,6 +280,20 @@ class TieredPolicy:
         """The more important tier that preempted the victim, or, for a fair-share preemption
         inside a tier, the over-share victim itself."""
         return victim if victim.priority == request.priority else request
+
+
+class _ForegroundGate:
+    """Admissions of tiers more important than the background priority only (the queue is in
+    tier order: the first background request ends the pass)."""
+
+    def __init__(self, background_priority: int) -> None:
+        self._background_priority = background_priority
+
+    def consider(self, request: Request) -> Verdict:
+        return Verdict.STOP if request.priority >= self._background_priority else Verdict.ADMIT
+
+    def admitted(self, request: Request) -> None:
+        pass
 
 
 class _UnderShareGate:

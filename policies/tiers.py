@@ -92,6 +92,17 @@ class TierTable:
         """The tier that answers to an OpenAI service_tier, if one does."""
         return next((t for t in self._tiers.values() if t.service_tier == service_tier), None)
 
+    def background_priority(self) -> int | None:
+        """The priority from which tiers are background work (`TieredPolicyConfig`): the
+        least important tiers that have no TTFT objective, below at least one that has.
+        None when the least important tier has an objective or no tier has one."""
+        background = None
+        for tier in reversed(self._tiers.values()):
+            if tier.ttft_slo_s is not None:
+                return background
+            background = tier.priority
+        return None
+
     def reserved_fractions(self) -> dict[int, float]:
         """priority -> reserved share, the form engine.CacheConfig takes."""
         return {

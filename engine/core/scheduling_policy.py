@@ -10,6 +10,7 @@ ships FCFS (`engine.core.fcfs_policy`); the tiered, fair-sharing policy is `poli
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from enum import Enum
 from typing import Protocol
 
@@ -73,6 +74,11 @@ class StepBuilder(Protocol):
     def admit(self, gate: AdmissionGate | None = None) -> None:
         """Admit waiting requests in queue order while the budget, the batch's places and
         the KV blocks last; gate: which of them this pass may take (None: all)."""
+        ...
+
+    def capped(self, max_tokens: int) -> AbstractContextManager[None]:
+        """Inside the block the step spends at most max_tokens more of its budget; the rest
+        is there again after it."""
         ...
 
 

@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from engine.core.kv_cache.kv_manager import KVCacheManager
@@ -43,3 +44,12 @@ class StepPlan:
 
     def admit(self, gate: AdmissionGate | None = None) -> None:
         self._admit(self, gate)
+
+    @contextlib.contextmanager
+    def capped(self, max_tokens: int) -> Iterator[None]:
+        held_back = max(0, self.budget - max_tokens)
+        self.budget -= held_back
+        try:
+            yield
+        finally:
+            self.budget += held_back

@@ -38,7 +38,7 @@ from gateway.openai.tool_calls import ToolCallFormat, format_for_template
 from gateway.server.model_source import resolve_model
 from gateway.server.model_spec import ModelSpec
 from gateway.server.settings import GatewaySettings
-from policies import TieredPolicy, TierTable
+from policies import TieredPolicy, TieredPolicyConfig, TierTable
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +129,8 @@ def build_engine(settings: GatewaySettings, tiers: TierTable, spec: ModelSpec,
             size.num_bytes / (1 << 30), size.source, runner.num_kv_blocks, block_size,
             runner.num_kv_blocks * block_size,
         )
-    engine = new_engine(settings, config, runner, model_config, tokenizer)
+    engine = new_engine(settings, config, runner, model_config, tokenizer,
+                        background_priority=tiers.background_priority())
     if engine.grammars is not None:
         engine.grammars.warm_up()  # while the server starts, not on the first request
     return engine
@@ -179,9 +180,14 @@ def new_engine(
     runner: ModelRunner,
     model_config: ModelConfig,
     tokenizer: Tokenizer,
+    background_priority: int | None = None,
 ) -> LLMEngine:
-    """The engine over runner (built from config) with the replica's scheduling policy."""
-    policy: SchedulingPolicy = TieredPolicy() if settings.scheduling == "tiered" else FCFSPolicy()
+    """The engine over runner (built from config) with the replica's scheduling policy;
+    background_priority: where the tiered policy's background tiers begin (None: none)."""
+    policy: SchedulingPolicy = (
+        TieredPolicy(config=TieredPolicyConfig(background_priority=background_priority))
+        if settings.scheduling == "tiered" else FCFSPolicy()
+    )
     grammars = GrammarCompiler(tokenizer, model_config.vocab_size,
                                list(eos_token_ids(model_config, tokenizer)))
     return LLMEngine(config, runner, policy, tokenizer, grammars=grammars)

@@ -53,6 +53,12 @@ class LoadRun:
     ttfts_s: list[float]
     errors: int
     slo_s: float
+    sent_at_s: list[float]  # each TTFT's request, seconds into the run
+
+    @property
+    def misses_at_s(self) -> list[float]:
+        """When the requests that missed the SLO were sent, seconds into the run."""
+        return [at for at, t in zip(self.sent_at_s, self.ttfts_s, strict=True) if t > self.slo_s]
 
     @property
     def attainment(self) -> float:
@@ -82,13 +88,17 @@ async def _one(client: httpx.AsyncClient, key: str, model: str, rng: random.Rand
 
 
 async def _load(base_url: str, key: str, model: str, rate: float, duration_s: float,
-                seed: int) -> tuple[list[float], int]:
+                seed: int) -> tuple[list[float], list[float], int]:
+    """(TTFTs, when each one's request was sent, errors)."""
     rng = random.Random(seed)
     ttfts: list[float] = []
+    sent_at: list[float] = []
     errors = 0
+    started = time.perf_counter()
 
     async def send(client: httpx.AsyncClient, request_rng: random.Random) -> None:
         nonlocal errors
+        at_s = time.perf_counter() - started
         try:
             ttft = await _one(client, key, model, request_rng)
         except httpx.HTTPError:
@@ -97,6 +107,7 @@ async def _load(base_url: str, key: str, model: str, rate: float, duration_s: fl
             errors += 1
         else:
             ttfts.append(ttft)
+            sent_at.append(at_s)
 
     async with httpx.AsyncClient(base_url=base_url, timeout=120.0, trust_env=False) as client:
         tasks = []
@@ -105,7 +116,7 @@ async def _load(base_url: str, key: str, model: str, rate: float, duration_s: fl
             tasks.append(asyncio.create_task(send(client, random.Random(rng.random()))))
             await asyncio.sleep(rng.expovariate(rate))
         await asyncio.gather(*tasks)
-    return ttfts, errors
+    return ttfts, sent_at, errors
 
 
 def _batch_file(lines: int, model: str, seed: int) -> io.BytesIO:
@@ -172,9 +183,10 @@ def main() -> None:
                     started = time.perf_counter()
                     if with_batch:
                         batch_id = _start_batch(sdk, args.lines, model, seed)
-                    ttfts, errors = asyncio.run(_load(server.base_url, keys["interactive"], model,
-                                                      args.rate, args.duration_s, seed))
-                    runs.append(LoadRun(with_batch, ttfts, errors, slo_s))
+                    ttfts, sent_at, errors = asyncio.run(_load(
+                        server.base_url, keys["interactive"], model, args.rate, args.duration_s,
+                        seed))
+                    runs.append(LoadRun(with_batch, ttfts, errors, slo_s, sent_at))
                     if batch_id is not None:
                         notes.append(f"round {round_index + 1}: "
                                      + _wait_batch(sdk, batch_id, started))
@@ -198,6 +210,10 @@ def _report(runs: list[LoadRun], args: argparse.Namespace, slo_s: float,
     print(f"\nattainment with the batch minus without, per round: "
           f"{', '.join(f'{d:+.3f}' for d in diffs)} (median {statistics.median(diffs):+.3f}); "
           f"without the batch it ranged {min(alone):.3f}-{max(alone):.3f}")
+    for index, run in enumerate(runs):
+        if run.misses_at_s:
+            print(f"round {index // 2 + 1} {'with' if run.with_batch else 'without'}: misses "
+                  f"sent at {', '.join(f'{at:.1f}' for at in run.misses_at_s)} s")
     for note in notes:
         print(note)
 

@@ -48,6 +48,7 @@ def make_engine(
     clock: Callable[[], float] | None = None,
     async_scheduling: bool | None = None,
     max_loras: int = 4,
+    background_priority: int | None = None,
 ) -> LLMEngine:
     """An engine over the fake runner (max_loras adapter slots). Without clock its clock is
     simulated, each step moving it by the fake runner's modelled step time, so what the
@@ -72,7 +73,8 @@ def make_engine(
     waiting = queue if queue is not None else FCFSQueue()
     lane_steps = under_share_lane_every_steps
     policy: SchedulingPolicy = (
-        TieredPolicy(waiting, TieredPolicyConfig(under_share_lane_every_steps=lane_steps))
+        TieredPolicy(waiting, TieredPolicyConfig(under_share_lane_every_steps=lane_steps,
+                                                 background_priority=background_priority))
         if priority_preemption
         else FCFSPolicy(waiting)
     )

@@ -71,7 +71,8 @@ class FakeModelLoader:
         config.runner.num_kv_blocks = self.num_kv_blocks
         runner = FakeModelRunner(config, vocab_size=vocab_size, sleep=True)
         # The engine in a thread of this process, so tests can reach the fake runner.
-        engine = AsyncLLMEngine(new_engine(settings, config, runner, model_config, tokenizer))
+        engine = AsyncLLMEngine(new_engine(settings, config, runner, model_config, tokenizer,
+                                           background_priority=tiers.background_priority()))
         served = describe_model(
             model_config, tokenizer, spec.served_name, created, engine.limits, vocab_size
         )

@@ -3,7 +3,8 @@ scheduler and says what the policy asked of it."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import contextlib
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import pytest
 
@@ -47,6 +48,11 @@ class RecordingStep:
 
     def admit(self, gate: AdmissionGate | None = None) -> None:
         self.calls.append(("admit", gate))
+
+    @contextlib.contextmanager
+    def capped(self, max_tokens: int) -> Iterator[None]:
+        self.calls.append(("capped", None))
+        yield
 
 
 def running_request(request_id: str, tenant: str, priority: int = 1, prefill_done: bool = True,
