@@ -137,8 +137,13 @@ def test_a_loop_held_without_cpu_is_a_stall_caught_where_it_was_held() -> None:
 
 
 def test_a_loop_held_by_its_own_callback_shows_its_cpu_time() -> None:
-    _, stalls = _watch_a_blocked_loop("spin")
-    stall = max(stalls, key=lambda s: s.late_s)
+    # On a loaded host the watcher thread may get no CPU while the loop holds it, and the
+    # stall is then reported without stacks (one CI run): up to three tries to catch one.
+    for _ in range(3):
+        _, stalls = _watch_a_blocked_loop("spin")
+        stall = max(stalls, key=lambda s: s.late_s)
+        if stall.stacks:
+            break
     assert stall.late_s >= BLOCK_S - 0.05
     # The loop's own CPU is what it burned (within the watcher's sampling), however busy the
     # host: a share of the wall time failed in one CI run on a loaded host.
