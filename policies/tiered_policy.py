@@ -127,7 +127,8 @@ class TieredPolicy:
             background_prefills = [r for r in prefills if r.priority >= background]
             prefills = [r for r in prefills if r.priority < background]
             gate = _ForegroundGate(background)
-        decode_ids = {r.request_id for r in decodes}
+        # Only with background work held apart: an O(running) set not built every step.
+        decode_ids = {r.request_id for r in decodes} if background is not None else set()
         if not self.config.fair_share:
             step.run(decodes)
             step.run(prefills)
