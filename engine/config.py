@@ -77,7 +77,8 @@ class RunnerConfig:
     kv_cache_memory_scale: float = 1.0
     use_cuda_graphs: bool = True  # capture decode-only steps on CUDA
     pack_cpu_weights: bool = True  # CPU: linear layers on oneDNN-prepacked weights
-    fuse_cpu_ops: bool = True  # CPU float32: norms, RoPE + KV write, SiLU-and-mul as C++ ops
+    # CPU float32: norms, RoPE + KV write, SiLU-and-mul, LoRA updates as C++ ops
+    fuse_cpu_ops: bool = True
     # CPU float32: decode-only steps of at most this many sequences (up to
     # CPU_DECODE_MAX_ROWS) run as one C++ call (engine.models.cpu_decode; a second copy of the
     # weights); 0: never

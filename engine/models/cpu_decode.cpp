@@ -29,6 +29,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "paged_attention.h"
 #include "row_ops.h"
@@ -342,6 +343,110 @@ void lora_expand(const TiergateLoraStep& lora, int64_t M, int64_t l, int64_t pro
   }
 }
 
+// Row m's adapter slot is -1 (the base model) or a slot that holds an adapter whose shrinks
+// fit h's rows.
+inline bool valid_row_slot(const TiergateLoraStep& lora, int64_t m) {
+  const int64_t slot = lora.row_slots[m];
+  if (slot < -1 || slot >= lora.num_slots) return false;
+  return slot < 0 || (lora.slots[slot].products != nullptr &&
+                      lora.slots[slot].h_floats <= lora.h_stride);
+}
+
+// The layer path's rows in groups: up to kGroupRows consecutive rows on the same adapter (a
+// prompt's tokens), whose shrinks and expands run together, each panel of A and block of B read
+// once for the group. Its expands walk rows outer, panels inner: each row's output is written
+// front to back (panels outer strode across rows 4 KB multiples apart, gate_up's 12 KB, and
+// missed the cache on every panel).
+constexpr int64_t kGroupRows = 4;
+struct RowGroup {
+  int64_t first;  // its first row
+  int64_t count;  // 1 .. kGroupRows rows
+  const TiergateLoraProduct* up;  // their adapter's update of the product
+};
+
+// h[r] = A panel x[r] for R rows of x (row stride K) at once.
+template <int R>
+inline void shrink_rows(const float* x, int64_t K, const float* a, float* h, int64_t h_stride) {
+  vec16 acc[R] = {};
+  for (int64_t k = 0; k < K; ++k) {
+    const vec16 av = *reinterpret_cast<const vec16*>(a + k * kPanel);
+    for (int r = 0; r < R; ++r) acc[r] += av * (vec16{} + x[r * K + k]);
+  }
+  for (int r = 0; r < R; ++r) *reinterpret_cast<vec16*>(h + r * h_stride) = acc[r];
+}
+
+// out[r] += B block h[r] for R rows at once (h row stride h_stride, out row stride out_stride);
+// one row takes two accumulators over the ranks, so its short sum is not bound by the FMAs'
+// latency.
+template <int R>
+inline void expand_rows(const float* h, int64_t h_stride, const float* b, int64_t rank,
+                        float* out, int64_t out_stride) {
+  constexpr int kAcc = R == 1 ? 2 : R;
+  vec16 acc[kAcc] = {};
+  int64_t j = 0;
+  if constexpr (R == 1) {
+    for (; j + 2 <= rank; j += 2) {
+      acc[0] += *reinterpret_cast<const vec16*>(b + j * kPanel) * (vec16{} + h[j]);
+      acc[1] += *reinterpret_cast<const vec16*>(b + (j + 1) * kPanel) * (vec16{} + h[j + 1]);
+    }
+  }
+  for (; j < rank; ++j) {
+    const vec16 bv = *reinterpret_cast<const vec16*>(b + j * kPanel);
+    for (int r = 0; r < R; ++r) acc[r] += bv * (vec16{} + h[r * h_stride + j]);
+  }
+  if constexpr (R == 1) {
+    *reinterpret_cast<vec16*>(out) += acc[0] + acc[1];
+  } else {
+    for (int r = 0; r < R; ++r) *reinterpret_cast<vec16*>(out + r * out_stride) += acc[r];
+  }
+}
+
+// The shrinks of the groups' rows, over (group, panel of 16 ranks) items; the loop's implicit
+// barrier completes h before any thread expands. x [rows, K].
+void lora_shrink_groups(const TiergateLoraStep& lora, const RowGroup* groups, int64_t num_groups,
+                        int64_t width, const float* x, int64_t K) {
+#pragma omp for schedule(static, 1)
+  for (int64_t item = 0; item < num_groups * width; ++item) {
+    const RowGroup& group = groups[item / width];
+    const int64_t c = item % width;
+    if (c >= group.up->a_panels) continue;
+    const float* a = group.up->a + c * K * kPanel;
+    float* h = lora.h + group.first * lora.h_stride + c * kPanel;
+    if (group.count == kGroupRows) {
+      shrink_rows<kGroupRows>(x + group.first * K, K, a, h, lora.h_stride);
+    } else {
+      for (int64_t r = 0; r < group.count; ++r) {
+        shrink_panel(x + (group.first + r) * K, K, a, h + r * lora.h_stride);
+      }
+    }
+  }
+}
+
+// out[rows, panels of the share] += B h for the groups' rows; out [rows, N] in the layers'
+// layout (split: as tiergate_lora_update_f32 takes it).
+void lora_expand_groups(const TiergateLoraStep& lora, const RowGroup* groups, int64_t num_groups,
+                        float* out, int64_t N, Share share, int64_t split) {
+  for (int64_t g = 0; g < num_groups; ++g) {
+    const RowGroup& group = groups[g];
+    for (int64_t p = share.begin; p < share.end; ++p) {
+      const int64_t* panel = group.up->b_panels + p * 3;
+      const int64_t rank = panel[1];
+      if (rank == 0) continue;
+      const float* h = lora.h + group.first * lora.h_stride + panel[0];
+      const float* b = group.up->b + panel[2];
+      const int64_t column = split == 0 ? p * kPanel : (p & 1) * split + (p >> 1) * kPanel;
+      float* row = out + group.first * N + column;
+      if (group.count == kGroupRows) {
+        expand_rows<kGroupRows>(h, lora.h_stride, b, rank, row, N);
+      } else {
+        for (int64_t r = 0; r < group.count; ++r) {
+          expand_rows<1>(h + r * lora.h_stride, lora.h_stride, b, rank, row + r * N, N);
+        }
+      }
+    }
+  }
+}
+
 struct Step {
   int64_t num_rows;
   const int64_t* token_ids;      // [M]
@@ -493,14 +598,7 @@ int tiergate_decode_forward_f32(const TiergateDecodeModel* model, int64_t num_ro
     if (slots[m] < 0 || slots[m] >= num_slots) return -1;
     if (token_ids[m] < 0 || token_ids[m] >= md.vocab) return -1;
     if (positions[m] < 0 || positions[m] >= md.max_positions) return -1;
-    if (lora != nullptr) {
-      const int64_t slot = lora->row_slots[m];
-      if (slot < -1 || slot >= lora->num_slots) return -1;
-      if (slot >= 0 && (lora->slots[slot].products == nullptr ||
-                        lora->slots[slot].h_floats > lora->h_stride)) {
-        return -1;
-      }
-    }
+    if (lora != nullptr && !valid_row_slot(*lora, m)) return -1;
   }
   const int64_t E = md.hidden, I = md.intermediate;
   const int64_t qkv_size = (md.num_heads + 2 * md.num_kv_heads) * md.head_dim;
@@ -511,6 +609,48 @@ int tiergate_decode_forward_f32(const TiergateDecodeModel* model, int64_t num_ro
   const Step step{num_rows, token_ids, positions, slots, block_tables, table_stride,
                   context_lens, query_starts, lora};
   forward(md, step, ws, logits, num_threads);
+  return 0;
+}
+
+// out[m] += B (A x[m]) for each of num_rows rows on an adapter: the update of `product`
+// (0 qkv, 1 o, 2 gate_up, 3 down) of `layer` in the steps that go layer by layer (prefills,
+// mixed steps), x [num_rows, K] and out [num_rows, N] row-major in the layers' layout (gate_up
+// as gate then up: split = N / 2, and the interleaved panel p is at column (p % 2) split +
+// (p / 2) 16; 0 for the others), over the decode forward's layout of the adapters: the shrinks
+// over (group of rows, panel of 16 ranks) items, then each thread's share of the output panels.
+// h holds num_rows rows (the caller's). Returns 0, or -1 without running when the product or a
+// row's slot is out of range.
+int tiergate_lora_update_f32(const TiergateLoraStep* lora, int64_t num_rows, int64_t layer,
+                             int64_t product, const float* x, int64_t K, float* out, int64_t N,
+                             int64_t split, int64_t num_threads) {
+  if (product < 0 || product >= kLoraProducts || layer < 0 || num_rows < 1) return -1;
+  for (int64_t m = 0; m < num_rows; ++m) {
+    if (!valid_row_slot(*lora, m)) return -1;
+  }
+  std::vector<RowGroup> groups;
+  int64_t width = 0;  // panels of 16 ranks of the widest shrink
+  for (int64_t m = 0; m < num_rows; ++m) {
+    const TiergateLoraProduct* up = lora_product(*lora, m, layer, product);
+    if (up == nullptr) continue;
+    width = std::max(width, up->a_panels);
+    RowGroup* last = groups.empty() ? nullptr : &groups.back();
+    if (last != nullptr && last->up == up && last->first + last->count == m &&
+        last->count < kGroupRows) {
+      ++last->count;
+    } else {
+      groups.push_back({m, 1, up});
+    }
+  }
+  if (groups.empty()) return 0;
+  const int64_t num_groups = static_cast<int64_t>(groups.size());
+#pragma omp parallel num_threads(num_threads)
+  {
+    const int64_t thread = omp_get_thread_num(), threads = omp_get_num_threads();
+    lora_shrink_groups(*lora, groups.data(), num_groups, width, x, K);
+    const int64_t num_panels = N / kPanel;
+    const Share share{num_panels * thread / threads, num_panels * (thread + 1) / threads};
+    lora_expand_groups(*lora, groups.data(), num_groups, out, N, share, split);
+  }
   return 0;
 }
 

@@ -34,11 +34,11 @@ from engine.config import CPU_DECODE_MAX_ROWS
 from engine.models import cpu_ops
 from engine.models.batch import ForwardBatch
 from engine.models.config import ModelConfig
-from engine.models.cpu_decode_lora import DecodeLoraSlots
+from engine.models.cpu_decode_lora import CpuLoraKernels
 from engine.models.decoder import CausalLM, DecoderLayer, KVCache
 from engine.models.lora import FUSED_TARGETS, LoraSlots, LoraWeights, target_shapes
 
-__all__ = ["MAX_ROWS", "CpuDecodeForward", "PanelLinear", "supports"]
+__all__ = ["MAX_ROWS", "CpuDecodeForward", "PanelLinear", "lora_kernels", "supports"]
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +95,9 @@ def _library() -> ctypes.CDLL | None:
     library.tiergate_decode_workspace_floats.restype = _i64
     library.tiergate_panel_product_f32.argtypes = [_p, _i64, _i64, _p, _i64, _p, _i64]
     library.tiergate_panel_product_f32.restype = None
+    library.tiergate_lora_update_f32.argtypes = [_p, _i64, _i64, _i64, _p, _i64, _p, _i64, _i64,
+                                                 _i64]
+    library.tiergate_lora_update_f32.restype = ctypes.c_int
     return library
 
 
@@ -125,24 +128,34 @@ def _agrees_with_layers() -> bool:
         logits_indices=torch.arange(_CHECK_ROWS),
     )
     shapes = target_shapes(config)
-    slots = LoraSlots(len(_CHECK_ADAPTERS), torch.device("cpu"))
+    library = _library()
+    assert library is not None
+    reference = LoraSlots(len(_CHECK_ADAPTERS), torch.device("cpu"))  # torch's products
+    kernels = LoraSlots(len(_CHECK_ADAPTERS), torch.device("cpu"),
+                        CpuLoraKernels(config, len(_CHECK_ADAPTERS), library))
     for slot, (rank, targets) in enumerate(_CHECK_ADAPTERS):
         layers = [{name: (torch.randn(rank, shapes[name][0], generator=generator) / 4,
                           torch.randn(shapes[name][1], rank, generator=generator) / 4)
                    for name in targets} for _ in range(config.num_layers)]
-        slots.weights[slot] = LoraWeights.fuse(
-            layers, {name: out for name, (_, out) in shapes.items()}, torch.float32,
-            torch.device("cpu"))
-    slots.bind(np.array(_CHECK_ROW_SLOTS, dtype=np.int64))
-    model.use_lora_slots(slots)
+        weights = LoraWeights.fuse(layers, {name: out for name, (_, out) in shapes.items()},
+                                   torch.float32, torch.device("cpu"))
+        reference.set_slot(slot, weights)
+        kernels.set_slot(slot, weights)
     attention = TorchPagedAttention()
     attention.prepare(batch.attention_metadata())
+    logits = []
     with torch.inference_mode():
-        expected = model(batch, [(k.clone(), v.clone()) for k, v in caches], attention)
-        got = CpuDecodeForward(model, caches, _CHECK_ROWS)(batch, slots)
-    if bool((got - expected).norm() / expected.norm() < _CHECK_TOLERANCE):
+        for slots in (reference, kernels):  # the layers: with torch's LoRA products, the C++
+            slots.bind(np.array(_CHECK_ROW_SLOTS, dtype=np.int64))
+            model.use_lora_slots(slots)
+            logits.append(model(batch, [(k.clone(), v.clone()) for k, v in caches], attention))
+        logits.append(CpuDecodeForward(model, caches, _CHECK_ROWS)(batch, kernels))
+    expected = logits[0]
+    if all(bool((got - expected).norm() / expected.norm() < _CHECK_TOLERANCE)
+           for got in logits[1:]):
         return True
-    logger.warning("the CPU decode forward disagrees with the layers; decode steps keep them")
+    logger.warning("the CPU decode forward or LoRA kernels disagree with the layers; the "
+                   "layers and torch's products keep the steps")
     return False
 
 
@@ -159,6 +172,14 @@ def supports(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> b
         and _library() is not None
         and _agrees_with_layers()
     )
+
+
+def lora_kernels(config: ModelConfig, num_slots: int) -> CpuLoraKernels:
+    """The CPU kernels of num_slots adapter slots (supports() must be true): the decode
+    forward's, and the layer path's LoRA updates."""
+    library = _library()
+    assert library is not None, "supports() must be true before CPU LoRA kernels are made"
+    return CpuLoraKernels(config, num_slots, library)
 
 
 def panels(weight: torch.Tensor) -> torch.Tensor:  # [N, K] -> [N / 16, K, 16]
@@ -250,7 +271,6 @@ class CpuDecodeForward:
         self.nbytes = sum(t.nbytes for t in copies)  # bytes of the panel copies
         floats = library.tiergate_decode_workspace_floats(ctypes.byref(self._model))
         self._workspace = torch.empty(floats, dtype=torch.float32)
-        self.lora = DecodeLoraSlots(config, max_rows)  # adapters in the kernel's layout
 
     def lm_head_module(self) -> PanelLinear:
         """The lm_head as a module over this forward's panels (for the layer path)."""
@@ -258,13 +278,14 @@ class CpuDecodeForward:
 
     def can_run(self, batch: ForwardBatch, lora: LoraSlots | None = None) -> bool:
         """A decode-only step of at most max_rows sequences, every row sampled; lora: the
-        adapters bound to the step (on the host), or None when no row is on one."""
+        adapters bound to the step (in CpuLoraKernels), or None when no row is on one."""
         num_tokens = batch.num_tokens
         return (
             num_tokens <= self.max_rows
             and num_tokens == batch.num_seqs
             and batch.logits_indices.shape[0] == num_tokens
-            and (lora is None or (lora.device.type == "cpu" and lora.token_slots is not None
+            and (lora is None or (isinstance(lora.kernels, CpuLoraKernels)
+                                  and lora.token_slots is not None
                                   and len(lora.token_slots) == num_tokens))
         )
 
@@ -278,7 +299,8 @@ class CpuDecodeForward:
             batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables,
             batch.context_lens, batch.query_start_loc,
         ))  # ForwardBatch's dtypes: int64 token rows, int32 layout
-        adapters = None if lora is None else ctypes.byref(self.lora.step(lora))
+        adapters = None if lora is None else ctypes.byref(
+            cast(ctypes.Structure, lora.kernel_plan()))
         logits = torch.empty(num_rows, self.vocab_size, dtype=torch.float32)
         status = self._library.tiergate_decode_forward_f32(
             ctypes.byref(self._model), num_rows, ids.data_ptr(), positions.data_ptr(),

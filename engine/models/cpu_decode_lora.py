@@ -1,21 +1,26 @@
-"""LoRA adapters in the CPU decode forward's layout (cpu_decode.cpp's TiergateLora* structs).
+"""LoRA adapters in the layout of the CPU kernels (cpu_decode.cpp's TiergateLora* structs).
 
-The decode kernel adds each row's adapter update inside its own products, BGMV style: a
-shrink h = A x for each row on an adapter (A in panels of 16 ranks, [R16 / 16][in][16], zero
-rows past the rank), then, in each thread's share of the base product's output panels,
-out[panel] += B[panel] h. B is block-diagonal over a fused product's targets (q, k, v; gate,
-up), so each output panel keeps only its target's block, [rank][16], and where that target's
-rows of h start: no multiply-adds over the zero blocks, none for a target the adapter lacks.
+The kernels add each row's adapter update, BGMV style: a shrink h = A x for each row on an
+adapter (A in panels of 16 ranks, [R16 / 16][in][16], zero rows past the rank), then, in each
+thread's share of the product's output panels, out[panel] += B[panel] h. B is block-diagonal
+over a fused product's targets (q, k, v; gate, up), so each output panel keeps only its
+target's block, [rank][16], and where that target's rows of h start: no multiply-adds over the
+zero blocks, none for a target the adapter lacks. The decode forward runs them inside its own
+products; the steps that go layer by layer (prefills, mixed steps) call them once per adapted
+product (`CpuLoraKernels.apply`), in place of torch's grouped products, whose row gathers and
+scatters and zero blocks cost a 2,048-token prefill on 8 adapters more than half again its
+base time (ops/bench/journal.md, "LoRA prefills in the C++ kernels").
 
 The layout is a second copy of an adapter (about its size: A padded to 16 ranks, B without
-its zero blocks), made when the adapter enters a slot (`DecodeLoraSlots.step` sees the slot's
-weights change) and dropped when another takes the slot: one copy per slot, not per adapter
-loaded on the host, and none for a step on the base model.
+its zero blocks), made when the adapter enters a slot (`CpuLoraKernels.set_slot`) and dropped
+when another takes the slot: one copy per slot, not per adapter loaded on the host, and none
+for a step on the base model.
 """
 
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,12 +29,11 @@ from engine.models.config import ModelConfig
 from engine.models.lora import (
     FUSED_TARGETS,
     LoraMatrices,
-    LoraSlots,
     LoraWeights,
     target_shapes,
 )
 
-__all__ = ["AdapterPanels", "DecodeLoraSlots", "LoraStep"]
+__all__ = ["AdapterPanels", "CpuLoraKernels", "LoraStep"]
 
 _PANEL = 16  # outputs per weight panel, and ranks per panel of A
 _PRODUCTS = ("qkv", "o", "gate_up", "down")  # the kernel's order (LoraProductIndex)
@@ -56,6 +60,12 @@ def _target_widths(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes = target_shapes(config)
     return {product: tuple(shapes[name][1] for name in names)
             for product, names in FUSED_TARGETS.items()}
+
+
+def _product_inputs(config: ModelConfig) -> dict[str, int]:
+    """Each fused product's input width."""
+    shapes = target_shapes(config)
+    return {product: shapes[names[0]][0] for product, names in FUSED_TARGETS.items()}
 
 
 def _a_panels(a_t: torch.Tensor) -> torch.Tensor:  # [in, R] -> [R16 / 16, in, 16]
@@ -124,18 +134,23 @@ class AdapterPanels:
         self.nbytes = sum(t.nbytes for t in keep)
 
 
-class DecodeLoraSlots:
-    """The adapters of a LoraSlots in the kernel's layout, slot by slot, and the step's
-    arguments for the kernel (`step`)."""
+class CpuLoraKernels:
+    """The slots' adapters in the kernels' layout, and the kernels that apply them: the decode
+    forward's (it takes a step's `plan`) and `tiergate_lora_update_f32` for the products of the
+    steps that go layer by layer (`apply`). engine.models.lora.SlotKernels on the CPU."""
 
-    def __init__(self, config: ModelConfig, max_rows: int) -> None:
+    def __init__(self, config: ModelConfig, num_slots: int, library: ctypes.CDLL) -> None:
+        """library: cpu_decode.cpp's, built (engine.models.cpu_decode.lora_kernels)."""
         self.config = config
-        self.max_rows = max_rows
-        self._made_from: list[LoraWeights | None] = []  # the weights each slot's panels are of
-        self._panels: list[AdapterPanels | None] = []
-        self._slots = (_Slot * 0)()
-        self._h = torch.empty(0, dtype=torch.float32)
-        self._step = LoraStep()
+        self._library = library
+        self._widths = {product: (num_in, sum(_target_widths(config)[product]))
+                        for product, num_in in _product_inputs(config).items()}
+        self._panels: list[AdapterPanels | None] = [None] * num_slots
+        self._slots = (_Slot * num_slots)()
+        self._h = torch.empty(0, dtype=torch.float32)  # the shrinks' output, grown to a step
+        self._h_stride = 0
+        self._step = LoraStep(slots=ctypes.addressof(self._slots), num_slots=num_slots)
+        self._planned_rows = 0
 
     @property
     def nbytes(self) -> int:
@@ -143,32 +158,45 @@ class DecodeLoraSlots:
         return sum(p.nbytes for p in self._panels if p is not None)
 
     def panels(self, slot: int) -> AdapterPanels | None:
-        """The slot's adapter in the kernel's layout, as the last step made it."""
+        """The slot's adapter in the kernels' layout."""
         return self._panels[slot]
 
-    def step(self, slots: LoraSlots) -> LoraStep:
-        """The kernel's arguments for the step `slots` has bound (active), the panels of a
-        slot whose adapter changed made now. Valid until the next call."""
-        token_slots = slots.token_slots
-        assert token_slots is not None, "no step bound to the slots"
-        changed = len(self._panels) != slots.num_slots
-        if changed:
-            self._made_from = [None] * slots.num_slots
-            self._panels = [None] * slots.num_slots
-            self._slots = (_Slot * slots.num_slots)()
-        for index, weights in enumerate(slots.weights):
-            if weights is self._made_from[index]:
-                continue
-            panels = None if weights is None else AdapterPanels(weights, self.config)
-            self._made_from[index], self._panels[index] = weights, panels
-            self._slots[index] = _Slot() if panels is None else panels.slot
-            changed = True
+    def set_slot(self, slot: int, weights: LoraWeights | None) -> None:
+        """An adapter enters slot (None: it is emptied): packed now, the slot's old panels
+        dropped."""
+        panels = None if weights is None else AdapterPanels(weights, self.config)
+        self._panels[slot] = panels
+        self._slots[slot] = _Slot() if panels is None else panels.slot
+        self._h_stride = max((p.slot.h_floats for p in self._panels if p is not None),
+                             default=0)
+
+    def plan(self, token_slots: np.ndarray) -> LoraStep:
+        """The kernels' arguments for a step of these tokens' slots (int64[T], -1: the base
+        model; kept alive by the caller, LoraSlots): valid until the next plan."""
+        rows = len(token_slots)
+        if self._h.numel() < rows * self._h_stride:
+            self._h = torch.empty(rows * self._h_stride, dtype=torch.float32)
         step = self._step
-        if changed:
-            h_stride = max((p.slot.h_floats for p in self._panels if p is not None), default=0)
-            if self._h.numel() < self.max_rows * h_stride:
-                self._h = torch.empty(self.max_rows * h_stride, dtype=torch.float32)
-            step.slots, step.num_slots = ctypes.addressof(self._slots), slots.num_slots
-            step.h, step.h_stride = self._h.data_ptr(), h_stride
+        step.h, step.h_stride = self._h.data_ptr(), self._h_stride
         step.row_slots = token_slots.ctypes.data
+        self._planned_rows = rows
         return step
+
+    def apply(self, layer: int, product: str, x: torch.Tensor, out: torch.Tensor,
+              plan: Any) -> None:
+        """out += each row's adapter update of `product` in `layer` (x [T, in], out [T, N],
+        float32, the T of the plan's step), in one call."""
+        num_in, num_out = self._widths[product]
+        rows = self._planned_rows
+        if not (plan is self._step and 0 <= layer < self.config.num_layers
+                and x.shape == (rows, num_in) and out.shape == (rows, num_out)
+                and x.dtype == out.dtype == torch.float32 and out.is_contiguous()):
+            raise ValueError(f"LoRA update of {product}: inputs do not match the planned step")
+        x = x.contiguous()
+        split = num_out // 2 if product == "gate_up" else 0
+        status = self._library.tiergate_lora_update_f32(
+            ctypes.byref(plan), rows, layer, _PRODUCTS.index(product), x.data_ptr(), num_in,
+            out.data_ptr(), num_out, split, torch.get_num_threads())
+        if status != 0:
+            raise ValueError("LoRA update out of range: a row's adapter slot is neither -1 nor "
+                             "a slot that holds an adapter")

@@ -8,11 +8,12 @@ anything reads it (q/k norms and RoPE, SiLU-and-multiply).
 
 Adapters sit in a fixed number of slots (`LoraSlots`); the runner binds each step's tokens
 to slots (`bind`, -1: the base model) and every adapted product adds, for each slot the step
-uses, its update to that slot's rows: a grouped product (one shrink and one expand per slot
-in the step), the CPU and the fallback path. Costs grow with the tokens on adapters and
-the distinct adapters of the step, not with the adapters registered. The CPU decode forward
-(engine.models.cpu_decode) reads the bound step's slot per token (`token_slots`) and the
-slots' weights instead, in its own layout (engine.models.cpu_decode_lora).
+uses, its update to that slot's rows: with the slots' kernels where the device has them
+(`SlotKernels`: Triton on CUDA, cpu_decode.cpp's on the CPU in float32), else as grouped torch
+products (one shrink and one expand per slot in the step), the fallback and the tests'
+reference. Costs grow with the tokens on adapters and the distinct adapters of the step, not
+with the adapters registered. The CPU decode forward (engine.models.cpu_decode) runs the CPU
+kernels inside its own products, on the bound step's plan (`kernel_plan`).
 """
 
 from __future__ import annotations
@@ -111,7 +112,8 @@ class LoraWeights:
 
 class SlotKernels(Protocol):
     """Kernels that apply every slot's update in a few launches (engine.models.triton_lora's
-    TritonLoraStack on CUDA): they keep their own copy of each slot's weights."""
+    TritonLoraStack on CUDA, engine.models.cpu_decode_lora's CpuLoraKernels on the CPU): they
+    keep their own copy of each slot's weights."""
 
     def set_slot(self, slot: int, weights: LoraWeights | None) -> None: ...
 
@@ -126,7 +128,7 @@ class LoraSlots:
 
     def __init__(self, num_slots: int, device: torch.device,
                  kernels: SlotKernels | None = None) -> None:
-        """kernels: apply the updates with them (CUDA) instead of grouped torch products."""
+        """kernels: apply the updates with them instead of grouped torch products."""
         self.device = device
         self.kernels = kernels
         # The kernels' plan of the bound step: made at the first `add` (a step a captured
@@ -196,14 +198,19 @@ class LoraSlots:
         assert weights is not None, f"LoRA slot {slot} is empty"
         return weights
 
+    def kernel_plan(self) -> object:
+        """The kernels' plan of the bound step, made at its first use (once a step)."""
+        assert self.kernels is not None
+        if self._plan is None:
+            assert self.token_slots is not None
+            self._plan = self.kernels.plan(self.token_slots)
+        return self._plan
+
     def add(self, layer: int, product: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """out += each bound adapter's update of `product` in `layer`, on its rows of x
         ([T, in] -> out [T, N])."""
         if self.kernels is not None:
-            if self._plan is None:
-                assert self.token_slots is not None
-                self._plan = self.kernels.plan(self.token_slots)
-            self.kernels.apply(layer, product, x, out, self._plan)
+            self.kernels.apply(layer, product, x, out, self.kernel_plan())
             return
         for weights, rows in self._grouped():
             matrices = weights.layers[layer].get(product)

@@ -20,6 +20,7 @@ from engine.config import EngineConfig, SchedulerConfig
 from engine.device_copy import to_device_async
 from engine.models.config import ModelConfig, ModelConfigError
 from engine.models.cpu_decode import CpuDecodeForward
+from engine.models.cpu_decode import lora_kernels as cpu_lora_kernels
 from engine.models.cpu_decode import supports as supports_decode_forward
 from engine.models.decoder import CausalLM, KVCache
 from engine.models.loader import load_model, random_model
@@ -123,6 +124,11 @@ class TorchModelRunner(BatchRunner):
                 kernels = TritonLoraStack.for_model(self.model_config, config.lora.max_loras,
                                                     config.lora.max_lora_rank, self.dtype,
                                                     device)
+            elif decodes_in_cpp or (device.type == "cpu" and options.fuse_cpu_ops and
+                                    supports_decode_forward(self.model_config, device,
+                                                            self.dtype)):
+                # the decode forward's kernels, and the layer path's updates in one call each
+                kernels = cpu_lora_kernels(self.model_config, config.lora.max_loras)
             self.lora = LoraCache(self.model_config, config.lora, device, self.dtype, kernels)
             model.use_lora_slots(self.lora.slots)
         per_block = kv_bytes_per_block(self.model_config, block_size, self.dtype)

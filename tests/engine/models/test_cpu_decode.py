@@ -14,6 +14,7 @@ from engine.checkpoints.lora_adapter import TARGET_MODULES
 from engine.models import cpu_decode
 from engine.models.batch import ForwardBatch
 from engine.models.config import ModelConfig
+from engine.models.cpu_decode_lora import CpuLoraKernels
 from engine.models.lora import LoraSlots, LoraWeights, target_shapes
 from engine.worker.model_runner import TorchModelRunner
 from tests.engine.models.helpers import (
@@ -232,16 +233,36 @@ def _decode_batch(runner: TorchModelRunner, num_rows: int, seed: int) -> Forward
     )
 
 
-def _layer_logits(runner: TorchModelRunner, batch: ForwardBatch) -> torch.Tensor:
-    """The layer path's logits of the step, on a copy of the caches."""
+def _layer_logits(runner: TorchModelRunner, batch: ForwardBatch,
+                  torch_products: bool = True) -> torch.Tensor:
+    """The layer path's logits of the step, on a copy of the caches; torch_products: adapters'
+    updates as torch's grouped products (the reference), else the runner's LoRA kernels."""
     caches = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
     runner.attention.prepare(batch.attention_metadata())
-    with torch.inference_mode():
-        return runner.model(batch, caches, runner.attention)
+    slots = runner.lora.slots if runner.lora is not None else None
+    kernels = slots.kernels if slots is not None else None
+    if slots is not None and torch_products:
+        slots.kernels = None
+        slots.bind(slots.token_slots)  # the plan and groups made anew
+    try:
+        with torch.inference_mode():
+            return runner.model(batch, caches, runner.attention)
+    finally:
+        if slots is not None:
+            slots.kernels = kernels
+            slots.bind(slots.token_slots)
 
 
 def _relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
     return float((got - expected).norm() / expected.norm())
+
+
+def _four_adapters(config: ModelConfig) -> list[LoraWeights]:
+    """Ranks 8, 16, 64 on all seven projections, and one of rank 16 on q_proj and v_proj."""
+    return [_random_lora(config, 8, TARGET_MODULES, seed=1),
+            _random_lora(config, 16, TARGET_MODULES, seed=2),
+            _random_lora(config, 64, TARGET_MODULES, seed=3),
+            _random_lora(config, 16, ("q_proj", "v_proj"), seed=4)]
 
 
 # Rows of a step on four adapters and the base model: blocks of 8, 8 and 3 rows.
@@ -257,12 +278,8 @@ def test_adapters_match_the_layer_path(checkpoint: Checkpoint) -> None:
     assert forward is not None and lora is not None
     config = runner.model_config
     slots = lora.slots
-    slots.weights[:4] = [
-        _random_lora(config, 8, TARGET_MODULES, seed=1),
-        _random_lora(config, 16, TARGET_MODULES, seed=2),
-        _random_lora(config, 64, TARGET_MODULES, seed=3),
-        _random_lora(config, 16, ("q_proj", "v_proj"), seed=4),
-    ]
+    for slot, weights in enumerate(_four_adapters(config)):
+        slots.set_slot(slot, weights)
     for row_slots in (_ROW_SLOTS, [2]):
         batch = _decode_batch(runner, len(row_slots), seed=len(row_slots))
         slots.bind(None)
@@ -285,19 +302,23 @@ def test_adapted_steps_reuse_the_panels_of_a_slot(checkpoint: Checkpoint) -> Non
     assert forward is not None and lora is not None
     config = runner.model_config
     slots = lora.slots
-    slots.weights[1] = _random_lora(config, 16, TARGET_MODULES, seed=5)
+    kernels = slots.kernels
+    assert isinstance(kernels, CpuLoraKernels)
+    slots.set_slot(1, _random_lora(config, 16, TARGET_MODULES, seed=5))
+    first = kernels.panels(1)
+    assert first is not None and kernels.nbytes == first.nbytes
     batch = _decode_batch(runner, 3, seed=0)
     slots.bind(np.array([1, -1, 1], dtype=np.int64))
     forward(batch, slots)
-    first = forward.lora.panels(1)
-    assert first is not None and forward.lora.nbytes == first.nbytes
     forward(batch, slots)
-    assert forward.lora.panels(1) is first
-    slots.weights[1] = _random_lora(config, 8, ("o_proj", "down_proj"), seed=6)
+    assert kernels.panels(1) is first
+    slots.set_slot(1, _random_lora(config, 8, ("o_proj", "down_proj"), seed=6))
     expected = _layer_logits(runner, batch)
     got = forward(batch, slots)
-    assert forward.lora.panels(1) is not first
+    assert kernels.panels(1) is not first
     assert _relative_error(got, expected) < 1e-4
+    slots.set_slot(1, None)
+    assert kernels.panels(1) is None and kernels.nbytes == 0
 
 
 def test_rows_on_missing_adapters_are_refused(checkpoint: Checkpoint) -> None:
@@ -305,7 +326,7 @@ def test_rows_on_missing_adapters_are_refused(checkpoint: Checkpoint) -> None:
     runner = make_runner(checkpoint[0])
     forward, lora = runner.decode_forward, runner.lora
     assert forward is not None and lora is not None
-    lora.slots.weights[0] = _random_lora(runner.model_config, 8, TARGET_MODULES, seed=7)
+    lora.slots.set_slot(0, _random_lora(runner.model_config, 8, TARGET_MODULES, seed=7))
     batch = _decode_batch(runner, 2, seed=1)
     k_before = runner.kv_caches[0][0].clone()
     for bad in ([0, 1], [0, lora.slots.num_slots], [-2, 0]):  # empty, past the slots, below -1
@@ -313,3 +334,76 @@ def test_rows_on_missing_adapters_are_refused(checkpoint: Checkpoint) -> None:
         with pytest.raises(ValueError, match="out of range"):
             forward(batch, lora.slots)
     assert torch.equal(runner.kv_caches[0][0], k_before)  # nothing written
+
+
+def _prefill_batch(runner: TorchModelRunner, lengths: list[int]) -> ForwardBatch:
+    """A step of fresh prompts of these lengths (each sequence's tokens in a row of the step,
+    every token's logits), in blocks of the runner's cache taken in turn."""
+    generator = torch.Generator().manual_seed(len(lengths))
+    block_size = runner.block_size
+    tables, positions, slots, blocks_used = [], [], [], 0
+    width = max(-(-n // block_size) for n in lengths)
+    for n in lengths:
+        table = list(range(blocks_used, blocks_used + -(-n // block_size)))
+        blocks_used += len(table)
+        tables.append(table + [0] * (width - len(table)))
+        positions += list(range(n))
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(n)]
+    total = sum(lengths)
+    return ForwardBatch(
+        input_ids=torch.randint(0, VOCAB, (total,), generator=generator),
+        positions=torch.tensor(positions, dtype=torch.int64),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        block_tables=torch.tensor(tables, dtype=torch.int32),
+        query_start_loc=torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int32),
+        context_lens=torch.tensor(lengths, dtype=torch.int32),
+        logits_indices=torch.arange(total),
+    )
+
+
+def test_layer_path_updates_match_torch_products(checkpoint: Checkpoint) -> None:
+    """A prefill step of 9 prompts (147 tokens: past the expand's 64 rows at a time) on four
+    adapters and the base model: the layer path with the C++ LoRA kernels gives the logits of
+    the same path with torch's grouped products, and the adapters change them."""
+    runner = make_runner(checkpoint[0])
+    lora = runner.lora
+    assert lora is not None and isinstance(lora.slots.kernels, CpuLoraKernels)
+    for slot, weights in enumerate(_four_adapters(runner.model_config)):
+        lora.slots.set_slot(slot, weights)
+    lengths, prompt_slots = [30, 1, 17, 25, 9, 33, 2, 16, 14], [0, 2, -1, 1, 3, 2, 0, -1, 1]
+    batch = _prefill_batch(runner, lengths)
+    token_slots = np.repeat(np.array(prompt_slots, dtype=np.int64), lengths)
+    lora.slots.bind(None)
+    base = _layer_logits(runner, batch)
+    lora.slots.bind(token_slots)
+    expected = _layer_logits(runner, batch)
+    got = _layer_logits(runner, batch, torch_products=False)
+    assert _relative_error(got, expected) < 1e-4
+    for token, slot in enumerate(token_slots):  # adapters change the logits, base tokens not
+        changed = _relative_error(expected[token], base[token]) > 1e-3
+        assert changed == (slot >= 0), (token, slot)
+        torch.testing.assert_close(got[token], expected[token], rtol=1e-3, atol=1e-3)
+
+
+def test_layer_path_updates_refuse_what_the_plan_does_not_hold(checkpoint: Checkpoint) -> None:
+    """A row on an empty slot, or inputs of another step's size: a ValueError, out untouched."""
+    runner = make_runner(checkpoint[0])
+    lora = runner.lora
+    assert lora is not None
+    kernels = lora.slots.kernels
+    assert isinstance(kernels, CpuLoraKernels)
+    lora.slots.set_slot(0, _random_lora(runner.model_config, 8, TARGET_MODULES, seed=8))
+    config = runner.model_config
+    x = torch.randn(3, config.hidden_size)
+    out = torch.zeros(3, config.q_size + 2 * config.kv_size)
+    plan = kernels.plan(np.array([0, 1, -1], dtype=np.int64))  # slot 1 is empty
+    with pytest.raises(ValueError, match="out of range"):
+        kernels.apply(0, "qkv", x, out, plan)
+    plan = kernels.plan(np.array([0, -1], dtype=np.int64))
+    with pytest.raises(ValueError, match="do not match"):
+        kernels.apply(0, "qkv", x, out, plan)
+    with pytest.raises(ValueError, match="do not match"):
+        kernels.apply(config.num_layers, "qkv", x[:2], out[:2], plan)
+    assert not bool(out.any())
+    kernels.apply(0, "qkv", x[:2], out[:2], plan)
+    assert bool(out[0].any()) and not bool(out[1:].any())  # row 0's adapter, row 1 the base
