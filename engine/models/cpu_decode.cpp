@@ -209,15 +209,19 @@ struct Share {
   int64_t end;
 };
 
+// A thread's share of a product's N / 16 panels, in whole units of `unit` panels.
+inline Share share_of(int64_t N, int64_t unit, int64_t thread, int64_t num_threads) {
+  const int64_t num_units = N / kPanel / unit;
+  return {num_units * thread / num_threads * unit, num_units * (thread + 1) / num_threads * unit};
+}
+
 // This thread's share of out[M, N] = x[M, K] W^T (+ bias): panels [begin, end) of the N / 16,
 // whole units of `unit` panels; returns it. Above kRowBlock rows, each group of panels is taken
 // by every block of kRowBlock rows in turn while it is in cache: the weights are read from
 // memory once.
 Share product_share(int64_t M, const float* x, int64_t K, const float* panels, const float* bias,
                     int64_t N, int64_t unit, float* out, int64_t thread, int64_t num_threads) {
-  const int64_t num_units = N / kPanel / unit;
-  const int64_t begin = num_units * thread / num_threads * unit;
-  const int64_t end = num_units * (thread + 1) / num_threads * unit;
+  const auto [begin, end] = share_of(N, unit, thread, num_threads);
   switch (M) {
     case 1: few_rows<1>(x, K, panels, N, out, begin, end); break;
     case 2: few_rows<2>(x, K, panels, N, out, begin, end); break;
@@ -308,6 +312,32 @@ void lora_shrink(const TiergateLoraStep& lora, int64_t M, int64_t l, int64_t pro
   }
 }
 
+// out[r] += B block h[r] for R rows at once (h row stride h_stride, out row stride out_stride);
+// one row takes two accumulators over the ranks, so its short sum is not bound by the FMAs'
+// latency.
+template <int R>
+inline void expand_rows(const float* h, int64_t h_stride, const float* b, int64_t rank,
+                        float* out, int64_t out_stride) {
+  constexpr int kAcc = R == 1 ? 2 : R;
+  vec16 acc[kAcc] = {};
+  int64_t j = 0;
+  if constexpr (R == 1) {
+    for (; j + 2 <= rank; j += 2) {
+      acc[0] += *reinterpret_cast<const vec16*>(b + j * kPanel) * (vec16{} + h[j]);
+      acc[1] += *reinterpret_cast<const vec16*>(b + (j + 1) * kPanel) * (vec16{} + h[j + 1]);
+    }
+  }
+  for (; j < rank; ++j) {
+    const vec16 bv = *reinterpret_cast<const vec16*>(b + j * kPanel);
+    for (int r = 0; r < R; ++r) acc[r] += bv * (vec16{} + h[r * h_stride + j]);
+  }
+  if constexpr (R == 1) {
+    *reinterpret_cast<vec16*>(out) += acc[0] + acc[1];
+  } else {
+    for (int r = 0; r < R; ++r) *reinterpret_cast<vec16*>(out + r * out_stride) += acc[r];
+  }
+}
+
 // out[m, panel p] += B[p] h[m] for the panels of this thread's share and the rows whose adapter
 // targets the product: after the share's base product, before anything reads it. The adapted
 // rows are listed first (up to kExpandRows at a time), then panels outer, so a panel's block
@@ -328,16 +358,8 @@ void lora_expand(const TiergateLoraStep& lora, int64_t M, int64_t l, int64_t pro
         const int64_t* panel = ups[i]->b_panels + p * 3;
         const int64_t rank = panel[1];
         if (rank == 0) continue;
-        const float* h = lora.h + rows[i] * lora.h_stride + panel[0];
-        const float* b = ups[i]->b + panel[2];
-        vec16 acc[2] = {};
-        int64_t j = 0;
-        for (; j + 2 <= rank; j += 2) {
-          acc[0] += *reinterpret_cast<const vec16*>(b + j * kPanel) * (vec16{} + h[j]);
-          acc[1] += *reinterpret_cast<const vec16*>(b + (j + 1) * kPanel) * (vec16{} + h[j + 1]);
-        }
-        if (j < rank) acc[0] += *reinterpret_cast<const vec16*>(b + j * kPanel) * (vec16{} + h[j]);
-        *reinterpret_cast<vec16*>(out + rows[i] * N + p * kPanel) += acc[0] + acc[1];
+        expand_rows<1>(lora.h + rows[i] * lora.h_stride + panel[0], lora.h_stride,
+                       ups[i]->b + panel[2], rank, out + rows[i] * N + p * kPanel, N);
       }
     }
   }
@@ -373,32 +395,6 @@ inline void shrink_rows(const float* x, int64_t K, const float* a, float* h, int
     for (int r = 0; r < R; ++r) acc[r] += av * (vec16{} + x[r * K + k]);
   }
   for (int r = 0; r < R; ++r) *reinterpret_cast<vec16*>(h + r * h_stride) = acc[r];
-}
-
-// out[r] += B block h[r] for R rows at once (h row stride h_stride, out row stride out_stride);
-// one row takes two accumulators over the ranks, so its short sum is not bound by the FMAs'
-// latency.
-template <int R>
-inline void expand_rows(const float* h, int64_t h_stride, const float* b, int64_t rank,
-                        float* out, int64_t out_stride) {
-  constexpr int kAcc = R == 1 ? 2 : R;
-  vec16 acc[kAcc] = {};
-  int64_t j = 0;
-  if constexpr (R == 1) {
-    for (; j + 2 <= rank; j += 2) {
-      acc[0] += *reinterpret_cast<const vec16*>(b + j * kPanel) * (vec16{} + h[j]);
-      acc[1] += *reinterpret_cast<const vec16*>(b + (j + 1) * kPanel) * (vec16{} + h[j + 1]);
-    }
-  }
-  for (; j < rank; ++j) {
-    const vec16 bv = *reinterpret_cast<const vec16*>(b + j * kPanel);
-    for (int r = 0; r < R; ++r) acc[r] += bv * (vec16{} + h[r * h_stride + j]);
-  }
-  if constexpr (R == 1) {
-    *reinterpret_cast<vec16*>(out) += acc[0] + acc[1];
-  } else {
-    for (int r = 0; r < R; ++r) *reinterpret_cast<vec16*>(out + r * out_stride) += acc[r];
-  }
 }
 
 // The shrinks of the groups' rows, over (group, panel of 16 ranks) items; the loop's implicit
@@ -647,9 +643,8 @@ int tiergate_lora_update_f32(const TiergateLoraStep* lora, int64_t num_rows, int
   {
     const int64_t thread = omp_get_thread_num(), threads = omp_get_num_threads();
     lora_shrink_groups(*lora, groups.data(), num_groups, width, x, K);
-    const int64_t num_panels = N / kPanel;
-    const Share share{num_panels * thread / threads, num_panels * (thread + 1) / threads};
-    lora_expand_groups(*lora, groups.data(), num_groups, out, N, share, split);
+    lora_expand_groups(*lora, groups.data(), num_groups, out, N,
+                       share_of(N, 1, thread, threads), split);
   }
   return 0;
 }

@@ -362,8 +362,8 @@ def _prefill_batch(runner: TorchModelRunner, lengths: list[int]) -> ForwardBatch
 
 
 def test_layer_path_updates_match_torch_products(checkpoint: Checkpoint) -> None:
-    """A prefill step of 9 prompts (147 tokens: past the expand's 64 rows at a time) on four
-    adapters and the base model: the layer path with the C++ LoRA kernels gives the logits of
+    """A prefill step of 9 prompts (147 tokens: groups of four rows and the shorter tails of
+    each prompt) on four adapters and the base model: the layer path with the C++ LoRA kernels gives the logits of
     the same path with torch's grouped products, and the adapters change them."""
     runner = make_runner(checkpoint[0])
     lora = runner.lora
