@@ -363,8 +363,9 @@ def _prefill_batch(runner: TorchModelRunner, lengths: list[int]) -> ForwardBatch
 
 def test_layer_path_updates_match_torch_products(checkpoint: Checkpoint) -> None:
     """A prefill step of 9 prompts (147 tokens: groups of four rows and the shorter tails of
-    each prompt) on four adapters and the base model: the layer path with the C++ LoRA kernels gives the logits of
-    the same path with torch's grouped products, and the adapters change them."""
+    each prompt) on four adapters and the base model: the layer path with the C++ LoRA kernels
+    gives the logits of the same path with torch's grouped products, and the adapters change
+    them."""
     runner = make_runner(checkpoint[0])
     lora = runner.lora
     assert lora is not None and isinstance(lora.slots.kernels, CpuLoraKernels)
