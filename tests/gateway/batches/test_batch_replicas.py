@@ -6,6 +6,7 @@ holds one record per line that ran."""
 from __future__ import annotations
 
 import json
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -92,13 +93,19 @@ def test_a_killed_replicas_lines_are_taken_over_and_each_runs_into_the_files_onc
                 "SELECT DISTINCT claimed_by FROM batch_lines WHERE batch_id = :b "
                 "AND status = 'running'"), {"b": batch.id}).scalars())
 
-    # Both replicas run lines; once some are done, one dies with its claims held.
+    # Both replicas run lines; once some are done, one dies with its claims held. The victim
+    # is frozen (SIGSTOP) before its claims are read, so it cannot finish them between the
+    # read and the kill; a freeze that catches it between claims thaws it and tries again.
+    assert victim.process is not None
     deadline = time.monotonic() + 120
     while True:
         counts = client.batches.retrieve(batch.id).request_counts
         assert counts is not None
-        if counts.completed >= NUM_LINES // 4 and len(claimers()) == 2:
-            break
+        if counts.completed >= NUM_LINES // 4:
+            victim.process.send_signal(signal.SIGSTOP)
+            if len(claimers()) == 2:
+                break
+            victim.process.send_signal(signal.SIGCONT)
         assert time.monotonic() < deadline
         time.sleep(0.05)
     victim.kill()
