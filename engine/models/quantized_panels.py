@@ -1,0 +1,185 @@
+"""Weight matrices in the CPU kernels' panels (cpu_decode.cpp), float32 or quantized as stored.
+
+A matrix W [N, K] (out, in features) in panels is N / 16 panels of 16 outputs each. Float32
+panels are [N / 16][K][16]. Quantized panels keep GGUF's blocks of 32 inputs: per panel and
+block, a float32 scale per output, a float32 minimum per output for 4 bits, and the 32 x 16
+quantized values k-major, so the kernel dequantizes 16 outputs of one input with one vector
+load, convert and multiply-add (`PanelFormat`). `gguf_panels` repacks a GGUF tensor's raw
+blocks into them without going through float weights: Q8_0 into 8-bit panels (scale times
+value), Q4_0, Q4_1 and Q4_K into 4-bit panels (scale times value plus minimum; Q4_K's
+sub-block scales are folded into one float per block of 32). The panels take 1.06x (Q8_0),
+1.07x (Q4_K), 1.2x (Q4_1) and 1.33x (Q4_0) the bytes of the blocks they come from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+
+__all__ = [
+    "PANEL",
+    "PANEL_TYPES",
+    "QBLOCK",
+    "PanelFormat",
+    "PanelMatrix",
+    "float_panels",
+    "gguf_panels",
+    "interleave_panels",
+    "stack_panels",
+]
+
+PANEL = 16  # outputs per panel
+QBLOCK = 32  # inputs per quantized block
+
+
+class PanelFormat(IntEnum):  # cpu_decode.cpp's WeightFormat
+    F32 = 0
+    Q8 = 1  # per block: float32 scale[16], int8 q[32][16]
+    Q4 = 2  # per block: float32 scale[16], float32 min[16], uint8 q[16][16] (low nibbles:
+    # inputs 0..15 of the block, high nibbles: 16..31)
+
+
+_BLOCK_BYTES = {PanelFormat.Q8: PANEL * 4 + QBLOCK * PANEL,
+                PanelFormat.Q4: 2 * PANEL * 4 + QBLOCK // 2 * PANEL}
+
+# GGUF tensor types whose blocks repack into quantized panels, and into which format.
+PANEL_TYPES = {
+    GGMLQuantizationType.Q8_0: PanelFormat.Q8,
+    GGMLQuantizationType.Q4_0: PanelFormat.Q4,
+    GGMLQuantizationType.Q4_1: PanelFormat.Q4,
+    GGMLQuantizationType.Q4_K: PanelFormat.Q4,
+}
+
+
+@dataclass(frozen=True)
+class PanelMatrix:
+    """A weight matrix [out_features, in_features] in panels of `format`; data is float32
+    [N / 16, K, 16] or uint8 [N / 16, K / 32, block bytes]."""
+
+    data: torch.Tensor
+    format: PanelFormat
+    out_features: int
+    in_features: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+
+def float_panels(weight: torch.Tensor) -> PanelMatrix:
+    """A float32 weight [N, K] in float32 panels (N % 16 == 0)."""
+    num_out, num_in = weight.shape
+    data = weight.detach().to(torch.float32).reshape(num_out // PANEL, PANEL, num_in)
+    return PanelMatrix(data.transpose(1, 2).contiguous(), PanelFormat.F32, num_out, num_in)
+
+
+def gguf_panels(raw: np.ndarray, tensor_type: GGMLQuantizationType, num_out: int,
+                num_in: int) -> PanelMatrix:
+    """A GGUF tensor's raw blocks (uint8 [num_out, bytes per row], its rows in the order the
+    model wants them) in quantized panels: tensor_type in PANEL_TYPES, num_out % 16 == 0."""
+    if tensor_type not in PANEL_TYPES:
+        raise ValueError(f"no quantized panels for {tensor_type.name}")
+    if num_out % PANEL or num_in % QBLOCK:
+        raise ValueError(f"a [{num_out}, {num_in}] matrix does not cut into panels and blocks")
+    rows = np.ascontiguousarray(raw, dtype=np.uint8).reshape(num_out, -1)
+    scale, low, values = _DECODERS[tensor_type](rows, num_in // QBLOCK)
+    fmt = PANEL_TYPES[tensor_type]
+    panels, blocks = num_out // PANEL, num_in // QBLOCK
+
+    def by_panel(per_row: np.ndarray) -> np.ndarray:  # [N, KB, ...] -> [N/16, KB, ..., 16]
+        moved = per_row.reshape(panels, PANEL, blocks, *per_row.shape[2:])
+        return np.ascontiguousarray(np.moveaxis(moved, 1, -1))
+
+    parts = [by_panel(scale.astype(np.float32)).view(np.uint8).reshape(panels, blocks, -1)]
+    if fmt is PanelFormat.Q8:
+        parts.append(by_panel(values.astype(np.int8)).view(np.uint8).reshape(panels, blocks, -1))
+    else:
+        assert low is not None
+        nibbles = values[..., :QBLOCK // 2] | (values[..., QBLOCK // 2:] << 4)
+        parts.append(by_panel(low.astype(np.float32)).view(np.uint8).reshape(panels, blocks, -1))
+        parts.append(by_panel(nibbles.astype(np.uint8)).reshape(panels, blocks, -1))
+    data = np.concatenate(parts, axis=2)
+    assert data.shape[2] == _BLOCK_BYTES[fmt]
+    return PanelMatrix(torch.from_numpy(data), fmt, num_out, num_in)
+
+
+def stack_panels(matrices: list[PanelMatrix]) -> PanelMatrix | None:
+    """Matrices of one format and input width stacked by rows (q, k and v into qkv), or None
+    when their formats or widths differ."""
+    first = matrices[0]
+    if any(m.format != first.format or m.in_features != first.in_features for m in matrices):
+        return None
+    return PanelMatrix(torch.cat([m.data for m in matrices]), first.format,
+                       sum(m.out_features for m in matrices), first.in_features)
+
+
+def interleave_panels(gate: PanelMatrix, up: PanelMatrix) -> PanelMatrix | None:
+    """gate and up panels interleaved (gate 0, up 0, gate 1, ...: the decode forward's
+    gate_up), or None when their formats or shapes differ."""
+    if (gate.format, gate.out_features, gate.in_features) != (
+            up.format, up.out_features, up.in_features):
+        return None
+    data = torch.stack([gate.data, up.data], dim=1).reshape(-1, *gate.data.shape[1:])
+    return PanelMatrix(data, gate.format, 2 * gate.out_features, gate.in_features)
+
+
+# Each decoder: raw rows [N, bytes] and blocks of 32 per row -> (scale [N, KB], minimum
+# [N, KB] or None, values [N, KB, 32] as int8 (Q8) or uint8 0..15 (Q4)): w = scale q + min.
+
+def _f16(rows: np.ndarray, offset: int, step: int) -> np.ndarray:
+    """The float16 at byte `offset` of each `step`-byte block, as float32 [N, blocks]."""
+    count = rows.shape[1] // step
+    blocks = rows.reshape(rows.shape[0], count, step)
+    return blocks[..., offset:offset + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def _q8_0(rows: np.ndarray, num_blocks: int) -> tuple[np.ndarray, None, np.ndarray]:
+    blocks = rows.reshape(rows.shape[0], num_blocks, 34)
+    return _f16(rows, 0, 34), None, blocks[..., 2:].copy().view(np.int8)
+
+
+def _q4_nibbles(qs: np.ndarray) -> np.ndarray:  # [..., 16] bytes -> [..., 32] values
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _q4_0(rows: np.ndarray, num_blocks: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    scale = _f16(rows, 0, 18)
+    values = _q4_nibbles(rows.reshape(rows.shape[0], num_blocks, 18)[..., 2:])
+    return scale, -8 * scale, values
+
+
+def _q4_1(rows: np.ndarray, num_blocks: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    values = _q4_nibbles(rows.reshape(rows.shape[0], num_blocks, 20)[..., 4:])
+    return _f16(rows, 0, 20), _f16(rows, 2, 20), values
+
+
+def _q4_k(rows: np.ndarray, num_blocks: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    # A super-block of 256: float16 d and dmin, 12 bytes of eight 6-bit sub-block scales and
+    # minimums, 128 bytes of values: each 32 bytes hold two sub-blocks (low nibbles, then high).
+    num_out = rows.shape[0]
+    supers = rows.reshape(num_out, num_blocks // 8, 144)
+    d, dmin = _f16(rows, 0, 144), _f16(rows, 2, 144)
+    packed = supers[..., 4:16].astype(np.uint8)
+    sc = np.empty((*packed.shape[:2], 8), dtype=np.uint8)
+    mn = np.empty_like(sc)
+    sc[..., :4] = packed[..., 0:4] & 63
+    mn[..., :4] = packed[..., 4:8] & 63
+    sc[..., 4:] = (packed[..., 8:12] & 0x0F) | ((packed[..., 0:4] >> 6) << 4)
+    mn[..., 4:] = (packed[..., 8:12] >> 4) | ((packed[..., 4:8] >> 6) << 4)
+    qs = supers[..., 16:].reshape(num_out, num_blocks // 8, 4, 32)
+    values = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(num_out, num_blocks, QBLOCK)
+    scale = (d[..., None] * sc).reshape(num_out, num_blocks)
+    low = -(dmin[..., None] * mn).reshape(num_out, num_blocks)
+    return scale, low, values
+
+
+_DECODERS = {
+    GGMLQuantizationType.Q8_0: _q8_0,
+    GGMLQuantizationType.Q4_0: _q4_0,
+    GGMLQuantizationType.Q4_1: _q4_1,
+    GGMLQuantizationType.Q4_K: _q4_k,
+}

