@@ -71,6 +71,7 @@ from engine.types import (
 if TYPE_CHECKING:
     from engine.checkpoints.demo_model import write_demo_model
     from engine.checkpoints.gguf_checkpoint import GGUFCheckpoint
+    from engine.checkpoints.gguf_panels import load_gguf_model
     from engine.checkpoints.lora_adapter import AdapterError, read_lora_adapter
     from engine.models.config import ModelConfig, ModelConfigError
     from engine.worker.model_runner import TorchModelRunner
@@ -134,6 +135,7 @@ __all__ = [
     "Verdict",
     "WaitingQueue",
     "bounded_numbers",
+    "load_gguf_model",
     "read_lora_adapter",
     "subschemas",
     "tier_allowance",
@@ -147,6 +149,7 @@ _LAZY_MODULES: dict[str, str] = {
     "ModelConfig": "engine.models.config",
     "ModelConfigError": "engine.models.config",
     "TorchModelRunner": "engine.worker.model_runner",
+    "load_gguf_model": "engine.checkpoints.gguf_panels",
     "read_lora_adapter": "engine.checkpoints.lora_adapter",
     "write_demo_model": "engine.checkpoints.demo_model",
 }

@@ -55,9 +55,13 @@ __all__ = [
 DEFAULT_WORKLOAD = BENCH_INPUTS / "workload-offline-200.json"
 TIERGATE = "tiergate"
 LLAMACPP = "llama.cpp"
-TIERGATE_DTYPES = ("float32", "bfloat16", "float16")
-# llama.cpp types of the same precision as a tiergate dtype, best match first.
+TIERGATE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# The llama.cpp "type" that serves the default model's file as shipped (no llama-quantize).
+AS_SHIPPED = "FILE"
+# llama.cpp types of the same precision as a tiergate dtype, best match first (auto: the
+# file's quantized blocks as stored, as llama.cpp serves the file itself).
 SAME_PRECISION: dict[str, tuple[str, ...]] = {
+    "auto": (AS_SHIPPED,),
     "float32": ("F32",),
     "bfloat16": ("BF16", "F16"),
     "float16": ("F16",),
@@ -109,10 +113,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "or one for all (default: 8,16,64 for 1,8,32; else 2x concurrency, "
                         "at least 8)")
     parser.add_argument("--tiergate-dtypes", type=_name_list, default=("float32",),
-                        help="tiergate --dtype values, comma-separated (default: float32)")
+                        help="tiergate --dtype values, comma-separated: auto (the file's "
+                        "blocks as stored), float32, bfloat16, float16 (default: float32)")
     parser.add_argument("--llamacpp-types", type=_name_list, default=("F32",),
                         help="llama.cpp GGUF types from llama-quantize, comma-separated: F32, F16, "
-                        "BF16, Q8_0 (default: F32)")
+                        "BF16, Q8_0, or FILE: the default model's file as shipped (Q4_1; "
+                        "compared with tiergate's auto) (default: F32)")
     parser.add_argument("--threads", type=int, default=2,
                         help="threads of each server (llama-server -t; OMP_NUM_THREADS of both)")
     parser.add_argument("--seed", type=int, default=0, help="prompt start words")
@@ -161,9 +167,9 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
             )
     types = tuple(t.upper() for t in args.llamacpp_types)
     for model_type in types:
-        if model_type not in MODEL_TYPES:
+        if model_type not in (*MODEL_TYPES, AS_SHIPPED):
             raise BenchConfigError(
-                f"--llamacpp-types {model_type}: one of {', '.join(MODEL_TYPES)}"
+                f"--llamacpp-types {model_type}: one of {', '.join((*MODEL_TYPES, AS_SHIPPED))}"
             )
     if args.threads < 1:
         raise BenchConfigError("--threads must be >= 1")
@@ -492,7 +498,8 @@ def run_peer(config: PeerConfig, command: str) -> PeerReport:
 
         per_slot = math.ceil((max_seq_len + 16) / 256) * 256
         for model_type in config.llamacpp_types:
-            gguf = quantized_model(build, model_file, model_type)
+            gguf = (model_file if model_type == AS_SHIPPED
+                    else quantized_model(build, model_file, model_type))
             llama = LlamaServer(
                 work_root / f"llama-{model_type}", config.threads, binary=build.server,
                 model_file=gguf, parallel=config.max_num_seqs,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -247,14 +247,18 @@ class GGUFCheckpoint:
 
     # -- tensors -------------------------------------------------------------------------------
 
-    def tensors(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, tensor) for every weight, dequantized and cast to dtype."""
+    def tensors(self, dtype: torch.dtype = torch.float32, skip: Container[str] = (),
+                ) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, tensor) for every weight but those named in skip, dequantized and cast to
+        dtype."""
         num_heads = int(self._required("attention.head_count"))
         num_kv_heads = int(self._arch_field("attention.head_count_kv") or num_heads)
         for tensor in self._reader.tensors:
             if tensor.name == _ROPE_FREQS:
                 continue  # in config.json as rope_scaling (hf_config)
             hf_name, layer_part = self._hf_name(tensor.name)
+            if hf_name in skip:
+                continue
             values = dequantize(tensor.data, tensor.tensor_type)
             # ne is GGML's order (fastest first): numpy's shape is its reverse.
             shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
@@ -294,8 +298,11 @@ class GGUFCheckpoint:
 
     # -- conversion ----------------------------------------------------------------------------
 
-    def convert(self, outdir: str | Path, dtype: torch.dtype = torch.float32) -> Path:
-        """Write the model as a HF checkpoint directory (safetensors in dtype); returns it."""
+    def convert(self, outdir: str | Path, dtype: torch.dtype = torch.float32,
+                weights: bool = True) -> Path:
+        """Write the model as a HF checkpoint directory (safetensors in dtype); returns it.
+        weights False: config.json and the tokenizer only (for an engine that reads the
+        weights from this file, engine.checkpoints.gguf_panels)."""
         outdir = Path(outdir)
         outdir.mkdir(parents=True, exist_ok=True)
         tokenizer = self.tokenizer()  # before the weights: a bad tokenizer fails fast
@@ -312,7 +319,7 @@ class GGUFCheckpoint:
             weight_map.update({name: file for name in shard})
             shard, shard_bytes = {}, 0
 
-        for name, tensor in self.tensors(dtype):
+        for name, tensor in self.tensors(dtype) if weights else ():
             shard[name] = tensor
             shard_bytes += tensor.numel() * tensor.element_size()
             if shard_bytes >= _SHARD_BYTES:
@@ -321,7 +328,7 @@ class GGUFCheckpoint:
             flush()
         if len(files) == 1:
             (outdir / files[0]).rename(outdir / "model.safetensors")
-        else:
+        elif files:
             index = {"metadata": {}, "weight_map": weight_map}
             (outdir / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
         (outdir / "config.json").write_text(json.dumps(self.hf_config(dtype), indent=2))

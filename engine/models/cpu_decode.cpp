@@ -171,7 +171,9 @@ struct TiergateDecodeModel {
   int64_t max_rows;       // rows (sequences) the caller's workspace holds
   float eps;             // RMSNorm epsilon
   float scale;           // attention softmax scale
-  const float* embed;       // [V, E] row-major
+  const float* embed;       // [V, E] row-major, or null: the embedding is embed_panels
+  TiergateMatrix embed_panels;  // the embedding in panels (a GGUF file's blocks), when embed
+                                // is null
   const float* final_norm;  // [E]
   TiergateMatrix lm_head;  // panels of [V, E]
   const float* cos_table;   // [max positions, D] (engine.models.rope.RotaryTable)
@@ -295,6 +297,36 @@ inline void quantized_panel_product(const float* x, int64_t K, const uint8_t* pa
   }
 }
 
+// out[0:K] = row n of W [N, K] in panels of any format, dequantized (an embedding lookup).
+inline void panel_row(const TiergateMatrix& w, int64_t n, int64_t K, float* out) {
+  const int64_t p = n / kPanel, lane = n % kPanel, num_blocks = K / kQBlock;
+  const auto* bytes = static_cast<const uint8_t*>(w.data);
+  auto field = [](const uint8_t* at) { float value; std::memcpy(&value, at, 4); return value; };
+  if (w.format == kF32) {
+    const float* panel = static_cast<const float*>(w.data) + p * K * kPanel;
+    for (int64_t k = 0; k < K; ++k) out[k] = panel[k * kPanel + lane];
+  } else if (w.format == kQ8) {
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const uint8_t* block = bytes + (p * num_blocks + b) * kQ8BlockBytes;
+      const float scale = field(block + lane * 4);
+      for (int64_t i = 0; i < kQBlock; ++i) {
+        out[b * kQBlock + i] =
+            scale * static_cast<float>(static_cast<int8_t>(block[kPanel * 4 + i * kPanel + lane]));
+      }
+    }
+  } else {
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const uint8_t* block = bytes + (p * num_blocks + b) * kQ4BlockBytes;
+      const float scale = field(block + lane * 4), low = field(block + kPanel * 4 + lane * 4);
+      for (int64_t i = 0; i < kQBlock / 2; ++i) {
+        const uint8_t q = block[kPanel * 8 + i * kPanel + lane];
+        out[b * kQBlock + i] = static_cast<float>(q & 15) * scale + low;
+        out[b * kQBlock + kQBlock / 2 + i] = static_cast<float>(q >> 4) * scale + low;
+      }
+    }
+  }
+}
+
 // The panel product of M rows and P panels for the weight format F.
 template <WeightFormat F, int M, int P>
 inline void format_product(const float* x, int64_t K, const void* panels, int64_t first,
@@ -364,6 +396,64 @@ inline bool valid_format(const TiergateMatrix& w) {
   return w.format >= kF32 && w.format <= kQ4 && w.data != nullptr;
 }
 
+// Panel p of quantized panels (F), dequantized into float32 panel layout: dst [K][16].
+template <WeightFormat F>
+void dequantize_panel(const uint8_t* panels, int64_t p, int64_t K, float* dst) {
+  constexpr int64_t kBytes = block_bytes<F>();
+  const int64_t num_blocks = K / kQBlock;
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const uint8_t* block = panels + (p * num_blocks + b) * kBytes;
+    const vec16 scale = *reinterpret_cast<const vec16*>(block);
+    vec16* rows = reinterpret_cast<vec16*>(dst + b * kQBlock * kPanel);
+    if constexpr (F == kQ8) {
+      for (int64_t i = 0; i < kQBlock; ++i) {
+        rows[i] = __builtin_convertvector(widen_bytes<true>(block + kPanel * 4 + i * kPanel),
+                                          vec16) * scale;
+      }
+    } else {
+      const vec16 low_min = *reinterpret_cast<const vec16*>(block + kPanel * 4);
+      for (int64_t i = 0; i < kQBlock / 2; ++i) {
+        const ivec16 q = widen_bytes<false>(block + kPanel * 8 + i * kPanel);
+        rows[i] = __builtin_convertvector(q & 15, vec16) * scale + low_min;
+        rows[i + kQBlock / 2] = __builtin_convertvector(q >> 4, vec16) * scale + low_min;
+      }
+    }
+  }
+}
+
+// Rows above which a quantized product dequantizes each group of panels once (below, it
+// dequantizes in registers for each block of kRowBlock rows): two blocks of rows (measured
+// with ops/bench/quantized_decode.py, within that bench's noise from 8 to 16 rows on AVX2).
+constexpr int64_t kScratchRows = 2 * kRowBlock;
+
+// Panels [begin, end) of out[M, N] for M above kScratchRows over quantized panels: each group of
+// panels dequantized once into the thread's float32 scratch (in L2), then taken by every block
+// of kRowBlock rows as float panels are, instead of dequantized again for each block of rows.
+template <WeightFormat F>
+void quantized_many_rows(int64_t M, const float* x, int64_t K, const uint8_t* panels,
+                         int64_t N, float* out, int64_t begin, int64_t end) {
+  constexpr int P = panels_at_once<kRowBlock>();
+  thread_local std::vector<float> scratch;
+  scratch.resize(static_cast<size_t>(P * K * kPanel));
+  for (int64_t p = begin; p < end; p += P) {
+    const int64_t count = std::min<int64_t>(P, end - p);
+    for (int64_t j = 0; j < count; ++j) {
+      dequantize_panel<F>(panels, p + j, K, scratch.data() + j * K * kPanel);
+    }
+    for (int64_t m = 0; m < M; m += kRowBlock) {
+      const int64_t rows = std::min(kRowBlock, M - m);
+      float* tile = out + m * N + p * kPanel;
+      if (count == P) {
+        row_block<kF32, P>(rows, x + m * K, K, scratch.data(), 0, tile, N);
+      } else {
+        for (int64_t j = 0; j < count; ++j) {
+          row_block<kF32, 1>(rows, x + m * K, K, scratch.data(), j, tile, N);
+        }
+      }
+    }
+  }
+}
+
 template <WeightFormat F>
 void format_share(int64_t M, const float* x, int64_t K, const void* panels, int64_t N,
                   float* out, int64_t begin, int64_t end) {
@@ -379,6 +469,13 @@ void format_share(int64_t M, const float* x, int64_t K, const void* panels, int6
     case 8: few_rows<F, 8>(x, K, panels, N, out, begin, end); break;
 #endif
     default: {
+      if constexpr (F != kF32) {
+        if (M > kScratchRows) {
+          quantized_many_rows<F>(M, x, K, static_cast<const uint8_t*>(panels), N, out, begin,
+                                 end);
+          return;
+        }
+      }
       constexpr int P = format_panels_at_once<F, kRowBlock>();
       int64_t p = begin;
       for (; p + P <= end; p += P) {
@@ -635,7 +732,11 @@ void forward(const TiergateDecodeModel& model, const Step& step, const Workspace
     paged::Scratch scratch;
 #pragma omp single
     for (int64_t m = 0; m < M; ++m) {
-      std::memcpy(ws.residual + m * E, model.embed + step.token_ids[m] * E, E * sizeof(float));
+      if (model.embed != nullptr) {
+        std::memcpy(ws.residual + m * E, model.embed + step.token_ids[m] * E, E * sizeof(float));
+      } else {
+        panel_row(model.embed_panels, step.token_ids[m], E, ws.residual + m * E);
+      }
       rms_norm_row(ws.residual + m * E, nullptr, model.layers[0].input_norm, model.eps, E,
                    ws.normed + m * E);
     }
@@ -753,6 +854,7 @@ int tiergate_decode_forward_f32(const TiergateDecodeModel* model, int64_t num_ro
     if (lora != nullptr && !valid_row_slot(*lora, m)) return -1;
   }
   if (!valid_format(md.lm_head)) return -1;
+  if (md.embed == nullptr && !valid_format(md.embed_panels)) return -1;
   for (int64_t l = 0; l < md.num_layers; ++l) {
     const TiergateDecodeLayer& layer = md.layers[l];
     for (const TiergateMatrix* w : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down}) {
@@ -817,13 +919,26 @@ int tiergate_lora_update_f32(const TiergateLoraStep* lora, int64_t num_rows, int
 // decode forward already holds, and the quantized products' tests. Returns 0, or -1 for a
 // format it does not know.
 int tiergate_panel_product(const float* x, int64_t M, int64_t K, const TiergateMatrix* weight,
-                           int64_t N, float* out, int64_t num_threads) {
+                           const float* bias, int64_t N, float* out, int64_t num_threads) {
   if (!valid_format(*weight)) return -1;
 #pragma omp parallel num_threads(num_threads)
   {
-    product_share(M, x, K, *weight, nullptr, N, 1, out, omp_get_thread_num(),
+    product_share(M, x, K, *weight, bias, N, 1, out, omp_get_thread_num(),
                   omp_get_num_threads());
   }
+  return 0;
+}
+
+// out[c] = row ids[c] of W [N, K] in panels, dequantized: embedding lookups in a matrix held in
+// panels (a GGUF file's token embedding, tied to the lm_head or not). Returns 0, or -1 without
+// writing when an id is outside [0, N) or the format is unknown.
+int tiergate_panel_rows(const TiergateMatrix* weight, int64_t N, int64_t K, const int64_t* ids,
+                        int64_t count, float* out) {
+  if (!valid_format(*weight)) return -1;
+  for (int64_t c = 0; c < count; ++c) {
+    if (ids[c] < 0 || ids[c] >= N) return -1;
+  }
+  for (int64_t c = 0; c < count; ++c) panel_row(*weight, ids[c], K, out + c * K);
   return 0;
 }
 

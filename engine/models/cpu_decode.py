@@ -22,7 +22,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-from collections.abc import Mapping
 from pathlib import Path
 from typing import cast
 
@@ -39,12 +38,14 @@ from engine.models.cpu_decode_lora import CpuLoraKernels
 from engine.models.decoder import CausalLM, DecoderLayer, KVCache
 from engine.models.lora import FUSED_TARGETS, LoraSlots, LoraWeights, target_shapes
 from engine.models.quantized_panels import (
+    PanelFormat,
     PanelMatrix,
     float_panels,
     interleave_panels,
 )
 
-__all__ = ["MAX_ROWS", "CpuDecodeForward", "PanelLinear", "lora_kernels", "supports"]
+__all__ = ["MAX_ROWS", "CpuDecodeForward", "PanelEmbedding", "PanelLinear", "lora_kernels",
+           "supports"]
 
 logger = logging.getLogger(__name__)
 
@@ -94,9 +95,10 @@ class _Model(ctypes.Structure):
     _fields_ = [(name, _i64) for name in (
         "num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate", "vocab",
         "block_size", "num_blocks", "max_positions", "max_rows",
-    )] + [("eps", _f32), ("scale", _f32)] + [(name, _Matrix if name == "lm_head" else _p)
-                                              for name in ("embed", "final_norm", "lm_head",
-                                                           "cos_table", "sin_table", "layers")]
+    )] + [("eps", _f32), ("scale", _f32)] + [
+        (name, _Matrix if name in ("embed_panels", "lm_head") else _p)
+        for name in ("embed", "embed_panels", "final_norm", "lm_head", "cos_table", "sin_table",
+                     "layers")]
 
 
 @functools.cache
@@ -110,8 +112,10 @@ def _library() -> ctypes.CDLL | None:
     library.tiergate_decode_forward_f32.restype = ctypes.c_int
     library.tiergate_decode_workspace_floats.argtypes = [_p]
     library.tiergate_decode_workspace_floats.restype = _i64
-    library.tiergate_panel_product.argtypes = [_p, _i64, _i64, _p, _i64, _p, _i64]
+    library.tiergate_panel_product.argtypes = [_p, _i64, _i64, _p, _p, _i64, _p, _i64]
     library.tiergate_panel_product.restype = ctypes.c_int
+    library.tiergate_panel_rows.argtypes = [_p, _i64, _i64, _p, _i64, _p]
+    library.tiergate_panel_rows.restype = ctypes.c_int
     library.tiergate_lora_update_f32.argtypes = [_p, _i64, _i64, _i64, _p, _i64, _p, _i64, _i64,
                                                  _i64]
     library.tiergate_lora_update_f32.restype = ctypes.c_int
@@ -216,12 +220,11 @@ class CpuDecodeForward:
     """The forward of decode-only steps of at most max_rows sequences, as one C++ call."""
 
     def __init__(self, model: CausalLM, kv_caches: list[KVCache], max_rows: int = MAX_ROWS,
-                 quantized: Mapping[str, PanelMatrix] | None = None) -> None:
+                 ) -> None:
         """Packs the weights now: call before the model's linear layers are replaced by packed
-        ones (engine.models.packed_linear), which drop the plain weights. quantized: matrices
-        already in panels, by the model's module name (`layers.0.self_attn.qkv_proj`,
-        `layers.0.mlp.gate_up_proj` with gate and up interleaved, `lm_head`), taken as they
-        are in place of the modules' weights (GGUF's blocks: engine.models.quantized_panels)."""
+        ones (engine.models.packed_linear), which drop the plain weights. Layers already over
+        panels (`PanelLinear`, `PanelEmbedding`: a GGUF file's blocks as stored) are read in
+        place, not copied."""
         library = _library()
         assert library is not None, "supports() must be true before a CpuDecodeForward is made"
         assert model.rotary is not None, "the model's rotary table is built at load"
@@ -231,22 +234,32 @@ class CpuDecodeForward:
         self.max_rows = max_rows
         config = model.config
         self.vocab_size = config.vocab_size
-        given = dict(quantized or {})
         keep: list[torch.Tensor] = []  # what the C++ side points into
-        copies: list[PanelMatrix] = []  # the panels: this forward's cost
+        copies: list[PanelMatrix] = []  # panels made here: this forward's cost
+        self.weight_format = PanelFormat.F32  # the lm_head's (the one read the most)
 
-        def matrix(name: str, weight: torch.Tensor, interleaved: bool = False) -> _Matrix:
-            panels = given.pop(name, None)
-            if panels is None:
-                panels = interleaved_panels(weight) if interleaved else float_panels(weight)
-            if panels.out_features != weight.shape[0] or panels.in_features != weight.shape[1]:
-                raise ValueError(f"{name}: panels of [{panels.out_features}, "
-                                 f"{panels.in_features}] for a weight of {list(weight.shape)}")
+        def matrix(module: nn.Module, interleaved: bool = False) -> _Matrix:
+            if isinstance(module, PanelLinear):
+                return _Matrix.of(module.panels)
+            weight = cast(nn.Linear, module).weight
+            panels = interleaved_panels(weight) if interleaved else float_panels(weight)
             copies.append(panels)
             return _Matrix.of(panels)
 
-        lm_head = matrix("lm_head", cast(nn.Linear, model.lm_head).weight)
-        self.lm_head_panels = copies[0]
+        def bias(module: nn.Module, interleaved: bool = False) -> int | None:
+            value = cast(torch.Tensor | None, getattr(module, "bias", None))
+            return pointer(None if value is None
+                           else _interleaved_bias(value) if interleaved else value)
+
+        lm_head = matrix(model.lm_head)
+        if isinstance(model.lm_head, PanelLinear):
+            self.lm_head_panels = model.lm_head.panels
+        else:
+            self.lm_head_panels = copies[0]
+        self.weight_format = self.lm_head_panels.format
+        embedding = model.embed_tokens
+        embed_panels = _Matrix.of(embedding.panels) if isinstance(embedding, PanelEmbedding) \
+            else _Matrix(None, int(PanelFormat.F32))
 
         def pointer(tensor: torch.Tensor | None) -> int | None:
             if tensor is None:
@@ -261,28 +274,23 @@ class CpuDecodeForward:
             zip(decoder_layers, kv_caches, strict=True)
         ):
             attention, mlp = layer.self_attn, layer.mlp
-            prefix = f"layers.{index}."
             layers[index] = _Layer(
                 input_norm=pointer(layer.input_layernorm.weight),
                 q_norm=pointer(None if attention.q_norm is None else attention.q_norm.weight),
                 k_norm=pointer(None if attention.k_norm is None else attention.k_norm.weight),
-                qkv=matrix(prefix + "self_attn.qkv_proj", attention.qkv_proj.weight),
-                qkv_bias=pointer(attention.qkv_proj.bias),
-                o=matrix(prefix + "self_attn.o_proj", attention.o_proj.weight),
-                o_bias=pointer(attention.o_proj.bias),
+                qkv=matrix(attention.qkv_proj),
+                qkv_bias=bias(attention.qkv_proj),
+                o=matrix(attention.o_proj),
+                o_bias=bias(attention.o_proj),
                 post_norm=pointer(layer.post_attention_layernorm.weight),
-                gate_up=matrix(prefix + "mlp.gate_up_proj", mlp.gate_up_proj.weight,
-                               interleaved=True),
-                gate_up_bias=pointer(None if mlp.gate_up_proj.bias is None
-                                     else _interleaved_bias(mlp.gate_up_proj.bias)),
-                down=matrix(prefix + "mlp.down_proj", mlp.down_proj.weight),
-                down_bias=pointer(mlp.down_proj.bias),
+                gate_up=matrix(mlp.gate_up_proj, interleaved=True),
+                gate_up_bias=bias(mlp.gate_up_proj, interleaved=True),
+                down=matrix(mlp.down_proj),
+                down_bias=bias(mlp.down_proj),
                 k_cache=pointer(k_cache),
                 v_cache=pointer(v_cache),
                 window=attention.sliding_window or 0,
             )
-        if given:
-            raise ValueError(f"quantized matrices of no module: {', '.join(sorted(given))}")
         first_cache = kv_caches[0][0]
         self._layers = layers
         self._model = _Model(
@@ -292,20 +300,22 @@ class CpuDecodeForward:
             block_size=first_cache.shape[1], num_blocks=first_cache.shape[0],
             max_positions=model.rotary.cos.shape[0], max_rows=max_rows,
             eps=config.rms_norm_eps, scale=decoder_layers[0].self_attn.scale,
-            embed=pointer(model.embed_tokens.weight), final_norm=pointer(model.norm.weight),
+            embed=None if isinstance(embedding, PanelEmbedding)
+            else pointer(cast(nn.Embedding, embedding).weight),
+            embed_panels=embed_panels, final_norm=pointer(model.norm.weight),
             lm_head=lm_head,
             cos_table=pointer(model.rotary.cos), sin_table=pointer(model.rotary.sin),
             layers=ctypes.addressof(layers),
         )
         self._keep = keep
         self._panels = copies
-        self.nbytes = sum(panels.nbytes for panels in copies)  # bytes of the panel copies
+        self.nbytes = sum(panels.nbytes for panels in copies)  # bytes of the panels made here
         floats = library.tiergate_decode_workspace_floats(ctypes.byref(self._model))
         self._workspace = torch.empty(floats, dtype=torch.float32)
 
     def lm_head_module(self) -> PanelLinear:
         """The lm_head as a module over this forward's panels (for the layer path)."""
-        return PanelLinear(self.lm_head_panels)
+        return PanelLinear(self.lm_head_panels)  # the same panels, when it already was one
 
     def can_run(self, batch: ForwardBatch, lora: LoraSlots | None = None) -> bool:
         """A decode-only step of at most max_rows sequences, every row sampled; lora: the
@@ -347,26 +357,64 @@ class CpuDecodeForward:
 
 
 class PanelLinear(nn.Module):
-    """y = x W^T over a weight in panels, float32 or quantized (no bias): the lm_head of the
-    steps that go layer by layer, sharing the decode forward's copy
-    (CpuDecodeForward.lm_head_module), so the lm_head needs no oneDNN-packed copy as well."""
+    """y = x W^T + b over a weight in panels, float32 or quantized: the lm_head of the steps
+    that go layer by layer, sharing the decode forward's copy
+    (CpuDecodeForward.lm_head_module), so the lm_head needs no oneDNN-packed copy as well;
+    and every projection of a model served from a GGUF file's blocks as stored, whose panels
+    the decode forward reads too. interleaved: panels of gate and up interleaved (the decode
+    forward's gate_up), the output put back in the layers' order, gate then up; the bias is
+    in that order."""
 
-    def __init__(self, panels: PanelMatrix) -> None:
+    def __init__(self, panels: PanelMatrix, bias: torch.Tensor | None = None,
+                 interleaved: bool = False) -> None:
         super().__init__()
         library = _library()
         assert library is not None, "supports() must be true before a PanelLinear is made"
         self._library = library
         self.panels = panels
         self._matrix = _Matrix.of(panels)
+        self.bias = bias
+        self.interleaved = interleaved
         self.out_features = panels.out_features
         self.in_features = panels.in_features
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # float32 [M, K] -> [M, N]
-        x = x.contiguous()
-        out = x.new_empty((x.shape[0], self.out_features))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # float32 [..., K] -> [..., N]
+        rows = x.reshape(-1, self.in_features).contiguous()
+        out = rows.new_empty((rows.shape[0], self.out_features))
+        bias = None if self.bias is None or self.interleaved else self.bias.data_ptr()
         status = self._library.tiergate_panel_product(
-            x.data_ptr(), x.shape[0], self.in_features, ctypes.byref(self._matrix),
+            rows.data_ptr(), rows.shape[0], self.in_features, ctypes.byref(self._matrix), bias,
             self.out_features, out.data_ptr(), torch.get_num_threads(),
         )
         assert status == 0, "a panel format the library does not know"
-        return out
+        if self.interleaved:  # panels gate 0, up 0, gate 1, ... -> gate, then up
+            out = out.view(-1, self.out_features // (2 * _PANEL), 2, _PANEL).transpose(1, 2)
+            out = out.reshape(-1, self.out_features)
+            if self.bias is not None:
+                out += self.bias
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+class PanelEmbedding(nn.Module):
+    """Embedding lookups in a matrix [V, E] held in panels (a GGUF file's token embedding,
+    quantized; tied or not to the lm_head): each row dequantized as it is looked up."""
+
+    def __init__(self, panels: PanelMatrix) -> None:
+        super().__init__()
+        library = _library()
+        assert library is not None, "supports() must be true before a PanelEmbedding is made"
+        self._library = library
+        self.panels = panels
+        self._matrix = _Matrix.of(panels)
+        self.num_embeddings = panels.out_features
+        self.embedding_dim = panels.in_features
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # int64 [...] -> float32 [..., E]
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        out = torch.empty(flat.shape[0], self.embedding_dim, dtype=torch.float32)
+        status = self._library.tiergate_panel_rows(
+            ctypes.byref(self._matrix), self.num_embeddings, self.embedding_dim, flat.data_ptr(),
+            flat.shape[0], out.data_ptr())
+        if status != 0:
+            raise ValueError("a token id outside the embedding")
+        return out.view(*ids.shape, self.embedding_dim)

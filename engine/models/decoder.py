@@ -184,7 +184,8 @@ class CausalLM(nn.Module):
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # nn.Embedding, or a PanelEmbedding over a GGUF file's blocks
+        self.embed_tokens: nn.Module = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # nn.Linear, or what the runner puts in its place (packed, or over the decode panels)
@@ -197,7 +198,8 @@ class CausalLM(nn.Module):
 
     def build_rotary_table(self) -> None:
         """Precompute cos/sin in the model's dtype and device; call after moving the model."""
-        weight = self.embed_tokens.weight
+        weight = self.norm.weight  # a float parameter of every model (the embedding may be
+        # quantized panels)
         self.rotary = RotaryTable(
             self.config.rope,
             self.config.head_dim,
@@ -210,7 +212,7 @@ class CausalLM(nn.Module):
     def use_fused_cpu_ops(self) -> bool:
         """Run norms, RoPE with the KV write, and SiLU-and-multiply as fused CPU ops where the
         model can (float32 on the CPU, a C++ compiler present); returns whether it does."""
-        weight = self.embed_tokens.weight
+        weight = self.norm.weight
         self.fused_cpu_ops = cpu_ops.supports(self.config, weight.device, weight.dtype)
         for module in self.modules():
             if isinstance(module, RMSNorm | Attention | MLP):

@@ -16,6 +16,7 @@ from engine.models.decoder import CausalLM
 
 __all__ = [
     "checkpoint_tensors",
+    "empty_model",
     "load_model",
     "load_weights",
     "random_hf_state_dict",
@@ -109,9 +110,10 @@ def _check_complete(
         raise ModelConfigError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
 
 
-def _empty_model(
+def empty_model(
     config: ModelConfig, dtype: torch.dtype, device: torch.device, max_model_len: int
 ) -> CausalLM:
+    """The model with uninitialized weights in dtype on device (for load_weights)."""
     with torch.device("meta"):
         model = CausalLM(config, max_positions=max_model_len)
     model = model.to_empty(device=device).to(dtype)
@@ -129,7 +131,7 @@ def load_model(
     """Read config.json and the safetensors weights of a HF checkpoint directory."""
     config = ModelConfig.from_file(model_dir)
     max_len = max_model_len or config.max_position_embeddings
-    model = _empty_model(config, dtype or config.dtype, torch.device(device), max_len)
+    model = empty_model(config, dtype or config.dtype, torch.device(device), max_len)
     load_weights(model, checkpoint_tensors(model_dir))
     model.build_rotary_table()
     return model.eval()
@@ -181,7 +183,7 @@ def random_model(
 ) -> CausalLM:
     """A model with the weights of random_hf_state_dict(config, seed)."""
     max_len = max_model_len or config.max_position_embeddings
-    model = _empty_model(config, dtype, torch.device(device), max_len)
+    model = empty_model(config, dtype, torch.device(device), max_len)
     load_weights(model, random_hf_state_dict(config, seed).items())
     model.build_rotary_table()
     return model.eval()

@@ -64,6 +64,7 @@ class PanelMatrix:
     format: PanelFormat
     out_features: int
     in_features: int
+    origin: str = "float32"  # what the values came from: float32, or the GGUF type(s)
 
     @property
     def nbytes(self) -> int:
@@ -104,7 +105,7 @@ def gguf_panels(raw: np.ndarray, tensor_type: GGMLQuantizationType, num_out: int
         parts.append(by_panel(nibbles.astype(np.uint8)).reshape(panels, blocks, -1))
     data = np.concatenate(parts, axis=2)
     assert data.shape[2] == _BLOCK_BYTES[fmt]
-    return PanelMatrix(torch.from_numpy(data), fmt, num_out, num_in)
+    return PanelMatrix(torch.from_numpy(data), fmt, num_out, num_in, tensor_type.name)
 
 
 def stack_panels(matrices: list[PanelMatrix]) -> PanelMatrix | None:
@@ -114,7 +115,8 @@ def stack_panels(matrices: list[PanelMatrix]) -> PanelMatrix | None:
     if any(m.format != first.format or m.in_features != first.in_features for m in matrices):
         return None
     return PanelMatrix(torch.cat([m.data for m in matrices]), first.format,
-                       sum(m.out_features for m in matrices), first.in_features)
+                       sum(m.out_features for m in matrices), first.in_features,
+                       _origins(matrices))
 
 
 def interleave_panels(gate: PanelMatrix, up: PanelMatrix) -> PanelMatrix | None:
@@ -124,7 +126,12 @@ def interleave_panels(gate: PanelMatrix, up: PanelMatrix) -> PanelMatrix | None:
             up.format, up.out_features, up.in_features):
         return None
     data = torch.stack([gate.data, up.data], dim=1).reshape(-1, *gate.data.shape[1:])
-    return PanelMatrix(data, gate.format, 2 * gate.out_features, gate.in_features)
+    return PanelMatrix(data, gate.format, 2 * gate.out_features, gate.in_features,
+                       _origins([gate, up]))
+
+
+def _origins(matrices: list[PanelMatrix]) -> str:
+    return "+".join(sorted({matrix.origin for matrix in matrices}))
 
 
 # Each decoder: raw rows [N, bytes] and blocks of 32 per row -> (scale [N, KB], minimum

@@ -58,7 +58,7 @@ class DecodeCudaGraphs:
         self.kv_caches = kv_caches
         self.attention = attention
         self.sizes = graph_batch_sizes(max_num_seqs)
-        device = model.embed_tokens.weight.device
+        device = model.norm.weight.device
         self.inputs = GraphInputs(self.sizes[-1], max_blocks_per_seq, device)
         # (size, adapted) -> the graph, and its static logits [size, V]
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}

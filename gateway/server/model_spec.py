@@ -28,7 +28,7 @@ from gateway.server.model_source import (
 # The config file's keys of one model.
 _SPEC_KEYS = ("model", "name", "device", "dtype", "kv_cache_bytes", "kv_cache_memory_fraction",
               "max_model_len")
-_DTYPES = ("float32", "bfloat16", "float16")
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 class ModelSpecError(ValueError):

@@ -19,6 +19,7 @@ from engine import (
     EngineConfig,
     EngineProcess,
     FCFSPolicy,
+    GGUFCheckpoint,
     GrammarBudget,
     GrammarCompiler,
     LLMEngine,
@@ -32,6 +33,7 @@ from engine import (
     TenantContext,
     Tokenizer,
     TorchModelRunner,
+    load_gguf_model,
 )
 from gateway.openai.chat_template import ChatTokenizer
 from gateway.openai.tool_calls import ToolCallFormat, format_for_template
@@ -42,7 +44,10 @@ from policies import TieredPolicy, TieredPolicyConfig, TierTable
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# --dtype: auto (None) serves a GGUF file's matrices as stored (gateway.server.model_source)
+_DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+}
 
 
 @dataclass(frozen=True)
@@ -93,7 +98,8 @@ def load_served_model(
     model_dir = source.model_dir
     model_config = ModelConfig.from_file(model_dir)
     tokenizer = ChatTokenizer.from_dir(model_dir)
-    engine = EngineProcess(functools.partial(build_engine, settings, tiers, spec, model_dir))
+    engine = EngineProcess(functools.partial(build_engine, settings, tiers, spec, model_dir,
+                                             source.gguf_file))
     name = spec.served_name
     served = describe_model(model_config, tokenizer, name, created, engine.limits,
                             tool_call_parser=settings.tool_call_parser)
@@ -110,17 +116,22 @@ def load_served_model(
 
 
 def build_engine(settings: GatewaySettings, tiers: TierTable, spec: ModelSpec,
-                 model_dir: Path) -> LLMEngine:
-    """The engine over the checkpoint in model_dir (what the engine's process runs)."""
+                 model_dir: Path, gguf_file: Path | None = None) -> LLMEngine:
+    """The engine over the checkpoint in model_dir (what the engine's process runs); gguf_file:
+    the weights are read from that file, as stored where the kernels take them."""
     model_config = ModelConfig.from_file(model_dir)
     tokenizer = Tokenizer.from_dir(model_dir)
     config = engine_config(settings, tiers, model_config, tokenizer, spec)
-    runner = TorchModelRunner.from_model_dir(
-        model_dir,
-        config,
-        dtype=_DTYPES[spec.dtype or settings.dtype],
-        device=spec.device or settings.device,
-    )
+    device = torch.device(spec.device or settings.device)
+    if gguf_file is not None:
+        model = load_gguf_model(GGUFCheckpoint.open(gguf_file), model_config, device,
+                                config.scheduler.max_model_len)
+        runner = TorchModelRunner(model, config)
+    else:
+        runner = TorchModelRunner.from_model_dir(
+            model_dir, config, dtype=_DTYPES[spec.dtype or settings.dtype] or torch.float32,
+            device=device)
+    logger.info("weights: %s", runner.weight_format)
     size = runner.kv_cache_size
     if size is not None:
         block_size = config.cache.block_size

@@ -62,7 +62,12 @@ _OPTIONS: dict[str, _Option] = {
         "--redis-url", "TIERGATE_REDIS_URL", "Redis URL for limits shared across replicas"
     ),
     "device": _Option("--device", "TIERGATE_DEVICE", "cpu or cuda"),
-    "dtype": _Option("--dtype", "TIERGATE_DTYPE", "float32, bfloat16 or float16"),
+    "dtype": _Option(
+        "--dtype",
+        "TIERGATE_DTYPE",
+        "auto (a GGUF file's quantized matrices as stored on the CPU, else float32), float32, "
+        "bfloat16 or float16 (every weight dequantized to it at load)",
+    ),
     "config": _Option("--config", "TIERGATE_CONFIG", "YAML/JSON file: tiers, pricing, ..."),
     "run_migrations": _Option(
         "--migrate", "TIERGATE_RUN_MIGRATIONS", "run Alembic upgrade head at start"
@@ -190,7 +195,7 @@ _OPTIONS: dict[str, _Option] = {
     ),
 }
 
-_DTYPES = ("float32", "bfloat16", "float16")
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Flags that may be repeated, one per served model.
 _MODEL_OPTIONS = ("model", "served_model_name")
 
@@ -208,7 +213,9 @@ class GatewaySettings:
     # None: rate limits are kept in this process only.
     redis_url: str | None = None
     device: str = "cpu"
-    dtype: str = "float32"
+    # auto: a GGUF file's matrices as stored where the CPU kernels read them (float32 for the
+    # rest and the activations), else float32; a float dtype: every weight dequantized to it.
+    dtype: str = "auto"
     config: Path | None = None
     run_migrations: bool = True
     # None: a share of the memory the engine may use (engine.worker.kv_memory).

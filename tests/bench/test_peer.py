@@ -272,9 +272,11 @@ def _report(args: list[str]) -> peer.PeerReport:
         peer.LevelRow("tiergate", "float32", _stats(1, 20.0, 0.05)),
         peer.LevelRow("tiergate", "float32", _stats(32, 100.0, 0.2)),
         peer.LevelRow("tiergate", "bfloat16", _stats(1, 30.0, 0.04)),
+        peer.LevelRow("tiergate", "auto", _stats(8, 200.0, 0.03)),
         peer.LevelRow("llama.cpp", "F32", _stats(1, 40.0, 0.025)),
         peer.LevelRow("llama.cpp", "F32", _stats(32, 80.0, 0.25)),
         peer.LevelRow("llama.cpp", "F16", _stats(1, 50.0, 0.02)),
+        peer.LevelRow("llama.cpp", "FILE", _stats(8, 100.0, 0.06)),
     ]
     report.wall_s = 123.0
     return report
@@ -283,7 +285,8 @@ def _report(args: list[str]) -> peer.PeerReport:
 def test_ratios_pair_each_dtype_with_the_llamacpp_type_of_its_precision() -> None:
     ratios = peer.ratio_rows(_report(["--compare-llamacpp"]).rows)
     pairs = [(r.tiergate_dtype, r.llamacpp_type, r.concurrency) for r in ratios]
-    assert pairs == [("float32", "F32", 1), ("float32", "F32", 32), ("bfloat16", "F16", 1)]
+    assert pairs == [("float32", "F32", 1), ("float32", "F32", 32), ("bfloat16", "F16", 1),
+                     ("auto", "FILE", 8)]  # the file's blocks as stored: the file as shipped
     assert ratios[0].tokens_per_s_ratio == pytest.approx(0.5)
     assert ratios[0].tpot_p50_ratio == pytest.approx(2.0)
     assert ratios[1].tokens_per_s_ratio == pytest.approx(1.25)
@@ -313,7 +316,7 @@ def test_the_json_document_is_plain_json() -> None:
     assert loaded["llamacpp"]["llama_cpp_commit"] == "0c1e57098"
     assert loaded["machine"]["cpu_model"] == "Test CPU 9000"
     assert loaded["rows"][-1]["ttft_p50_s"] is None
-    assert len(loaded["ratios"]) == 3 and loaded["config"]["concurrency"] == [1, 8, 32]
+    assert len(loaded["ratios"]) == 4 and loaded["config"]["concurrency"] == [1, 8, 32]
 
 
 class _DeadServer:
@@ -329,7 +332,7 @@ def test_a_server_that_does_not_start_is_reported_and_the_run_goes_on() -> None:
     peer._measure_into(report, _DeadServer(), "llama.cpp", "Q8_0", [], None)
     assert report.failures == ["llama.cpp Q8_0: llama-server exited with -4 before it was ready; "
                                "end of log:"]
-    assert len(report.rows) == 6
+    assert len(report.rows) == 8
     assert "not measured: llama.cpp Q8_0: llama-server exited with -4" in peer.format_table(report)
     assert peer.report_json(report)["failures"] == report.failures
 
@@ -353,12 +356,12 @@ def test_defaults_are_a_short_float32_run() -> None:
 
 def test_levels_types_and_dtypes_from_flags() -> None:
     config = _config("--compare-llamacpp", "--concurrency", "2,64", "--requests-per-level", "5",
-                     "--llamacpp-types", "F32,f16,Q8_0", "--tiergate-dtypes",
-                     "float32,bfloat16", "--threads", "4", "--llamacpp-extra-args",
+                     "--llamacpp-types", "F32,f16,Q8_0,file", "--tiergate-dtypes",
+                     "float32,bfloat16,auto", "--threads", "4", "--llamacpp-extra-args",
                      "-ctk f32 -ctv f32")
     assert config.concurrency == (2, 64) and config.requests_per_level == (5, 5)
-    assert config.llamacpp_types == ("F32", "F16", "Q8_0")
-    assert config.tiergate_dtypes == ("float32", "bfloat16")
+    assert config.llamacpp_types == ("F32", "F16", "Q8_0", "FILE")
+    assert config.tiergate_dtypes == ("float32", "bfloat16", "auto")
     assert config.threads == 4 and config.max_num_seqs == 64
     assert config.llamacpp_extra_args == ("-ctk", "f32", "-ctv", "f32")
     assert _config("--concurrency", "4").requests_per_level == (8,)

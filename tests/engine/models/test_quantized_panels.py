@@ -4,6 +4,9 @@ tiny model whose matrices are held as GGUF blocks."""
 
 from __future__ import annotations
 
+import copy
+from typing import cast
+
 import numpy as np
 import pytest
 import torch
@@ -14,12 +17,12 @@ from engine.attention.torch_paged import TorchPagedAttention
 from engine.models import cpu_decode
 from engine.models.batch import ForwardBatch
 from engine.models.config import ModelConfig
+from engine.models.decoder import CausalLM
 from engine.models.loader import random_model
 from engine.models.quantized_panels import (
     PANEL_TYPES,
     PanelFormat,
     PanelMatrix,
-    float_panels,
     gguf_panels,
     interleave_panels,
     stack_panels,
@@ -97,42 +100,67 @@ def test_unsupported_blocks_and_shapes_are_refused() -> None:
     assert stack_panels([q8, q8]) is not None
 
 
-def _quantized_model(kind: GGMLQuantizationType) -> tuple[torch.nn.Module, dict[str, PanelMatrix]]:
-    """The load-time check's tiny Llama with every matrix quantized to `kind` (the lm_head to
-    Q8_0): its float weights set to the blocks dequantized, the blocks in panels by name."""
+def _quantized_models(kind: GGMLQuantizationType) -> tuple[CausalLM, CausalLM]:
+    """The load-time check's tiny Llama (biases everywhere, lm_head untied) with every matrix
+    quantized to `kind`, the embedding and lm_head to Q8_0: (float, stored), the first with
+    the blocks dequantized into its weights, the second over the blocks in panels
+    (PanelLinear, PanelEmbedding), as engine.checkpoints.gguf_panels builds it."""
     model = random_model(ModelConfig.from_dict(cpu_decode._CHECK_CONFIG), seed=0,
                          max_model_len=64)
-    found: dict[str, PanelMatrix] = {}
+    stored = copy.deepcopy(model)
 
     def as_blocks(weight: torch.Tensor, use: GGMLQuantizationType) -> PanelMatrix:
         raw = quantize(weight.detach().numpy(), use)
         weight.data.copy_(reference(raw, use))
         return gguf_panels(raw, use, *weight.shape)
 
-    found["lm_head"] = as_blocks(model.lm_head.weight, T.Q8_0)
-    for index, layer in enumerate(model.layers):
-        prefix = f"layers.{index}."
+    def bias(module: torch.nn.Module) -> torch.Tensor | None:
+        value = getattr(module, "bias", None)
+        return None if value is None else value.detach().clone()
+
+    embedding = cast(torch.nn.Embedding, model.embed_tokens)
+    stored.embed_tokens = cpu_decode.PanelEmbedding(as_blocks(embedding.weight, T.Q8_0))
+    lm_head = cast(torch.nn.Linear, model.lm_head)
+    stored.lm_head = cpu_decode.PanelLinear(as_blocks(lm_head.weight, T.Q8_0))
+    for layer, into in zip(model.layers, stored.layers, strict=True):
         attention, mlp = layer.self_attn, layer.mlp
-        found[prefix + "self_attn.qkv_proj"] = as_blocks(attention.qkv_proj.weight, kind)
-        found[prefix + "self_attn.o_proj"] = as_blocks(attention.o_proj.weight, kind)
+        for name in ("qkv_proj", "o_proj"):
+            module = getattr(attention, name)
+            setattr(into.self_attn, name, cpu_decode.PanelLinear(
+                as_blocks(module.weight, kind), bias(module)))
         gate, up = mlp.gate_up_proj.weight.data.chunk(2)
         pairs = interleave_panels(as_blocks(gate, kind), as_blocks(up, kind))
         assert pairs is not None
-        found[prefix + "mlp.gate_up_proj"] = pairs
-        found[prefix + "mlp.down_proj"] = as_blocks(mlp.down_proj.weight, kind)
-    return model, found
+        into.mlp.gate_up_proj = cpu_decode.PanelLinear(pairs, bias(mlp.gate_up_proj),
+                                                       interleaved=True)
+        into.mlp.down_proj = cpu_decode.PanelLinear(as_blocks(mlp.down_proj.weight, kind),
+                                                    bias(mlp.down_proj))
+    return model, stored
+
+
+def _caches(config: ModelConfig, num_blocks: int, block_size: int,
+            generator: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    return [(torch.randn(shape, generator=generator), torch.randn(shape, generator=generator))
+            for _ in range(config.num_layers)]
+
+
+def _layers(model: CausalLM, batch: ForwardBatch,
+            caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    attention = TorchPagedAttention()
+    attention.prepare(batch.attention_metadata())
+    with torch.inference_mode():
+        return model(batch, [(k.clone(), v.clone()) for k, v in caches], attention)
 
 
 @pytest.mark.parametrize("kind", [T.Q8_0, T.Q4_0, T.Q4_1])
 def test_decode_forward_over_blocks_matches_the_layers(kind: GGMLQuantizationType) -> None:
-    """Nine rows (a block of 8 and one) through the forward over quantized panels, against
-    the model's own layers in torch over the same blocks dequantized."""
-    model, found = _quantized_model(kind)
+    """Nine rows (a block of 8 and one) through the decode forward of the stored model,
+    against the float model's own layers in torch over the same blocks dequantized."""
+    model, stored = _quantized_models(kind)
     config, rows, block_size = model.config, 9, 4
     generator = torch.Generator().manual_seed(int(kind))
-    shape = (3 * rows, block_size, config.num_kv_heads, config.head_dim)
-    caches = [(torch.randn(shape, generator=generator), torch.randn(shape, generator=generator))
-              for _ in range(config.num_layers)]
+    caches = _caches(config, 3 * rows, block_size, generator)
     contexts = torch.arange(2, 2 + rows, dtype=torch.int32)
     tables = torch.randperm(3 * rows, generator=generator).to(torch.int32).view(-1, 3)
     positions = contexts.to(torch.int64) - 1
@@ -143,29 +171,46 @@ def test_decode_forward_over_blocks_matches_the_layers(kind: GGMLQuantizationTyp
         block_tables=tables, query_start_loc=torch.arange(rows + 1, dtype=torch.int32),
         context_lens=contexts, logits_indices=torch.arange(rows),
     )
-    attention = TorchPagedAttention()
-    attention.prepare(batch.attention_metadata())
-    forward = cpu_decode.CpuDecodeForward(model, [(k.clone(), v.clone()) for k, v in caches],
-                                          rows, quantized=found)
-    assert forward.nbytes == sum(matrix.nbytes for matrix in found.values())
+    forward = cpu_decode.CpuDecodeForward(stored, [(k.clone(), v.clone()) for k, v in caches],
+                                          rows)
+    assert forward.nbytes == 0  # every matrix read in place, none copied
+    assert forward.lm_head_panels is cast(cpu_decode.PanelLinear, stored.lm_head).panels
+    expected = _layers(model, batch, caches)
     with torch.inference_mode():
-        expected = model(batch, caches, attention)
         got = forward(batch)
     assert float((got - expected).norm() / expected.norm()) < 1e-4
 
 
-def test_decode_forward_refuses_matrices_that_do_not_fit() -> None:
-    model, found = _quantized_model(T.Q4_1)
-    config = model.config
-    shape = (4, 4, config.num_kv_heads, config.head_dim)
-    caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(config.num_layers)]
-    with pytest.raises(ValueError, match=r"quantized matrices of no module: layers\.9\.mlp"):
-        cpu_decode.CpuDecodeForward(model, caches, 1, quantized={
-            **found, "layers.9.mlp.down_proj": found["layers.0.mlp.down_proj"]})
-    with pytest.raises(ValueError, match=r"layers\.0\.self_attn\.o_proj: panels of"):
-        cpu_decode.CpuDecodeForward(model, caches, 1, quantized={
-            **found, "layers.0.self_attn.o_proj": found["layers.0.self_attn.qkv_proj"]})
-    float_only = cpu_decode.CpuDecodeForward(model, caches, 1)
-    assert float_only.lm_head_panels.format is PanelFormat.F32
-    assert torch.equal(float_only.lm_head_panels.data,
-                       float_panels(model.lm_head.weight).data)
+@pytest.mark.parametrize("kind", [T.Q8_0, T.Q4_1])
+def test_layer_path_over_blocks_matches_the_float_layers(kind: GGMLQuantizationType) -> None:
+    """A prefill of two prompts (5 and 23 tokens: the products' register and scratch paths)
+    through the stored model's layers, against the float model's."""
+    model, stored = _quantized_models(kind)
+    config, block_size = model.config, 4
+    generator = torch.Generator().manual_seed(7)
+    caches = _caches(config, 8, block_size, generator)
+    lengths = (5, 23)
+    tables = torch.tensor([[0, 1, -1, -1, -1, -1], [2, 3, 4, 5, 6, 7]], dtype=torch.int32)
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    blocks = torch.cat([tables[i, torch.arange(n) // block_size].to(torch.int64)
+                        for i, n in enumerate(lengths)])
+    batch = ForwardBatch(
+        input_ids=torch.randint(0, config.vocab_size, (sum(lengths),), generator=generator),
+        positions=positions, slot_mapping=blocks * block_size + positions % block_size,
+        block_tables=tables.clamp(min=0),
+        query_start_loc=torch.tensor([0, 5, 28], dtype=torch.int32),
+        context_lens=torch.tensor(lengths, dtype=torch.int32),
+        logits_indices=torch.tensor([4, 27]),
+    )
+    expected, got = _layers(model, batch, caches), _layers(stored, batch, caches)
+    assert float((got - expected).norm() / expected.norm()) < 1e-4
+
+
+def test_panel_embedding_looks_up_dequantized_rows() -> None:
+    raw = random_blocks(T.Q4_1, 64, 96, seed=3)
+    embedding = cpu_decode.PanelEmbedding(gguf_panels(raw, T.Q4_1, 64, 96))
+    ids = torch.tensor([[0, 63], [17, 17]])
+    torch.testing.assert_close(embedding(ids), reference(raw, T.Q4_1)[ids], rtol=1e-6,
+                               atol=1e-7)
+    with pytest.raises(ValueError, match="outside the embedding"):
+        embedding(torch.tensor([64]))

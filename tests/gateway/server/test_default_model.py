@@ -19,9 +19,9 @@ from tokenizers import pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine.checkpoints.gguf_checkpoint import GGUFCheckpoint
-from engine.checkpoints.gguf_panels import decode_panels
+from engine.checkpoints.gguf_panels import load_stored_model
 from engine.models.batch import ForwardBatch
-from engine.models.cpu_decode import CpuDecodeForward
+from engine.models.cpu_decode import CpuDecodeForward, PanelEmbedding, PanelLinear
 from engine.models.loader import load_model
 from gateway.openai.chat_template import ChatTokenizer
 from gateway.server.model_source import DEFAULT_MODEL_NAME, default_model_file, gguf_model_dir
@@ -171,9 +171,12 @@ def test_the_decode_forward_over_the_files_blocks_matches_float_panels(
     panels' bytes against the file's."""
     model = load_model(model_dir, torch.float32, torch.device("cpu"), 256)
     config = model.config
-    quantized = decode_panels(GGUFCheckpoint.open(model_file), config.num_layers)
-    assert len(quantized) == 4 * config.num_layers + 1
-    assert sum(m.nbytes for m in quantized.values()) < 1.25 * model_file.stat().st_size
+    stored = load_stored_model(GGUFCheckpoint.open(model_file), config, 256)
+    panels = {id(module.panels): module.panels for module in stored.modules()
+              if isinstance(module, PanelLinear | PanelEmbedding)}
+    assert len(panels) == 4 * config.num_layers + 1  # the lm_head's are the embedding's
+    assert sum(p.nbytes for p in panels.values()) < 1.25 * model_file.stat().st_size
+    assert sum(p.numel() for p in stored.parameters()) < 50_000  # norms: nothing else float
     rows, block_size, context = 6, 16, 40
     generator = torch.Generator().manual_seed(0)
     shape = (rows * 3, block_size, config.num_kv_heads, config.head_dim)
@@ -190,7 +193,7 @@ def test_the_decode_forward_over_the_files_blocks_matches_float_panels(
     )
     with torch.inference_mode():
         expected = CpuDecodeForward(model, caches, rows)(batch)
-        got = CpuDecodeForward(model, caches, rows, quantized=quantized)(batch)
+        got = CpuDecodeForward(stored, caches, rows)(batch)
     # Rounding differs (the weights dequantized in registers with fused multiply-adds) and
     # grows over 30 layers: 2.5e-4 here, where the float forward against the model's torch
     # layers, in another summation order, differs by 1.2e-4.

@@ -50,6 +50,18 @@ def test_a_gguf_file_is_converted_once_per_dtype(tmp_path: Path) -> None:
     assert not [p for p in (cache / "gguf").iterdir() if p.name.startswith(".")]  # no staging
 
 
+def test_dtype_auto_keeps_a_gguf_files_weights_in_the_file(tmp_path: Path) -> None:
+    """--dtype auto: the cache holds the config and tokenizer, the engine reads the file."""
+    gguf_file = _gguf(tmp_path)
+    source = resolve_model(str(gguf_file), tmp_path / "cache", tmp_path / "demo", None)
+    assert source.gguf_file == gguf_file and source.model_dir.name.endswith("-stored")
+    assert (source.model_dir / "config.json").is_file()
+    assert (source.model_dir / "tokenizer.json").is_file()
+    assert not list(source.model_dir.glob("*.safetensors*"))
+    floats = resolve_model(str(gguf_file), tmp_path / "cache", tmp_path / "demo", torch.float32)
+    assert floats.gguf_file is None and floats.model_dir != source.model_dir
+
+
 def test_demo_directory_and_bad_values(tmp_path: Path) -> None:
     demo = resolve_model("demo", tmp_path / "cache", tmp_path / "demo", torch.float32)
     assert demo == type(demo)(tmp_path / "demo", DEMO_MODEL_NAME)
