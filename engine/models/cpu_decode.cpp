@@ -17,10 +17,11 @@
 //
 // A matrix may instead be held quantized as GGUF stores it (engine/models/quantized_panels.py):
 // the same panels of 16 outputs, cut along the inputs into blocks of 32, each block a scale
-// (and, for 4 bits, a minimum) per output in float32 and the 32 x 16 quantized values, k-major
-// like the float panels. A product dequantizes each block in registers as it reads it (the
-// values times the scale, plus the minimum) and multiplies as for float weights, so it reads a
-// quarter (8 bits) or a sixth (4 bits) of the float32 bytes.
+// (and, for 4 bits, a minimum) per output, in float16 as GGUF stores them (float32 where
+// float16 does not hold them exactly), and the 32 x 16 quantized values, k-major like the
+// float panels. A product dequantizes each block in registers as it reads it (the values times
+// the scale, plus the minimum) and multiplies as for float weights, so it reads 0.27 (8 bits)
+// or 0.16 (4 bits) of the float32 bytes: the GGUF blocks' own size.
 //
 // Rows may run on LoRA adapters (BGMV style, inside the products): for each product an adapter
 // of the step targets, a shrink h[m] = A x[m] for the rows on such adapters (one more parallel
@@ -103,20 +104,91 @@ inline ivec16 widen_bytes(const uint8_t* p) {
 
 // How a matrix's panels hold its weights (TiergateMatrix::format).
 enum WeightFormat : int64_t {
-  kF32 = 0,  // float32, [N / 16][K][16]
-  kQ8 = 1,   // per block of 32 inputs: float32 scale[16], int8 q[32][16]; w = scale q
-  kQ4 = 2,   // per block: float32 scale[16], float32 min[16], uint8 q[16][16] whose low nibbles
-             // are inputs 0..15 of the block and high nibbles 16..31; w = scale q + min
+  kF32 = 0,    // float32, [N / 16][K][16]
+  kQ8 = 1,     // per block of 32 inputs: float16 scale[16], int8 q[32][16]; w = scale q
+  kQ4 = 2,     // per block: float16 scale[16], float16 min[16], uint8 q[16][16] whose low
+               // nibbles are inputs 0..15 of the block and high nibbles 16..31;
+               // w = scale q + min
+  kQ4F32 = 3,  // kQ4 with float32 scale and min (what float16 does not hold exactly: the
+               // K-quants' super-block scale times a sub-block's)
 };
 constexpr int64_t kQBlock = 32;  // inputs per quantized block
-constexpr int64_t kQ8BlockBytes = kPanel * 4 + kQBlock * kPanel;
-constexpr int64_t kQ4BlockBytes = 2 * kPanel * 4 + kQBlock / 2 * kPanel;
+
+template <WeightFormat F>
+constexpr int64_t scale_bytes() {  // per output
+  return F == kQ4F32 ? 4 : 2;
+}
+template <WeightFormat F>
+constexpr int64_t values_offset() {  // where a block's values start: after scales (and mins)
+  return kPanel * scale_bytes<F>() * (F == kQ8 ? 1 : 2);
+}
+template <WeightFormat F>
+constexpr int64_t block_bytes() {
+  return values_offset<F>() + (F == kQ8 ? kQBlock : kQBlock / 2) * kPanel;
+}
 // Blocks a quantized product prefetches ahead in each panel it walks.
 constexpr int64_t kPrefetchBlocks = 2;
 
+// One float16 (IEEE binary16) as float32, without F16C.
+inline float half_to_float(uint16_t half) {
+  const uint32_t sign = static_cast<uint32_t>(half & 0x8000) << 16;
+  const uint32_t exponent = (half >> 10) & 0x1f, mantissa = half & 0x3ff;
+  uint32_t bits;
+  if (exponent == 0x1f) {
+    bits = sign | 0x7f800000 | (mantissa << 13);
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else {  // zero or subnormal: mantissa * 2^-24
+    float value = static_cast<float>(mantissa) * 5.9604644775390625e-8f;
+    std::memcpy(&bits, &value, 4);
+    bits |= sign;
+  }
+  float out;
+  std::memcpy(&out, &bits, 4);
+  return out;
+}
+
+// The 16 scales (or minimums) of a block of format F at p, as float32.
 template <WeightFormat F>
-constexpr int64_t block_bytes() {
-  return F == kQ8 ? kQ8BlockBytes : kQ4BlockBytes;
+inline vec16 load_scales(const uint8_t* p) {
+  if constexpr (F == kQ4F32) {
+    return *reinterpret_cast<const vec16*>(p);
+  } else {
+#if defined(__AVX512F__)
+    return (vec16)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__F16C__)
+    union {
+      __m256 half[2];
+      vec16 all;
+    } out;
+    for (int h = 0; h < 2; ++h) {
+      out.half[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * h)));
+    }
+    return out.all;
+#else
+    vec16 out;
+    for (int i = 0; i < 16; ++i) {
+      uint16_t half;
+      std::memcpy(&half, p + 2 * i, 2);
+      out[i] = half_to_float(half);
+    }
+    return out;
+#endif
+  }
+}
+
+// Output lane's scale (or minimum) of a block of format F at p, as float32.
+template <WeightFormat F>
+inline float lane_scale(const uint8_t* p, int64_t lane) {
+  if constexpr (F == kQ4F32) {
+    float value;
+    std::memcpy(&value, p + 4 * lane, 4);
+    return value;
+  } else {
+    uint16_t half;
+    std::memcpy(&half, p + 2 * lane, 2);
+    return half_to_float(half);
+  }
 }
 
 // Panels a product of M rows takes at once over quantized weights: besides M x P accumulators,
@@ -237,12 +309,12 @@ inline void panel_product(const float* x, int64_t K, const float* panels, int64_
   }
 }
 
-// panel_product over quantized panels (F: kQ8 or kQ4), K a multiple of kQBlock: each block's
-// weights dequantized in registers, 16 outputs of one input at a time.
+// panel_product over quantized panels (F: kQ8, kQ4 or kQ4F32), K a multiple of kQBlock: each
+// block's weights dequantized in registers, 16 outputs of one input at a time.
 template <WeightFormat F, int M, int P>
 inline void quantized_panel_product(const float* x, int64_t K, const uint8_t* panels,
                                     int64_t first, float* out, int64_t out_stride) {
-  constexpr int64_t kBytes = block_bytes<F>();
+  constexpr int64_t kBytes = block_bytes<F>(), kValues = values_offset<F>();
   const int64_t num_blocks = K / kQBlock;
   vec16 acc[M][P] = {};
   const uint8_t* w[P];
@@ -256,14 +328,14 @@ inline void quantized_panel_product(const float* x, int64_t K, const uint8_t* pa
           __builtin_prefetch(block + kPrefetchBlocks * kBytes + line, 0, 3);
         }
       }
-      scale[j] = *reinterpret_cast<const vec16*>(block);
+      scale[j] = load_scales<F>(block);
     }
     const float* xb = x + b * kQBlock;
     if constexpr (F == kQ8) {
       for (int64_t i = 0; i < kQBlock; ++i) {
         vec16 wv[P];
         for (int j = 0; j < P; ++j) {
-          const ivec16 q = widen_bytes<true>(w[j] + b * kBytes + kPanel * 4 + i * kPanel);
+          const ivec16 q = widen_bytes<true>(w[j] + b * kBytes + kValues + i * kPanel);
           wv[j] = __builtin_convertvector(q, vec16) * scale[j];
         }
         for (int m = 0; m < M; ++m) {
@@ -274,12 +346,12 @@ inline void quantized_panel_product(const float* x, int64_t K, const uint8_t* pa
     } else {
       vec16 low_min[P];  // the minimum (w at q = 0)
       for (int j = 0; j < P; ++j) {
-        low_min[j] = *reinterpret_cast<const vec16*>(w[j] + b * kBytes + kPanel * 4);
+        low_min[j] = load_scales<F>(w[j] + b * kBytes + kPanel * scale_bytes<F>());
       }
       for (int64_t i = 0; i < kQBlock / 2; ++i) {
         vec16 lo[P], hi[P];
         for (int j = 0; j < P; ++j) {
-          const ivec16 q = widen_bytes<false>(w[j] + b * kBytes + kPanel * 8 + i * kPanel);
+          const ivec16 q = widen_bytes<false>(w[j] + b * kBytes + kValues + i * kPanel);
           lo[j] = __builtin_convertvector(q & 15, vec16) * scale[j] + low_min[j];
           hi[j] = __builtin_convertvector(q >> 4, vec16) * scale[j] + low_min[j];
         }
@@ -297,32 +369,42 @@ inline void quantized_panel_product(const float* x, int64_t K, const uint8_t* pa
   }
 }
 
-// out[0:K] = row n of W [N, K] in panels of any format, dequantized (an embedding lookup).
-inline void panel_row(const TiergateMatrix& w, int64_t n, int64_t K, float* out) {
-  const int64_t p = n / kPanel, lane = n % kPanel, num_blocks = K / kQBlock;
-  const auto* bytes = static_cast<const uint8_t*>(w.data);
-  auto field = [](const uint8_t* at) { float value; std::memcpy(&value, at, 4); return value; };
-  if (w.format == kF32) {
-    const float* panel = static_cast<const float*>(w.data) + p * K * kPanel;
-    for (int64_t k = 0; k < K; ++k) out[k] = panel[k * kPanel + lane];
-  } else if (w.format == kQ8) {
-    for (int64_t b = 0; b < num_blocks; ++b) {
-      const uint8_t* block = bytes + (p * num_blocks + b) * kQ8BlockBytes;
-      const float scale = field(block + lane * 4);
+// out[0:K] = row `lane` of panel p of quantized panels (F), dequantized.
+template <WeightFormat F>
+inline void quantized_row(const uint8_t* panels, int64_t p, int64_t lane, int64_t K,
+                          float* out) {
+  constexpr int64_t kBytes = block_bytes<F>(), kValues = values_offset<F>();
+  const int64_t num_blocks = K / kQBlock;
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const uint8_t* block = panels + (p * num_blocks + b) * kBytes;
+    const float scale = lane_scale<F>(block, lane);
+    if constexpr (F == kQ8) {
       for (int64_t i = 0; i < kQBlock; ++i) {
-        out[b * kQBlock + i] =
-            scale * static_cast<float>(static_cast<int8_t>(block[kPanel * 4 + i * kPanel + lane]));
+        const auto q = static_cast<int8_t>(block[kValues + i * kPanel + lane]);
+        out[b * kQBlock + i] = static_cast<float>(q) * scale;
       }
-    }
-  } else {
-    for (int64_t b = 0; b < num_blocks; ++b) {
-      const uint8_t* block = bytes + (p * num_blocks + b) * kQ4BlockBytes;
-      const float scale = field(block + lane * 4), low = field(block + kPanel * 4 + lane * 4);
+    } else {
+      const float low = lane_scale<F>(block + kPanel * scale_bytes<F>(), lane);
       for (int64_t i = 0; i < kQBlock / 2; ++i) {
-        const uint8_t q = block[kPanel * 8 + i * kPanel + lane];
+        const uint8_t q = block[kValues + i * kPanel + lane];
         out[b * kQBlock + i] = static_cast<float>(q & 15) * scale + low;
         out[b * kQBlock + kQBlock / 2 + i] = static_cast<float>(q >> 4) * scale + low;
       }
+    }
+  }
+}
+
+// out[0:K] = row n of W [N, K] in panels of any format, dequantized (an embedding lookup).
+inline void panel_row(const TiergateMatrix& w, int64_t n, int64_t K, float* out) {
+  const int64_t p = n / kPanel, lane = n % kPanel;
+  const auto* bytes = static_cast<const uint8_t*>(w.data);
+  switch (w.format) {
+    case kQ8: quantized_row<kQ8>(bytes, p, lane, K, out); break;
+    case kQ4: quantized_row<kQ4>(bytes, p, lane, K, out); break;
+    case kQ4F32: quantized_row<kQ4F32>(bytes, p, lane, K, out); break;
+    default: {
+      const float* panel = static_cast<const float*>(w.data) + p * K * kPanel;
+      for (int64_t k = 0; k < K; ++k) out[k] = panel[k * kPanel + lane];
     }
   }
 }
@@ -393,27 +475,27 @@ inline Share share_of(int64_t N, int64_t unit, int64_t thread, int64_t num_threa
 // by every block of kRowBlock rows in turn while it is in cache: the weights are read from
 // memory once.
 inline bool valid_format(const TiergateMatrix& w) {
-  return w.format >= kF32 && w.format <= kQ4 && w.data != nullptr;
+  return w.format >= kF32 && w.format <= kQ4F32 && w.data != nullptr;
 }
 
 // Panel p of quantized panels (F), dequantized into float32 panel layout: dst [K][16].
 template <WeightFormat F>
 void dequantize_panel(const uint8_t* panels, int64_t p, int64_t K, float* dst) {
-  constexpr int64_t kBytes = block_bytes<F>();
+  constexpr int64_t kBytes = block_bytes<F>(), kValues = values_offset<F>();
   const int64_t num_blocks = K / kQBlock;
   for (int64_t b = 0; b < num_blocks; ++b) {
     const uint8_t* block = panels + (p * num_blocks + b) * kBytes;
-    const vec16 scale = *reinterpret_cast<const vec16*>(block);
+    const vec16 scale = load_scales<F>(block);
     vec16* rows = reinterpret_cast<vec16*>(dst + b * kQBlock * kPanel);
     if constexpr (F == kQ8) {
       for (int64_t i = 0; i < kQBlock; ++i) {
-        rows[i] = __builtin_convertvector(widen_bytes<true>(block + kPanel * 4 + i * kPanel),
+        rows[i] = __builtin_convertvector(widen_bytes<true>(block + kValues + i * kPanel),
                                           vec16) * scale;
       }
     } else {
-      const vec16 low_min = *reinterpret_cast<const vec16*>(block + kPanel * 4);
+      const vec16 low_min = load_scales<F>(block + kPanel * scale_bytes<F>());
       for (int64_t i = 0; i < kQBlock / 2; ++i) {
-        const ivec16 q = widen_bytes<false>(block + kPanel * 8 + i * kPanel);
+        const ivec16 q = widen_bytes<false>(block + kValues + i * kPanel);
         rows[i] = __builtin_convertvector(q & 15, vec16) * scale + low_min;
         rows[i + kQBlock / 2] = __builtin_convertvector(q >> 4, vec16) * scale + low_min;
       }
@@ -499,6 +581,7 @@ Share product_share(int64_t M, const float* x, int64_t K, const TiergateMatrix& 
   switch (w.format) {
     case kQ8: format_share<kQ8>(M, x, K, w.data, N, out, begin, end); break;
     case kQ4: format_share<kQ4>(M, x, K, w.data, N, out, begin, end); break;
+    case kQ4F32: format_share<kQ4F32>(M, x, K, w.data, N, out, begin, end); break;
     default: format_share<kF32>(M, x, K, w.data, N, out, begin, end); break;
   }
   if (bias != nullptr) {

@@ -2,13 +2,14 @@
 
 A matrix W [N, K] (out, in features) in panels is N / 16 panels of 16 outputs each. Float32
 panels are [N / 16][K][16]. Quantized panels keep GGUF's blocks of 32 inputs: per panel and
-block, a float32 scale per output, a float32 minimum per output for 4 bits, and the 32 x 16
-quantized values k-major, so the kernel dequantizes 16 outputs of one input with one vector
-load, convert and multiply-add (`PanelFormat`). `gguf_panels` repacks a GGUF tensor's raw
-blocks into them without going through float weights: Q8_0 into 8-bit panels (scale times
-value), Q4_0, Q4_1 and Q4_K into 4-bit panels (scale times value plus minimum; Q4_K's
-sub-block scales are folded into one float per block of 32). The panels take 1.06x (Q8_0),
-1.07x (Q4_K), 1.2x (Q4_1) and 1.33x (Q4_0) the bytes of the blocks they come from.
+block, a scale per output, a minimum per output for 4 bits (both float16 as GGUF stores them),
+and the 32 x 16 quantized values k-major, so the kernel dequantizes 16 outputs of one input
+with one vector load, convert and multiply-add (`PanelFormat`). `gguf_panels` repacks a GGUF
+tensor's raw blocks into them without going through float weights: Q8_0 into 8-bit panels
+(scale times value), Q4_0 and Q4_1 into 4-bit panels (scale times value plus minimum), Q4_K
+into 4-bit panels with float32 scales (its super-block scale times each sub-block's, which
+float16 does not hold exactly). The panels take the bytes of the blocks they come from
+(Q8_0, Q4_1), 1.11x (Q4_0: a minimum per block added) and 1.33x (Q4_K).
 """
 
 from __future__ import annotations
@@ -38,20 +39,25 @@ QBLOCK = 32  # inputs per quantized block
 
 class PanelFormat(IntEnum):  # cpu_decode.cpp's WeightFormat
     F32 = 0
-    Q8 = 1  # per block: float32 scale[16], int8 q[32][16]
-    Q4 = 2  # per block: float32 scale[16], float32 min[16], uint8 q[16][16] (low nibbles:
+    Q8 = 1  # per block: float16 scale[16], int8 q[32][16]
+    Q4 = 2  # per block: float16 scale[16], float16 min[16], uint8 q[16][16] (low nibbles:
     # inputs 0..15 of the block, high nibbles: 16..31)
+    Q4_F32 = 3  # Q4 with float32 scale and min
 
 
-_BLOCK_BYTES = {PanelFormat.Q8: PANEL * 4 + QBLOCK * PANEL,
-                PanelFormat.Q4: 2 * PANEL * 4 + QBLOCK // 2 * PANEL}
+_FLOAT16_MAX = 65504.0
+_SCALE_DTYPES = {PanelFormat.Q8: np.float16, PanelFormat.Q4: np.float16,
+                 PanelFormat.Q4_F32: np.float32}
+_BLOCK_BYTES = {PanelFormat.Q8: PANEL * 2 + QBLOCK * PANEL,
+                PanelFormat.Q4: 2 * PANEL * 2 + QBLOCK // 2 * PANEL,
+                PanelFormat.Q4_F32: 2 * PANEL * 4 + QBLOCK // 2 * PANEL}
 
 # GGUF tensor types whose blocks repack into quantized panels, and into which format.
 PANEL_TYPES = {
     GGMLQuantizationType.Q8_0: PanelFormat.Q8,
     GGMLQuantizationType.Q4_0: PanelFormat.Q4,
     GGMLQuantizationType.Q4_1: PanelFormat.Q4,
-    GGMLQuantizationType.Q4_K: PanelFormat.Q4,
+    GGMLQuantizationType.Q4_K: PanelFormat.Q4_F32,
 }
 
 
@@ -89,19 +95,22 @@ def gguf_panels(raw: np.ndarray, tensor_type: GGMLQuantizationType, num_out: int
     rows = np.ascontiguousarray(raw, dtype=np.uint8).reshape(num_out, -1)
     scale, low, values = _DECODERS[tensor_type](rows, num_in // QBLOCK)
     fmt = PANEL_TYPES[tensor_type]
+    if fmt is PanelFormat.Q4 and low is not None and np.abs(low).max() > _FLOAT16_MAX:
+        fmt = PanelFormat.Q4_F32  # Q4_0's minimum (-8 scale) past float16's range
+    scale_dtype = _SCALE_DTYPES[fmt]
     panels, blocks = num_out // PANEL, num_in // QBLOCK
 
     def by_panel(per_row: np.ndarray) -> np.ndarray:  # [N, KB, ...] -> [N/16, KB, ..., 16]
         moved = per_row.reshape(panels, PANEL, blocks, *per_row.shape[2:])
         return np.ascontiguousarray(np.moveaxis(moved, 1, -1))
 
-    parts = [by_panel(scale.astype(np.float32)).view(np.uint8).reshape(panels, blocks, -1)]
+    parts = [by_panel(scale.astype(scale_dtype)).view(np.uint8).reshape(panels, blocks, -1)]
     if fmt is PanelFormat.Q8:
         parts.append(by_panel(values.astype(np.int8)).view(np.uint8).reshape(panels, blocks, -1))
     else:
         assert low is not None
         nibbles = values[..., :QBLOCK // 2] | (values[..., QBLOCK // 2:] << 4)
-        parts.append(by_panel(low.astype(np.float32)).view(np.uint8).reshape(panels, blocks, -1))
+        parts.append(by_panel(low.astype(scale_dtype)).view(np.uint8).reshape(panels, blocks, -1))
         parts.append(by_panel(nibbles.astype(np.uint8)).reshape(panels, blocks, -1))
     data = np.concatenate(parts, axis=2)
     assert data.shape[2] == _BLOCK_BYTES[fmt]

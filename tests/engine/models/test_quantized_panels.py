@@ -53,13 +53,15 @@ def panels_in_numpy(matrix: PanelMatrix) -> np.ndarray:
     """The panels' weights [N, K], read back in numpy from the layout the kernel reads."""
     data = matrix.data.numpy()
     panels, blocks = data.shape[:2]
-    scale = data[..., :64].copy().view(np.float32)  # [P, B, 16]
+    width = 4 if matrix.format is PanelFormat.Q4_F32 else 2  # bytes of a scale
+    kind = np.float32 if width == 4 else np.float16
+    scale = data[..., :16 * width].copy().view(kind).astype(np.float32)  # [P, B, 16]
     if matrix.format is PanelFormat.Q8:
-        values = data[..., 64:].copy().view(np.int8).reshape(panels, blocks, 32, 16)
+        values = data[..., 16 * width:].copy().view(np.int8).reshape(panels, blocks, 32, 16)
         weights = values * scale[:, :, None, :]
     else:
-        low = data[..., 64:128].copy().view(np.float32)
-        nibbles = data[..., 128:].reshape(panels, blocks, 16, 16)
+        low = data[..., 16 * width:32 * width].copy().view(kind).astype(np.float32)
+        nibbles = data[..., 32 * width:].reshape(panels, blocks, 16, 16)
         values = np.concatenate([nibbles & 15, nibbles >> 4], axis=2)
         weights = values * scale[:, :, None, :] + low[:, :, None, :]
     return weights.transpose(0, 3, 1, 2).reshape(panels * 16, blocks * 32)
@@ -73,7 +75,17 @@ def test_repacked_blocks_hold_gguf_weights(kind: GGMLQuantizationType) -> None:
     expected = reference(raw, kind).numpy()
     np.testing.assert_allclose(panels_in_numpy(matrix), expected, rtol=1e-6, atol=1e-7)
     # The panels' size against the blocks': what serving the file as stored costs.
-    assert matrix.nbytes <= 1.34 * raw.nbytes
+    ratio = {T.Q8_0: 1.0, T.Q4_0: 20 / 18, T.Q4_1: 1.0, T.Q4_K: 4 / 3}[kind]
+    assert matrix.nbytes == pytest.approx(ratio * raw.nbytes)
+
+
+def test_q4_0_minimums_past_float16_keep_float32_scales() -> None:
+    raw = random_blocks(T.Q4_0, 16, 64, seed=5)
+    raw.reshape(16, 2, 18)[0, 0, :2] = np.array([10000.0], dtype=np.float16).view(np.uint8)
+    matrix = gguf_panels(raw, T.Q4_0, 16, 64)  # -8 x 10000 is past float16's 65504
+    assert matrix.format is PanelFormat.Q4_F32
+    np.testing.assert_allclose(panels_in_numpy(matrix), reference(raw, T.Q4_0).numpy(),
+                               rtol=1e-6)
 
 
 @pytest.mark.parametrize("kind", sorted(PANEL_TYPES, key=int))
@@ -208,6 +220,9 @@ def test_layer_path_over_blocks_matches_the_float_layers(kind: GGMLQuantizationT
 
 def test_panel_embedding_looks_up_dequantized_rows() -> None:
     raw = random_blocks(T.Q4_1, 64, 96, seed=3)
+    blocks = raw.reshape(64, 3, 20)  # scales the row lookup converts one by one: float16
+    blocks[0, 0, :4] = np.array([3e-6, -0.5], dtype=np.float16).view(np.uint8)  # subnormal
+    blocks[17, 1, :4] = np.array([-0.02, 0.0], dtype=np.float16).view(np.uint8)
     embedding = cpu_decode.PanelEmbedding(gguf_panels(raw, T.Q4_1, 64, 96))
     ids = torch.tensor([[0, 63], [17, 17]])
     torch.testing.assert_close(embedding(ids), reference(raw, T.Q4_1)[ids], rtol=1e-6,
