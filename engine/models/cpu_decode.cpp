@@ -126,8 +126,6 @@ template <WeightFormat F>
 constexpr int64_t block_bytes() {
   return values_offset<F>() + (F == kQ8 ? kQBlock : kQBlock / 2) * kPanel;
 }
-// Blocks a quantized product prefetches ahead in each panel it walks.
-constexpr int64_t kPrefetchBlocks = 2;
 
 // One float16 (IEEE binary16) as float32, without F16C.
 inline float half_to_float(uint16_t half) {
@@ -321,15 +319,9 @@ inline void quantized_panel_product(const float* x, int64_t K, const uint8_t* pa
   for (int j = 0; j < P; ++j) w[j] = panels + (first + j) * num_blocks * kBytes;
   for (int64_t b = 0; b < num_blocks; ++b) {
     vec16 scale[P];
-    for (int j = 0; j < P; ++j) {
-      const uint8_t* block = w[j] + b * kBytes;
-      if (b + kPrefetchBlocks < num_blocks) {
-        for (int64_t line = 0; line < kBytes; line += 64) {
-          __builtin_prefetch(block + kPrefetchBlocks * kBytes + line, 0, 3);
-        }
-      }
-      scale[j] = load_scales<F>(block);
-    }
+    // No software prefetch: with it (two blocks ahead) one row's products took 12 % longer
+    // (ops/bench/journal.md, "GGUF blocks as stored"); the float panels' streams need it.
+    for (int j = 0; j < P; ++j) scale[j] = load_scales<F>(w[j] + b * kBytes);
     const float* xb = x + b * kQBlock;
     if constexpr (F == kQ8) {
       for (int64_t i = 0; i < kQBlock; ++i) {
