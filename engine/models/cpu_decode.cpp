@@ -17,11 +17,11 @@
 //
 // A matrix may instead be held quantized as GGUF stores it (engine/models/quantized_panels.py):
 // the same panels of 16 outputs, cut along the inputs into blocks of 32, each block a scale
-// (and, for 4 bits, a minimum) per output, in float16 as GGUF stores them (float32 where
-// float16 does not hold them exactly), and the 32 x 16 quantized values, k-major like the
-// float panels. A product dequantizes each block in registers as it reads it (the values times
-// the scale, plus the minimum) and multiplies as for float weights, so it reads 0.27 (8 bits)
-// or 0.16 (4 bits) of the float32 bytes: the GGUF blocks' own size.
+// (and, for 4 bits, a minimum) per output, in float16 as GGUF stores them (for K-quants, the
+// super-block's float16 and the sub-block's 6-bit factor), and the 32 x 16 quantized values,
+// k-major like the float panels. A product dequantizes each block in registers as it reads it
+// (the values times the scale, plus the minimum) and multiplies as for float weights, so it
+// reads 0.27 (8 bits) or 0.16-0.17 (4 bits) of the float32 bytes: about the blocks' own size.
 //
 // Rows may run on LoRA adapters (BGMV style, inside the products): for each product an adapter
 // of the step targets, a shrink h[m] = A x[m] for the rows on such adapters (one more parallel
@@ -102,25 +102,22 @@ inline ivec16 widen_bytes(const uint8_t* p) {
 #endif
 }
 
-// How a matrix's panels hold its weights (TiergateMatrix::format).
+// How a matrix's panels hold its weights (TiergateMatrix::format). Scales are float16, as
+// GGUF stores them.
 enum WeightFormat : int64_t {
-  kF32 = 0,    // float32, [N / 16][K][16]
-  kQ8 = 1,     // per block of 32 inputs: float16 scale[16], int8 q[32][16]; w = scale q
-  kQ4 = 2,     // per block: float16 scale[16], float16 min[16], uint8 q[16][16] whose low
-               // nibbles are inputs 0..15 of the block and high nibbles 16..31;
-               // w = scale q + min
-  kQ4F32 = 3,  // kQ4 with float32 scale and min (what float16 does not hold exactly: the
-               // K-quants' super-block scale times a sub-block's)
+  kF32 = 0,  // float32, [N / 16][K][16]
+  kQ8 = 1,   // per block of 32 inputs: scale[16], int8 q[32][16]; w = scale q
+  kQ4 = 2,   // per block: scale[16], min[16], uint8 q[16][16] whose low nibbles are inputs
+             // 0..15 of the block and high nibbles 16..31; w = scale q + min
+  kQ4K = 3,  // per block: d[16], dmin[16], uint8 sc[16], uint8 m[16], q as kQ4;
+             // w = (d sc) q - dmin m in float32 (the K-quants' super-block scale times a
+             // sub-block's, which float16 does not hold exactly)
 };
 constexpr int64_t kQBlock = 32;  // inputs per quantized block
 
 template <WeightFormat F>
-constexpr int64_t scale_bytes() {  // per output
-  return F == kQ4F32 ? 4 : 2;
-}
-template <WeightFormat F>
-constexpr int64_t values_offset() {  // where a block's values start: after scales (and mins)
-  return kPanel * scale_bytes<F>() * (F == kQ8 ? 1 : 2);
+constexpr int64_t values_offset() {  // where a block's values start, after its scales
+  return F == kQ8 ? 2 * kPanel : F == kQ4 ? 4 * kPanel : 6 * kPanel;
 }
 template <WeightFormat F>
 constexpr int64_t block_bytes() {
@@ -146,47 +143,68 @@ inline float half_to_float(uint16_t half) {
   return out;
 }
 
-// The 16 scales (or minimums) of a block of format F at p, as float32.
-template <WeightFormat F>
-inline vec16 load_scales(const uint8_t* p) {
-  if constexpr (F == kQ4F32) {
-    return *reinterpret_cast<const vec16*>(p);
-  } else {
+// 16 float16 at p as float32.
+inline vec16 load_halves(const uint8_t* p) {
 #if defined(__AVX512F__)
-    return (vec16)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return (vec16)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 #elif defined(__F16C__)
-    union {
-      __m256 half[2];
-      vec16 all;
-    } out;
-    for (int h = 0; h < 2; ++h) {
-      out.half[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * h)));
-    }
-    return out.all;
+  union {
+    __m256 half[2];
+    vec16 all;
+  } out;
+  for (int h = 0; h < 2; ++h) {
+    out.half[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * h)));
+  }
+  return out.all;
 #else
-    vec16 out;
-    for (int i = 0; i < 16; ++i) {
-      uint16_t half;
-      std::memcpy(&half, p + 2 * i, 2);
-      out[i] = half_to_float(half);
-    }
-    return out;
+  vec16 out;
+  for (int i = 0; i < 16; ++i) {
+    uint16_t half;
+    std::memcpy(&half, p + 2 * i, 2);
+    out[i] = half_to_float(half);
+  }
+  return out;
 #endif
+}
+
+inline float lane_half(const uint8_t* p, int64_t lane) {
+  uint16_t half;
+  std::memcpy(&half, p + 2 * lane, 2);
+  return half_to_float(half);
+}
+
+// A block's 16 scales (w = scale q + min), as float32.
+template <WeightFormat F>
+inline vec16 block_scales(const uint8_t* block) {
+  if constexpr (F == kQ4K) {
+    return load_halves(block) *
+           __builtin_convertvector(widen_bytes<false>(block + 4 * kPanel), vec16);
+  } else {
+    return load_halves(block);
   }
 }
 
-// Output lane's scale (or minimum) of a block of format F at p, as float32.
+// A 4-bit block's 16 minimums, as float32.
 template <WeightFormat F>
-inline float lane_scale(const uint8_t* p, int64_t lane) {
-  if constexpr (F == kQ4F32) {
-    float value;
-    std::memcpy(&value, p + 4 * lane, 4);
-    return value;
+inline vec16 block_mins(const uint8_t* block) {
+  if constexpr (F == kQ4K) {
+    return -(load_halves(block + 2 * kPanel) *
+             __builtin_convertvector(widen_bytes<false>(block + 5 * kPanel), vec16));
   } else {
-    uint16_t half;
-    std::memcpy(&half, p + 2 * lane, 2);
-    return half_to_float(half);
+    return load_halves(block + 2 * kPanel);
   }
+}
+
+// One output lane's scale and minimum of a block.
+template <WeightFormat F>
+inline float lane_scale(const uint8_t* block, int64_t lane) {
+  const float first = lane_half(block, lane);
+  return F == kQ4K ? first * static_cast<float>(block[4 * kPanel + lane]) : first;
+}
+template <WeightFormat F>
+inline float lane_min(const uint8_t* block, int64_t lane) {
+  const float first = lane_half(block + 2 * kPanel, lane);
+  return F == kQ4K ? -(first * static_cast<float>(block[5 * kPanel + lane])) : first;
 }
 
 // Panels a product of M rows takes at once over quantized weights: besides M x P accumulators,
@@ -307,7 +325,7 @@ inline void panel_product(const float* x, int64_t K, const float* panels, int64_
   }
 }
 
-// panel_product over quantized panels (F: kQ8, kQ4 or kQ4F32), K a multiple of kQBlock: each
+// panel_product over quantized panels (F: kQ8, kQ4 or kQ4K), K a multiple of kQBlock: each
 // block's weights dequantized in registers, 16 outputs of one input at a time.
 template <WeightFormat F, int M, int P>
 inline void quantized_panel_product(const float* x, int64_t K, const uint8_t* panels,
@@ -321,7 +339,7 @@ inline void quantized_panel_product(const float* x, int64_t K, const uint8_t* pa
     vec16 scale[P];
     // No software prefetch: with it (two blocks ahead) one row's products took 12 % longer
     // (ops/bench/journal.md, "GGUF blocks as stored"); the float panels' streams need it.
-    for (int j = 0; j < P; ++j) scale[j] = load_scales<F>(w[j] + b * kBytes);
+    for (int j = 0; j < P; ++j) scale[j] = block_scales<F>(w[j] + b * kBytes);
     const float* xb = x + b * kQBlock;
     if constexpr (F == kQ8) {
       for (int64_t i = 0; i < kQBlock; ++i) {
@@ -338,7 +356,7 @@ inline void quantized_panel_product(const float* x, int64_t K, const uint8_t* pa
     } else {
       vec16 low_min[P];  // the minimum (w at q = 0)
       for (int j = 0; j < P; ++j) {
-        low_min[j] = load_scales<F>(w[j] + b * kBytes + kPanel * scale_bytes<F>());
+        low_min[j] = block_mins<F>(w[j] + b * kBytes);
       }
       for (int64_t i = 0; i < kQBlock / 2; ++i) {
         vec16 lo[P], hi[P];
@@ -376,7 +394,7 @@ inline void quantized_row(const uint8_t* panels, int64_t p, int64_t lane, int64_
         out[b * kQBlock + i] = static_cast<float>(q) * scale;
       }
     } else {
-      const float low = lane_scale<F>(block + kPanel * scale_bytes<F>(), lane);
+      const float low = lane_min<F>(block, lane);
       for (int64_t i = 0; i < kQBlock / 2; ++i) {
         const uint8_t q = block[kValues + i * kPanel + lane];
         out[b * kQBlock + i] = static_cast<float>(q & 15) * scale + low;
@@ -393,7 +411,7 @@ inline void panel_row(const TiergateMatrix& w, int64_t n, int64_t K, float* out)
   switch (w.format) {
     case kQ8: quantized_row<kQ8>(bytes, p, lane, K, out); break;
     case kQ4: quantized_row<kQ4>(bytes, p, lane, K, out); break;
-    case kQ4F32: quantized_row<kQ4F32>(bytes, p, lane, K, out); break;
+    case kQ4K: quantized_row<kQ4K>(bytes, p, lane, K, out); break;
     default: {
       const float* panel = static_cast<const float*>(w.data) + p * K * kPanel;
       for (int64_t k = 0; k < K; ++k) out[k] = panel[k * kPanel + lane];
@@ -467,7 +485,7 @@ inline Share share_of(int64_t N, int64_t unit, int64_t thread, int64_t num_threa
 // by every block of kRowBlock rows in turn while it is in cache: the weights are read from
 // memory once.
 inline bool valid_format(const TiergateMatrix& w) {
-  return w.format >= kF32 && w.format <= kQ4F32 && w.data != nullptr;
+  return w.format >= kF32 && w.format <= kQ4K && w.data != nullptr;
 }
 
 // Panel p of quantized panels (F), dequantized into float32 panel layout: dst [K][16].
@@ -477,7 +495,7 @@ void dequantize_panel(const uint8_t* panels, int64_t p, int64_t K, float* dst) {
   const int64_t num_blocks = K / kQBlock;
   for (int64_t b = 0; b < num_blocks; ++b) {
     const uint8_t* block = panels + (p * num_blocks + b) * kBytes;
-    const vec16 scale = load_scales<F>(block);
+    const vec16 scale = block_scales<F>(block);
     vec16* rows = reinterpret_cast<vec16*>(dst + b * kQBlock * kPanel);
     if constexpr (F == kQ8) {
       for (int64_t i = 0; i < kQBlock; ++i) {
@@ -485,7 +503,7 @@ void dequantize_panel(const uint8_t* panels, int64_t p, int64_t K, float* dst) {
                                           vec16) * scale;
       }
     } else {
-      const vec16 low_min = load_scales<F>(block + kPanel * scale_bytes<F>());
+      const vec16 low_min = block_mins<F>(block);
       for (int64_t i = 0; i < kQBlock / 2; ++i) {
         const ivec16 q = widen_bytes<false>(block + kValues + i * kPanel);
         rows[i] = __builtin_convertvector(q & 15, vec16) * scale + low_min;
@@ -573,7 +591,7 @@ Share product_share(int64_t M, const float* x, int64_t K, const TiergateMatrix& 
   switch (w.format) {
     case kQ8: format_share<kQ8>(M, x, K, w.data, N, out, begin, end); break;
     case kQ4: format_share<kQ4>(M, x, K, w.data, N, out, begin, end); break;
-    case kQ4F32: format_share<kQ4F32>(M, x, K, w.data, N, out, begin, end); break;
+    case kQ4K: format_share<kQ4K>(M, x, K, w.data, N, out, begin, end); break;
     default: format_share<kF32>(M, x, K, w.data, N, out, begin, end); break;
   }
   if (bias != nullptr) {

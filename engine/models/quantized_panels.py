@@ -7,9 +7,11 @@ and the 32 x 16 quantized values k-major, so the kernel dequantizes 16 outputs o
 with one vector load, convert and multiply-add (`PanelFormat`). `gguf_panels` repacks a GGUF
 tensor's raw blocks into them without going through float weights: Q8_0 into 8-bit panels
 (scale times value), Q4_0 and Q4_1 into 4-bit panels (scale times value plus minimum), Q4_K
-into 4-bit panels with float32 scales (its super-block scale times each sub-block's, which
-float16 does not hold exactly). The panels take the bytes of the blocks they come from
-(Q8_0, Q4_1), 1.11x (Q4_0: a minimum per block added) and 1.33x (Q4_K).
+into 4-bit panels that keep, per block, the super-block's scales and the sub-block's 6-bit
+factors (their product, which float16 does not hold exactly, is taken in float32 by the
+kernel, as gguf dequantizes). The panels take the bytes of the blocks they come from (Q8_0,
+Q4_1), 1.11x (Q4_0: a minimum per block added) and 1.22x (Q4_K: the super-block's scales
+repeated in each of its eight blocks).
 """
 
 from __future__ import annotations
@@ -37,27 +39,26 @@ PANEL = 16  # outputs per panel
 QBLOCK = 32  # inputs per quantized block
 
 
-class PanelFormat(IntEnum):  # cpu_decode.cpp's WeightFormat
+class PanelFormat(IntEnum):  # cpu_decode.cpp's WeightFormat; scales in float16
     F32 = 0
-    Q8 = 1  # per block: float16 scale[16], int8 q[32][16]
-    Q4 = 2  # per block: float16 scale[16], float16 min[16], uint8 q[16][16] (low nibbles:
-    # inputs 0..15 of the block, high nibbles: 16..31)
-    Q4_F32 = 3  # Q4 with float32 scale and min
+    Q8 = 1  # per block: scale[16], int8 q[32][16]
+    Q4 = 2  # per block: scale[16], min[16], uint8 q[16][16] (low nibbles: inputs 0..15 of the
+    # block, high nibbles: 16..31)
+    Q4_K = 3  # per block: d[16], dmin[16], uint8 sc[16], uint8 m[16], q as Q4;
+    # w = (d sc) q - dmin m
 
 
 _FLOAT16_MAX = 65504.0
-_SCALE_DTYPES = {PanelFormat.Q8: np.float16, PanelFormat.Q4: np.float16,
-                 PanelFormat.Q4_F32: np.float32}
 _BLOCK_BYTES = {PanelFormat.Q8: PANEL * 2 + QBLOCK * PANEL,
                 PanelFormat.Q4: 2 * PANEL * 2 + QBLOCK // 2 * PANEL,
-                PanelFormat.Q4_F32: 2 * PANEL * 4 + QBLOCK // 2 * PANEL}
+                PanelFormat.Q4_K: 2 * PANEL * 2 + 2 * PANEL + QBLOCK // 2 * PANEL}
 
 # GGUF tensor types whose blocks repack into quantized panels, and into which format.
 PANEL_TYPES = {
     GGMLQuantizationType.Q8_0: PanelFormat.Q8,
     GGMLQuantizationType.Q4_0: PanelFormat.Q4,
     GGMLQuantizationType.Q4_1: PanelFormat.Q4,
-    GGMLQuantizationType.Q4_K: PanelFormat.Q4_F32,
+    GGMLQuantizationType.Q4_K: PanelFormat.Q4_K,
 }
 
 
@@ -93,26 +94,19 @@ def gguf_panels(raw: np.ndarray, tensor_type: GGMLQuantizationType, num_out: int
     if num_out % PANEL or num_in % QBLOCK:
         raise ValueError(f"a [{num_out}, {num_in}] matrix does not cut into panels and blocks")
     rows = np.ascontiguousarray(raw, dtype=np.uint8).reshape(num_out, -1)
-    scale, low, values = _DECODERS[tensor_type](rows, num_in // QBLOCK)
-    fmt = PANEL_TYPES[tensor_type]
-    if fmt is PanelFormat.Q4 and low is not None and np.abs(low).max() > _FLOAT16_MAX:
-        fmt = PanelFormat.Q4_F32  # Q4_0's minimum (-8 scale) past float16's range
-    scale_dtype = _SCALE_DTYPES[fmt]
+    fmt, fields, values = _DECODERS[tensor_type](rows, num_in // QBLOCK)
     panels, blocks = num_out // PANEL, num_in // QBLOCK
 
-    def by_panel(per_row: np.ndarray) -> np.ndarray:  # [N, KB, ...] -> [N/16, KB, ..., 16]
+    def by_panel(per_row: np.ndarray) -> np.ndarray:  # [N, KB, ...] -> [N/16, KB, ...* 16]
         moved = per_row.reshape(panels, PANEL, blocks, *per_row.shape[2:])
-        return np.ascontiguousarray(np.moveaxis(moved, 1, -1))
+        return np.ascontiguousarray(np.moveaxis(moved, 1, -1)).view(np.uint8).reshape(
+            panels, blocks, -1)
 
-    parts = [by_panel(scale.astype(scale_dtype)).view(np.uint8).reshape(panels, blocks, -1)]
     if fmt is PanelFormat.Q8:
-        parts.append(by_panel(values.astype(np.int8)).view(np.uint8).reshape(panels, blocks, -1))
+        packed = values.astype(np.int8)
     else:
-        assert low is not None
-        nibbles = values[..., :QBLOCK // 2] | (values[..., QBLOCK // 2:] << 4)
-        parts.append(by_panel(low.astype(scale_dtype)).view(np.uint8).reshape(panels, blocks, -1))
-        parts.append(by_panel(nibbles.astype(np.uint8)).reshape(panels, blocks, -1))
-    data = np.concatenate(parts, axis=2)
+        packed = (values[..., :QBLOCK // 2] | (values[..., QBLOCK // 2:] << 4)).astype(np.uint8)
+    data = np.concatenate([*(by_panel(field) for field in fields), by_panel(packed)], axis=2)
     assert data.shape[2] == _BLOCK_BYTES[fmt]
     return PanelMatrix(torch.from_numpy(data), fmt, num_out, num_in, tensor_type.name)
 
@@ -143,42 +137,50 @@ def _origins(matrices: list[PanelMatrix]) -> str:
     return "+".join(sorted({matrix.origin for matrix in matrices}))
 
 
-# Each decoder: raw rows [N, bytes] and blocks of 32 per row -> (scale [N, KB], minimum
-# [N, KB] or None, values [N, KB, 32] as int8 (Q8) or uint8 0..15 (Q4)): w = scale q + min.
+# Each decoder: raw rows [N, bytes] and blocks of 32 per row -> (format, the per-block fields
+# in the format's order, each [N, KB] in its stored dtype, values [N, KB, 32] as int8 (Q8) or
+# uint8 0..15 (4 bits)).
+_Decoded = tuple[PanelFormat, list[np.ndarray], np.ndarray]
 
-def _f16(rows: np.ndarray, offset: int, step: int) -> np.ndarray:
-    """The float16 at byte `offset` of each `step`-byte block, as float32 [N, blocks]."""
+
+def _halves(rows: np.ndarray, offset: int, step: int) -> np.ndarray:
+    """The float16 at byte `offset` of each `step`-byte block, [N, blocks]."""
     count = rows.shape[1] // step
     blocks = rows.reshape(rows.shape[0], count, step)
-    return blocks[..., offset:offset + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+    return blocks[..., offset:offset + 2].copy().view(np.float16)[..., 0]
 
 
-def _q8_0(rows: np.ndarray, num_blocks: int) -> tuple[np.ndarray, None, np.ndarray]:
+def _q8_0(rows: np.ndarray, num_blocks: int) -> _Decoded:
     blocks = rows.reshape(rows.shape[0], num_blocks, 34)
-    return _f16(rows, 0, 34), None, blocks[..., 2:].copy().view(np.int8)
+    return PanelFormat.Q8, [_halves(rows, 0, 34)], blocks[..., 2:].copy().view(np.int8)
 
 
 def _q4_nibbles(qs: np.ndarray) -> np.ndarray:  # [..., 16] bytes -> [..., 32] values
     return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
 
 
-def _q4_0(rows: np.ndarray, num_blocks: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    scale = _f16(rows, 0, 18)
+def _q4_0(rows: np.ndarray, num_blocks: int) -> _Decoded:
+    scale = _halves(rows, 0, 18)
     values = _q4_nibbles(rows.reshape(rows.shape[0], num_blocks, 18)[..., 2:])
-    return scale, -8 * scale, values
+    if np.abs(scale.astype(np.float32)).max() * 8 <= _FLOAT16_MAX:
+        return PanelFormat.Q4, [scale, -8 * scale], values
+    # The minimum (-8 scale) is past float16's range: as a K-quant block, d = dmin = scale,
+    # sc = 1, m = 8, the minimum computed in float32.
+    ones = np.ones(scale.shape, dtype=np.uint8)
+    return PanelFormat.Q4_K, [scale, scale, ones, 8 * ones], values
 
 
-def _q4_1(rows: np.ndarray, num_blocks: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _q4_1(rows: np.ndarray, num_blocks: int) -> _Decoded:
     values = _q4_nibbles(rows.reshape(rows.shape[0], num_blocks, 20)[..., 4:])
-    return _f16(rows, 0, 20), _f16(rows, 2, 20), values
+    return PanelFormat.Q4, [_halves(rows, 0, 20), _halves(rows, 2, 20)], values
 
 
-def _q4_k(rows: np.ndarray, num_blocks: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _q4_k(rows: np.ndarray, num_blocks: int) -> _Decoded:
     # A super-block of 256: float16 d and dmin, 12 bytes of eight 6-bit sub-block scales and
     # minimums, 128 bytes of values: each 32 bytes hold two sub-blocks (low nibbles, then high).
     num_out = rows.shape[0]
     supers = rows.reshape(num_out, num_blocks // 8, 144)
-    d, dmin = _f16(rows, 0, 144), _f16(rows, 2, 144)
+    d, dmin = _halves(rows, 0, 144), _halves(rows, 2, 144)
     packed = supers[..., 4:16].astype(np.uint8)
     sc = np.empty((*packed.shape[:2], 8), dtype=np.uint8)
     mn = np.empty_like(sc)
@@ -188,9 +190,12 @@ def _q4_k(rows: np.ndarray, num_blocks: int) -> tuple[np.ndarray, np.ndarray, np
     mn[..., 4:] = (packed[..., 8:12] >> 4) | ((packed[..., 4:8] >> 6) << 4)
     qs = supers[..., 16:].reshape(num_out, num_blocks // 8, 4, 32)
     values = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(num_out, num_blocks, QBLOCK)
-    scale = (d[..., None] * sc).reshape(num_out, num_blocks)
-    low = -(dmin[..., None] * mn).reshape(num_out, num_blocks)
-    return scale, low, values
+
+    def per_block(per_super: np.ndarray) -> np.ndarray:
+        return np.repeat(per_super, 8, axis=1)
+
+    return PanelFormat.Q4_K, [per_block(d), per_block(dmin), sc.reshape(num_out, num_blocks),
+                              mn.reshape(num_out, num_blocks)], values
 
 
 _DECODERS = {

@@ -53,15 +53,22 @@ def panels_in_numpy(matrix: PanelMatrix) -> np.ndarray:
     """The panels' weights [N, K], read back in numpy from the layout the kernel reads."""
     data = matrix.data.numpy()
     panels, blocks = data.shape[:2]
-    width = 4 if matrix.format is PanelFormat.Q4_F32 else 2  # bytes of a scale
-    kind = np.float32 if width == 4 else np.float16
-    scale = data[..., :16 * width].copy().view(kind).astype(np.float32)  # [P, B, 16]
+
+    def halves(start: int) -> np.ndarray:  # 16 float16 at byte `start` of each block
+        return data[..., start:start + 32].copy().view(np.float16).astype(np.float32)
+
+    scale = halves(0)  # [P, B, 16]
     if matrix.format is PanelFormat.Q8:
-        values = data[..., 16 * width:].copy().view(np.int8).reshape(panels, blocks, 32, 16)
+        values = data[..., 32:].copy().view(np.int8).reshape(panels, blocks, 32, 16)
         weights = values * scale[:, :, None, :]
     else:
-        low = data[..., 16 * width:32 * width].copy().view(kind).astype(np.float32)
-        nibbles = data[..., 32 * width:].reshape(panels, blocks, 16, 16)
+        if matrix.format is PanelFormat.Q4_K:
+            scale = scale * data[..., 64:80].astype(np.float32)
+            low = -(halves(32) * data[..., 80:96].astype(np.float32))
+            nibbles = data[..., 96:].reshape(panels, blocks, 16, 16)
+        else:
+            low = halves(32)
+            nibbles = data[..., 64:].reshape(panels, blocks, 16, 16)
         values = np.concatenate([nibbles & 15, nibbles >> 4], axis=2)
         weights = values * scale[:, :, None, :] + low[:, :, None, :]
     return weights.transpose(0, 3, 1, 2).reshape(panels * 16, blocks * 32)
@@ -75,15 +82,19 @@ def test_repacked_blocks_hold_gguf_weights(kind: GGMLQuantizationType) -> None:
     expected = reference(raw, kind).numpy()
     np.testing.assert_allclose(panels_in_numpy(matrix), expected, rtol=1e-6, atol=1e-7)
     # The panels' size against the blocks': what serving the file as stored costs.
-    ratio = {T.Q8_0: 1.0, T.Q4_0: 20 / 18, T.Q4_1: 1.0, T.Q4_K: 4 / 3}[kind]
+    ratio = {T.Q8_0: 1.0, T.Q4_0: 20 / 18, T.Q4_1: 1.0, T.Q4_K: 352 / 288}[kind]
     assert matrix.nbytes == pytest.approx(ratio * raw.nbytes)
 
 
-def test_q4_0_minimums_past_float16_keep_float32_scales() -> None:
+def test_q4_0_minimums_past_float16_take_the_k_quant_layout() -> None:
     raw = random_blocks(T.Q4_0, 16, 64, seed=5)
     raw.reshape(16, 2, 18)[0, 0, :2] = np.array([10000.0], dtype=np.float16).view(np.uint8)
     matrix = gguf_panels(raw, T.Q4_0, 16, 64)  # -8 x 10000 is past float16's 65504
-    assert matrix.format is PanelFormat.Q4_F32
+    assert matrix.format is PanelFormat.Q4_K
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    expected = x @ reference(raw, T.Q4_0).T
+    got = cpu_decode.PanelLinear(matrix)(x)
+    assert float((got - expected).norm() / expected.norm()) < 1e-5
     np.testing.assert_allclose(panels_in_numpy(matrix), reference(raw, T.Q4_0).numpy(),
                                rtol=1e-6)
 
