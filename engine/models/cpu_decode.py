@@ -1,4 +1,4 @@
-"""A decode step of up to 64 rows as one C++ call on the CPU (cpu_decode.cpp), float32 only.
+"""A decode step of up to 64 rows as one C++ call on the CPU (cpu_decode.cpp), in float32.
 
 At batch 1 the decoder's Python, torch's dispatcher and one OpenMP region per operation cost a
 small float32 model on a CPU a large share of its step (ops/bench/journal.md, "The decode step
@@ -8,13 +8,16 @@ one parallel region instead: its own products over weights in 16-wide panels, th
 ops, the paged attention kernel, the lm_head. Rows on LoRA adapters (a bound `LoraSlots`) take
 their updates inside the same call, in the products (engine.models.cpu_decode_lora).
 
-The panels are a second copy of the layers' weights (the packed oneDNN copies still serve
-prefills, mixed steps and decode batches above the limit) and the lm_head's only packed copy
-(those steps' lm_head, `PanelLinear`, reads it too): about the model's float32 size again.
-The runner builds it when `RunnerConfig.cpu_decode_rows` is above 0 and `supports` holds,
-which runs the kernel once on a tiny random model against that model's layers and declines a
-library that disagrees. The KV caches it is given must stay where they
-are (the runner never reallocates them).
+For float weights the panels are a second copy of the layers' weights (the packed oneDNN
+copies still serve prefills, mixed steps and decode batches above the limit) and the
+lm_head's only packed copy (those steps' lm_head, `PanelLinear`, reads it too): about the
+model's float32 size again. A model served from a GGUF file's blocks as stored already holds
+its matrices in quantized panels (`PanelLinear`, `PanelEmbedding`, built by
+engine.checkpoints.gguf_panels), which the forward reads in place: no copy. The runner
+builds it when `RunnerConfig.cpu_decode_rows` is above 0 and `supports` holds, which runs the
+kernel once on a tiny random model against that model's layers and declines a library that
+disagrees. The KV caches it is given must stay where they are (the runner never reallocates
+them).
 """
 
 from __future__ import annotations
@@ -236,7 +239,13 @@ class CpuDecodeForward:
         self.vocab_size = config.vocab_size
         keep: list[torch.Tensor] = []  # what the C++ side points into
         copies: list[PanelMatrix] = []  # panels made here: this forward's cost
-        self.weight_format = PanelFormat.F32  # the lm_head's (the one read the most)
+
+        def pointer(tensor: torch.Tensor | None) -> int | None:
+            if tensor is None:
+                return None
+            tensor = tensor.detach().contiguous()
+            keep.append(tensor)
+            return tensor.data_ptr()
 
         def matrix(module: nn.Module, interleaved: bool = False) -> _Matrix:
             if isinstance(module, PanelLinear):
@@ -256,17 +265,9 @@ class CpuDecodeForward:
             self.lm_head_panels = model.lm_head.panels
         else:
             self.lm_head_panels = copies[0]
-        self.weight_format = self.lm_head_panels.format
         embedding = model.embed_tokens
         embed_panels = _Matrix.of(embedding.panels) if isinstance(embedding, PanelEmbedding) \
             else _Matrix(None, int(PanelFormat.F32))
-
-        def pointer(tensor: torch.Tensor | None) -> int | None:
-            if tensor is None:
-                return None
-            tensor = tensor.detach().contiguous()
-            keep.append(tensor)
-            return tensor.data_ptr()
 
         decoder_layers = [cast(DecoderLayer, layer) for layer in model.layers]
         layers = (_Layer * config.num_layers)()
