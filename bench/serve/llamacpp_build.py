@@ -56,7 +56,7 @@ _TARGETS = ("llama-server", "llama-quantize")
 # Bumped when the build's options change, so that a cached build made otherwise is redone.
 _RECIPE = 2
 # Model types llama-quantize writes from the default model's GGUF (--allow-requantize).
-MODEL_TYPES = ("F32", "F16", "BF16", "Q8_0")
+MODEL_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_K")
 
 
 class LlamaCppBuildError(BenchServeError):

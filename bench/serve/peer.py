@@ -117,7 +117,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "blocks as stored), float32, bfloat16, float16 (default: float32)")
     parser.add_argument("--llamacpp-types", type=_name_list, default=("F32",),
                         help="llama.cpp GGUF types from llama-quantize, comma-separated: F32, F16, "
-                        "BF16, Q8_0, or FILE: the default model's file as shipped (Q4_1; "
+                        "BF16, Q8_0, Q4_K, or FILE: the default model's file as shipped (Q4_1; "
                         "compared with tiergate's auto) (default: F32)")
     parser.add_argument("--threads", type=int, default=2,
                         help="threads of each server (llama-server -t; OMP_NUM_THREADS of both)")

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import cast
 
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES
 from torch import nn
 
 from engine.checkpoints.gguf_checkpoint import GGUFCheckpoint
@@ -28,7 +28,7 @@ from engine.models import cpu_decode
 from engine.models.config import ModelConfig
 from engine.models.cpu_decode import PanelEmbedding, PanelLinear
 from engine.models.decoder import CausalLM
-from engine.models.loader import empty_model, load_weights
+from engine.models.loader import load_weights, model_from_tensors
 from engine.models.quantized_panels import (
     PANEL,
     PANEL_TYPES,
@@ -64,7 +64,7 @@ def stored_matrices(checkpoint: GGUFCheckpoint, num_layers: int) -> dict[str, St
         num_out, num_in = rows.shape[0], rows.shape[1] // block_bytes * block
         if num_out % PANEL or num_in % QBLOCK:
             return None
-        return gguf_panels(rows, GGMLQuantizationType(kind), num_out, num_in)
+        return gguf_panels(rows, kind, num_out, num_in)
 
     found: dict[str, StoredMatrix] = {}
 
@@ -83,9 +83,8 @@ def stored_matrices(checkpoint: GGUFCheckpoint, num_layers: int) -> dict[str, St
         hf, ours = f"model.layers.{index}.", f"layers.{index}."
         names = [f"{hf}self_attn.{part}_proj.weight" for part in "qkv"]
         parts = [panels(name) for name in names]
-        present = [part for part in parts if part is not None]
         keep(ours + "self_attn.qkv_proj",
-             stack_panels(present) if len(present) == len(parts) else None, *names)
+             None if None in parts else stack_panels(cast(list[PanelMatrix], parts)), *names)
         name = f"{hf}self_attn.o_proj.weight"
         keep(ours + "self_attn.o_proj", panels(name), name)
         names = [f"{hf}mlp.gate_proj.weight", f"{hf}mlp.up_proj.weight"]
@@ -132,7 +131,5 @@ def load_gguf_model(checkpoint: GGUFCheckpoint, config: ModelConfig, device: tor
     every weight dequantized to float32 on device, from the file."""
     if device.type == "cpu" and cpu_decode.supports(config, device, torch.float32):
         return load_stored_model(checkpoint, config, max_model_len)
-    model = empty_model(config, torch.float32, device, max_model_len)
-    load_weights(model, checkpoint.tensors(torch.float32))
-    model.build_rotary_table()
-    return model.eval()
+    return model_from_tensors(config, checkpoint.tensors(torch.float32), torch.float32, device,
+                              max_model_len)

@@ -357,7 +357,19 @@ class CpuDecodeForward:
         return logits
 
 
-class PanelLinear(nn.Module):
+class _PanelModule(nn.Module):
+    """A module over a matrix in panels, computed by cpu_decode.cpp (supports() true)."""
+
+    def __init__(self, panels: PanelMatrix) -> None:
+        super().__init__()
+        library = _library()
+        assert library is not None, "supports() must be true before a panel module is made"
+        self._library = library
+        self.panels = panels
+        self._matrix = _Matrix.of(panels)
+
+
+class PanelLinear(_PanelModule):
     """y = x W^T + b over a weight in panels, float32 or quantized: the lm_head of the steps
     that go layer by layer, sharing the decode forward's copy
     (CpuDecodeForward.lm_head_module), so the lm_head needs no oneDNN-packed copy as well;
@@ -368,12 +380,7 @@ class PanelLinear(nn.Module):
 
     def __init__(self, panels: PanelMatrix, bias: torch.Tensor | None = None,
                  interleaved: bool = False) -> None:
-        super().__init__()
-        library = _library()
-        assert library is not None, "supports() must be true before a PanelLinear is made"
-        self._library = library
-        self.panels = panels
-        self._matrix = _Matrix.of(panels)
+        super().__init__(panels)
         self.bias = bias
         self.interleaved = interleaved
         self.out_features = panels.out_features
@@ -396,17 +403,12 @@ class PanelLinear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
 
-class PanelEmbedding(nn.Module):
+class PanelEmbedding(_PanelModule):
     """Embedding lookups in a matrix [V, E] held in panels (a GGUF file's token embedding,
     quantized; tied or not to the lm_head): each row dequantized as it is looked up."""
 
     def __init__(self, panels: PanelMatrix) -> None:
-        super().__init__()
-        library = _library()
-        assert library is not None, "supports() must be true before a PanelEmbedding is made"
-        self._library = library
-        self.panels = panels
-        self._matrix = _Matrix.of(panels)
+        super().__init__(panels)
         self.num_embeddings = panels.out_features
         self.embedding_dim = panels.in_features
 

@@ -16,9 +16,9 @@ from engine.models.decoder import CausalLM
 
 __all__ = [
     "checkpoint_tensors",
-    "empty_model",
     "load_model",
     "load_weights",
+    "model_from_tensors",
     "random_hf_state_dict",
     "random_model",
 ]
@@ -110,10 +110,23 @@ def _check_complete(
         raise ModelConfigError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
 
 
-def empty_model(
+def model_from_tensors(
+    config: ModelConfig,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    dtype: torch.dtype,
+    device: torch.device | str,
+    max_model_len: int,
+) -> CausalLM:
+    """The model of config in dtype on device, every weight from HF-named tensors."""
+    model = _empty_model(config, dtype, torch.device(device), max_model_len)
+    load_weights(model, tensors)
+    model.build_rotary_table()
+    return model.eval()
+
+
+def _empty_model(
     config: ModelConfig, dtype: torch.dtype, device: torch.device, max_model_len: int
 ) -> CausalLM:
-    """The model with uninitialized weights in dtype on device (for load_weights)."""
     with torch.device("meta"):
         model = CausalLM(config, max_positions=max_model_len)
     model = model.to_empty(device=device).to(dtype)
@@ -130,11 +143,8 @@ def load_model(
 ) -> CausalLM:
     """Read config.json and the safetensors weights of a HF checkpoint directory."""
     config = ModelConfig.from_file(model_dir)
-    max_len = max_model_len or config.max_position_embeddings
-    model = empty_model(config, dtype or config.dtype, torch.device(device), max_len)
-    load_weights(model, checkpoint_tensors(model_dir))
-    model.build_rotary_table()
-    return model.eval()
+    return model_from_tensors(config, checkpoint_tensors(model_dir), dtype or config.dtype,
+                              device, max_model_len or config.max_position_embeddings)
 
 
 def random_hf_state_dict(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
@@ -182,8 +192,5 @@ def random_model(
     max_model_len: int | None = None,
 ) -> CausalLM:
     """A model with the weights of random_hf_state_dict(config, seed)."""
-    max_len = max_model_len or config.max_position_embeddings
-    model = empty_model(config, dtype, torch.device(device), max_len)
-    load_weights(model, random_hf_state_dict(config, seed).items())
-    model.build_rotary_table()
-    return model.eval()
+    return model_from_tensors(config, random_hf_state_dict(config, seed).items(), dtype, device,
+                              max_model_len or config.max_position_embeddings)

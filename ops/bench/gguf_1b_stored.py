@@ -5,12 +5,12 @@
 Writes a Llama of Llama-3.2-1B's layer shapes (hidden 2048, intermediate 8192, 16 layers, 32
 heads of 64, 8 KV heads) with the default model's tokenizer (vocabulary 49,152) and seeded
 random weights as an F16 GGUF file, quantizes it with the `llama-quantize` that `tiergate
-bench peer --compare-llamacpp` builds (`--pure Q4_K`: every matrix Q4_K), and builds the
-engine `tiergate serve` builds for it with `--dtype auto` (the file's blocks as stored). It
-prints the files' sizes, what the engine kept as stored and the bytes of its weights, the
-process's resident memory before and after the engine is built, and one greedy request's
-decode time per token (a prompt of 128 random ids, --tokens new tokens). Minutes: the build
-of llama.cpp on first use, then writing 2 GB and quantizing it.
+bench peer --compare-llamacpp` builds (`quantized_model`: `--pure Q4_K`, every matrix Q4_K),
+and builds the engine `tiergate serve` builds for it with `--dtype auto` (the file's blocks
+as stored). It prints the files' sizes, what the engine kept as stored and the bytes of its
+weights, the process's resident memory before and after the engine is built, and one greedy
+request's decode time per token (a prompt of 128 random ids, --tokens new tokens). Minutes:
+the build of llama.cpp on first use, then writing 2 GB and quantizing it.
 """
 
 from __future__ import annotations
@@ -20,14 +20,13 @@ import ctypes
 import gc
 import random
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
 import torch
 from gguf import GGMLQuantizationType
 
-from bench.serve.llamacpp_build import ensure_built
+from bench.serve.llamacpp_build import ensure_built, quantized_model
 from engine import SamplingParams
 from engine.checkpoints.gguf_checkpoint import GGUFCheckpoint
 from engine.models.config import ModelConfig
@@ -78,13 +77,9 @@ def main() -> None:
     args = parser.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
     f16 = args.workdir / "llama-1b-shape.F16.gguf"
-    q4k = args.workdir / "llama-1b-shape.Q4_K.gguf"
-    if not q4k.exists():
-        if not f16.exists():
-            write_random_model(f16, args.seed)
-        build = ensure_built()
-        subprocess.run([str(build.quantize), "--pure", str(f16), str(q4k), "Q4_K"], check=True,
-                       capture_output=True)
+    if not f16.exists():
+        write_random_model(f16, args.seed)
+    q4k = quantized_model(ensure_built(), f16, "Q4_K")
     print(f"{f16.name}: {f16.stat().st_size / 1e9:.2f} GB; {q4k.name}: "
           f"{q4k.stat().st_size / 1e9:.2f} GB")
     settings = GatewaySettings(max_num_seqs=8, max_model_len=1024, kv_cache_bytes=256 << 20)

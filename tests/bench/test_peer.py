@@ -370,7 +370,7 @@ def test_levels_types_and_dtypes_from_flags() -> None:
 @pytest.mark.parametrize("args", [
     ["--concurrency", "1,8", "--requests-per-level", "1,2,3"],
     ["--tiergate-dtypes", "int8"],
-    ["--compare-llamacpp", "--llamacpp-types", "Q4_K"],
+    ["--compare-llamacpp", "--llamacpp-types", "IQ2_XS"],
     ["--threads", "0"],
 ])
 def test_inconsistent_flags_are_refused(args: list[str]) -> None:
