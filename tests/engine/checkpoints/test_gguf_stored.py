@@ -119,16 +119,19 @@ def test_adapters_run_over_stored_matrices(tmp_path: Path) -> None:
     assert torch.allclose(adapted["r1"][0], base["r1"][0])
 
 
-def test_k_quant_blocks_are_served_as_stored(tmp_path: Path) -> None:
-    """Q4_K (random blocks: gguf-py has no Q4_K quantizer), rows of 256 values."""
+@pytest.mark.parametrize("tensor_type", [T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: t.name)
+def test_k_quant_blocks_are_served_as_stored(tmp_path: Path,
+                                             tensor_type: GGMLQuantizationType) -> None:
+    """K-quants (random blocks: gguf-py has no K-quant quantizer), rows of 256 values."""
     config_dict: dict[str, Any] = LlamaConfig(
         vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
         bos_token_id=None, eos_token_id=None, pad_token_id=None).to_dict()
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(LlamaConfig(**config_dict))
-    gguf_file = tmp_path / "model.Q4_K.gguf"
-    write_gguf(gguf_file, "llama", config_dict, dict(hf.state_dict()), byte_tokens(), T.Q4_K)
+    gguf_file = tmp_path / f"model.{tensor_type.name}.gguf"
+    write_gguf(gguf_file, "llama", config_dict, dict(hf.state_dict()), byte_tokens(),
+               tensor_type)
     checkpoint = GGUFCheckpoint.open(gguf_file)
     converted = checkpoint.convert(tmp_path / "converted")
     config = ModelConfig.from_file(converted)
@@ -136,19 +139,19 @@ def test_k_quant_blocks_are_served_as_stored(tmp_path: Path) -> None:
     assert _stored_modules(stored) == (4 * config.num_layers + 1, 1)  # untied: own panels
     assert stored.lm_head.panels is not stored.embed_tokens.panels
     sampler = RecordingSampler(config.vocab_size)
-    assert _runner(stored, sampler).weight_format == "float32; stored: Q4_K x10"
+    assert _runner(stored, sampler).weight_format == f"float32; stored: {tensor_type.name} x10"
     _served_alike(load_model(converted, torch.float32, "cpu", 256), stored)
 
 
 def test_types_the_kernels_do_not_read_are_dequantized_at_load(tmp_path: Path) -> None:
-    """A file of Q6_K matrices: nothing is stored as panels, every weight is float32."""
+    """A file of Q2_K matrices: nothing is stored as panels, every weight is float32."""
     config_dict: dict[str, Any] = LlamaConfig(
         vocab_size=256, hidden_size=256, intermediate_size=256, num_hidden_layers=1,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256).to_dict()
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(LlamaConfig(**config_dict))
-    gguf_file = tmp_path / "model.Q6_K.gguf"
-    write_gguf(gguf_file, "llama", config_dict, dict(hf.state_dict()), byte_tokens(), T.Q6_K)
+    gguf_file = tmp_path / "model.Q2_K.gguf"
+    write_gguf(gguf_file, "llama", config_dict, dict(hf.state_dict()), byte_tokens(), T.Q2_K)
     checkpoint = GGUFCheckpoint.open(gguf_file)
     config = ModelConfig.from_file(checkpoint.convert(tmp_path / "converted", weights=False))
     model = load_gguf_model(checkpoint, config, torch.device("cpu"), 256)

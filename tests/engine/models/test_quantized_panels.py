@@ -29,7 +29,10 @@ from engine.models.quantized_panels import (
 )
 
 T = GGMLQuantizationType
-_SCALES = {T.Q8_0: 1, T.Q4_0: 1, T.Q4_1: 2, T.Q4_K: 2}  # float16 fields leading each block
+# Each block's float16 fields: (byte offset, how many); the minimum is the second of Q4_1 and
+# Q5_1's.
+_SCALES = {T.Q8_0: (0, 1), T.Q4_0: (0, 1), T.Q4_1: (0, 2), T.Q4_K: (0, 2), T.Q5_0: (0, 1),
+           T.Q5_1: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208, 1)}
 
 
 def random_blocks(kind: GGMLQuantizationType, rows: int, cols: int, seed: int) -> np.ndarray:
@@ -37,11 +40,12 @@ def random_blocks(kind: GGMLQuantizationType, rows: int, cols: int, seed: int) -
     rng = np.random.default_rng(seed)
     block, size = GGML_QUANT_SIZES[kind]
     raw = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
-    fields = _SCALES[kind]
-    scales = rng.uniform(0.001, 0.05, size=(rows, cols // block, fields)).astype(np.float16)
-    if kind == T.Q4_1:
-        scales[..., 1] *= -8  # the minimum
-    raw[..., :2 * fields] = scales.view(np.uint8).reshape(rows, cols // block, 2 * fields)
+    offset, fields = _SCALES[kind]
+    scales = rng.uniform(0.001, 0.05, size=(rows, cols // block, fields))
+    if kind in (T.Q4_1, T.Q5_1):
+        scales[..., 1] *= -(8 if kind == T.Q4_1 else 16)  # the minimum
+    raw[..., offset:offset + 2 * fields] = scales.astype(np.float16).view(np.uint8).reshape(
+        rows, cols // block, 2 * fields)
     return raw.reshape(rows, -1)
 
 
@@ -57,20 +61,41 @@ def panels_in_numpy(matrix: PanelMatrix) -> np.ndarray:
     def halves(start: int) -> np.ndarray:  # 16 float16 at byte `start` of each block
         return data[..., start:start + 32].copy().view(np.float16).astype(np.float32)
 
-    scale = halves(0)  # [P, B, 16]
-    if matrix.format is PanelFormat.Q8:
+    def words(start: int, count: int) -> np.ndarray:  # count little-endian uint32 at `start`
+        return data[..., start:start + 4 * count].copy().view("<u4").astype(np.int64)
+
+    fmt = matrix.format
+    lanes = np.arange(16)
+    scale = halves(0)[:, :, None, :]  # [P, B, input, 16]
+    if fmt is PanelFormat.Q8:
         values = data[..., 32:].copy().view(np.int8).reshape(panels, blocks, 32, 16)
-        weights = values * scale[:, :, None, :]
+        weights = values * scale
     else:
-        if matrix.format is PanelFormat.Q4_K:
-            scale = scale * data[..., 64:80].astype(np.float32)
-            low = -(halves(32) * data[..., 80:96].astype(np.float32))
-            nibbles = data[..., 96:].reshape(panels, blocks, 16, 16)
+        if fmt in (PanelFormat.Q4_K, PanelFormat.Q5_K):
+            scale = scale * data[..., None, 64:80].astype(np.float32)
+            low = -(halves(32) * data[..., 80:96].astype(np.float32))[:, :, None, :]
+            start = 96
+        elif fmt is PanelFormat.Q6_K:
+            factors = data[..., 32:64].copy().view(np.int8).reshape(panels, blocks, 2, 1, 16)
+            scale = np.broadcast_to(scale[:, :, None] * factors, (panels, blocks, 2, 16, 16))
+            scale = scale.reshape(panels, blocks, 32, 16)
+            low = -32 * scale
+            start = 64
         else:
-            low = halves(32)
-            nibbles = data[..., 64:].reshape(panels, blocks, 16, 16)
-        values = np.concatenate([nibbles & 15, nibbles >> 4], axis=2)
-        weights = values * scale[:, :, None, :] + low[:, :, None, :]
+            low = halves(32)[:, :, None, :]
+            start = 64
+        if fmt in (PanelFormat.Q5, PanelFormat.Q5_K):
+            high = words(start, 16)[..., None]  # [P, B, 16, 1]
+            fifth = np.concatenate([(high >> lanes) & 1, (high >> (lanes + 16)) & 1], axis=2)
+            start += 64
+        elif fmt is PanelFormat.Q6_K:
+            fifth = (words(start, 32)[..., None] >> (2 * lanes)) & 3
+            start += 128
+        else:
+            fifth = np.zeros((panels, blocks, 32, 16), dtype=np.int64)
+        nibbles = data[..., start:].reshape(panels, blocks, 16, 16)
+        values = np.concatenate([nibbles & 15, nibbles >> 4], axis=2) | (fifth << 4)
+        weights = values * scale + low
     return weights.transpose(0, 3, 1, 2).reshape(panels * 16, blocks * 32)
 
 
@@ -82,20 +107,25 @@ def test_repacked_blocks_hold_gguf_weights(kind: GGMLQuantizationType) -> None:
     expected = reference(raw, kind).numpy()
     np.testing.assert_allclose(panels_in_numpy(matrix), expected, rtol=1e-6, atol=1e-7)
     # The panels' size against the blocks': what serving the file as stored costs.
-    ratio = {T.Q8_0: 1.0, T.Q4_0: 20 / 18, T.Q4_1: 1.0, T.Q4_K: 352 / 288}[kind]
+    ratio = {T.Q8_0: 1.0, T.Q4_0: 20 / 18, T.Q4_1: 1.0, T.Q4_K: 352 / 288, T.Q5_0: 24 / 22,
+             T.Q5_1: 1.0, T.Q5_K: 416 / 352, T.Q6_K: 448 / 420}[kind]
     assert matrix.nbytes == pytest.approx(ratio * raw.nbytes)
 
 
-def test_q4_0_minimums_past_float16_take_the_k_quant_layout() -> None:
-    raw = random_blocks(T.Q4_0, 16, 64, seed=5)
-    raw.reshape(16, 2, 18)[0, 0, :2] = np.array([10000.0], dtype=np.float16).view(np.uint8)
-    matrix = gguf_panels(raw, T.Q4_0, 16, 64)  # -8 x 10000 is past float16's 65504
-    assert matrix.format is PanelFormat.Q4_K
+@pytest.mark.parametrize(("kind", "layout"), [(T.Q4_0, PanelFormat.Q4_K),
+                                              (T.Q5_0, PanelFormat.Q5_K)])
+def test_minimums_past_float16_take_the_k_quant_layout(kind: GGMLQuantizationType,
+                                                       layout: PanelFormat) -> None:
+    raw = random_blocks(kind, 16, 64, seed=5)
+    size = GGML_QUANT_SIZES[kind][1]
+    raw.reshape(16, 2, size)[0, 0, :2] = np.array([10000.0], dtype=np.float16).view(np.uint8)
+    matrix = gguf_panels(raw, kind, 16, 64)  # -8 (-16) x 10000 is past float16's 65504
+    assert matrix.format is layout
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
-    expected = x @ reference(raw, T.Q4_0).T
+    expected = x @ reference(raw, kind).T
     got = cpu_decode.PanelLinear(matrix)(x)
     assert float((got - expected).norm() / expected.norm()) < 1e-5
-    np.testing.assert_allclose(panels_in_numpy(matrix), reference(raw, T.Q4_0).numpy(),
+    np.testing.assert_allclose(panels_in_numpy(matrix), reference(raw, kind).numpy(),
                                rtol=1e-6)
 
 
@@ -113,8 +143,8 @@ def test_products_over_blocks_equal_the_dequantized_product(
 
 
 def test_unsupported_blocks_and_shapes_are_refused() -> None:
-    with pytest.raises(ValueError, match="no quantized panels for Q6_K"):
-        gguf_panels(np.zeros((16, 210), dtype=np.uint8), T.Q6_K, 16, 256)
+    with pytest.raises(ValueError, match="no quantized panels for Q3_K"):
+        gguf_panels(np.zeros((16, 110), dtype=np.uint8), T.Q3_K, 16, 256)
     with pytest.raises(ValueError, match="does not cut into panels"):
         gguf_panels(random_blocks(T.Q8_0, 24, 64, seed=0), T.Q8_0, 24, 64)
     q8, q4 = (gguf_panels(random_blocks(kind, 16, 64, seed=1), kind, 16, 64)
@@ -176,7 +206,7 @@ def _layers(model: CausalLM, batch: ForwardBatch,
         return model(batch, [(k.clone(), v.clone()) for k, v in caches], attention)
 
 
-@pytest.mark.parametrize("kind", [T.Q8_0, T.Q4_0, T.Q4_1])
+@pytest.mark.parametrize("kind", [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1])
 def test_decode_forward_over_blocks_matches_the_layers(kind: GGMLQuantizationType) -> None:
     """Nine rows (a block of 8 and one) through the decode forward of the stored model,
     against the float model's own layers in torch over the same blocks dequantized."""
@@ -204,7 +234,7 @@ def test_decode_forward_over_blocks_matches_the_layers(kind: GGMLQuantizationTyp
     assert float((got - expected).norm() / expected.norm()) < 1e-4
 
 
-@pytest.mark.parametrize("kind", [T.Q8_0, T.Q4_1])
+@pytest.mark.parametrize("kind", [T.Q8_0, T.Q4_1, T.Q5_1])
 def test_layer_path_over_blocks_matches_the_float_layers(kind: GGMLQuantizationType) -> None:
     """A prefill of two prompts (5 and 23 tokens: the products' register and scratch paths)
     through the stored model's layers, against the float model's."""
