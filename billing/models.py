@@ -23,6 +23,7 @@ from billing.records import (
     MAX_MODEL_LENGTH,
     MAX_REQUEST_ID_LENGTH,
     MAX_TIER_LENGTH,
+    MAX_WEIGHT_FORMAT_LENGTH,
     RECORD_FIELDS,
     RecordStatus,
     UsageRecord,
@@ -88,6 +89,8 @@ class UsageRecordRow(Base):
     num_requests: Mapped[int] = mapped_column(Integer, server_default="1")
     grammar_compile_s: Mapped[float] = mapped_column(Float, server_default="0")
     adapter: Mapped[str | None] = mapped_column(String(MAX_ADAPTER_LENGTH))
+    # NULL: no weights ran (a refusal), or a row from before revision 0015.
+    weight_format: Mapped[str | None] = mapped_column(String(MAX_WEIGHT_FORMAT_LENGTH))
 
 
 USAGE_RECORDS = Base.metadata.tables[UsageRecordRow.__tablename__]

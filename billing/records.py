@@ -27,6 +27,7 @@ MAX_MODEL_LENGTH = 256
 MAX_TIER_LENGTH = 32
 MAX_FINISH_REASON_LENGTH = 32
 MAX_ADAPTER_LENGTH = 64  # a registered adapter's name (tenants.LoraAdapter.name)
+MAX_WEIGHT_FORMAT_LENGTH = 32  # a served model's weight format label ("gguf-q4_1+q8_0")
 
 _COUNT_FIELDS = (
     "num_prompt_tokens",
@@ -45,6 +46,7 @@ _INT_FIELDS = (
 _FLOAT_FIELDS = (*_SECONDS_FIELDS, *_OPTIONAL_SECONDS_FIELDS)
 _NULLABLE_FIELDS = (
     "adapter",
+    "weight_format",
     "api_key_id",
     "finish_reason",
     "recompute_charged_tenant_id",
@@ -107,6 +109,10 @@ class UsageRecord:
     grammar_compile_s: float = 0.0
     # The LoRA adapter it ran on (its registered name); None: the base model `model`.
     adapter: str | None = None
+    # The weights it ran on, as the engine served them: "float32", "bfloat16", "gguf-q4_1"
+    # (stored types, the most common first: "gguf-q4_k+q8_0"), "awq-int4", "gptq-int4", "fp8".
+    # None: it ran on none (a refusal), or it was recorded before the column existed.
+    weight_format: str | None = None
 
     def __post_init__(self) -> None:
         for name, value, limit in (
@@ -118,6 +124,10 @@ class UsageRecord:
                 raise InvalidRecordError(f"{name} must have 1 to {limit} characters")
         if self.adapter is not None and not 0 < len(self.adapter) <= MAX_ADAPTER_LENGTH:
             raise InvalidRecordError(f"adapter must have 1 to {MAX_ADAPTER_LENGTH} characters")
+        if self.weight_format is not None and not (
+                0 < len(self.weight_format) <= MAX_WEIGHT_FORMAT_LENGTH):
+            raise InvalidRecordError(
+                f"weight_format must have 1 to {MAX_WEIGHT_FORMAT_LENGTH} characters")
         if self.endpoint not in _ENDPOINTS:
             raise InvalidRecordError(f"endpoint must be one of: {', '.join(_ENDPOINTS)}")
         if self.finish_reason is not None and len(self.finish_reason) > MAX_FINISH_REASON_LENGTH:

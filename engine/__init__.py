@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from engine.config import (
     CPU_DECODE_MAX_ROWS,
+    KV_CACHE_DTYPES,
     CacheConfig,
     ConfigError,
     EngineConfig,
@@ -79,6 +80,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CPU_DECODE_MAX_ROWS",
     "JSON_OPTIONS",
+    "KV_CACHE_DTYPES",
     "MAX_STOP_CHARS_PER_REQUEST",
     "MAX_STOP_STRING_CHARS",
     "MAX_STOP_TOKEN_IDS",

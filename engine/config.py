@@ -9,6 +9,7 @@ from engine.grammar_budget import GrammarBudget
 
 __all__ = [
     "CPU_DECODE_MAX_ROWS",
+    "KV_CACHE_DTYPES",
     "CacheConfig",
     "ConfigError",
     "EngineConfig",
@@ -22,6 +23,9 @@ __all__ = [
 # runner's `cpu_decode_rows` and `tiergate serve --cpu-decode-rows`): the default number of
 # running requests.
 CPU_DECODE_MAX_ROWS = 64
+# What the KV cache holds (RunnerConfig.kv_cache_dtype): auto, the model's activations' dtype;
+# fp8, float8 E4M3, half of bfloat16's bytes (engine.worker.kv_memory.kv_cache_dtype).
+KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 @dataclass
@@ -75,6 +79,7 @@ class RunnerConfig:
     # Multiplies that fraction (the given one or the default): where several engines share a
     # device, each takes its part (the gateway sets it; 1: this engine alone).
     kv_cache_memory_scale: float = 1.0
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) or fp8 (engine.worker.kv_memory)
     use_cuda_graphs: bool = True  # capture decode-only steps on CUDA
     pack_cpu_weights: bool = True  # CPU: linear layers on oneDNN-prepacked weights
     # CPU float32: norms, RoPE + KV write, SiLU-and-mul, LoRA updates as C++ ops

@@ -127,6 +127,12 @@ class ModelRunner(Protocol):
         schedule the next step meanwhile (async scheduling pays)."""
         ...
 
+    @property
+    def weight_format_label(self) -> str:
+        """The weights as served, as a short label for usage records and metrics
+        (`float32`, `gguf-q4_1`: engine.worker.weight_format)."""
+        ...
+
     def prepare_lora(self, lora: LoraRequest) -> concurrent.futures.Future[float]:
         """Have the adapter ready for requests on it, and hold it there until release_lora:
         read and checked on the host off the step's thread (a done future where it is loaded

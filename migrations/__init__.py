@@ -18,7 +18,14 @@ from sqlalchemy import Connection, func, select
 
 from tenants import DatabaseSettings, create_db_engine
 
-__all__ = ["current_revision", "downgrade_base", "head_revision", "upgrade_head"]
+__all__ = [
+    "current_revision",
+    "downgrade_base",
+    "downgrade_to",
+    "head_revision",
+    "upgrade_head",
+    "upgrade_to",
+]
 
 SCRIPT_LOCATION = Path(__file__).resolve().parent
 # pg_advisory_xact_lock key: the bytes of "tiergate" as a signed 64-bit integer.
@@ -33,6 +40,16 @@ def upgrade_head(url: str) -> None:
 def downgrade_base(url: str) -> None:
     """Undo every migration: the database is left without tiergate tables."""
     _run(url, lambda config: command.downgrade(config, "base"))
+
+
+def upgrade_to(url: str, revision: str) -> None:
+    """Bring the database at url up to revision (a test of one migration starts there)."""
+    _run(url, lambda config: command.upgrade(config, revision))
+
+
+def downgrade_to(url: str, revision: str) -> None:
+    """Undo the migrations after revision."""
+    _run(url, lambda config: command.downgrade(config, revision))
 
 
 def head_revision() -> str:

@@ -2,7 +2,9 @@
 
 Decode-only batches (one query row per sequence) go to the split-KV decode kernels and
 everything else (prefill chunks, possibly mixed with decodes) to the prefill kernel. Both
-kernels implement sliding windows, so no call falls back to the PyTorch path.
+kernels implement sliding windows, so no call falls back to the PyTorch path. The cache holds
+the queries' dtype or float8 E4M3 (`--kv-cache-dtype fp8`): the kernels convert each K/V tile
+to the queries' dtype as they read it, and the write rounds rows into it (triton_kv_write).
 
 Inputs must live on a CUDA device, or on the CPU with TRITON_INTERPRET=1 set before Triton was
 imported (the interpreter is what the CPU test suite uses; it is far too slow to serve with).
@@ -39,7 +41,8 @@ def _check_inputs(query: torch.Tensor, k_cache: torch.Tensor) -> None:
             "the Triton attention backend needs CUDA tensors (or TRITON_INTERPRET=1 for tests); "
             "use engine.attention.cpu_backend on the CPU"
         )
-    if query.dtype not in SUPPORTED_DTYPES or k_cache.dtype != query.dtype:
+    if query.dtype not in SUPPORTED_DTYPES or k_cache.dtype not in (query.dtype,
+                                                                     torch.float8_e4m3fn):
         raise TypeError(f"unsupported dtypes: query {query.dtype}, cache {k_cache.dtype}")
 
 

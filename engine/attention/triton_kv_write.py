@@ -4,7 +4,12 @@
 
 The cache of one layer is two tensors `[num_blocks, block_size, num_kv_heads, head_dim]`. Token t
 goes to `slot_mapping[t] = block_id * block_size + offset`; slot -1 marks a padding token that is
-not written (CUDA-graph padding, or a token whose KV must not land in the cache).
+not written (CUDA-graph padding, or a token whose KV must not land in the cache). An fp8 cache
+(float8 E4M3, `--kv-cache-dtype fp8`) takes the rows as they are, scale 1 as vLLM's default,
+saturated at E4M3's largest finite value (448) rather than overflowing to NaN, rounded to the
+nearest E4M3 value (ties to even) in float32 before the conversion, which then only changes
+the type: the same rounding on every GPU and under the interpreter, whose own conversion
+rounds some values into the wrong binade.
 """
 
 from __future__ import annotations
@@ -12,6 +17,26 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+FP8_MAX: tl.constexpr = tl.constexpr(448.0)  # float8 E4M3's largest finite value
+FP8_MIN_NORMAL: tl.constexpr = tl.constexpr(2.0**-6)
+# Added and taken away, rounds |x| < 2^-6 to a multiple of 2^-9 (E4M3's subnormal step): its
+# float32 spacing is 2^-9.
+FP8_SUBNORMAL_ROUNDER: tl.constexpr = tl.constexpr(1.5 * 2.0**14)
+
+
+@triton.jit
+def round_to_e4m3(x):
+    """x (float32) saturated to +-448 and rounded to the nearest float8 E4M3 value, ties to
+    even, still float32."""
+    x = tl.clamp(x, -FP8_MAX, FP8_MAX)
+    bits = x.to(tl.int32, bitcast=True)
+    # Three mantissa bits of float32's 23 kept: add half of the dropped 20 bits' range (less
+    # one unless the kept part is odd), then clear them; a carry moves the exponent up.
+    kept = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576
+    normal = kept.to(tl.float32, bitcast=True)
+    subnormal = (x + FP8_SUBNORMAL_ROUNDER) - FP8_SUBNORMAL_ROUNDER
+    return tl.where(tl.abs(x) < FP8_MIN_NORMAL, subnormal, normal)
 
 
 @triton.jit
@@ -33,6 +58,7 @@ def _write_kv_kernel(
     BLOCK_SIZE: tl.constexpr,  # tokens per KV block
     BLOCK_H: tl.constexpr,  # next power of two >= NUM_KV_HEADS
     BLOCK_D: tl.constexpr,  # next power of two >= HEAD_DIM
+    TO_FP8: tl.constexpr,  # the cache is fp8: saturate and round in float32 first
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token)
@@ -51,6 +77,9 @@ def _write_kv_kernel(
     value = tl.load(
         value_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask
     )
+    if TO_FP8:
+        key = round_to_e4m3(key.to(tl.float32))
+        value = round_to_e4m3(value.to(tl.float32))
     cache_offs = (
         block_id * stride_cb + offset * stride_cs + offs_h[:, None] * stride_ch + offs_d[None, :]
     )
@@ -91,4 +120,5 @@ def write_kv(
         BLOCK_SIZE=k_cache.shape[1],
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
+        TO_FP8=k_cache.dtype == torch.float8_e4m3fn,
     )

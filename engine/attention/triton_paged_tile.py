@@ -79,7 +79,8 @@ def online_softmax_step(q, k, v, visible, m_i, l_i, acc, scale_log2e,
     output acc; visible: which (row, key) scores count. ROWS_MAY_SEE_NOTHING: a row may see no
     key of the tile (a window, a padding row) and must keep a finite max; the decode kernel
     visits only tiles with a visible key and skips that guard."""
-    s = tl.dot(q, k, input_precision="ieee") * scale_log2e  # [rows, BLOCK_N]
+    # k and v in the cache's dtype, converted to q's where they differ (an fp8 cache).
+    s = tl.dot(q, k.to(q.dtype), input_precision="ieee") * scale_log2e  # [rows, BLOCK_N]
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = m_new
@@ -88,5 +89,5 @@ def online_softmax_step(q, k, v, visible, m_i, l_i, acc, scale_log2e,
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")
     return m_new, l_i, acc

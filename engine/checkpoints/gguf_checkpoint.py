@@ -272,7 +272,7 @@ class GGUFCheckpoint:
     def raw_tensors(self) -> Iterator[tuple[str, GGMLQuantizationType, np.ndarray]]:
         """(HF name, tensor type, raw blocks as uint8 [rows, bytes per row]) for every weight
         matrix, its rows in the HF order (q/k un-permuted): the blocks as stored, for the
-        kernels that take them so (engine.models.quantized_panels)."""
+        kernels that take them so (engine.models.quantized.panels)."""
         num_heads = int(self._required("attention.head_count"))
         num_kv_heads = int(self._arch_field("attention.head_count_kv") or num_heads)
         for tensor in self._reader.tensors:

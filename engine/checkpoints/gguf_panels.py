@@ -1,7 +1,7 @@
 """A GGUF file's quantized matrices served as stored, in the CPU kernels' panels.
 
 `stored_matrices(checkpoint, num_layers)` repacks every matrix whose blocks the kernels read
-(engine.models.quantized_panels.PANEL_TYPES) into quantized panels under the model's module
+(engine.models.quantized.panels.PANEL_TYPES) into quantized panels under the model's module
 names: q, k and v stacked into `layers.{i}.self_attn.qkv_proj`, gate and up interleaved into
 `layers.{i}.mlp.gate_up_proj` (the decode forward's order), `embed_tokens`, and `lm_head` (the
 embedding's panels when the model ties them). A fused product whose parts differ in type, or
@@ -29,7 +29,7 @@ from engine.models.config import ModelConfig
 from engine.models.cpu_decode import PanelEmbedding, PanelLinear
 from engine.models.decoder import CausalLM
 from engine.models.loader import load_weights, model_from_tensors
-from engine.models.quantized_panels import (
+from engine.models.quantized.panels import (
     PANEL,
     PANEL_TYPES,
     QBLOCK,

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,10 @@ from engine.models.registry import ArchitectureSpec, lookup_architecture
 
 class ModelConfigError(EngineError):
     """A checkpoint the engine cannot run: unknown architecture, bad or missing fields."""
+
+
+class QuantizationConfigError(ModelConfigError, ValueError):
+    """A config.json `quantization_config` the engine cannot serve (method or option)."""
 
 
 _DTYPES = {
@@ -36,6 +41,31 @@ class RopeConfig:
     low_freq_factor: float = 1.0  # llama3 only
     high_freq_factor: float = 4.0  # llama3 only
     original_max_position_embeddings: int = 8192  # llama3: pretraining context length
+
+
+class QuantMethod(StrEnum):
+    """The weight-only quantized checkpoint formats served as stored (engine.models.quantized)."""
+
+    AWQ = "awq"  # AutoAWQ GEMM: int4, group scales and zero points, packed along outputs
+    GPTQ = "gptq"  # int4/int8, group scales and zero points, packed along inputs
+    FP8 = "fp8"  # float8_e4m3fn weights, per-tensor or per-channel float32 scales
+
+
+@dataclass(frozen=True)
+class QuantizationConfig:
+    """A checkpoint's `quantization_config`, validated: what the quantized linears hold."""
+
+    method: QuantMethod
+    bits: int  # bits per weight: 4 or 8
+    group_size: int  # input features per scale and zero point; 0 for fp8 (no groups)
+    zero_offset: int  # added to stored zero points: 1 for GPTQ v1 (stores zero - 1), else 0
+
+    @property
+    def name(self) -> str:
+        """How the served weights are named, e.g. "awq-int4-g128" or "fp8-e4m3"."""
+        if self.method is QuantMethod.FP8:
+            return "fp8-e4m3"
+        return f"{self.method}-int{self.bits}-g{self.group_size}"
 
 
 @dataclass(frozen=True)
@@ -63,6 +93,7 @@ class ModelConfig:
     dtype: torch.dtype  # the checkpoint's dtype (torch_dtype / dtype), float32 if absent
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]  # config eos_token_id, as a tuple (may be empty)
+    quantization: QuantizationConfig | None = None  # quantized linears; None: float weights
 
     @property
     def q_size(self) -> int:
@@ -83,9 +114,13 @@ class ModelConfig:
                 f"model_type={raw.get('model_type')!r}"
             )
         try:
-            return _parse(raw, spec)
+            config = _parse(raw, spec)
         except (KeyError, TypeError, ValueError) as exc:
             raise ModelConfigError(f"bad model config: {exc}") from exc
+        quantization = raw.get("quantization_config")
+        if quantization is None:
+            return config
+        return replace(config, quantization=_parse_quantization(quantization))
 
     @classmethod
     def from_file(cls, path: str | Path) -> ModelConfig:
@@ -183,3 +218,54 @@ def _parse_sliding_windows(
     if len(layer_types) != num_layers:
         raise ModelConfigError("layer_types must have one entry per layer")
     return tuple(window if t == "sliding_attention" else None for t in layer_types)
+
+
+_GROUP_SIZES = (32, 64, 128)
+
+
+def _parse_quantization(raw: dict[str, Any]) -> QuantizationConfig:
+    """AWQ (GEMM), GPTQ (no act-order) and dynamic fp8, as HF transformers writes them."""
+    method = str(raw.get("quant_method", "")).lower()
+
+    def refuse(option: str, value: Any, supported: str) -> QuantizationConfigError:
+        return QuantizationConfigError(
+            f"quantization_config: {method} with {option}={value!r} is not supported "
+            f"({supported})")
+
+    if method == QuantMethod.FP8:
+        if raw.get("activation_scheme", "dynamic") != "dynamic":
+            raise refuse("activation_scheme", raw.get("activation_scheme"),
+                          "only dynamic: weights are served as stored, activations as they are")
+        if raw.get("weight_block_size") is not None:
+            raise refuse("weight_block_size", raw["weight_block_size"],
+                          "per-tensor or per-channel weight scales only")
+        if raw.get("fmt", "e4m3") != "e4m3":
+            raise refuse("fmt", raw.get("fmt"), "e4m3 only")
+        return QuantizationConfig(QuantMethod.FP8, bits=8, group_size=0, zero_offset=0)
+    if method not in (QuantMethod.AWQ, QuantMethod.GPTQ):
+        raise QuantizationConfigError(
+            f"quantization_config: unsupported quant_method {raw.get('quant_method')!r} "
+            f"(supported: {', '.join(m.value for m in QuantMethod)})")
+    bits, group_size = raw.get("bits", raw.get("w_bit")), raw.get("group_size",
+                                                                   raw.get("q_group_size"))
+    if group_size not in _GROUP_SIZES:
+        raise refuse("group_size", group_size, f"one of {_GROUP_SIZES}")
+    if method == QuantMethod.AWQ:
+        if bits != 4:
+            raise refuse("bits", bits, "4 only")
+        if not raw.get("zero_point", True):
+            raise refuse("zero_point", raw.get("zero_point"), "zero points required")
+        version = str(raw.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise refuse("version", raw.get("version"), "the GEMM layout only")
+        return QuantizationConfig(QuantMethod.AWQ, bits=4, group_size=group_size, zero_offset=0)
+    if bits not in (4, 8):
+        raise refuse("bits", bits, "4 or 8")
+    if raw.get("desc_act", False):
+        raise refuse("desc_act", raw["desc_act"], "no act-order: groups of consecutive inputs")
+    checkpoint_format = str(raw.get("checkpoint_format", "gptq")).lower()
+    if checkpoint_format not in ("gptq", "gptq_v2") or raw.get("is_marlin_format", False):
+        raise refuse("checkpoint_format", raw.get("checkpoint_format", "marlin"),
+                      "gptq (v1, zero points stored minus one) or gptq_v2")
+    return QuantizationConfig(QuantMethod.GPTQ, bits=bits, group_size=group_size,
+                              zero_offset=1 if checkpoint_format == "gptq" else 0)

@@ -40,7 +40,7 @@ from engine.models.config import ModelConfig
 from engine.models.cpu_decode_lora import CpuLoraKernels
 from engine.models.decoder import CausalLM, DecoderLayer, KVCache
 from engine.models.lora import FUSED_TARGETS, LoraSlots, LoraWeights, target_shapes
-from engine.models.quantized_panels import (
+from engine.models.quantized.panels import (
     PanelFormat,
     PanelMatrix,
     float_panels,

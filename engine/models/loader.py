@@ -15,12 +15,15 @@ from engine.models.config import ModelConfig, ModelConfigError
 from engine.models.decoder import CausalLM
 
 __all__ = [
+    "checkpoint_dtypes",
     "checkpoint_tensors",
+    "fused_target",
     "load_model",
     "load_weights",
     "model_from_tensors",
     "random_hf_state_dict",
     "random_model",
+    "shard_slices",
 ]
 
 # HF projection -> (our fused parameter, shard index inside it).
@@ -31,31 +34,54 @@ _FUSED = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
-_FUSED_NAME = re.compile(r"^(layers\.\d+\.(?:self_attn|mlp))\.(\w+_proj)\.(weight|bias)$")
+_FUSED_PARENT = re.compile(r"^layers\.\d+\.(?:self_attn|mlp)$")
 # Buffers some old checkpoints carry; recomputed here.
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
 
 
-def checkpoint_tensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) of every tensor in model.safetensors or the shards of its index."""
-    model_dir = Path(model_dir)
+def _checkpoint_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
         weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-        files = sorted(set(weight_map.values()))
-    elif (model_dir / "model.safetensors").exists():
-        files = ["model.safetensors"]
-    else:
-        raise ModelConfigError(f"no model.safetensors or its index in {model_dir}")
-    for file in files:
-        with safe_open(str(model_dir / file), framework="pt", device="cpu") as f:
+        return [model_dir / file for file in sorted(set(weight_map.values()))]
+    if (model_dir / "model.safetensors").exists():
+        return [model_dir / "model.safetensors"]
+    raise ModelConfigError(f"no model.safetensors or its index in {model_dir}")
+
+
+def checkpoint_tensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) of every tensor in model.safetensors or the shards of its index."""
+    for file in _checkpoint_files(Path(model_dir)):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 yield name, f.get_tensor(name)
 
 
-def _shard_slices(model: CausalLM) -> dict[str, list[slice]]:
+def checkpoint_dtypes(model_dir: str | Path) -> dict[str, str]:
+    """The safetensors dtype (e.g. "F16", "I32") of every tensor of checkpoint_tensors, by HF
+    name, read from the files' headers only."""
+    dtypes: dict[str, str] = {}
+    for file in _checkpoint_files(Path(model_dir)):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                dtypes[name] = f.get_slice(name).get_dtype()
+    return dtypes
+
+
+def fused_target(module: str) -> tuple[str, int]:
+    """Our module of an HF module name (without "model."), and its shard index inside it
+    (-1: the whole module), e.g. "layers.0.self_attn.k_proj" -> ("layers.0.self_attn.qkv_proj",
+    1)."""
+    parent, _, projection = module.rpartition(".")
+    if projection in _FUSED and _FUSED_PARENT.match(parent):
+        fused, shard = _FUSED[projection]
+        return f"{parent}.{fused}", shard
+    return module, -1
+
+
+def shard_slices(config: ModelConfig) -> dict[str, list[slice]]:
     """Row ranges of each shard inside a fused parameter."""
-    c = model.config
+    c = config
     q, kv, inter = c.q_size, c.kv_size, c.intermediate_size
     return {
         "qkv_proj": [slice(0, q), slice(q, q + kv), slice(q + kv, q + 2 * kv)],
@@ -66,20 +92,17 @@ def _shard_slices(model: CausalLM) -> dict[str, list[slice]]:
 def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Copy HF-named tensors into the model (casting to its dtype); every parameter must be set."""
     params = dict(model.named_parameters(remove_duplicate=False))
-    slices = _shard_slices(model)
+    slices = shard_slices(model.config)
     loaded: set[tuple[str, int]] = set()  # (parameter name, shard index; -1 for a whole tensor)
     tied = model.config.tie_word_embeddings
     for hf_name, tensor in tensors:
         name = hf_name.removeprefix("model.")
         if _IGNORED.search(name) or (tied and name == "lm_head.weight"):
             continue  # lm_head shares the embedding when tied
-        match = _FUSED_NAME.match(name)
-        if match and match.group(2) in _FUSED:
-            fused, shard = _FUSED[match.group(2)]
-            target = f"{match.group(1)}.{fused}.{match.group(3)}"
-            rows = slices[fused][shard]
-        else:
-            target, shard, rows = name, -1, slice(None)
+        module, _, kind = name.rpartition(".")
+        owner, shard = fused_target(module)
+        target = f"{owner}.{kind}"
+        rows = slice(None) if shard < 0 else slices[owner.rpartition(".")[2]][shard]
         if target not in params:
             raise ModelConfigError(f"checkpoint tensor {hf_name} has no place in the model")
         destination = params[target].data[rows]
@@ -141,8 +164,15 @@ def load_model(
     device: torch.device | str = "cpu",
     max_model_len: int | None = None,
 ) -> CausalLM:
-    """Read config.json and the safetensors weights of a HF checkpoint directory."""
+    """Read config.json and the safetensors weights of a HF checkpoint directory; the linear
+    layers of an AWQ, GPTQ or fp8 checkpoint stay as stored (engine.models.quantized)."""
     config = ModelConfig.from_file(model_dir)
+    if config.quantization is not None:
+        # imported here: the quantized loader builds on this module's functions
+        from engine.models.quantized.loading import load_quantized_model
+
+        return load_quantized_model(model_dir, config, dtype or config.dtype, device,
+                                    max_model_len or config.max_position_embeddings)
     return model_from_tensors(config, checkpoint_tensors(model_dir), dtype or config.dtype,
                               device, max_model_len or config.max_position_embeddings)
 

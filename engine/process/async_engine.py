@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 class AsyncLLMEngine(EngineClient):
     def __init__(self, engine: LLMEngine) -> None:
-        super().__init__(engine.limits, engine.stats())
+        super().__init__(engine.limits, engine.stats(), engine.runner.weight_format_label)
         self.engine = engine
         self._loop = EngineLoop(engine, self._deliver, self._set_stats, self._fail)
         self._stopped = False

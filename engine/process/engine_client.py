@@ -85,8 +85,12 @@ class _Route:
 
 
 class EngineClient(ABC):
-    def __init__(self, limits: RequestLimits, stats: SchedulerStats) -> None:
+    def __init__(self, limits: RequestLimits, stats: SchedulerStats, weight_format: str) -> None:
+        """limits and weight_format: the engine's, fixed once it is built; stats: its first
+        snapshot."""
         self.limits = limits
+        # The weights as the engine serves them, as a label (ModelRunner.weight_format_label).
+        self.weight_format = weight_format
         self._stats = stats
         self._routes: dict[str, _Route] = {}
         self._routes_lock = threading.Lock()

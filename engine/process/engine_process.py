@@ -51,6 +51,7 @@ logger = logging.getLogger(__name__)
 class _Ready:
     limits: RequestLimits
     stats: SchedulerStats
+    weight_format: str  # ModelRunner.weight_format_label
 
 
 @dataclass(frozen=True)
@@ -122,7 +123,7 @@ class EngineProcess(EngineClient):
                 logger.error("the engine process could not start:\n%s", first.traceback.rstrip())
             detail = first.error if isinstance(first, _Failed) else repr(first)
             raise EngineDeadError(f"the engine process could not start: {detail}")
-        super().__init__(first.limits, first.stats)
+        super().__init__(first.limits, first.stats, first.weight_format)
         self._reader = threading.Thread(
             target=self._read, name="tiergate-engine-reader", daemon=True
         )
@@ -238,7 +239,7 @@ def _serve(
         # cyclic collector's reach, so its full collections walk only what steps create.
         gc.collect()
         gc.freeze()
-        messages.send(_Ready(engine.limits, engine.stats()))
+        messages.send(_Ready(engine.limits, engine.stats(), engine.runner.weight_format_label))
         loop = EngineLoop(
             engine,
             deliver=lambda outputs: messages.send(_Outputs(outputs)),

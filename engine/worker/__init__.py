@@ -1,6 +1,6 @@
 """Runs a scheduled step of a real model: `TorchModelRunner` on the step every runner shares
 (`BatchRunner`), the input batch it keeps, graph inputs and CUDA graphs, the KV cache's
-memory, the FLOPs a step costs.
+memory, the FLOPs a step costs, the label of the weights' format.
 
 May import sample, models, attention, checkpoints and the neutral modules.
 """
@@ -12,8 +12,10 @@ from engine.worker.kv_memory import KVCacheSize, kv_cache_size
 from engine.worker.lora_cache import LoraCache
 from engine.worker.model_runner import TorchModelRunner
 from engine.worker.queued_step import QueuedStep, StepEvents
+from engine.worker.weight_format import MAX_WEIGHT_FORMAT_LABEL_LENGTH, weight_format_label
 
 __all__ = [
+    "MAX_WEIGHT_FORMAT_LABEL_LENGTH",
     "BatchRunner",
     "FlopsCounter",
     "InputBatch",
@@ -26,4 +28,5 @@ __all__ = [
     "forward_flops",
     "given_num_kv_blocks",
     "kv_cache_size",
+    "weight_format_label",
 ]

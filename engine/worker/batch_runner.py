@@ -22,6 +22,7 @@ from engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from engine.types import FinishedStep, LoraRequest, ModelRunnerOutput, RunnerStep
 from engine.worker.input_batch import InputBatch, RequestState, StepInputs
 from engine.worker.queued_step import QueuedStep, StepEvents
+from engine.worker.weight_format import NO_WEIGHTS_LABEL
 
 __all__ = ["BatchRunner", "given_num_kv_blocks"]
 
@@ -59,6 +60,12 @@ class BatchRunner(ABC):
     def runs_ahead(self) -> bool:
         """Its steps are done when execute returns (unless a subclass says otherwise)."""
         return False
+
+    @property
+    def weight_format_label(self) -> str:
+        """engine.types.ModelRunner.weight_format_label: no weights (unless a subclass has
+        some)."""
+        return NO_WEIGHTS_LABEL
 
     def prepare_lora(self, lora: LoraRequest) -> concurrent.futures.Future[float]:
         """engine.types.ModelRunner.prepare_lora: no adapters unless a subclass serves them."""

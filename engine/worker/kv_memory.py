@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.config import KV_CACHE_DTYPES
 from engine.errors import ConfigError
 
 __all__ = [
@@ -30,11 +31,15 @@ __all__ = [
     "KVCacheSize",
     "allocate_kv_tensor",
     "available_memory_bytes",
+    "kv_cache_dtype",
     "kv_cache_size",
 ]
 
 DEFAULT_CUDA_MEMORY_FRACTION = 0.9  # of the device's memory, what is in use counted
 DEFAULT_CPU_MEMORY_FRACTION = 0.25  # of the RAM available once the model is loaded
+# fp8 caches: on CUDA devices that convert float8 E4M3 (compute capability 8.9: Ada, Hopper
+# and later), through the Triton attention kernels.
+_FP8_CAPABILITY = (8, 9)
 
 
 @dataclass(frozen=True)
@@ -106,6 +111,24 @@ def kv_cache_size(
         raise ConfigError(
             f"no memory left for the KV cache ({where}): set --kv-cache-bytes or free memory")
     return KVCacheSize(budget, where)
+
+
+def kv_cache_dtype(option: str, device: torch.device, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's dtype for --kv-cache-dtype `option` on `device`; ConfigError where that
+    device cannot hold it."""
+    if option == "auto":
+        return model_dtype
+    if option != "fp8":
+        raise ConfigError(f"kv_cache_dtype {option!r}: one of {', '.join(KV_CACHE_DTYPES)}")
+    if device.type != "cuda":
+        raise ConfigError("an fp8 KV cache is served on CUDA only (the CPU kernels read the "
+                          "model's dtype): use --kv-cache-dtype auto")
+    capability = torch.cuda.get_device_capability(device)
+    if capability < _FP8_CAPABILITY:
+        name = torch.cuda.get_device_name(device)
+        raise ConfigError(f"an fp8 KV cache needs compute capability 8.9 or later; {name} has "
+                          f"{capability[0]}.{capability[1]}")
+    return torch.float8_e4m3fn
 
 
 def allocate_kv_tensor(

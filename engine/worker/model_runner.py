@@ -27,7 +27,8 @@ from engine.models.decoder import CausalLM, KVCache
 from engine.models.loader import load_model, random_model
 from engine.models.lora import LoraSlots, SlotKernels
 from engine.models.packed_linear import pack_linear_layers
-from engine.models.quantized_panels import PanelFormat
+from engine.models.quantized import QuantizedLinear
+from engine.models.quantized.panels import PanelFormat
 from engine.sample.sampler import SampledTokens, Sampler
 from engine.sample.sampling_table import SamplingColumns
 from engine.scheduler_output import ScheduledChunk, SchedulerOutput
@@ -36,9 +37,15 @@ from engine.worker.batch_runner import BatchRunner
 from engine.worker.cuda_graphs import DecodeCudaGraphs
 from engine.worker.flops import FlopsCounter
 from engine.worker.input_batch import RequestState, StepInputs
-from engine.worker.kv_memory import KVCacheSize, allocate_kv_tensor, kv_cache_size
+from engine.worker.kv_memory import (
+    KVCacheSize,
+    allocate_kv_tensor,
+    kv_cache_dtype,
+    kv_cache_size,
+)
 from engine.worker.lora_cache import LoraCache
 from engine.worker.queued_step import StepEvents
+from engine.worker.weight_format import weight_format_label
 
 __all__ = [
     "TokenSampler",
@@ -116,7 +123,10 @@ class TorchModelRunner(BatchRunner):
         device, self.dtype = weight.device, weight.dtype
         if sizes.max_model_len > model.max_positions:
             raise ModelConfigError("max_model_len exceeds the model's RoPE table")
+        # the C++ decode forward reads float or GGUF panels, not QuantizedLinear's layouts
+        has_quantized_linears = any(isinstance(m, QuantizedLinear) for m in model.modules())
         decodes_in_cpp = (device.type == "cpu" and options.cpu_decode_rows > 0
+                          and not has_quantized_linears
                           and supports_decode_forward(self.model_config, device, self.dtype))
         # LoRA adapters: none of this costs a step that has no token on an adapter. Made before
         # the KV cache is sized: on CUDA the kernels' slot buffers take their memory first.
@@ -136,7 +146,8 @@ class TorchModelRunner(BatchRunner):
                 kernels = cpu_lora_kernels(self.model_config, config.lora.max_loras)
             self.lora = LoraCache(self.model_config, config.lora, device, self.dtype, kernels)
             model.use_lora_slots(self.lora.slots)
-        per_block = kv_bytes_per_block(self.model_config, block_size, self.dtype)
+        self.kv_dtype = kv_cache_dtype(options.kv_cache_dtype, device, self.dtype)
+        per_block = kv_bytes_per_block(self.model_config, block_size, self.kv_dtype)
         num_blocks = options.num_kv_blocks
         self.kv_cache_size: KVCacheSize | None = None  # None: num_kv_blocks was given
         if num_blocks is None:
@@ -157,8 +168,8 @@ class TorchModelRunner(BatchRunner):
         shape = (num_blocks, block_size, self.model_config.num_kv_heads,
                  self.model_config.head_dim)
         self.kv_caches: list[KVCache] = [
-            (allocate_kv_tensor(shape, self.dtype, device),
-             allocate_kv_tensor(shape, self.dtype, device))
+            (allocate_kv_tensor(shape, self.kv_dtype, device),
+             allocate_kv_tensor(shape, self.kv_dtype, device))
             for _ in range(self.model_config.num_layers)
         ]
         self.decode_forward: CpuDecodeForward | None = None
@@ -191,14 +202,23 @@ class TorchModelRunner(BatchRunner):
     @property
     def weight_format(self) -> str:
         """The weights as served: their dtype, and the matrices held as stored by what they
-        came from (a GGUF file's types), e.g. `float32; stored: Q4_1 x120, Q8_0 x1`."""
+        came from (a GGUF file's types, a quantized HF checkpoint's format), e.g.
+        `float32; stored: Q4_1 x120, Q8_0 x1` or `bfloat16; stored: awq-int4-g128 x28`."""
         stored = {id(module.panels): module.panels.origin for module in self.model.modules()
                   if isinstance(module, PanelLinear | PanelEmbedding)
                   and module.panels.format is not PanelFormat.F32}
+        stored |= {id(module): module.format.name for module in self.model.modules()
+                   if isinstance(module, QuantizedLinear)}
         kinds = Counter(stored.values())
         described = ", ".join(f"{kind} x{count}" for kind, count in sorted(kinds.items()))
         dtype = str(self.dtype).removeprefix("torch.")
         return f"{dtype}; stored: {described}" if kinds else dtype
+
+    @property
+    def weight_format_label(self) -> str:
+        """weight_format as a usage record's and a metric's label, e.g. `gguf-q4_1+q8_0`
+        (engine.worker.weight_format)."""
+        return weight_format_label(self.weight_format)
 
     @classmethod
     def from_model_dir(

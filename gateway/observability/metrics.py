@@ -238,6 +238,13 @@ class _Series:
             "recomputed (after preemptions), generated (sampled).",
             ("model", "kind"), registry=r,
         )  # fmt: skip
+        # An info metric (1): per-model series join it on `model` for the weight format,
+        # rather than each carrying it as a label.
+        self.weight_format = Gauge(
+            "tiergate_model_weight_format",
+            "1 for the weight format the model's engine serves (float32, gguf-q4_1, ...).",
+            ("model", "weight_format"), registry=r,
+        )  # fmt: skip
         self.engine_up = Gauge(
             "tiergate_engine_up",
             "1 while the model's engine loop takes requests; 0 while it loads, is restarted "
@@ -322,6 +329,7 @@ class GatewayMetrics:
         self._engine_generation: dict[str, int] = {}
         self._restarts_counted: dict[tuple[str, str], int] = {}
         self._redis_up: Gauge | None = None
+        self._weight_formats: dict[str, str] = {}  # the label set by model
         s = self._series
         for tier in tiers:
             self._tier_names.append(tier.name)
@@ -441,6 +449,17 @@ class GatewayMetrics:
                 registry=self.registry,
             )  # fmt: skip
         self._redis_up.set(1 if health.redis_up else 0)
+
+    def update_weight_format(self, model: str, weight_format: str) -> None:
+        """The format a model's engine serves its weights in: one series per model, moved to
+        the new label when a reloaded engine serves another."""
+        gauge, previous = self._series.weight_format, self._weight_formats.get(model)
+        if previous == weight_format:
+            return
+        if previous is not None:
+            gauge.remove(model, previous)
+        gauge.labels(model, weight_format).set(1)
+        self._weight_formats[model] = weight_format
 
     def update_engine_health(self, model: str, health: EngineHealth) -> None:
         """A model's engine: up or not, and the restarts so far; call before update_engine

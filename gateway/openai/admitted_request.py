@@ -366,6 +366,7 @@ class AdmittedRequest:
             token_times=self._token_times,
             first_token_time=self.first_token_time,
             adapter=self.target.adapter,
+            weight_format=self.served.weight_format,
         )
 
 

@@ -36,6 +36,7 @@ def build_record(
     first_token_time: float | None = None,
     refusal_reason: str | None = None,
     adapter: str | None = None,
+    weight_format: str | None = None,
 ) -> RequestRecord:
     """The record of a request once it is over.
 
@@ -43,7 +44,8 @@ def build_record(
     arrival, first_token_time and token_times are monotonic seconds: token_times, per choice,
     when its outputs that carried tokens arrived. metrics: the engine's latest metering of
     each choice that ran. created_at: when it was admitted (None: when it ended, for a
-    refusal). http_status: what the client got. adapter: the LoRA adapter it ran on.
+    refusal). http_status: what the client got. adapter: the LoRA adapter it ran on;
+    weight_format: the served model's (None for a refusal: nothing ran).
     """
     now = time.monotonic()
     finished_at = datetime.now(UTC)
@@ -84,6 +86,7 @@ def build_record(
         refusal_reason=refusal_reason,
         grammar_compile_s=sum((m.grammar_compile_s for m in metrics), 0.0),
         adapter=adapter,
+        weight_format=weight_format,
     )
 
 

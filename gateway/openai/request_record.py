@@ -61,3 +61,6 @@ class RequestRecord:
     grammar_compile_s: float = 0.0
     # The LoRA adapter it ran on (its registered name); None: the base model.
     adapter: str | None = None
+    # The weights it ran on (the served model's ServedModel.weight_format); None: a refusal,
+    # which ran on none.
+    weight_format: str | None = None

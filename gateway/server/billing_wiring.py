@@ -52,6 +52,7 @@ def usage_record(record: RequestRecord) -> UsageRecord:
         recompute_amount_usd_micros=0,
         grammar_compile_s=record.grammar_compile_s,
         adapter=record.adapter,
+        weight_format=record.weight_format,
     )
 
 

@@ -47,12 +47,16 @@ class Observability:
         engine_stats: Callable[[str], SchedulerStats],
         engine_health: Callable[[], Mapping[str, EngineHealth]],
         dependencies: Callable[[], DependencyHealth],
+        weight_formats: Callable[[], Mapping[str, str]],
         telemetry: Telemetry | None = None,
     ) -> None:
+        """engine_stats, engine_health, dependencies and weight_formats (the loaded models'
+        ServedModel.weight_format by name) are read at each scrape."""
         self.tiers = tiers
         self.engine_stats = engine_stats
         self.engine_health = engine_health
         self.dependencies = dependencies
+        self.weight_formats = weight_formats
         self.metrics = GatewayMetrics(tiers, alert_rules=alerting.rules)
         self.monitor = AlertMonitor.from_settings(alerting, metrics=self.metrics)
         self.telemetry = telemetry or setup_telemetry(TelemetrySettings.from_env())
@@ -66,12 +70,13 @@ class Observability:
         engine_stats: Callable[[str], SchedulerStats],
         engine_health: Callable[[], Mapping[str, EngineHealth]],
         dependencies: Callable[[], DependencyHealth],
+        weight_formats: Callable[[], Mapping[str, str]],
         telemetry: Telemetry | None = None,
     ) -> Observability:
         """From the config file's sections (``alerts``); telemetry defaults to the
         environment's OTLP settings."""
         return cls(tiers, AlertingSettings.from_config(file_config.get("alerts"), tiers),
-                   engine_stats, engine_health, dependencies, telemetry)
+                   engine_stats, engine_health, dependencies, weight_formats, telemetry)
 
     async def start(self) -> None:
         await self.loop_watch.start()
@@ -103,6 +108,8 @@ class Observability:
     def refresh(self) -> None:
         """The gauges read from elsewhere (engines, ledger, Redis), before a scrape."""
         self.metrics.update_dependencies(self.dependencies())
+        for model, weight_format in self.weight_formats().items():
+            self.metrics.update_weight_format(model, weight_format)
         for model, health in self.engine_health().items():
             self.metrics.update_engine_health(model, health)
             stats = self.engine_stats(model)

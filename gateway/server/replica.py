@@ -81,6 +81,7 @@ def compose_replica(
                 spool_bytes=ledger.spool_bytes,
                 redis_up=admission.redis_up,
             ),
+            runtime.weight_formats,
             telemetry,
         )
     except ValueError as exc:

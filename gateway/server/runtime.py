@@ -215,6 +215,11 @@ class GatewayRuntime:
         return {name: host.served for name, host in self.models.items()
                 if host.served is not None and principal.may_use(name)}
 
+    def weight_formats(self) -> dict[str, str]:
+        """The loaded models' weight formats (ServedModel.weight_format) by name."""
+        return {name: host.served.weight_format for name, host in self.models.items()
+                if host.served is not None}
+
     @property
     def sole_model_name(self) -> str:
         """The served model's name where there is one; "" where there are several (what the

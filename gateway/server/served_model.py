@@ -26,7 +26,6 @@ from engine import (
     LoraConfig,
     ModelConfig,
     ModelRunner,
-    RequestLimits,
     RunnerConfig,
     SchedulerConfig,
     SchedulingPolicy,
@@ -74,6 +73,9 @@ class ServedModel:
     grammars: GrammarCompiler
     # The checkpoint's config: what a LoRA adapter is checked against before it is stored.
     model_config: ModelConfig
+    # The weights as its engine serves them (`float32`, `gguf-q4_1+q8_0`: the engine's
+    # ModelRunner.weight_format_label): its usage records' weight_format and its metric label.
+    weight_format: str
 
 
 def context_length(settings: GatewaySettings, model_config: ModelConfig,
@@ -101,16 +103,15 @@ def load_served_model(
     engine = EngineProcess(functools.partial(build_engine, settings, tiers, spec, model_dir,
                                              source.gguf_file))
     name = spec.served_name
-    served = describe_model(model_config, tokenizer, name, created, engine.limits,
+    served = describe_model(model_config, tokenizer, name, created, engine,
                             tool_call_parser=settings.tool_call_parser)
     served.grammars.warm_up()  # the tokenizer's index, before the first structured request
     logger.info(
-        "serving %s from %s on %s: %d KV blocks of %d tokens, context %d, async scheduling "
-        "%s (engine process %s)",
-        name, model_dir, spec.device or settings.device, served.num_kv_blocks,
-        served.kv_block_size,
-        served.max_model_len, settings.async_scheduling,
-        engine.pid,
+        "serving %s from %s on %s: %s weights, %d KV blocks of %d tokens, context %d, async "
+        "scheduling %s (engine process %s)",
+        name, model_dir, spec.device or settings.device, served.weight_format,
+        served.num_kv_blocks, served.kv_block_size, served.max_model_len,
+        settings.async_scheduling, engine.pid,
     )
     return served, engine
 
@@ -160,6 +161,7 @@ def engine_config(
         kv_cache_memory_fraction=(spec.kv_cache_memory_fraction if own_budget
                                   else settings.kv_cache_memory_fraction),
         kv_cache_memory_scale=spec.kv_memory_scale,
+        kv_cache_dtype=settings.kv_cache_dtype,
     )
     if settings.cpu_decode_rows is not None:
         runner.cpu_decode_rows = settings.cpu_decode_rows
@@ -209,13 +211,15 @@ def describe_model(
     tokenizer: ChatTokenizer,
     name: str,
     created: int,
-    limits: RequestLimits,
+    engine: EngineClient,
     vocab_size: int | None = None,
     tool_call_parser: str = "auto",
 ) -> ServedModel:
-    """What the HTTP layer is told of the model. vocab_size: the ids clients may send
-    (default: the model's vocabulary)."""
+    """What the HTTP layer is told of the model, and of the engine built for it (its limits,
+    its weight format). vocab_size: the ids clients may send (default: the model's
+    vocabulary)."""
     _ = tokenizer.max_token_bytes  # read the vocabulary now, not on the first large prompt
+    limits = engine.limits
     return ServedModel(
         name=name,
         tokenizer=tokenizer,
@@ -229,6 +233,7 @@ def describe_model(
         grammars=GrammarCompiler(tokenizer, vocab_size or model_config.vocab_size,
                                  list(eos_token_ids(model_config, tokenizer))),
         model_config=model_config,
+        weight_format=engine.weight_format,
     )
 
 

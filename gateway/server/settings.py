@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from engine import CPU_DECODE_MAX_ROWS
+from engine import CPU_DECODE_MAX_ROWS, KV_CACHE_DTYPES
 from gateway.admin.auth import ADMIN_TOKEN_ENV
 from gateway.server.model_spec import (
     ModelSpec,
@@ -80,6 +80,11 @@ _OPTIONS: dict[str, _Option] = {
         "--kv-cache-memory-fraction", "TIERGATE_KV_CACHE_MEMORY_FRACTION",
         "without --kv-cache-bytes: the KV cache's share of the memory the engine may use "
         "(default 0.9 of a CUDA device's, less what it holds; 0.25 of the RAM available)",
+    ),
+    "kv_cache_dtype": _Option(
+        "--kv-cache-dtype", "TIERGATE_KV_CACHE_DTYPE",
+        "auto (the model's dtype) or fp8 (float8 E4M3: twice the tokens per byte; CUDA devices "
+        "of compute capability 8.9 or later)",
     ),
     "grammar_max_step_ms": _Option(
         "--grammar-max-step-ms", "TIERGATE_GRAMMAR_MAX_STEP_MS",
@@ -221,6 +226,7 @@ class GatewaySettings:
     # None: a share of the memory the engine may use (engine.worker.kv_memory).
     kv_cache_bytes: int | None = None
     kv_cache_memory_fraction: float | None = None
+    kv_cache_dtype: str = "auto"  # auto | fp8 (engine.worker.kv_memory.KV_CACHE_DTYPES)
     # What a constrained sample's grammar may cost on the host (engine.GrammarBudget).
     grammar_max_step_ms: float = 20.0
     grammar_max_ms_per_token: float = 2.0
@@ -266,6 +272,8 @@ class GatewaySettings:
             raise SettingsError("--device must be cpu, cuda or cuda:N")
         if self.dtype not in _DTYPES:
             raise SettingsError(f"--dtype must be one of {', '.join(_DTYPES)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise SettingsError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}")
         if self.async_scheduling not in ("auto", "on", "off"):
             raise SettingsError("--async-scheduling must be auto, on or off")
         if self.scheduling not in ("tiered", "fcfs"):

@@ -44,6 +44,7 @@ def make_record(request_id: str, /, **fields: Any) -> UsageRecord:
         "finished_at": finished_at,
         "amount_usd_micros": 134,
         "recompute_amount_usd_micros": 0,
+        "weight_format": "float32",
     }
     values.update(fields)
     return UsageRecord(**values)
@@ -90,8 +91,10 @@ def seed_month(session: Session) -> SeededMonth:
                     status=RecordStatus.REFUSED, finish_reason=None, api_key_id=None,
                     num_prompt_tokens=0, num_cached_prompt_tokens=0, num_completion_tokens=0,
                     gpu_seconds=0.0, amount_usd_micros=0, queue_time_s=None, ttft_s=None,
-                    e2e_time_s=None, num_requests=3),  # three refusals, folded
+                    e2e_time_s=None, num_requests=3,
+                    weight_format=None),  # three refusals, folded: no weights ran
         make_record("a3", tenant_id=a, tier="premium", finished_at=at(3),
+                    weight_format="gguf-q4_1+q8_0",
                     num_prompt_tokens=10, num_cached_prompt_tokens=0, num_completion_tokens=1,
                     gpu_seconds=0.0625, amount_usd_micros=40, num_preemptions=2,
                     recompute_gpu_seconds=1.5, recompute_charged_tenant_id=g,

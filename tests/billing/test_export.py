@@ -133,6 +133,8 @@ def test_detail_jsonl_is_every_record_of_the_month(session: Session, month: Seed
     )
     assert [r.finished_at for r in records] == sorted(r.finished_at for r in records)
     assert count_records(session, NOVEMBER) == 7
+    by_id = {r.request_id: r for r in records}
+    assert (by_id["a3"].weight_format, by_id["g3"].weight_format) == ("gguf-q4_1+q8_0", None)
 
 
 def test_detail_of_a_tenant_includes_the_recompute_it_paid(
@@ -141,13 +143,18 @@ def test_detail_of_a_tenant_includes_the_recompute_it_paid(
     request = ExportRequest(NOVEMBER, ExportFormat.CSV, month.acme_id, is_detail=True)
     lines = list(csv.DictReader(io.StringIO(_text(session, request))))
     assert tuple(lines[0]) == DETAIL_COLUMNS
+    assert DETAIL_COLUMNS[-2:] == ("adapter", "weight_format")  # the record's field order
     assert sorted(line["request_id"] for line in lines) == ["a1", "a2", "a3", "g1"]
+    formats = {line["request_id"]: line["weight_format"] for line in lines}
+    assert formats == {"a1": "float32", "a2": "float32", "a3": "gguf-q4_1+q8_0",
+                       "g1": "float32"}
     assert count_records(session, NOVEMBER, month.acme_id) == 4
     refused = ExportRequest(NOVEMBER, ExportFormat.CSV, month.globex_id, is_detail=True)
     g3 = next(
         x for x in csv.DictReader(io.StringIO(_text(session, refused))) if x["request_id"] == "g3"
     )
     assert (g3["status"], g3["api_key_id"], g3["ttft_s"]) == ("refused", "", "")
+    assert g3["weight_format"] == ""  # a refusal ran on no weights
 
 
 def test_an_empty_month_exports_only_a_header(session: Session) -> None:

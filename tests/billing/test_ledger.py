@@ -150,6 +150,27 @@ def test_recording_the_same_request_id_twice_stores_it_once(
     assert usage == MonthlyUsage(120, 134)  # counted once
 
 
+def test_the_weight_format_is_stored_and_read_back(
+    session_factory: sessionmaker[Session], tmp_path: Path
+) -> None:
+    formats = {"fp32": "float32", "q4": "gguf-q4_1+q8_0", "awq": "awq-int4", "refused": None}
+
+    async def scenario() -> None:
+        ledger = _ledger(session_factory, tmp_path / "spool.jsonl")
+        await ledger.start()
+        await asyncio.gather(*(
+            ledger.record(make_record(request_id, finished_at=NOW, weight_format=weight_format))
+            for request_id, weight_format in formats.items()
+        ))
+        await ledger.close()
+
+    _run(scenario)
+    with session_factory() as session:
+        stored = dict(session.execute(
+            select(UsageRecordRow.request_id, UsageRecordRow.weight_format)).all())
+    assert stored == formats
+
+
 def test_settings_are_validated(session_factory: sessionmaker[Session], tmp_path: Path) -> None:
     cases: list[tuple[dict[str, Any], str]] = [
         ({"max_batch": 0}, "max_batch"),

@@ -12,6 +12,8 @@ import pytest
 
 from billing import InvalidPeriodError, InvalidRecordError, Period, RecordStatus, UsageRecord
 from billing.period import day_range, parse_day
+from billing.records import MAX_WEIGHT_FORMAT_LENGTH
+from engine.worker.weight_format import MAX_WEIGHT_FORMAT_LABEL_LENGTH
 from tests.billing.factories import make_record
 
 
@@ -51,6 +53,8 @@ def test_timestamps_are_kept_in_utc() -> None:
         ({"finished_at": datetime(2026, 11, 15)}, "timezone-aware"),
         ({"num_requests": 0}, "at least 1"),
         ({"num_requests": 2}, "only refusals"),  # a request that ran is one record
+        ({"weight_format": ""}, "weight_format"),
+        ({"weight_format": "gguf-" + "q4_k+" * 6}, "weight_format"),  # past its column
     ],
 )
 def test_invalid_records_are_refused(fields: dict[str, Any], message: str) -> None:
@@ -62,6 +66,18 @@ def test_a_spool_line_from_before_folded_refusals_stands_for_one_request() -> No
     line = make_record("r").to_json()
     del line["num_requests"]
     assert UsageRecord.from_json(line).num_requests == 1
+
+
+def test_a_spool_line_from_before_the_weight_format_names_none() -> None:
+    line = make_record("r", weight_format="gguf-q4_1").to_json()
+    assert line["weight_format"] == "gguf-q4_1"
+    assert UsageRecord.from_json(line).weight_format == "gguf-q4_1"
+    del line["weight_format"]
+    assert UsageRecord.from_json(line).weight_format is None
+
+
+def test_the_weight_format_column_holds_every_engine_label() -> None:
+    assert MAX_WEIGHT_FORMAT_LABEL_LENGTH <= MAX_WEIGHT_FORMAT_LENGTH
 
 
 def test_unreadable_json_is_an_invalid_record() -> None:
@@ -76,6 +92,7 @@ def test_unreadable_json_is_an_invalid_record() -> None:
         {**good, "gpu_seconds": "0.5"},
         {**good, "num_requests": 1.5},
         {**good, "model": None},
+        {**good, "weight_format": 4},
     ):
         with pytest.raises(InvalidRecordError):
             UsageRecord.from_json(broken)

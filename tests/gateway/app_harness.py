@@ -74,7 +74,7 @@ class FakeModelLoader:
         engine = AsyncLLMEngine(new_engine(settings, config, runner, model_config, tokenizer,
                                            background_priority=tiers.background_priority()))
         served = describe_model(
-            model_config, tokenizer, spec.served_name, created, engine.limits, vocab_size
+            model_config, tokenizer, spec.served_name, created, engine, vocab_size
         )
         self.runner = runner
         return served, engine

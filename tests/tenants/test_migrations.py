@@ -10,11 +10,13 @@ import time
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import Engine, inspect, text
+from sqlalchemy import Engine, insert, inspect, select, text
 
 import migrations
-from billing import UsageRecordRow
-from tenants import Base, DatabaseSettings, create_db_engine
+from billing import UsageRecordRow, insert_records
+from billing.models import USAGE_RECORDS, record_values
+from tenants import Base, DatabaseSettings, create_db_engine, create_session_factory
+from tests.billing.factories import make_record
 
 # Importing billing puts usage_records on Base.metadata, which the parity test compares.
 TIERGATE_TABLES = {
@@ -61,6 +63,43 @@ def test_models_match_the_migrated_schema(engine: Engine) -> None:
     with engine.connect() as connection:
         context = MigrationContext.configure(connection, opts={"compare_type": True})
         assert compare_metadata(context, Base.metadata) == []
+
+
+def _columns(url: str, table: str) -> set[str]:
+    engine = create_db_engine(DatabaseSettings(url=url), pooled=False)
+    try:
+        return {column["name"] for column in inspect(engine).get_columns(table)}
+    finally:
+        engine.dispose()
+
+
+def test_the_weight_format_column_leaves_old_records_null(fresh_database_url: str) -> None:
+    url = fresh_database_url
+    migrations.upgrade_to(url, "0014")
+    assert "weight_format" not in _columns(url, "usage_records")
+    old = {k: v for k, v in record_values(make_record("old")).items() if k != "weight_format"}
+    engine = create_db_engine(DatabaseSettings(url=url), pooled=False)
+    try:
+        with engine.begin() as connection:
+            connection.execute(insert(USAGE_RECORDS), [old])
+
+        migrations.upgrade_to(url, "0015")
+        with create_session_factory(engine)() as session, session.begin():
+            assert insert_records(session, [make_record("new", weight_format="gguf-q4_1")])
+        with engine.connect() as connection:
+            stored = dict(connection.execute(
+                select(USAGE_RECORDS.c.request_id, USAGE_RECORDS.c.weight_format)).all())
+        assert stored == {"old": None, "new": "gguf-q4_1"}  # not recorded before 0015
+
+        migrations.downgrade_to(url, "0014")
+        assert "weight_format" not in _columns(url, "usage_records")
+        with engine.connect() as connection:
+            ids = connection.execute(text("SELECT request_id FROM usage_records")).scalars()
+            assert sorted(ids) == ["new", "old"]  # the records stay, without their format
+    finally:
+        engine.dispose()
+    migrations.upgrade_head(url)
+    assert migrations.current_revision(url) == migrations.head_revision()
 
 
 def test_version_files_carry_a_date_prefix() -> None:

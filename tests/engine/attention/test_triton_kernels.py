@@ -260,3 +260,56 @@ def test_backend_writes_then_attends(device: str) -> None:
     backend.prepare(metadata(batch, slot_mapping))
     backend.write_kv(torch.cat(keys), torch.cat(values), batch.k_cache, batch.v_cache)
     check(attend(backend, batch), batch)
+
+
+FP8 = torch.float8_e4m3fn
+
+
+def as_fp8_cache(batch: PagedBatch) -> PagedBatch:
+    """The batch over an fp8 (E4M3) cache: its K/V rounded to fp8, the dense copies too."""
+
+    def rounded(rows: torch.Tensor) -> torch.Tensor:
+        return rows.to(FP8).to(rows.dtype)
+
+    return PagedBatch(
+        query=batch.query, k_cache=batch.k_cache.to(FP8), v_cache=batch.v_cache.to(FP8),
+        block_tables=batch.block_tables, query_start_loc=batch.query_start_loc,
+        context_lens=batch.context_lens, keys=[rounded(k) for k in batch.keys],
+        values=[rounded(v) for v in batch.values], scale=batch.scale)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_kv_into_an_fp8_cache_rounds_and_saturates(device: str, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(2)
+    k_cache = torch.zeros(4, 4, 2, 16, dtype=FP8, device=device)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.tensor([5, -1, 0, 14], dtype=torch.int64, device=device)
+    key = (torch.randn(4, 2, 16, generator=gen) * 20).to(dtype)
+    key[0, 0, :4] = torch.tensor([1000.0, -1000.0, 448.0, -500.0]).to(dtype)  # past E4M3's 448
+    # Subnormals (steps of 2^-9) with a tie to even, and ties of normal values.
+    key[0, 1, :6] = torch.tensor([0.001, -2.5 * 2**-9, 3.5 * 2**-9, 2**-7, 9.0, -19.0]).to(dtype)
+    value = torch.randn(4, 2, 16, generator=gen).to(dtype)
+    write_kv(key.to(device), value.to(device), k_cache, v_cache, slots)
+    valid = (slots >= 0).cpu()
+    for cache, rows in ((k_cache, key), (v_cache, value)):
+        got = cache.view(-1, 2, 16).cpu()[slots.cpu()[valid]].float()
+        expected = rows[valid].float().clamp(-448.0, 448.0).to(FP8).float()
+        assert torch.equal(got, expected)  # as torch rounds: to nearest, ties to even
+    assert float(k_cache.view(-1, 2, 16)[5, 0, :4].float().abs().max()) == 448.0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kernels_read_an_fp8_cache(device: str, dtype: torch.dtype) -> None:
+    """Decode and prefill over fp8 K/V against dense attention over the same rounded K/V."""
+    decode = as_fp8_cache(make_batch([1, 1, 1], [37, 3, 70], dtype=dtype, device=device))
+    out = paged_decode(*batch_args(decode), decode.scale, partition_size=16, block_n=16)
+    assert out.dtype == dtype
+    assert relative_error(out, dense_output(decode)) <= TOLERANCE[dtype]
+    mixed = as_fp8_cache(make_batch([5, 17, 1], [5, 40, 9], dtype=dtype, device=device))
+    out = paged_prefill(*batch_args(mixed), mixed.scale, block_m=16, block_n=16)
+    assert relative_error(out, dense_output(mixed)) <= TOLERANCE[dtype]
+    backend = TritonPagedAttention()  # the backend takes the fp8 cache with any query dtype
+    backend.prepare(metadata(decode))
+    assert relative_error(attend(backend, decode), dense_output(decode)) <= TOLERANCE[dtype]

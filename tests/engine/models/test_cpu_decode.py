@@ -16,7 +16,7 @@ from engine.models.batch import ForwardBatch
 from engine.models.config import ModelConfig
 from engine.models.cpu_decode_lora import CpuLoraKernels
 from engine.models.lora import LoraSlots, LoraWeights, target_shapes
-from engine.models.quantized_panels import float_panels
+from engine.models.quantized.panels import float_panels
 from engine.worker.model_runner import TorchModelRunner
 from tests.engine.models.helpers import (
     VOCAB,

@@ -1,4 +1,4 @@
-"""Quantized panels (engine.models.quantized_panels) against gguf's own dequantization: the
+"""Quantized panels (engine.models.quantized.panels) against gguf's own dequantization: the
 repacking, the C++ products over them (every row-count path), and the decode forward of a
 tiny model whose matrices are held as GGUF blocks."""
 
@@ -19,7 +19,7 @@ from engine.models.batch import ForwardBatch
 from engine.models.config import ModelConfig
 from engine.models.decoder import CausalLM
 from engine.models.loader import random_model
-from engine.models.quantized_panels import (
+from engine.models.quantized.panels import (
     PANEL_TYPES,
     PanelFormat,
     PanelMatrix,

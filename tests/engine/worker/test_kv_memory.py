@@ -12,11 +12,16 @@ import torch
 from engine.config import EngineConfig, RunnerConfig, SchedulerConfig
 from engine.errors import ConfigError
 from engine.models.config import ModelConfig
-from engine.worker.kv_memory import allocate_kv_tensor, available_memory_bytes, kv_cache_size
+from engine.worker.kv_memory import (
+    allocate_kv_tensor,
+    available_memory_bytes,
+    kv_cache_dtype,
+    kv_cache_size,
+)
 from engine.worker.model_runner import TorchModelRunner, kv_bytes_per_block
 from gateway.server.model_spec import ModelSpec
 from gateway.server.served_model import build_engine
-from gateway.server.settings import GatewaySettings
+from gateway.server.settings import GatewaySettings, SettingsError
 from policies import TierTable
 from tests.serve_process import shared_demo_model_dir
 
@@ -95,3 +100,34 @@ def test_the_runner_sizes_its_cache_by_default_and_build_engine_logs_it(
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache")]
     assert "max_num_seqs x max_model_len tokens, within 0.25 of" in line
     assert "64 blocks of 16 tokens" in line
+
+
+def test_the_cache_dtype_is_the_models_or_fp8_where_the_device_converts_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert kv_cache_dtype("auto", CPU, torch.bfloat16) is torch.bfloat16
+    with pytest.raises(ConfigError, match="one of auto, fp8"):
+        kv_cache_dtype("int8", CPU, torch.float32)
+    with pytest.raises(ConfigError, match="on CUDA only"):
+        kv_cache_dtype("fp8", CPU, torch.float32)
+    cuda = torch.device("cuda", 0)  # the capability read is the device's own, patched here
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA A100")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 0))
+    with pytest.raises(ConfigError, match=r"8\.9 or later; NVIDIA A100 has 8\.0"):
+        kv_cache_dtype("fp8", cuda, torch.bfloat16)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
+    assert kv_cache_dtype("fp8", cuda, torch.bfloat16) is torch.float8_e4m3fn
+    # Half of bfloat16's bytes a block: the same budget holds twice the tokens.
+    config = ModelConfig.from_file(shared_demo_model_dir())
+    assert 2 * kv_bytes_per_block(config, 16, torch.float8_e4m3fn) == kv_bytes_per_block(
+        config, 16, torch.bfloat16)
+
+
+def test_a_cpu_runner_and_the_settings_refuse_an_fp8_cache() -> None:
+    with pytest.raises(ConfigError, match="on CUDA only"):
+        TorchModelRunner.from_model_dir(
+            shared_demo_model_dir(), EngineConfig(
+                SchedulerConfig(max_num_seqs=4, max_model_len=256),
+                runner=RunnerConfig(num_kv_blocks=8, kv_cache_dtype="fp8")))
+    with pytest.raises(SettingsError, match="--kv-cache-dtype must be one of auto, fp8"):
+        GatewaySettings(kv_cache_dtype="fp16")

@@ -110,13 +110,17 @@ def test_a_batch_runs_every_line_once_and_bills_each_in_the_batch_tier(
 
     with sqlite3.connect(database) as db:
         records = db.execute(
-            "SELECT request_id, tier, status FROM usage_records WHERE request_id LIKE ?",
+            "SELECT request_id, tier, status, weight_format FROM usage_records "
+            "WHERE request_id LIKE ?",
             (f"batch_req_{created.id.removeprefix('batch_')}_%",)).fetchall()
     # One record per line that ran (a request the server refuses as invalid has none, as
-    # over HTTP), each with the line's own id, in the batch tier.
+    # over HTTP), each with the line's own id, in the batch tier, on the demo model's float
+    # weights.
     assert sorted(r[0] for r in records) == sorted(o["id"] for o in outputs)
-    assert {(r[1], r[2]) for r in records} == {("batch", "completed")}
+    assert {(r[1], r[2], r[3]) for r in records} == {("batch", "completed", "float32")}
     metrics = admin.get("/metrics").text
+    assert f'tiergate_model_weight_format{{model="{MODEL}",weight_format="float32"}} 1.0' in (
+        metrics.splitlines())
     assert _counter(metrics, "completed") >= 12 and _counter(metrics, "failed") >= 2
 
 

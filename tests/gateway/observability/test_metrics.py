@@ -51,6 +51,7 @@ POOL_WIDE = {
     "tiergate_engine_under_share_lane_steps",
     "tiergate_engine_up",
     "tiergate_engine_restarts",
+    "tiergate_model_weight_format",
     "tiergate_ledger_database_up",
     "tiergate_ledger_spool_bytes",
     "tiergate_rate_limiter_redis_up",
@@ -230,6 +231,20 @@ def test_update_engine_mirrors_scheduler_stats() -> None:
     assert value("tiergate_kv_blocks_used", m | {"tier": "standard"}) == 0
 
 
+def test_the_weight_format_is_one_series_per_model() -> None:
+    metrics = GatewayMetrics(DEFAULT_TIERS)
+    value = metrics.registry.get_sample_value
+    metrics.update_weight_format("m", "gguf-q4_1+q8_0")
+    metrics.update_weight_format("m", "gguf-q4_1+q8_0")  # each scrape sets it again
+    metrics.update_weight_format("other", "bfloat16")
+    name = "tiergate_model_weight_format"
+    assert value(name, {"model": "m", "weight_format": "gguf-q4_1+q8_0"}) == 1
+    assert value(name, {"model": "other", "weight_format": "bfloat16"}) == 1
+    metrics.update_weight_format("m", "float32")  # reloaded from another checkpoint
+    assert value(name, {"model": "m", "weight_format": "gguf-q4_1+q8_0"}) is None
+    assert value(name, {"model": "m", "weight_format": "float32"}) == 1
+
+
 def test_engine_counters_are_mirrored_once() -> None:
     engine = preempting_engine()
     metrics = GatewayMetrics(DEFAULT_TIERS)
@@ -285,6 +300,7 @@ def populated_metrics() -> GatewayMetrics:
     stats.mean_step_time_s = 0.01
     metrics.update_engine_health("m", EngineHealth(is_up=True, generation=1))
     metrics.update_engine("m", stats, {"premium": 0.0})
+    metrics.update_weight_format("m", "gguf-q4_1")
     metrics.update_dependencies(DependencyHealth(database_up=True, spool_bytes=0, redis_up=True))
     metrics.update_alerts([AlertStatus(ALERT_NAME, "premium", AlertState.INACTIVE, None, None,
                                        0.4, 0)])  # fmt: skip
@@ -307,7 +323,7 @@ def test_metrics_route_serves_the_exposition_format() -> None:
     content_type, text = _scrape(metrics)
     assert content_type.startswith("text/plain; version=0.0.4")
     families = _families(text)
-    assert len(families) == 39
+    assert len(families) == 40
     for family in families:
         assert family.name.startswith("tiergate_"), family.name
         assert family.samples, family.name

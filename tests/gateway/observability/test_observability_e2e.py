@@ -29,7 +29,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.semconv._incubating.attributes import gen_ai_attributes as gen_ai
 from opentelemetry.trace import SpanKind, StatusCode
 from prometheus_client.parser import text_string_to_metric_families
+from sqlalchemy import select
 
+from billing import UsageRecordRow
 from gateway.observability.metrics import TTFT_BUCKETS_S
 from gateway.observability.telemetry import TelemetrySettings, setup_telemetry
 from gateway.server.model_source import DEMO_MODEL_NAME
@@ -701,6 +703,39 @@ def test_requests_refused_before_admission_are_counted_as_invalid(
         )
     expected = Counter({("standard", "completed", 200): 1, ("standard", "refused", 429): 1})
     assert requests_increase(before, settled_scrape(gateway, before, expected)) == expected
+
+
+def test_the_weight_format_is_on_metrics_and_on_each_record(gateway: InProcessGateway) -> None:
+    """The served model's weight format (the engine's label: the fake runner has no weights)
+    is an info series on /metrics and the weight_format of the records of the requests that
+    ran; a refusal, which ran on nothing, has none."""
+    weight_format = gateway.runner.weight_format_label
+    assert weight_format == "none"
+    text = httpx.get(f"{gateway.base_url}/metrics").text
+    assert f'tiergate_model_weight_format{{model="{MODEL}",weight_format="{weight_format}"}} 1.0' \
+        in text.splitlines()
+    throttled = new_caller(gateway, "weights-throttled", "standard", ONE_PER_MINUTE)
+    chat = throttled.client.chat.completions.create(model=MODEL, messages=_messages("a"),
+                                                    max_tokens=2)
+    with pytest.raises(openai.RateLimitError):
+        throttled.client.completions.create(model=MODEL, prompt="b", max_tokens=2)
+    deadline_s = time.monotonic() + 30  # the refusal is written with its second's fold
+    while len(stored := _records_by_status(gateway, throttled.tenant_id)) < 2:
+        assert time.monotonic() < deadline_s, stored
+        time.sleep(0.05)
+    assert stored["completed"] == (chat.id, weight_format)
+    assert stored["refused"][1] is None
+
+
+def _records_by_status(
+    gateway: InProcessGateway, tenant_id: int
+) -> dict[str, tuple[str, str | None]]:
+    """The tenant's records: status -> (request id, weight format)."""
+    with gateway.runtime.session_factory() as session:
+        rows = session.execute(
+            select(UsageRecordRow.status, UsageRecordRow.request_id,
+                   UsageRecordRow.weight_format).where(UsageRecordRow.tenant_id == tenant_id))
+        return {str(status): (request_id, fmt) for status, request_id, fmt in rows}
 
 
 def test_the_event_loop_heartbeat_runs_in_the_served_app(gateway: InProcessGateway) -> None:

@@ -219,15 +219,22 @@ def test_stored_responses_are_the_tenants_own(client: openai.OpenAI,
         client.responses.retrieve(unkept.id)
 
 
-def test_usage_reaches_the_ledger_as_responses(client: openai.OpenAI, database: Path) -> None:
+def test_usage_reaches_the_ledger_as_responses(client: openai.OpenAI, database: Path,
+                                               server: ServeProcess) -> None:
     response = client.responses.create(model=DEFAULT_MODEL_NAME, input="Hello",
                                        max_output_tokens=8, store=False)
     assert response.usage is not None
     with sqlite3.connect(database) as db:
         rows = db.execute(
-            "SELECT num_prompt_tokens, num_completion_tokens FROM usage_records "
+            "SELECT num_prompt_tokens, num_completion_tokens, weight_format FROM usage_records "
             "WHERE endpoint = 'responses' AND request_id = ?", (response.id,)).fetchall()
-    assert rows == [(response.usage.input_tokens, response.usage.output_tokens)]
+    [(num_prompt_tokens, num_completion_tokens, weight_format)] = rows
+    assert (num_prompt_tokens, num_completion_tokens) == (
+        response.usage.input_tokens, response.usage.output_tokens)
+    # the format the engine serves the model in, as /metrics names it
+    info = (f'tiergate_model_weight_format{{model="{DEFAULT_MODEL_NAME}",'
+            f'weight_format="{weight_format}"}} 1.0')
+    assert info in httpx.get(f"{server.base_url}/metrics").text.splitlines()
 
 
 @pytest.mark.parametrize(
