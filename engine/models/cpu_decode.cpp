@@ -61,6 +61,20 @@ constexpr int64_t kRowBlock = 8;  // rows one panel product takes at a time
 constexpr int kVectors = 8;
 constexpr int64_t kRowBlock = 4;
 #endif
+// The products' lane vectors: kLanes of a panel's 16 outputs in one register, native to the
+// target (16 with AVX-512, 8 with AVX2). GCC keeps 16-float vectors in memory where no
+// register holds them, and moved the accumulators through the stack and general registers on
+// every input: on AVX2 a one-row Q8_0 product took twice float32's time, and the float products
+// were bound by those moves from 8 rows on (ops/bench/journal.md, "Products in lane
+// registers"). The products take a panel in halves there.
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
+typedef float lvec __attribute__((vector_size(4 * kLanes)));
+typedef int32_t ilvec __attribute__((vector_size(4 * kLanes)));
+
 // Panels a product of M rows takes at once: one or two rows are bound by the weights' streams,
 // and take 8 at once even where their accumulators spill; more rows take what the registers
 // hold.
@@ -68,7 +82,7 @@ template <int M>
 constexpr int panels_at_once() {
   if (M <= 2) return 8;
   if (kVectors >= 32) return M <= 4 ? 4 : 3;
-  return std::max(1, (kVectors - 1) / (M + 1));
+  return std::max(1, (kVectors * 16 / kLanes - 1) / (M + 1));  // registers of kLanes floats
 }
 // Panel rows (64-byte lines) a product prefetches ahead in each panel it walks: the panels are
 // separate streams, more than the hardware prefetchers follow well (ops/bench/journal.md, "The
@@ -193,6 +207,25 @@ inline uint32_t load_word(const uint8_t* p) {
   return word;
 }
 
+// The 32-bit word at p in all 16 lanes. GCC builds `ivec16{} + scalar` on AVX2 from 16 stores
+// to the stack and two wide loads, which stall on store forwarding: Q5 products ran at half
+// the speed of Q6_K's (ops/bench/journal.md, "GGUF K-quants as stored").
+inline ivec16 broadcast_word(const uint8_t* p) {
+  const auto word = static_cast<int32_t>(load_word(p));
+#if defined(__AVX512F__)
+  return (ivec16)_mm512_set1_epi32(word);
+#elif defined(__AVX2__)
+  union {
+    __m256i half[2];
+    ivec16 all;
+  } out;
+  out.half[0] = out.half[1] = _mm256_set1_epi32(word);
+  return out.all;
+#else
+  return ivec16{} + word;
+#endif
+}
+
 // A block's 16 scales (w = scale q + min) for its inputs 0..15 (half 0) or 16..31 (half 1), as
 // float32: the same for both halves but in kQ6K.
 template <WeightFormat F>
@@ -229,16 +262,14 @@ inline void block_values(const uint8_t* block, int64_t i, ivec16& lo, ivec16& hi
   hi = q >> 4;
   if constexpr (F == kQ5 || F == kQ5K) {
     const ivec16 lanes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    const auto bits = static_cast<int32_t>(load_word(block + high_offset<F>() + 4 * i));
-    const ivec16 word = ivec16{} + bits;
+    const ivec16 word = broadcast_word(block + high_offset<F>() + 4 * i);
     lo |= ((word >> lanes) & 1) << 4;
     hi |= ((word >> (lanes + 16)) & 1) << 4;
   } else if constexpr (F == kQ6K) {
     const ivec16 shifts = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
     const uint8_t* high = block + high_offset<F>();
-    const ivec16 low_word = ivec16{} + static_cast<int32_t>(load_word(high + 4 * i));
-    const ivec16 high_word =
-        ivec16{} + static_cast<int32_t>(load_word(high + 4 * (i + kQBlock / 2)));
+    const ivec16 low_word = broadcast_word(high + 4 * i);
+    const ivec16 high_word = broadcast_word(high + 4 * (i + kQBlock / 2));
     lo |= ((low_word >> shifts) & 3) << 4;
     hi |= ((high_word >> shifts) & 3) << 4;
   }
@@ -280,12 +311,87 @@ inline int32_t lane_value(const uint8_t* block, int64_t k, int64_t lane) {
   return value;
 }
 
+// kLanes bytes at p widened to int32s, signed or not.
+template <bool Signed>
+inline ilvec widen_lanes(const uint8_t* p) {
+#if defined(__AVX512F__)
+  return (ilvec)widen_bytes<Signed>(p);
+#elif defined(__AVX2__)
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return (ilvec)(Signed ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes));
+#else
+  ilvec out;
+  for (int i = 0; i < kLanes; ++i) out[i] = Signed ? static_cast<int8_t>(p[i]) : p[i];
+  return out;
+#endif
+}
+
+// kLanes float16 at p as float32.
+inline lvec load_half_lanes(const uint8_t* p) {
+#if defined(__AVX512F__)
+  return (lvec)load_halves(p);
+#elif defined(__F16C__)
+  return (lvec)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  lvec out;
+  for (int i = 0; i < kLanes; ++i) out[i] = lane_half(p, i);
+  return out;
+#endif
+}
+
+inline ilvec broadcast_lanes(const uint8_t* p) {
+  return ilvec{} + static_cast<int32_t>(load_word(p));
+}
+
+// block_scales, block_mins and block_values for lanes [lane, lane + kLanes) of the panel.
+template <WeightFormat F>
+inline lvec lane_scales(const uint8_t* block, int half, int64_t lane) {
+  if constexpr (F == kQ4K || F == kQ5K) {
+    return load_half_lanes(block + 2 * lane) *
+           __builtin_convertvector(widen_lanes<false>(block + 4 * kPanel + lane), lvec);
+  } else if constexpr (F == kQ6K) {
+    return load_half_lanes(block + 2 * lane) *
+           __builtin_convertvector(widen_lanes<true>(block + (2 + half) * kPanel + lane), lvec);
+  } else {
+    return load_half_lanes(block + 2 * lane);
+  }
+}
+template <WeightFormat F>
+inline lvec lane_mins(const uint8_t* block, lvec scale, int64_t lane) {
+  if constexpr (F == kQ4K || F == kQ5K) {
+    return -(load_half_lanes(block + 2 * kPanel + 2 * lane) *
+             __builtin_convertvector(widen_lanes<false>(block + 5 * kPanel + lane), lvec));
+  } else if constexpr (F == kQ6K) {
+    return scale * -32.0f;
+  } else {
+    return load_half_lanes(block + 2 * kPanel + 2 * lane);
+  }
+}
+template <WeightFormat F>
+inline void lane_values(const uint8_t* block, int64_t i, int64_t lane, ilvec& lo, ilvec& hi) {
+  const ilvec q = widen_lanes<false>(block + values_offset<F>() + i * kPanel + lane);
+  lo = q & 15;
+  hi = q >> 4;
+  ilvec lanes;
+  for (int l = 0; l < kLanes; ++l) lanes[l] = static_cast<int32_t>(lane) + l;
+  if constexpr (F == kQ5 || F == kQ5K) {
+    const ilvec word = broadcast_lanes(block + high_offset<F>() + 4 * i);
+    lo |= ((word >> lanes) & 1) << 4;
+    hi |= ((word >> (lanes + 16)) & 1) << 4;
+  } else if constexpr (F == kQ6K) {
+    const uint8_t* high = block + high_offset<F>();
+    lo |= ((broadcast_lanes(high + 4 * i) >> (2 * lanes)) & 3) << 4;
+    hi |= ((broadcast_lanes(high + 4 * (i + kQBlock / 2)) >> (2 * lanes)) & 3) << 4;
+  }
+}
+
 // Panels a product of M rows takes at once over quantized weights (F): besides M x P
 // accumulators, each panel's dequantized vectors (two for 4 to 6 bits) and its scales and
 // minimums (one pair, two with kQ6K's per 16 inputs) stay in registers.
 template <WeightFormat F, int M>
 constexpr int quantized_panels_at_once() {
-  return std::max(1, std::min(8, (kVectors - 1) / (M + (F == kQ6K ? 6 : 4))));
+  constexpr int registers = kVectors * 16 / kLanes;  // of kLanes floats
+  return std::max(1, std::min(8, (registers - 1) / (M + (F == kQ6K ? 6 : 4))));
 }
 
 }  // namespace
@@ -374,86 +480,98 @@ struct TiergateLoraStep {
 
 namespace {
 
-// out[m, p * 16 + i] = sum_k x[m, k] * W[p * 16 + i, k] for panels p of [first, first + P).
+// out[m, p * 16 + i] = sum_k x[m, k] * W[p * 16 + i, k] for panels p of [first, first + P),
+// kLanes outputs of a panel at a time (see lvec).
 template <int M, int P>
 inline void panel_product(const float* x, int64_t K, const float* panels, int64_t first,
                           float* out, int64_t out_stride) {
-  vec16 acc[M][P] = {};
   const float* w[P];
   for (int j = 0; j < P; ++j) w[j] = panels + (first + j) * K * kPanel;
-  for (int64_t k = 0; k < K; ++k) {
-    vec16 wv[P];
-    for (int j = 0; j < P; ++j) {
-      if (k + kPrefetchRows < K) __builtin_prefetch(w[j] + (k + kPrefetchRows) * kPanel, 0, 3);
-      wv[j] = *reinterpret_cast<const vec16*>(w[j] + k * kPanel);
+  for (int64_t lane = 0; lane < kPanel; lane += kLanes) {
+    lvec acc[M][P] = {};
+    for (int64_t k = 0; k < K; ++k) {
+      lvec wv[P];
+      for (int j = 0; j < P; ++j) {
+        if (k + kPrefetchRows < K) {
+          __builtin_prefetch(w[j] + (k + kPrefetchRows) * kPanel + lane, 0, 3);
+        }
+        std::memcpy(&wv[j], w[j] + k * kPanel + lane, sizeof(lvec));
+      }
+      for (int64_t m = 0; m < M; ++m) {
+        const lvec xm = lvec{} + x[m * K + k];
+        for (int j = 0; j < P; ++j) acc[m][j] += wv[j] * xm;
+      }
     }
     for (int64_t m = 0; m < M; ++m) {
-      const vec16 xm = vec16{} + x[m * K + k];
-      for (int j = 0; j < P; ++j) acc[m][j] += wv[j] * xm;
-    }
-  }
-  for (int64_t m = 0; m < M; ++m) {
-    for (int j = 0; j < P; ++j) {
-      *reinterpret_cast<vec16*>(out + m * out_stride + (first + j) * kPanel) = acc[m][j];
+      for (int j = 0; j < P; ++j) {
+        std::memcpy(out + m * out_stride + (first + j) * kPanel + lane, &acc[m][j],
+                    sizeof(lvec));
+      }
     }
   }
 }
 
 // panel_product over quantized panels (any quantized F), K a multiple of kQBlock: each
-// block's weights dequantized in registers, 16 outputs of one input at a time.
+// block's weights dequantized in registers, kLanes outputs of one input at a time (the
+// panel's 16 in one pass with AVX-512, in two with AVX2).
 template <WeightFormat F, int M, int P>
 inline void quantized_panel_product(const float* x, int64_t K, const uint8_t* panels,
                                     int64_t first, float* out, int64_t out_stride) {
   constexpr int64_t kBytes = block_bytes<F>(), kValues = values_offset<F>();
   const int64_t num_blocks = K / kQBlock;
-  vec16 acc[M][P] = {};
   const uint8_t* w[P];
   for (int j = 0; j < P; ++j) w[j] = panels + (first + j) * num_blocks * kBytes;
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    // No software prefetch: with it (two blocks ahead) one row's products took 12 % longer
-    // (ops/bench/journal.md, "GGUF blocks as stored"); the float panels' streams need it.
-    const float* xb = x + b * kQBlock;
-    if constexpr (F == kQ8) {
-      vec16 scale[P];
-      for (int j = 0; j < P; ++j) scale[j] = block_scales<F>(w[j] + b * kBytes, 0);
-      for (int64_t i = 0; i < kQBlock; ++i) {
-        vec16 wv[P];
+  for (int64_t lane = 0; lane < kPanel; lane += kLanes) {
+    lvec acc[M][P] = {};
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      // No software prefetch: with it (two blocks ahead) one row's products took 12 % longer
+      // (ops/bench/journal.md, "GGUF blocks as stored"); the float panels' streams need it.
+      const float* xb = x + b * kQBlock;
+      if constexpr (F == kQ8) {
+        lvec scale[P];
+        for (int j = 0; j < P; ++j) scale[j] = lane_scales<F>(w[j] + b * kBytes, 0, lane);
+        for (int64_t i = 0; i < kQBlock; ++i) {
+          lvec wv[P];
+          for (int j = 0; j < P; ++j) {
+            const ilvec q = widen_lanes<true>(w[j] + b * kBytes + kValues + i * kPanel + lane);
+            wv[j] = __builtin_convertvector(q, lvec) * scale[j];
+          }
+          for (int m = 0; m < M; ++m) {
+            const lvec xm = lvec{} + xb[m * K + i];
+            for (int j = 0; j < P; ++j) acc[m][j] += wv[j] * xm;
+          }
+        }
+      } else {
+        // Scales and minimums (w at q = 0) of inputs 0..15 and 16..31 of the block.
+        lvec scale_lo[P], scale_hi[P], min_lo[P], min_hi[P];
         for (int j = 0; j < P; ++j) {
-          const ivec16 q = widen_bytes<true>(w[j] + b * kBytes + kValues + i * kPanel);
-          wv[j] = __builtin_convertvector(q, vec16) * scale[j];
+          const uint8_t* block = w[j] + b * kBytes;
+          scale_lo[j] = lane_scales<F>(block, 0, lane);
+          scale_hi[j] = F == kQ6K ? lane_scales<F>(block, 1, lane) : scale_lo[j];
+          min_lo[j] = lane_mins<F>(block, scale_lo[j], lane);
+          min_hi[j] = F == kQ6K ? lane_mins<F>(block, scale_hi[j], lane) : min_lo[j];
         }
-        for (int m = 0; m < M; ++m) {
-          const vec16 xm = vec16{} + xb[m * K + i];
-          for (int j = 0; j < P; ++j) acc[m][j] += wv[j] * xm;
-        }
-      }
-    } else {
-      // Scales and minimums (w at q = 0) of inputs 0..15 and 16..31 of the block.
-      vec16 scale_lo[P], scale_hi[P], min_lo[P], min_hi[P];
-      for (int j = 0; j < P; ++j) {
-        scale_lo[j] = block_scales<F>(w[j] + b * kBytes, 0);
-        scale_hi[j] = F == kQ6K ? block_scales<F>(w[j] + b * kBytes, 1) : scale_lo[j];
-        min_lo[j] = block_mins<F>(w[j] + b * kBytes, scale_lo[j]);
-        min_hi[j] = F == kQ6K ? block_mins<F>(w[j] + b * kBytes, scale_hi[j]) : min_lo[j];
-      }
-      for (int64_t i = 0; i < kQBlock / 2; ++i) {
-        vec16 lo[P], hi[P];
-        for (int j = 0; j < P; ++j) {
-          ivec16 q_lo, q_hi;
-          block_values<F>(w[j] + b * kBytes, i, q_lo, q_hi);
-          lo[j] = __builtin_convertvector(q_lo, vec16) * scale_lo[j] + min_lo[j];
-          hi[j] = __builtin_convertvector(q_hi, vec16) * scale_hi[j] + min_hi[j];
-        }
-        for (int m = 0; m < M; ++m) {
-          const vec16 xl = vec16{} + xb[m * K + i], xh = vec16{} + xb[m * K + i + kQBlock / 2];
-          for (int j = 0; j < P; ++j) acc[m][j] += lo[j] * xl + hi[j] * xh;
+        for (int64_t i = 0; i < kQBlock / 2; ++i) {
+          lvec lo[P], hi[P];
+          for (int j = 0; j < P; ++j) {
+            ilvec q_lo, q_hi;
+            lane_values<F>(w[j] + b * kBytes, i, lane, q_lo, q_hi);
+            lo[j] = __builtin_convertvector(q_lo, lvec) * scale_lo[j] + min_lo[j];
+            hi[j] = __builtin_convertvector(q_hi, lvec) * scale_hi[j] + min_hi[j];
+          }
+          for (int m = 0; m < M; ++m) {
+            const lvec xl = lvec{} + xb[m * K + i];
+            const lvec xh = lvec{} + xb[m * K + i + kQBlock / 2];
+            for (int j = 0; j < P; ++j) acc[m][j] += lo[j] * xl + hi[j] * xh;
+          }
         }
       }
     }
-  }
-  for (int m = 0; m < M; ++m) {
-    for (int j = 0; j < P; ++j) {
-      *reinterpret_cast<vec16*>(out + m * out_stride + (first + j) * kPanel) = acc[m][j];
+    for (int m = 0; m < M; ++m) {
+      for (int j = 0; j < P; ++j) {
+        std::memcpy(out + m * out_stride + (first + j) * kPanel + lane, &acc[m][j],
+                    sizeof(lvec));
+      }
     }
   }
 }
