@@ -74,6 +74,10 @@ constexpr int kLanes = 8;
 #endif
 typedef float lvec __attribute__((vector_size(4 * kLanes)));
 typedef int32_t ilvec __attribute__((vector_size(4 * kLanes)));
+// kLanes floats at p (unaligned): one load (a memcpy into an lvec went through the stack).
+typedef float unaligned_lvec __attribute__((vector_size(4 * kLanes), aligned(4), may_alias));
+inline lvec load_lanes(const float* p) { return *reinterpret_cast<const unaligned_lvec*>(p); }
+inline void store_lanes(float* p, lvec v) { *reinterpret_cast<unaligned_lvec*>(p) = v; }
 
 // Panels a product of M rows takes at once: one or two rows are bound by the weights' streams,
 // and take 8 at once even where their accumulators spill; more rows take what the registers
@@ -495,7 +499,7 @@ inline void panel_product(const float* x, int64_t K, const float* panels, int64_
         if (k + kPrefetchRows < K) {
           __builtin_prefetch(w[j] + (k + kPrefetchRows) * kPanel + lane, 0, 3);
         }
-        std::memcpy(&wv[j], w[j] + k * kPanel + lane, sizeof(lvec));
+        wv[j] = load_lanes(w[j] + k * kPanel + lane);
       }
       for (int64_t m = 0; m < M; ++m) {
         const lvec xm = lvec{} + x[m * K + k];
@@ -504,8 +508,7 @@ inline void panel_product(const float* x, int64_t K, const float* panels, int64_
     }
     for (int64_t m = 0; m < M; ++m) {
       for (int j = 0; j < P; ++j) {
-        std::memcpy(out + m * out_stride + (first + j) * kPanel + lane, &acc[m][j],
-                    sizeof(lvec));
+        store_lanes(out + m * out_stride + (first + j) * kPanel + lane, acc[m][j]);
       }
     }
   }
@@ -569,8 +572,7 @@ inline void quantized_panel_product(const float* x, int64_t K, const uint8_t* pa
     }
     for (int m = 0; m < M; ++m) {
       for (int j = 0; j < P; ++j) {
-        std::memcpy(out + m * out_stride + (first + j) * kPanel + lane, &acc[m][j],
-                    sizeof(lvec));
+        store_lanes(out + m * out_stride + (first + j) * kPanel + lane, acc[m][j]);
       }
     }
   }
