@@ -17,7 +17,8 @@
 #      through preemption (the cuda cases of tests/engine/structured_output);
 #   2. lora-1b: ops/bench/lora_throughput on the 1B Llama shape (bfloat16, random weights):
 #      32 requests over 8 rank-16 adapters against the base model, in pairs;
-#   3. kernels: the Triton kernel tests (attention, fused add-norm, LoRA shrink/expand);
+#   3. kernels: the Triton kernel tests (attention with an fp8 KV cache too, fused add-norm,
+#      LoRA shrink/expand, the AWQ/GPTQ int4/int8 and fp8 weight-only products);
 #   4. bench-1b: `bench engine --device cuda --compare-hf` on the 1B Llama shape (bfloat16):
 #      host work, step against forward at 1, 32, 128, 256 decodes, copy-rate fractions, and
 #      offline tok/s against HF generate (128 requests of the offline workload);
@@ -91,11 +92,11 @@ step engine 100 $PYTHON -m pytest -q -p no:cacheprovider tests/engine/models/tes
   tests/engine/structured_output/test_structured_output.py -k "cuda or devices"
 if [ "$TINY" = 1 ]; then LORA="--quick"; else LORA="--pairs 3"; fi
 # shellcheck disable=SC2086
-step lora-1b 150 $PYTHON -m ops.bench.lora_throughput --device "$DEVICE" --dtype "$DTYPE" \
+step lora-1b 130 $PYTHON -m ops.bench.lora_throughput --device "$DEVICE" --dtype "$DTYPE" \
   --model-config "$MODEL_1B" $LORA
-step kernels 60 $PYTHON -m pytest -q -p no:cacheprovider \
+step kernels 80 $PYTHON -m pytest -q -p no:cacheprovider \
   tests/engine/attention/test_triton_kernels.py tests/engine/models/test_triton_add_norm.py \
-  tests/engine/models/test_triton_lora.py
+  tests/engine/models/test_triton_lora.py tests/engine/models/test_quantized_linear.py
 # shellcheck disable=SC2086
 step bench-1b 170 $PYTHON -m bench.engine --device "$DEVICE" --dtype "$DTYPE" \
   --model-config "$MODEL_1B" --batches $BATCHES_1B --repeats "$REPEATS" \

@@ -78,6 +78,16 @@ typedef int32_t ilvec __attribute__((vector_size(4 * kLanes)));
 typedef float unaligned_lvec __attribute__((vector_size(4 * kLanes), aligned(4), may_alias));
 inline lvec load_lanes(const float* p) { return *reinterpret_cast<const unaligned_lvec*>(p); }
 inline void store_lanes(float* p, lvec v) { *reinterpret_cast<unaligned_lvec*>(p) = v; }
+// *p in every lane: one broadcast load (`lvec{} + *p` adds +0.0 first, an instruction more).
+inline lvec splat(const float* p) {
+#if defined(__AVX512F__)
+  return (lvec)_mm512_set1_ps(*p);
+#elif defined(__AVX__)
+  return (lvec)_mm256_broadcast_ss(p);
+#else
+  return lvec{} + *p;
+#endif
+}
 
 // Panels a product of M rows takes at once: one or two rows are bound by the weights' streams,
 // and take 8 at once even where their accumulators spill; more rows take what the registers
@@ -94,31 +104,6 @@ constexpr int panels_at_once() {
 constexpr int64_t kPrefetchRows = 16;
 
 typedef float vec16 __attribute__((vector_size(64), aligned(4), may_alias));
-typedef int32_t ivec16 __attribute__((vector_size(64)));
-
-// 16 bytes widened to 16 int32s, signed or not: one instruction with AVX-512, two with AVX2
-// (GCC's __builtin_convertvector from bytes is scalar code, 16 conversions one at a time).
-template <bool Signed>
-inline ivec16 widen_bytes(const uint8_t* p) {
-#if defined(__AVX512F__)
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return (ivec16)(Signed ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes));
-#elif defined(__AVX2__)
-  union {
-    __m256i half[2];
-    ivec16 all;
-  } out;
-  for (int h = 0; h < 2; ++h) {
-    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * h));
-    out.half[h] = Signed ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes);
-  }
-  return out.all;
-#else
-  ivec16 out;
-  for (int i = 0; i < 16; ++i) out[i] = Signed ? static_cast<int8_t>(p[i]) : p[i];
-  return out;
-#endif
-}
 
 // How a matrix's panels hold its weights (TiergateMatrix::format). Scales are float16, as
 // GGUF stores them. The 4-, 5- and 6-bit formats keep a block's values as nibbles, q[16][16]
@@ -175,30 +160,6 @@ inline float half_to_float(uint16_t half) {
   return out;
 }
 
-// 16 float16 at p as float32.
-inline vec16 load_halves(const uint8_t* p) {
-#if defined(__AVX512F__)
-  return (vec16)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-#elif defined(__F16C__)
-  union {
-    __m256 half[2];
-    vec16 all;
-  } out;
-  for (int h = 0; h < 2; ++h) {
-    out.half[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * h)));
-  }
-  return out.all;
-#else
-  vec16 out;
-  for (int i = 0; i < 16; ++i) {
-    uint16_t half;
-    std::memcpy(&half, p + 2 * i, 2);
-    out[i] = half_to_float(half);
-  }
-  return out;
-#endif
-}
-
 inline float lane_half(const uint8_t* p, int64_t lane) {
   uint16_t half;
   std::memcpy(&half, p + 2 * lane, 2);
@@ -209,74 +170,6 @@ inline uint32_t load_word(const uint8_t* p) {
   uint32_t word;
   std::memcpy(&word, p, 4);
   return word;
-}
-
-// The 32-bit word at p in all 16 lanes. GCC builds `ivec16{} + scalar` on AVX2 from 16 stores
-// to the stack and two wide loads, which stall on store forwarding: Q5 products ran at half
-// the speed of Q6_K's (ops/bench/journal.md, "GGUF K-quants as stored").
-inline ivec16 broadcast_word(const uint8_t* p) {
-  const auto word = static_cast<int32_t>(load_word(p));
-#if defined(__AVX512F__)
-  return (ivec16)_mm512_set1_epi32(word);
-#elif defined(__AVX2__)
-  union {
-    __m256i half[2];
-    ivec16 all;
-  } out;
-  out.half[0] = out.half[1] = _mm256_set1_epi32(word);
-  return out.all;
-#else
-  return ivec16{} + word;
-#endif
-}
-
-// A block's 16 scales (w = scale q + min) for its inputs 0..15 (half 0) or 16..31 (half 1), as
-// float32: the same for both halves but in kQ6K.
-template <WeightFormat F>
-inline vec16 block_scales(const uint8_t* block, int half) {
-  if constexpr (F == kQ4K || F == kQ5K) {
-    return load_halves(block) *
-           __builtin_convertvector(widen_bytes<false>(block + 4 * kPanel), vec16);
-  } else if constexpr (F == kQ6K) {
-    return load_halves(block) *
-           __builtin_convertvector(widen_bytes<true>(block + (2 + half) * kPanel), vec16);
-  } else {
-    return load_halves(block);
-  }
-}
-
-// A 4- to 6-bit block's 16 minimums (w at q = 0) for a half, its scales given.
-template <WeightFormat F>
-inline vec16 block_mins(const uint8_t* block, vec16 scale) {
-  if constexpr (F == kQ4K || F == kQ5K) {
-    return -(load_halves(block + 2 * kPanel) *
-             __builtin_convertvector(widen_bytes<false>(block + 5 * kPanel), vec16));
-  } else if constexpr (F == kQ6K) {
-    return scale * -32.0f;
-  } else {
-    return load_halves(block + 2 * kPanel);
-  }
-}
-
-// The unsigned values of inputs i (lo) and i + 16 (hi) of a 4- to 6-bit block, 16 lanes each.
-template <WeightFormat F>
-inline void block_values(const uint8_t* block, int64_t i, ivec16& lo, ivec16& hi) {
-  const ivec16 q = widen_bytes<false>(block + values_offset<F>() + i * kPanel);
-  lo = q & 15;
-  hi = q >> 4;
-  if constexpr (F == kQ5 || F == kQ5K) {
-    const ivec16 lanes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    const ivec16 word = broadcast_word(block + high_offset<F>() + 4 * i);
-    lo |= ((word >> lanes) & 1) << 4;
-    hi |= ((word >> (lanes + 16)) & 1) << 4;
-  } else if constexpr (F == kQ6K) {
-    const ivec16 shifts = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
-    const uint8_t* high = block + high_offset<F>();
-    const ivec16 low_word = broadcast_word(high + 4 * i);
-    const ivec16 high_word = broadcast_word(high + 4 * (i + kQBlock / 2));
-    lo |= ((low_word >> shifts) & 3) << 4;
-    hi |= ((high_word >> shifts) & 3) << 4;
-  }
 }
 
 // One output lane's scale and minimum of a block's half (inputs 0..15 or 16..31).
@@ -319,7 +212,8 @@ inline int32_t lane_value(const uint8_t* block, int64_t k, int64_t lane) {
 template <bool Signed>
 inline ilvec widen_lanes(const uint8_t* p) {
 #if defined(__AVX512F__)
-  return (ilvec)widen_bytes<Signed>(p);
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return (ilvec)(Signed ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes));
 #elif defined(__AVX2__)
   const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
   return (ilvec)(Signed ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes));
@@ -333,7 +227,7 @@ inline ilvec widen_lanes(const uint8_t* p) {
 // kLanes float16 at p as float32.
 inline lvec load_half_lanes(const uint8_t* p) {
 #if defined(__AVX512F__)
-  return (lvec)load_halves(p);
+  return (lvec)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 #elif defined(__F16C__)
   return (lvec)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 #else
@@ -347,7 +241,11 @@ inline ilvec broadcast_lanes(const uint8_t* p) {
   return ilvec{} + static_cast<int32_t>(load_word(p));
 }
 
-// block_scales, block_mins and block_values for lanes [lane, lane + kLanes) of the panel.
+// A block's scales (w = scale q + min) for its inputs 0..15 (half 0) or 16..31 (half 1),
+// the same for both halves but in kQ6K; its minimums (w at q = 0), its scales given; and the
+// unsigned values of its inputs i (lo) and i + 16 (hi): lanes [lane, lane + kLanes) of the
+// panel's 16. GCC's vector widening from bytes is scalar code (16 conversions one at a time),
+// hence the intrinsics.
 template <WeightFormat F>
 inline lvec lane_scales(const uint8_t* block, int half, int64_t lane) {
   if constexpr (F == kQ4K || F == kQ5K) {
@@ -502,7 +400,7 @@ inline void panel_product(const float* x, int64_t K, const float* panels, int64_
         wv[j] = load_lanes(w[j] + k * kPanel + lane);
       }
       for (int64_t m = 0; m < M; ++m) {
-        const lvec xm = lvec{} + x[m * K + k];
+        const lvec xm = splat(x + m * K + k);
         for (int j = 0; j < P; ++j) acc[m][j] += wv[j] * xm;
       }
     }
@@ -540,7 +438,7 @@ inline void quantized_panel_product(const float* x, int64_t K, const uint8_t* pa
             wv[j] = __builtin_convertvector(q, lvec) * scale[j];
           }
           for (int m = 0; m < M; ++m) {
-            const lvec xm = lvec{} + xb[m * K + i];
+            const lvec xm = splat(xb + m * K + i);
             for (int j = 0; j < P; ++j) acc[m][j] += wv[j] * xm;
           }
         }
@@ -563,8 +461,8 @@ inline void quantized_panel_product(const float* x, int64_t K, const uint8_t* pa
             hi[j] = __builtin_convertvector(q_hi, lvec) * scale_hi[j] + min_hi[j];
           }
           for (int m = 0; m < M; ++m) {
-            const lvec xl = lvec{} + xb[m * K + i];
-            const lvec xh = lvec{} + xb[m * K + i + kQBlock / 2];
+            const lvec xl = splat(xb + m * K + i);
+            const lvec xh = splat(xb + m * K + i + kQBlock / 2);
             for (int j = 0; j < P; ++j) acc[m][j] += lo[j] * xl + hi[j] * xh;
           }
         }
@@ -698,30 +596,41 @@ void dequantize_panel(const uint8_t* panels, int64_t p, int64_t K, float* dst) {
   const int64_t num_blocks = K / kQBlock;
   for (int64_t b = 0; b < num_blocks; ++b) {
     const uint8_t* block = panels + (p * num_blocks + b) * kBytes;
-    vec16* rows = reinterpret_cast<vec16*>(dst + b * kQBlock * kPanel);
-    if constexpr (F == kQ8) {
-      const vec16 scale = block_scales<F>(block, 0);
-      for (int64_t i = 0; i < kQBlock; ++i) {
-        rows[i] = __builtin_convertvector(widen_bytes<true>(block + kValues + i * kPanel),
-                                          vec16) * scale;
-      }
-    } else {
-      const vec16 scale_lo = block_scales<F>(block, 0), scale_hi = block_scales<F>(block, 1);
-      const vec16 min_lo = block_mins<F>(block, scale_lo), min_hi = block_mins<F>(block, scale_hi);
-      for (int64_t i = 0; i < kQBlock / 2; ++i) {
-        ivec16 q_lo, q_hi;
-        block_values<F>(block, i, q_lo, q_hi);
-        rows[i] = __builtin_convertvector(q_lo, vec16) * scale_lo + min_lo;
-        rows[i + kQBlock / 2] = __builtin_convertvector(q_hi, vec16) * scale_hi + min_hi;
+    float* rows = dst + b * kQBlock * kPanel;
+    for (int64_t lane = 0; lane < kPanel; lane += kLanes) {
+      if constexpr (F == kQ8) {
+        const lvec scale = lane_scales<F>(block, 0, lane);
+        for (int64_t i = 0; i < kQBlock; ++i) {
+          const ilvec q = widen_lanes<true>(block + kValues + i * kPanel + lane);
+          store_lanes(rows + i * kPanel + lane, __builtin_convertvector(q, lvec) * scale);
+        }
+      } else {
+        const lvec scale_lo = lane_scales<F>(block, 0, lane);
+        const lvec scale_hi = lane_scales<F>(block, 1, lane);
+        const lvec min_lo = lane_mins<F>(block, scale_lo, lane);
+        const lvec min_hi = lane_mins<F>(block, scale_hi, lane);
+        for (int64_t i = 0; i < kQBlock / 2; ++i) {
+          ilvec q_lo, q_hi;
+          lane_values<F>(block, i, lane, q_lo, q_hi);
+          store_lanes(rows + i * kPanel + lane,
+                      __builtin_convertvector(q_lo, lvec) * scale_lo + min_lo);
+          store_lanes(rows + (i + kQBlock / 2) * kPanel + lane,
+                      __builtin_convertvector(q_hi, lvec) * scale_hi + min_hi);
+        }
       }
     }
   }
 }
 
 // Rows above which a quantized product dequantizes each group of panels once (below, it
-// dequantizes in registers for each block of kRowBlock rows): two blocks of rows (measured
-// with ops/bench/quantized_decode.py, within that bench's noise from 8 to 16 rows on AVX2).
+// dequantizes in registers for each block of kRowBlock rows): two blocks of rows with
+// AVX-512, one with AVX2, where 8 rows in registers took twice 4 rows' time and 16 rows over
+// the scratch 1.4 times (ops/bench/quantized_decode.py; journal, "Products in lane registers").
+#if defined(__AVX512F__)
 constexpr int64_t kScratchRows = 2 * kRowBlock;
+#else
+constexpr int64_t kScratchRows = kRowBlock;
+#endif
 
 // Panels [begin, end) of out[M, N] for M above kScratchRows over quantized panels: each group of
 // panels dequantized once into the thread's float32 scratch (in L2), then taken by every block
