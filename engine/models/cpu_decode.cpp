@@ -300,10 +300,15 @@ constexpr int quantized_panels_at_once() {
 
 extern "C" {
 
-// A weight matrix in panels, float32 or quantized (WeightFormat).
+// A weight matrix in panels, float32 or quantized (WeightFormat). A matrix stacked from parts
+// of different formats (a GGUF file's q and k in Q4_K, v in Q6_K) is its first part, whose
+// `panels` say how many of the stack's panels it holds, and `next` the rest; a matrix of one
+// format has next null (panels unread).
 struct TiergateMatrix {
   const void* data;
   int64_t format;
+  const TiergateMatrix* next;
+  int64_t panels;
 };
 
 // One decoder layer's weights and cache. Matrices in panels (see above); vectors plain;
@@ -586,7 +591,11 @@ inline Share share_of(int64_t N, int64_t unit, int64_t thread, int64_t num_threa
 // by every block of kRowBlock rows in turn while it is in cache: the weights are read from
 // memory once.
 inline bool valid_format(const TiergateMatrix& w) {
-  return w.format >= kF32 && w.format <= kQ6K && w.data != nullptr;
+  for (const TiergateMatrix* part = &w; part != nullptr; part = part->next) {
+    if (part->format < kF32 || part->format > kQ6K || part->data == nullptr) return false;
+    if (part->next != nullptr && part->panels < 1) return false;
+  }
+  return true;
 }
 
 // Panel p of quantized panels (F), dequantized into float32 panel layout: dst [K][16].
@@ -702,14 +711,24 @@ Share product_share(int64_t M, const float* x, int64_t K, const TiergateMatrix& 
                     const float* bias, int64_t N, int64_t unit, float* out, int64_t thread,
                     int64_t num_threads) {
   const auto [begin, end] = share_of(N, unit, thread, num_threads);
-  switch (w.format) {
-    case kQ8: format_share<kQ8>(M, x, K, w.data, N, out, begin, end); break;
-    case kQ4: format_share<kQ4>(M, x, K, w.data, N, out, begin, end); break;
-    case kQ4K: format_share<kQ4K>(M, x, K, w.data, N, out, begin, end); break;
-    case kQ5: format_share<kQ5>(M, x, K, w.data, N, out, begin, end); break;
-    case kQ5K: format_share<kQ5K>(M, x, K, w.data, N, out, begin, end); break;
-    case kQ6K: format_share<kQ6K>(M, x, K, w.data, N, out, begin, end); break;
-    default: format_share<kF32>(M, x, K, w.data, N, out, begin, end); break;
+  int64_t first = 0;  // the part's first panel in the stack
+  for (const TiergateMatrix* part = &w; part != nullptr; part = part->next) {
+    const int64_t last = part->next == nullptr ? N / kPanel : first + part->panels;
+    const int64_t from = std::max(begin, first) - first, to = std::min(end, last) - first;
+    if (from < to) {  // panels [from, to) of the part: columns from `first` of out
+      float* part_out = out + first * kPanel;
+      const void* data = part->data;
+      switch (part->format) {
+        case kQ8: format_share<kQ8>(M, x, K, data, N, part_out, from, to); break;
+        case kQ4: format_share<kQ4>(M, x, K, data, N, part_out, from, to); break;
+        case kQ4K: format_share<kQ4K>(M, x, K, data, N, part_out, from, to); break;
+        case kQ5: format_share<kQ5>(M, x, K, data, N, part_out, from, to); break;
+        case kQ5K: format_share<kQ5K>(M, x, K, data, N, part_out, from, to); break;
+        case kQ6K: format_share<kQ6K>(M, x, K, data, N, part_out, from, to); break;
+        default: format_share<kF32>(M, x, K, data, N, part_out, from, to); break;
+      }
+    }
+    first = last;
   }
   if (bias != nullptr) {
     for (int64_t m = 0; m < M; ++m) {
@@ -1064,7 +1083,9 @@ int tiergate_decode_forward_f32(const TiergateDecodeModel* model, int64_t num_ro
     if (lora != nullptr && !valid_row_slot(*lora, m)) return -1;
   }
   if (!valid_format(md.lm_head)) return -1;
-  if (md.embed == nullptr && !valid_format(md.embed_panels)) return -1;
+  if (md.embed == nullptr && (!valid_format(md.embed_panels) || md.embed_panels.next)) {
+    return -1;  // rows are looked up in one format
+  }
   for (int64_t l = 0; l < md.num_layers; ++l) {
     const TiergateDecodeLayer& layer = md.layers[l];
     for (const TiergateMatrix* w : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down}) {
@@ -1144,7 +1165,7 @@ int tiergate_panel_product(const float* x, int64_t M, int64_t K, const TiergateM
 // writing when an id is outside [0, N) or the format is unknown.
 int tiergate_panel_rows(const TiergateMatrix* weight, int64_t N, int64_t K, const int64_t* ids,
                         int64_t count, float* out) {
-  if (!valid_format(*weight)) return -1;
+  if (!valid_format(*weight) || weight->next != nullptr) return -1;
   for (int64_t c = 0; c < count; ++c) {
     if (ids[c] < 0 || ids[c] >= N) return -1;
   }

@@ -77,11 +77,25 @@ _p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
 class _Matrix(ctypes.Structure):  # TiergateMatrix
-    _fields_ = [("data", _p), ("format", _i64)]
+    _tail: _Matrix | None  # the rest of a stack of parts, kept alive with its head
 
     @classmethod
     def of(cls, matrix: PanelMatrix) -> _Matrix:
-        return cls(matrix.data.data_ptr(), int(matrix.format))
+        """The matrix as the kernels read it: a stack of parts as a chain of its parts."""
+        if not matrix.parts:
+            return cls(matrix.data.data_ptr(), int(matrix.format), None, 0)
+        tail: _Matrix | None = None
+        for part in reversed(matrix.parts):
+            head = cls(part.data.data_ptr(), int(part.format),
+                       None if tail is None else ctypes.pointer(tail), part.out_features // _PANEL)
+            head._tail = tail
+            tail = head
+        assert tail is not None
+        return tail
+
+
+_Matrix._fields_ = [("data", _p), ("format", _i64), ("next", ctypes.POINTER(_Matrix)),
+                    ("panels", _i64)]
 
 
 _MATRICES = ("qkv", "o", "gate_up", "down")
@@ -249,7 +263,7 @@ class CpuDecodeForward:
 
         def matrix(module: nn.Module, interleaved: bool = False) -> _Matrix:
             if isinstance(module, PanelLinear):
-                return _Matrix.of(module.panels)
+                return module.matrix  # kept by the module: a stack's parts chain from it
             weight = cast(nn.Linear, module).weight
             panels = interleaved_panels(weight) if interleaved else float_panels(weight)
             copies.append(panels)
@@ -366,7 +380,7 @@ class _PanelModule(nn.Module):
         assert library is not None, "supports() must be true before a panel module is made"
         self._library = library
         self.panels = panels
-        self._matrix = _Matrix.of(panels)
+        self.matrix = _Matrix.of(panels)  # what the kernels read
 
 
 class PanelLinear(_PanelModule):
@@ -391,7 +405,7 @@ class PanelLinear(_PanelModule):
         out = rows.new_empty((rows.shape[0], self.out_features))
         bias = None if self.bias is None or self.interleaved else self.bias.data_ptr()
         status = self._library.tiergate_panel_product(
-            rows.data_ptr(), rows.shape[0], self.in_features, ctypes.byref(self._matrix), bias,
+            rows.data_ptr(), rows.shape[0], self.in_features, ctypes.byref(self.matrix), bias,
             self.out_features, out.data_ptr(), torch.get_num_threads(),
         )
         assert status == 0, "a panel format the library does not know"
@@ -416,7 +430,7 @@ class PanelEmbedding(_PanelModule):
         flat = ids.reshape(-1).to(torch.int64).contiguous()
         out = torch.empty(flat.shape[0], self.embedding_dim, dtype=torch.float32)
         status = self._library.tiergate_panel_rows(
-            ctypes.byref(self._matrix), self.num_embeddings, self.embedding_dim, flat.data_ptr(),
+            ctypes.byref(self.matrix), self.num_embeddings, self.embedding_dim, flat.data_ptr(),
             flat.shape[0], out.data_ptr())
         if status != 0:
             raise ValueError("a token id outside the embedding")

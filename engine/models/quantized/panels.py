@@ -82,17 +82,20 @@ PANEL_TYPES = {
 @dataclass(frozen=True)
 class PanelMatrix:
     """A weight matrix [out_features, in_features] in panels of `format`; data is float32
-    [N / 16, K, 16] or uint8 [N / 16, K / 32, block bytes]."""
+    [N / 16, K, 16] or uint8 [N / 16, K / 32, block bytes]. A stack of matrices of different
+    formats (stack_panels) keeps them as `parts`, rows in order; its own data is the first
+    part's and its format the first part's (the kernels read the parts, cpu_decode._Matrix)."""
 
     data: torch.Tensor
     format: PanelFormat
     out_features: int
     in_features: int
     origin: str = "float32"  # what the values came from: float32, or the GGUF type(s)
+    parts: tuple[PanelMatrix, ...] = ()
 
     @property
     def nbytes(self) -> int:
-        return self.data.nbytes
+        return sum(part.data.nbytes for part in self.parts) if self.parts else self.data.nbytes
 
 
 def float_panels(weight: torch.Tensor) -> PanelMatrix:
@@ -148,21 +151,32 @@ def _high_words(values: np.ndarray, fmt: PanelFormat, panels: int, blocks: int) 
 
 
 def stack_panels(matrices: list[PanelMatrix]) -> PanelMatrix | None:
-    """Matrices of one format and input width stacked by rows (q, k and v into qkv), or None
-    when their formats or widths differ."""
+    """Matrices of one input width stacked by rows (q, k and v into qkv), or None when their
+    widths differ: one matrix where their formats are the same, else a stack of parts (the
+    runs of one format, each concatenated), which the kernels take part by part."""
     first = matrices[0]
-    if any(m.format != first.format or m.in_features != first.in_features for m in matrices):
+    if any(m.in_features != first.in_features or m.parts for m in matrices):
         return None
-    return PanelMatrix(torch.cat([m.data for m in matrices]), first.format,
-                       sum(m.out_features for m in matrices), first.in_features,
-                       _origins(matrices))
+    runs: list[list[PanelMatrix]] = []
+    for matrix in matrices:
+        if runs and runs[-1][0].format == matrix.format:
+            runs[-1].append(matrix)
+        else:
+            runs.append([matrix])
+    parts = tuple(PanelMatrix(torch.cat([m.data for m in run]), run[0].format,
+                              sum(m.out_features for m in run), first.in_features,
+                              _origins(run)) for run in runs)
+    if len(parts) == 1:
+        return parts[0]
+    return PanelMatrix(parts[0].data, parts[0].format, sum(m.out_features for m in matrices),
+                       first.in_features, _origins(matrices), parts)
 
 
 def interleave_panels(gate: PanelMatrix, up: PanelMatrix) -> PanelMatrix | None:
     """gate and up panels interleaved (gate 0, up 0, gate 1, ...: the decode forward's
     gate_up), or None when their formats or shapes differ."""
     if (gate.format, gate.out_features, gate.in_features) != (
-            up.format, up.out_features, up.in_features):
+            up.format, up.out_features, up.in_features) or gate.parts or up.parts:
         return None
     data = torch.stack([gate.data, up.data], dim=1).reshape(-1, *gate.data.shape[1:])
     return PanelMatrix(data, gate.format, 2 * gate.out_features, gate.in_features,

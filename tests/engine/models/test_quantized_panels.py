@@ -149,11 +149,34 @@ def test_unsupported_blocks_and_shapes_are_refused() -> None:
         gguf_panels(random_blocks(T.Q8_0, 24, 64, seed=0), T.Q8_0, 24, 64)
     q8, q4 = (gguf_panels(random_blocks(kind, 16, 64, seed=1), kind, 16, 64)
               for kind in (T.Q8_0, T.Q4_1))
-    assert stack_panels([q8, q4]) is None and interleave_panels(q8, q4) is None
-    assert stack_panels([q8, q8]) is not None
+    assert interleave_panels(q8, q4) is None  # gate and up of one format only
+    wide = gguf_panels(random_blocks(T.Q8_0, 16, 96, seed=1), T.Q8_0, 16, 96)
+    assert stack_panels([q8, wide]) is None
+    assert not cast(PanelMatrix, stack_panels([q8, q8])).parts
 
 
-def _quantized_models(kind: GGMLQuantizationType) -> tuple[CausalLM, CausalLM]:
+def test_a_stack_of_formats_is_taken_part_by_part() -> None:
+    """q and k in Q4_K, v in Q6_K (a Q4_K_M file's qkv in some layers): the stack keeps two
+    parts, and products over it equal the dequantized product at every row-count path."""
+    kinds = (T.Q4_K, T.Q4_K, T.Q6_K)
+    raws = [random_blocks(kind, rows, 512, seed=rows) for kind, rows in zip(kinds, (64, 32, 32),
+                                                                            strict=True)]
+    stack = stack_panels([gguf_panels(raw, kind, raw.shape[0], 512)
+                          for raw, kind in zip(raws, kinds, strict=True)])
+    assert stack is not None and stack.origin == "Q4_K+Q6_K" and stack.out_features == 128
+    assert [(part.format, part.out_features) for part in stack.parts] == [
+        (PanelFormat.Q4_K, 96), (PanelFormat.Q6_K, 32)]
+    assert stack.nbytes == sum(part.data.nbytes for part in stack.parts)
+    weights = torch.cat([reference(raw, kind) for raw, kind in zip(raws, kinds, strict=True)])
+    linear = cpu_decode.PanelLinear(stack)
+    for num_rows in (1, 3, 8, 19):
+        x = torch.randn(num_rows, 512, generator=torch.Generator().manual_seed(num_rows))
+        expected = x @ weights.T
+        assert float((linear(x) - expected).norm() / expected.norm()) < 1e-5
+
+
+def _quantized_models(kind: GGMLQuantizationType,
+                      v_kind: GGMLQuantizationType | None = None) -> tuple[CausalLM, CausalLM]:
     """The load-time check's tiny Llama (biases everywhere, lm_head untied) with every matrix
     quantized to `kind`, the embedding and lm_head to Q8_0: (float, stored), the first with
     the blocks dequantized into its weights, the second over the blocks in panels
@@ -177,10 +200,15 @@ def _quantized_models(kind: GGMLQuantizationType) -> tuple[CausalLM, CausalLM]:
     stored.lm_head = cpu_decode.PanelLinear(as_blocks(lm_head.weight, T.Q8_0))
     for layer, into in zip(model.layers, stored.layers, strict=True):
         attention, mlp = layer.self_attn, layer.mlp
-        for name in ("qkv_proj", "o_proj"):
-            module = getattr(attention, name)
-            setattr(into.self_attn, name, cpu_decode.PanelLinear(
-                as_blocks(module.weight, kind), bias(module)))
+        qkv = attention.qkv_proj
+        q_size = attention.q_size + attention.kv_size  # q and k in `kind`, v in v_kind
+        parts = [as_blocks(qkv.weight.data[:q_size], kind),
+                 as_blocks(qkv.weight.data[q_size:], v_kind or kind)]
+        stacked = stack_panels(parts)
+        assert stacked is not None and bool(stacked.parts) == (v_kind not in (None, kind))
+        into.self_attn.qkv_proj = cpu_decode.PanelLinear(stacked, bias(qkv))
+        into.self_attn.o_proj = cpu_decode.PanelLinear(as_blocks(attention.o_proj.weight, kind),
+                                                       bias(attention.o_proj))
         gate, up = mlp.gate_up_proj.weight.data.chunk(2)
         pairs = interleave_panels(as_blocks(gate, kind), as_blocks(up, kind))
         assert pairs is not None
@@ -206,11 +234,15 @@ def _layers(model: CausalLM, batch: ForwardBatch,
         return model(batch, [(k.clone(), v.clone()) for k, v in caches], attention)
 
 
-@pytest.mark.parametrize("kind", [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1])
-def test_decode_forward_over_blocks_matches_the_layers(kind: GGMLQuantizationType) -> None:
+@pytest.mark.parametrize(("kind", "v_kind"), [(T.Q8_0, None), (T.Q4_0, None), (T.Q4_1, None),
+                                              (T.Q5_0, None), (T.Q5_1, None), (T.Q4_1, T.Q8_0)])
+def test_decode_forward_over_blocks_matches_the_layers(
+    kind: GGMLQuantizationType, v_kind: GGMLQuantizationType | None,
+) -> None:
     """Nine rows (a block of 8 and one) through the decode forward of the stored model,
-    against the float model's own layers in torch over the same blocks dequantized."""
-    model, stored = _quantized_models(kind)
+    against the float model's own layers in torch over the same blocks dequantized; v_kind:
+    v's blocks in another type, qkv a stack of two formats."""
+    model, stored = _quantized_models(kind, v_kind)
     config, rows, block_size = model.config, 9, 4
     generator = torch.Generator().manual_seed(int(kind))
     caches = _caches(config, 3 * rows, block_size, generator)
