@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
+from functools import partial
 
 import numpy as np
 import torch
@@ -24,6 +24,7 @@ from gguf.quants import dequantize
 
 from engine.models.cpu_decode import PanelLinear
 from engine.models.quantized.panels import PANEL_TYPES, float_panels, gguf_panels
+from ops.bench.quantized_decode import median_step_ms
 
 # Where each type's float16 fields sit in its block (offset, count); the rest random bytes.
 _SCALES = {GGMLQuantizationType.Q6_K: (208, 1)}
@@ -38,16 +39,6 @@ def random_blocks(kind: GGMLQuantizationType, rows: int, cols: int,
     raw[..., offset:offset + 2 * count] = scales.view(np.uint8).reshape(
         rows, cols // block, 2 * count)
     return raw.reshape(rows, -1)
-
-
-def median_ms(module: PanelLinear, x: torch.Tensor, steps: int) -> float:
-    module(x)
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        module(x)
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
 
 
 def main() -> None:
@@ -79,7 +70,7 @@ def main() -> None:
                 for pair in range(args.pairs):
                     order = ((stored, qs), (floats, fs))
                     for module, into in order if pair % 2 == 0 else order[::-1]:
-                        into.append(median_ms(module, x, args.steps))
+                        into.append(median_step_ms(partial(module, x), args.steps))
                     ratios.append(qs[-1] / fs[-1])
             print(f"| {rows} | {' '.join(f'{t:.2f}' for t in qs)} | "
                   f"{' '.join(f'{t:.2f}' for t in fs)} | {statistics.median(ratios):.3f} "

@@ -23,6 +23,8 @@ import argparse
 import statistics
 import time
 from collections import Counter
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -54,12 +56,13 @@ def decode_batch(rows: int, context: int, vocab: int, generator: torch.Generator
     )
 
 
-def median_step_ms(forward: CpuDecodeForward, batch: ForwardBatch, steps: int) -> float:
-    forward(batch)
+def median_step_ms(step: Callable[[], object], steps: int) -> float:
+    """The median time of `steps` calls of step (after one untimed), in ms."""
+    step()
     times = []
     for _ in range(steps):
         start = time.perf_counter()
-        forward(batch)
+        step()
         times.append(time.perf_counter() - start)
     return 1e3 * statistics.median(times)
 
@@ -121,7 +124,8 @@ def main() -> None:
         with torch.inference_mode():
             for pair in range(args.pairs):
                 order = ("f", "q") if pair % 2 == 0 else ("q", "f")
-                ms = {name: median_step_ms(forwards[name], batch, args.steps) for name in order}
+                ms = {name: median_step_ms(partial(forwards[name], batch), args.steps)
+                      for name in order}
                 ratios.append(ms["q"] / ms["f"])
                 print(f"| {pair + 1} | {ms['f']:.2f} | {ms['q']:.2f} | {ratios[-1]:.3f} |")
         print(f"\nq / f: median {statistics.median(ratios):.3f}, min {min(ratios):.3f}, "
