@@ -149,13 +149,15 @@ class ServeProcess:
             self.process.wait(30)
 
 
-def default_model_server(cache_dir: Path, database: Path) -> ServeProcess:
+def default_model_server(cache_dir: Path, database: Path,
+                         dtype: str | None = None) -> ServeProcess:
     """A started replica of the default model (converted into cache_dir once), with room for
-    a real model's prompts: 128 MiB of KV cache, a 2,048-token context."""
+    a real model's prompts: 128 MiB of KV cache, a 2,048-token context; dtype: --dtype."""
     return ServeProcess(
         f"sqlite:///{database}",
         env={"TIERGATE_MODEL": "", "TIERGATE_MODEL_CACHE_DIR": str(cache_dir)},
-        args=["--kv-cache-bytes", str(128 << 20), "--max-model-len", "2048"],
+        args=["--kv-cache-bytes", str(128 << 20), "--max-model-len", "2048",
+              *(["--dtype", dtype] if dtype else [])],
     ).start(timeout_s=300)
 
 

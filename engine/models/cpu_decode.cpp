@@ -669,6 +669,297 @@ void quantized_many_rows(int64_t M, const float* x, int64_t K, const uint8_t* pa
   }
 }
 
+// Products of more than kInt8Rows rows over quantized panels take their activations in int8:
+// each row's block of 32 inputs rounded to 127 steps of its largest magnitude (d = max |x| /
+// 127, q = round(x / d)), as llama.cpp's Q8 activations, so a product is integer dot products
+// of the weights' unsigned values and those bytes, four inputs of one output in one 32-bit lane
+// (VNNI's vpdpbusd; vpmaddubsw and vpmaddwd without it), and per block, in float,
+//   out += (scale d) sum_k u_k q_k + min d sum_k q_k,
+// which is the dequantized weights times the rounded activations x^ = d q, in another order.
+// It takes a quarter of the float products' instructions (ops/bench/journal.md, "Int8
+// activations"). The weights of a group of panels are first repacked into kInt8Block layout
+// (unsigned values, float scales and minimums), once for all the rows. Without VNNI the byte
+// products saturate at 16 bits past 6-bit values, so 8-bit weights keep the float products.
+#if (defined(__AVX512F__) && defined(__AVX512BW__)) || (!defined(__AVX512F__) && defined(__AVX2__))
+#define TIERGATE_INT8_DOTS 1
+#if defined(__AVX512F__) ? defined(__AVX512VNNI__) : defined(__AVXVNNI__)
+#define TIERGATE_INT8_VNNI 1
+#endif
+#endif
+
+constexpr int64_t kInt8Rows = 8;
+
+template <WeightFormat F>
+constexpr bool int8_activations() {
+#if defined(TIERGATE_INT8_VNNI)
+  return F != kF32;
+#elif defined(TIERGATE_INT8_DOTS)
+  return F != kF32 && F != kQ8;
+#else
+  return false;
+#endif
+}
+
+#if defined(TIERGATE_INT8_DOTS)
+
+// One panel's block in int8 layout: scale[2][16] and min[2][16] (inputs 0..15, 16..31; w =
+// scale u + min), then the unsigned values u as 8 groups of 4 inputs, [group][16 lanes][4].
+constexpr int64_t kInt8Scales = 0, kInt8Mins = 2 * kPanel * 4, kInt8Values = 4 * kPanel * 4;
+constexpr int64_t kInt8Block = kInt8Values + kQBlock * kPanel;
+
+typedef uint32_t ulvec __attribute__((vector_size(4 * kLanes)));
+inline ilvec load_int_lanes(const uint8_t* p) {
+#if defined(__AVX512F__)
+  return (ilvec)_mm512_loadu_si512(p);
+#else
+  return (ilvec)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+#endif
+}
+inline void store_int_lanes(uint8_t* p, ilvec v) {
+#if defined(__AVX512F__)
+  _mm512_storeu_si512(p, (__m512i)v);
+#else
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)v);
+#endif
+}
+
+// acc + the sums of four byte products (u unsigned, s signed) in each 32-bit lane.
+inline ilvec dot_bytes(ilvec acc, ilvec u, ilvec s) {
+#if defined(__AVX512F__)
+#if defined(TIERGATE_INT8_VNNI)
+  return (ilvec)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)u, (__m512i)s);
+#else
+  const __m512i pairs = _mm512_maddubs_epi16((__m512i)u, (__m512i)s);
+  return acc + (ilvec)_mm512_madd_epi16(pairs, _mm512_set1_epi16(1));
+#endif
+#else
+#if defined(TIERGATE_INT8_VNNI)
+  return (ilvec)_mm256_dpbusd_avx_epi32((__m256i)acc, (__m256i)u, (__m256i)s);
+#else
+  const __m256i pairs = _mm256_maddubs_epi16((__m256i)u, (__m256i)s);
+  return acc + (ilvec)_mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+#endif
+#endif
+}
+
+inline float lanes_max(lvec v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_max_ps((__m512)v);
+#else
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+#endif
+}
+
+inline int32_t lanes_sum(ilvec v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_epi32((__m512i)v);
+#else
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128((__m256i)v),
+                            _mm256_extracti128_si256((__m256i)v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
+#endif
+}
+
+// kLanes int32 in [-127, 127] stored as bytes at p.
+inline void store_byte_lanes(int8_t* p, ilvec q) {
+#if defined(__AVX512F__)
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8((__m512i)q));
+#else
+  const __m256i words = _mm256_packs_epi32((__m256i)q, (__m256i)q);  // per 128-bit half
+  const __m256i bytes = _mm256_packs_epi16(words, words);
+  const __m128i low = _mm256_castsi256_si128(bytes), high = _mm256_extracti128_si256(bytes, 1);
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_unpacklo_epi32(low, high));
+#endif
+}
+
+// Rows x[M, K] in int8 (see above): q[M, K], and per row and block {d, d sum q of inputs
+// 0..15, of 16..31}.
+void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* scales) {
+  constexpr int kVecs = kQBlock / kLanes;
+  const int64_t num_blocks = K / kQBlock;
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const float* xb = x + m * K + b * kQBlock;
+      lvec v[kVecs], amax = {};
+      for (int i = 0; i < kVecs; ++i) {
+        v[i] = load_lanes(xb + i * kLanes);
+        const lvec magnitude = v[i] < 0.0f ? -v[i] : v[i];
+        amax = magnitude > amax ? magnitude : amax;
+      }
+      const float largest = lanes_max(amax);
+      const float d = largest / 127.0f, inverse = largest > 0.0f ? 127.0f / largest : 0.0f;
+      ilvec sums[2] = {};
+      for (int i = 0; i < kVecs; ++i) {
+#if defined(__AVX512F__)
+        const ilvec rounded = (ilvec)_mm512_cvtps_epi32((__m512)(v[i] * inverse));
+#else
+        const ilvec rounded = (ilvec)_mm256_cvtps_epi32((__m256)(v[i] * inverse));
+#endif
+        store_byte_lanes(q + m * K + b * kQBlock + i * kLanes, rounded);
+        sums[i * kLanes / (kQBlock / 2)] += rounded;
+      }
+      float* s = scales + (m * num_blocks + b) * 3;
+      s[0] = d;
+      s[1] = d * static_cast<float>(lanes_sum(sums[0]));
+      s[2] = d * static_cast<float>(lanes_sum(sums[1]));
+    }
+  }
+}
+
+// Panel p of quantized panels (F) in int8 layout: dst [K / 32][kInt8Block].
+template <WeightFormat F>
+void int8_panel(const uint8_t* panels, int64_t p, int64_t K, uint8_t* dst) {
+  constexpr int64_t kBytes = block_bytes<F>(), kValues = values_offset<F>();
+  const int64_t num_blocks = K / kQBlock;
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const uint8_t* block = panels + (p * num_blocks + b) * kBytes;
+    uint8_t* out = dst + b * kInt8Block;
+    auto* scales = reinterpret_cast<float*>(out + kInt8Scales);
+    auto* mins = reinterpret_cast<float*>(out + kInt8Mins);
+    for (int64_t lane = 0; lane < kPanel; lane += kLanes) {
+      for (int half = 0; half < 2; ++half) {
+        const lvec scale = lane_scales<F>(block, half, lane);
+        store_lanes(scales + half * kPanel + lane, scale);
+        if constexpr (F == kQ8) {
+          store_lanes(mins + half * kPanel + lane, scale * -128.0f);  // u = q + 128
+        } else {
+          store_lanes(mins + half * kPanel + lane, lane_mins<F>(block, scale, lane));
+        }
+      }
+      for (int64_t group = 0; group < kQBlock / 8; ++group) {  // inputs 4 group + 0..3
+        ilvec lo_word = {}, hi_word = {};  // of inputs i and i + 16
+        for (int j = 0; j < 4; ++j) {
+          const int64_t i = 4 * group + j;
+          ilvec lo, hi;
+          if constexpr (F == kQ8) {
+            lo = widen_lanes<true>(block + kValues + i * kPanel + lane) + 128;
+            hi = widen_lanes<true>(block + kValues + (i + kQBlock / 2) * kPanel + lane) + 128;
+          } else {
+            lane_values<F>(block, i, lane, lo, hi);
+          }
+          lo_word |= (ilvec)((ulvec)lo << (8 * j));
+          hi_word |= (ilvec)((ulvec)hi << (8 * j));
+        }
+        store_int_lanes(out + kInt8Values + (group * kPanel + lane) * 4, lo_word);
+        store_int_lanes(out + kInt8Values + ((group + kQBlock / 8) * kPanel + lane) * 4, hi_word);
+      }
+    }
+  }
+}
+
+// out[m, p * 16 + i] for M rows and panels p of [first, first + P) of int8 panels: per block,
+// integer dot products of four inputs at a time, then scaled in float. Halves: the block's
+// halves have scales of their own (kQ6K).
+template <bool Halves, int M, int P>
+inline void int8_panel_product(const int8_t* q, const float* row_scales, int64_t K,
+                               const uint8_t* panels, int64_t first, float* out,
+                               int64_t out_stride) {
+  const int64_t num_blocks = K / kQBlock;
+  for (int64_t lane = 0; lane < kPanel; lane += kLanes) {
+    lvec acc[M][P] = {};
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const uint8_t* block[P];
+      for (int j = 0; j < P; ++j) block[j] = panels + ((first + j) * num_blocks + b) * kInt8Block;
+      ilvec dots[M][P] = {};
+      for (int64_t group = 0; group < kQBlock / 4; ++group) {
+        ilvec w[P];
+        for (int j = 0; j < P; ++j) {
+          w[j] = load_int_lanes(block[j] + kInt8Values + (group * kPanel + lane) * 4);
+        }
+        for (int m = 0; m < M; ++m) {
+          const ilvec s = broadcast_lanes(
+              reinterpret_cast<const uint8_t*>(q + m * K + b * kQBlock + 4 * group));
+          for (int j = 0; j < P; ++j) dots[m][j] = dot_bytes(dots[m][j], w[j], s);
+        }
+        if (Halves ? group % 4 == 3 : group == kQBlock / 4 - 1) {  // a half's or the block's end
+          const int half = Halves ? static_cast<int>(group / 4) : 0;
+          for (int j = 0; j < P; ++j) {
+            const auto* floats = reinterpret_cast<const float*>(block[j]);
+            const lvec scale = load_lanes(floats + half * kPanel + lane);
+            const lvec low = load_lanes(floats + (2 + half) * kPanel + lane);
+            for (int m = 0; m < M; ++m) {
+              const float* s = row_scales + (m * num_blocks + b) * 3;
+              const float sum = Halves ? s[1 + half] : s[1] + s[2];
+              acc[m][j] += __builtin_convertvector(dots[m][j], lvec) * (scale * s[0]) +
+                           low * sum;
+              dots[m][j] = ilvec{};
+            }
+          }
+        }
+      }
+    }
+    for (int m = 0; m < M; ++m) {
+      for (int j = 0; j < P; ++j) {
+        store_lanes(out + m * out_stride + (first + j) * kPanel + lane, acc[m][j]);
+      }
+    }
+  }
+}
+
+// Rows an int8 product takes at once, and panels: M x P dot and float accumulators in
+// registers.
+#if defined(__AVX512F__)
+constexpr int kInt8RowBlock = 4, kInt8Panels = 2;
+#else
+constexpr int kInt8RowBlock = 2, kInt8Panels = 2;
+#endif
+
+// int8_panel_product for rows <= R rows.
+template <bool Halves, int P, int R = kInt8RowBlock>
+inline void int8_row_block(int64_t rows, const int8_t* q, const float* row_scales, int64_t K,
+                           const uint8_t* panels, int64_t first, float* out, int64_t stride) {
+  if constexpr (R > 1) {
+    if (rows < R) {
+      int8_row_block<Halves, P, R - 1>(rows, q, row_scales, K, panels, first, out, stride);
+      return;
+    }
+  }
+  int8_panel_product<Halves, R, P>(q, row_scales, K, panels, first, out, stride);
+}
+
+// Panels [begin, end) of out[M, N] over quantized panels (F) with int8 activations: the rows
+// quantized, then each group of kInt8Panels panels repacked once into the thread's scratch
+// and taken by every block of kInt8RowBlock rows.
+template <WeightFormat F>
+void int8_many_rows(int64_t M, const float* x, int64_t K, const uint8_t* panels, int64_t N,
+                    float* out, int64_t begin, int64_t end) {
+  constexpr bool kHalves = F == kQ6K;
+  constexpr int P = kInt8Panels;
+  const int64_t num_blocks = K / kQBlock;
+  thread_local std::vector<int8_t> q;
+  thread_local std::vector<float> row_scales;
+  thread_local std::vector<uint8_t> scratch;
+  q.resize(static_cast<size_t>(M * K));
+  row_scales.resize(static_cast<size_t>(M * num_blocks * 3));
+  scratch.resize(static_cast<size_t>(P * num_blocks * kInt8Block));
+  quantize_rows(x, M, K, q.data(), row_scales.data());
+  for (int64_t p = begin; p < end; p += P) {
+    const int64_t count = std::min<int64_t>(P, end - p);
+    for (int64_t j = 0; j < count; ++j) {
+      int8_panel<F>(panels, p + j, K, scratch.data() + j * num_blocks * kInt8Block);
+    }
+    for (int64_t m = 0; m < M; m += kInt8RowBlock) {
+      const int64_t rows = std::min<int64_t>(kInt8RowBlock, M - m);
+      float* tile = out + m * N + p * kPanel;
+      if (count == P) {
+        int8_row_block<kHalves, P>(rows, q.data() + m * K, row_scales.data() + m * num_blocks * 3,
+                                   K, scratch.data(), 0, tile, N);
+      } else {
+        for (int64_t j = 0; j < count; ++j) {
+          int8_row_block<kHalves, 1>(rows, q.data() + m * K,
+                                     row_scales.data() + m * num_blocks * 3, K, scratch.data(),
+                                     j, tile, N);
+        }
+      }
+    }
+  }
+}
+
+#endif  // TIERGATE_INT8_DOTS
+
 template <WeightFormat F>
 void format_share(int64_t M, const float* x, int64_t K, const void* panels, int64_t N,
                   float* out, int64_t begin, int64_t end) {
@@ -684,6 +975,14 @@ void format_share(int64_t M, const float* x, int64_t K, const void* panels, int6
     case 8: few_rows<F, 8>(x, K, panels, N, out, begin, end); break;
 #endif
     default: {
+#if defined(TIERGATE_INT8_DOTS)
+      if constexpr (int8_activations<F>()) {
+        if (M > kInt8Rows) {
+          int8_many_rows<F>(M, x, K, static_cast<const uint8_t*>(panels), N, out, begin, end);
+          return;
+        }
+      }
+#endif
       if constexpr (F != kF32) {
         if (M > kScratchRows) {
           quantized_many_rows<F>(M, x, K, static_cast<const uint8_t*>(panels), N, out, begin,
@@ -1171,6 +1470,18 @@ int tiergate_panel_rows(const TiergateMatrix* weight, int64_t N, int64_t K, cons
   }
   for (int64_t c = 0; c < count; ++c) panel_row(*weight, ids[c], K, out + c * K);
   return 0;
+}
+
+// Rows above which a product over panels of `format` takes its activations in int8
+// (cpu_decode.cpp, "int8 activations"), or 0 where it never does: float32 weights, 8-bit ones
+// without VNNI, a CPU without AVX2.
+int64_t tiergate_int8_rows(int64_t format) {
+  switch (format) {
+    case kQ8: return int8_activations<kQ8>() ? kInt8Rows : 0;
+    case kQ4: case kQ4K: case kQ5: case kQ5K: case kQ6K:
+      return int8_activations<kQ4>() ? kInt8Rows : 0;
+    default: return 0;
+  }
 }
 
 // Floats of workspace the model's max_rows rows need.

@@ -47,8 +47,8 @@ from engine.models.quantized.panels import (
     interleave_panels,
 )
 
-__all__ = ["MAX_ROWS", "CpuDecodeForward", "PanelEmbedding", "PanelLinear", "lora_kernels",
-           "supports"]
+__all__ = ["MAX_ROWS", "CpuDecodeForward", "PanelEmbedding", "PanelLinear",
+           "int8_activation_rows", "lora_kernels", "supports"]
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +136,19 @@ def _library() -> ctypes.CDLL | None:
     library.tiergate_lora_update_f32.argtypes = [_p, _i64, _i64, _i64, _p, _i64, _p, _i64, _i64,
                                                  _i64]
     library.tiergate_lora_update_f32.restype = ctypes.c_int
+    library.tiergate_int8_rows.argtypes = [_i64]
+    library.tiergate_int8_rows.restype = _i64
     return library
+
+
+def int8_activation_rows(fmt: PanelFormat) -> int | None:
+    """Rows above which a product over quantized panels of `fmt` rounds its activations to
+    int8 per block of 32 (cpu_decode.cpp: the dequantized weights times the rounded
+    activations), or None where it never does (float32 panels, 8-bit blocks without VNNI, a CPU
+    without AVX2) or the library is not built."""
+    library = _library()
+    rows = 0 if library is None else int(library.tiergate_int8_rows(int(fmt)))
+    return rows or None
 
 
 @functools.cache

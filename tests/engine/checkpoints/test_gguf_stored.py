@@ -6,6 +6,7 @@ path, decodes in the C++ decode forward), with no float copy of a stored matrix.
 from __future__ import annotations
 
 import json
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -32,28 +33,31 @@ from tests.engine.models.helpers import (
     make_checkpoint,
     random_prompts,
 )
+from tests.engine.models.int8_rounding import rounded_like
 from tests.engine.models.lora_adapters import make_adapter
 
 T = GGMLQuantizationType
 _ARCH = {"llama": "llama", "llama_bias": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 
-def _runner(model: CausalLM, sampler: RecordingSampler) -> TorchModelRunner:
+def _runner(model: CausalLM, sampler: RecordingSampler, pack: bool = True) -> TorchModelRunner:
     config = EngineConfig(SchedulerConfig(max_model_len=256), CacheConfig(block_size=BLOCK_SIZE),
-                          runner=RunnerConfig(num_kv_blocks=64))
+                          runner=RunnerConfig(num_kv_blocks=64, pack_cpu_weights=pack))
     return TorchModelRunner(model, config, sampler=sampler)
 
 
-def _logits(model: CausalLM, prompts: list[list[int]],
-            loras: list[LoraRequest | None]) -> dict[str, list[torch.Tensor]]:
+def _logits(model: CausalLM, prompts: list[list[int]], loras: list[LoraRequest | None],
+            stored: CausalLM | None = None) -> dict[str, list[torch.Tensor]]:
     """Every sampled row's logits of greedy runs of the prompts (12 tokens each), each on its
-    adapter or the base model."""
+    adapter or the base model; stored: the model's layers take their inputs as that model's
+    products do (int8 activations above int8_activation_rows)."""
     sampler = RecordingSampler(model.config.vocab_size)
-    runner = _runner(model, sampler)
+    runner = _runner(model, sampler, pack=stored is None)
     assert runner.decode_forward is not None  # decodes in the C++ forward
-    PagedDriver(runner).run([Sequence(f"r{i}", p, 12, lora=lora)
-                             for i, (p, lora) in enumerate(zip(prompts, loras, strict=True))],
-                            token_budget=32)
+    with nullcontext() if stored is None else rounded_like(model, stored):
+        PagedDriver(runner).run([Sequence(f"r{i}", p, 12, lora=lora)
+                                 for i, (p, lora) in enumerate(zip(prompts, loras, strict=True))],
+                                token_budget=32)
     return sampler.logits
 
 
@@ -61,7 +65,8 @@ def _served_alike(float_model: CausalLM, stored: CausalLM,
                   loras: list[LoraRequest | None] | None = None) -> None:
     prompts = random_prompts([5, 23, 40], seed=3)  # 40: a prefill over two token budgets
     loras = loras or [None] * len(prompts)
-    expected, got = _logits(float_model, prompts, loras), _logits(stored, prompts, loras)
+    expected = _logits(float_model, prompts, loras, stored)
+    got = _logits(stored, prompts, loras)
     assert sorted(got) == sorted(expected)
     for request, rows in expected.items():
         assert len(got[request]) == len(rows) == 12

@@ -1,6 +1,7 @@
 """Quantized panels (engine.models.quantized.panels) against gguf's own dequantization: the
-repacking, the C++ products over them (every row-count path), and the decode forward of a
-tiny model whose matrices are held as GGUF blocks."""
+repacking, the C++ products over them (every row-count path; above `int8_activation_rows`,
+against the dequantized weights times the activations rounded as the kernels round them),
+and the decode forward of a tiny model whose matrices are held as GGUF blocks."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from engine.models.quantized.panels import (
     interleave_panels,
     stack_panels,
 )
+from tests.engine.models.int8_rounding import product_input, rounded_activations, rounded_like
 
 T = GGMLQuantizationType
 # Each block's float16 fields: (byte offset, how many); the minimum is the second of Q4_1 and
@@ -130,16 +132,27 @@ def test_minimums_past_float16_take_the_k_quant_layout(kind: GGMLQuantizationTyp
 
 
 @pytest.mark.parametrize("kind", sorted(PANEL_TYPES, key=int))
-@pytest.mark.parametrize("num_rows", [1, 3, 8, 19])  # register paths; 19: blocks and a tail
+@pytest.mark.parametrize("num_rows", [1, 3, 8, 9, 19])  # register paths; 9, 19: int8, tails
 def test_products_over_blocks_equal_the_dequantized_product(
     kind: GGMLQuantizationType, num_rows: int,
 ) -> None:
     raw = random_blocks(kind, 80, 512, seed=num_rows)
     generator = torch.Generator().manual_seed(num_rows)
     x = torch.randn(num_rows, 512, generator=generator)
-    got = cpu_decode.PanelLinear(gguf_panels(raw, kind, 80, 512))(x)
-    expected = x @ reference(raw, kind).T
+    matrix = gguf_panels(raw, kind, 80, 512)
+    got = cpu_decode.PanelLinear(matrix)(x)
+    expected = product_input(x, matrix) @ reference(raw, kind).T
     assert float((got - expected).norm() / expected.norm()) < 1e-5
+    if product_input(x, matrix) is not x:  # int8 activations: within rounding of float ones
+        exact = x @ reference(raw, kind).T
+        assert 1e-4 < float((got - exact).norm() / exact.norm()) < 2e-2
+
+
+def test_activations_round_per_block_of_32() -> None:
+    x = torch.tensor([[0.0] * 32 + [1.27, -0.635, 0.0051, 0.0049] + [0.0] * 28])
+    got = rounded_activations(x)
+    assert torch.equal(got[0, :32], torch.zeros(32))  # an all-zero block stays zero
+    torch.testing.assert_close(got[0, 32:36], torch.tensor([1.27, -0.64, 0.01, 0.0]))
 
 
 def test_unsupported_blocks_and_shapes_are_refused() -> None:
@@ -167,11 +180,12 @@ def test_a_stack_of_formats_is_taken_part_by_part() -> None:
     assert [(part.format, part.out_features) for part in stack.parts] == [
         (PanelFormat.Q4_K, 96), (PanelFormat.Q6_K, 32)]
     assert stack.nbytes == sum(part.data.nbytes for part in stack.parts)
-    weights = torch.cat([reference(raw, kind) for raw, kind in zip(raws, kinds, strict=True)])
     linear = cpu_decode.PanelLinear(stack)
     for num_rows in (1, 3, 8, 19):
         x = torch.randn(num_rows, 512, generator=torch.Generator().manual_seed(num_rows))
-        expected = x @ weights.T
+        expected = torch.cat([product_input(x, part) @ weights.T for part, weights in zip(
+            stack.parts, (torch.cat([reference(raw, T.Q4_K) for raw in raws[:2]]),
+                          reference(raws[2], T.Q6_K)), strict=True)], dim=1)
         assert float((linear(x) - expected).norm() / expected.norm()) < 1e-5
 
 
@@ -239,9 +253,10 @@ def _layers(model: CausalLM, batch: ForwardBatch,
 def test_decode_forward_over_blocks_matches_the_layers(
     kind: GGMLQuantizationType, v_kind: GGMLQuantizationType | None,
 ) -> None:
-    """Nine rows (a block of 8 and one) through the decode forward of the stored model,
-    against the float model's own layers in torch over the same blocks dequantized; v_kind:
-    v's blocks in another type, qkv a stack of two formats."""
+    """Nine rows (int8 activations where the CPU has them) through the decode forward of the
+    stored model, against the float model's own layers in torch over the same blocks
+    dequantized, their inputs rounded as the kernels round them; v_kind: v's blocks in another
+    type, qkv a stack of two formats."""
     model, stored = _quantized_models(kind, v_kind)
     config, rows, block_size = model.config, 9, 4
     generator = torch.Generator().manual_seed(int(kind))
@@ -260,7 +275,8 @@ def test_decode_forward_over_blocks_matches_the_layers(
                                           rows)
     assert forward.nbytes == 0  # every matrix read in place, none copied
     assert forward.lm_head_panels is cast(cpu_decode.PanelLinear, stored.lm_head).panels
-    expected = _layers(model, batch, caches)
+    with rounded_like(model, stored):
+        expected = _layers(model, batch, caches)
     with torch.inference_mode():
         got = forward(batch)
     assert float((got - expected).norm() / expected.norm()) < 1e-4
@@ -268,8 +284,8 @@ def test_decode_forward_over_blocks_matches_the_layers(
 
 @pytest.mark.parametrize("kind", [T.Q8_0, T.Q4_1, T.Q5_1])
 def test_layer_path_over_blocks_matches_the_float_layers(kind: GGMLQuantizationType) -> None:
-    """A prefill of two prompts (5 and 23 tokens: the products' register and scratch paths)
-    through the stored model's layers, against the float model's."""
+    """A prefill of two prompts (28 tokens: int8 activations where the CPU has them) through
+    the stored model's layers, against the float model's, their inputs rounded alike."""
     model, stored = _quantized_models(kind)
     config, block_size = model.config, 4
     generator = torch.Generator().manual_seed(7)
@@ -287,7 +303,9 @@ def test_layer_path_over_blocks_matches_the_float_layers(kind: GGMLQuantizationT
         context_lens=torch.tensor(lengths, dtype=torch.int32),
         logits_indices=torch.tensor([4, 27]),
     )
-    expected, got = _layers(model, batch, caches), _layers(stored, batch, caches)
+    with rounded_like(model, stored):
+        expected = _layers(model, batch, caches)
+    got = _layers(stored, batch, caches)
     assert float((got - expected).norm() / expected.norm()) < 1e-4
 
 

@@ -135,9 +135,13 @@ def _hf_answers(model_file: Path, tokenizer: Any) -> list[tuple[str, int]]:
 def server(
     model_dir: Path, cache_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServeProcess]:
-    # TIERGATE_MODEL empty: the default model, from the cache the fixture converted into.
+    # TIERGATE_MODEL empty: the default model, from the cache the fixture converted into;
+    # its blocks dequantized at load (--dtype float32), as HF dequantizes them: served as
+    # stored, prefills take int8 activations (cpu_decode.cpp), and a near tie can go the
+    # other way (tests/engine/checkpoints/test_gguf_stored.py holds that path to its own
+    # reference).
     with default_model_server(
-        cache_dir, tmp_path_factory.mktemp("default-model") / "tiergate.db"
+        cache_dir, tmp_path_factory.mktemp("default-model") / "tiergate.db", dtype="float32"
     ) as process:
         yield process
 
