@@ -687,7 +687,13 @@ void quantized_many_rows(int64_t M, const float* x, int64_t K, const uint8_t* pa
 #endif
 #endif
 
+// Rows above which the int8 products pay: with VNNI from 3 rows (two stay bound by the
+// weights' stream, dequantized in registers), without it from 9.
+#if defined(TIERGATE_INT8_VNNI)
+constexpr int64_t kInt8Rows = 2;
+#else
 constexpr int64_t kInt8Rows = 8;
+#endif
 
 template <WeightFormat F>
 constexpr bool int8_activations() {
@@ -723,24 +729,40 @@ inline void store_int_lanes(uint8_t* p, ilvec v) {
 #endif
 }
 
+#if defined(TIERGATE_INT8_VNNI)
 // acc + the sums of four byte products (u unsigned, s signed) in each 32-bit lane.
 inline ilvec dot_bytes(ilvec acc, ilvec u, ilvec s) {
 #if defined(__AVX512F__)
-#if defined(TIERGATE_INT8_VNNI)
   return (ilvec)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)u, (__m512i)s);
 #else
-  const __m512i pairs = _mm512_maddubs_epi16((__m512i)u, (__m512i)s);
-  return acc + (ilvec)_mm512_madd_epi16(pairs, _mm512_set1_epi16(1));
-#endif
-#else
-#if defined(TIERGATE_INT8_VNNI)
   return (ilvec)_mm256_dpbusd_avx_epi32((__m256i)acc, (__m256i)u, (__m256i)s);
-#else
-  const __m256i pairs = _mm256_maddubs_epi16((__m256i)u, (__m256i)s);
-  return acc + (ilvec)_mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
-#endif
 #endif
 }
+#else
+// Without VNNI: pairs + the sums of two byte products (u unsigned, s signed) in each 16-bit
+// lane (vpmaddubsw, which saturates: the caller keeps the sums in range), and acc + the
+// 16-bit lanes' pairs summed into the 32-bit lanes.
+inline ilvec add_byte_pairs(ilvec pairs, ilvec u, ilvec s) {
+#if defined(__AVX512F__)
+  return (ilvec)_mm512_add_epi16((__m512i)pairs, _mm512_maddubs_epi16((__m512i)u, (__m512i)s));
+#else
+  return (ilvec)_mm256_add_epi16((__m256i)pairs, _mm256_maddubs_epi16((__m256i)u, (__m256i)s));
+#endif
+}
+inline ilvec widen_pairs(ilvec acc, ilvec pairs) {
+#if defined(__AVX512F__)
+  return acc + (ilvec)_mm512_madd_epi16((__m512i)pairs, _mm512_set1_epi16(1));
+#else
+  return acc + (ilvec)_mm256_madd_epi16((__m256i)pairs, _mm256_set1_epi16(1));
+#endif
+}
+// Groups of four inputs whose byte products a 16-bit lane holds without saturating: two
+// products a group, each at most 127 times the largest value (15, 31 or 63).
+template <WeightFormat F>
+constexpr int64_t groups_in_16_bits() {
+  return F == kQ4 || F == kQ4K ? 8 : F == kQ5 || F == kQ5K ? 4 : 2;
+}
+#endif
 
 inline float lanes_max(lvec v) {
 #if defined(__AVX512F__)
@@ -850,13 +872,14 @@ void int8_panel(const uint8_t* panels, int64_t p, int64_t K, uint8_t* dst) {
   }
 }
 
-// out[m, p * 16 + i] for M rows and panels p of [first, first + P) of int8 panels: per block,
-// integer dot products of four inputs at a time, then scaled in float. Halves: the block's
-// halves have scales of their own (kQ6K).
-template <bool Halves, int M, int P>
+// out[m, p * 16 + i] for M rows and panels p of [first, first + P) of int8 panels (from
+// F's): per block, integer dot products of four inputs at a time, then scaled in float, per
+// half where the halves have scales of their own (kQ6K).
+template <WeightFormat F, int M, int P>
 inline void int8_panel_product(const int8_t* q, const float* row_scales, int64_t K,
                                const uint8_t* panels, int64_t first, float* out,
                                int64_t out_stride) {
+  constexpr bool kHalves = F == kQ6K;
   const int64_t num_blocks = K / kQBlock;
   for (int64_t lane = 0; lane < kPanel; lane += kLanes) {
     lvec acc[M][P] = {};
@@ -864,6 +887,9 @@ inline void int8_panel_product(const int8_t* q, const float* row_scales, int64_t
       const uint8_t* block[P];
       for (int j = 0; j < P; ++j) block[j] = panels + ((first + j) * num_blocks + b) * kInt8Block;
       ilvec dots[M][P] = {};
+#if !defined(TIERGATE_INT8_VNNI)
+      ilvec pairs[M][P] = {};
+#endif
       for (int64_t group = 0; group < kQBlock / 4; ++group) {
         ilvec w[P];
         for (int j = 0; j < P; ++j) {
@@ -872,17 +898,27 @@ inline void int8_panel_product(const int8_t* q, const float* row_scales, int64_t
         for (int m = 0; m < M; ++m) {
           const ilvec s = broadcast_lanes(
               reinterpret_cast<const uint8_t*>(q + m * K + b * kQBlock + 4 * group));
-          for (int j = 0; j < P; ++j) dots[m][j] = dot_bytes(dots[m][j], w[j], s);
+          for (int j = 0; j < P; ++j) {
+#if defined(TIERGATE_INT8_VNNI)
+            dots[m][j] = dot_bytes(dots[m][j], w[j], s);
+#else
+            pairs[m][j] = add_byte_pairs(pairs[m][j], w[j], s);
+            if ((group + 1) % groups_in_16_bits<F>() == 0) {
+              dots[m][j] = widen_pairs(dots[m][j], pairs[m][j]);
+              pairs[m][j] = ilvec{};
+            }
+#endif
+          }
         }
-        if (Halves ? group % 4 == 3 : group == kQBlock / 4 - 1) {  // a half's or the block's end
-          const int half = Halves ? static_cast<int>(group / 4) : 0;
+        if (kHalves ? group % 4 == 3 : group == kQBlock / 4 - 1) {  // a half's or block's end
+          const int half = kHalves ? static_cast<int>(group / 4) : 0;
           for (int j = 0; j < P; ++j) {
             const auto* floats = reinterpret_cast<const float*>(block[j]);
             const lvec scale = load_lanes(floats + half * kPanel + lane);
             const lvec low = load_lanes(floats + (2 + half) * kPanel + lane);
             for (int m = 0; m < M; ++m) {
               const float* s = row_scales + (m * num_blocks + b) * 3;
-              const float sum = Halves ? s[1 + half] : s[1] + s[2];
+              const float sum = kHalves ? s[1 + half] : s[1] + s[2];
               acc[m][j] += __builtin_convertvector(dots[m][j], lvec) * (scale * s[0]) +
                            low * sum;
               dots[m][j] = ilvec{};
@@ -908,16 +944,16 @@ constexpr int kInt8RowBlock = 2, kInt8Panels = 2;
 #endif
 
 // int8_panel_product for rows <= R rows.
-template <bool Halves, int P, int R = kInt8RowBlock>
+template <WeightFormat F, int P, int R = kInt8RowBlock>
 inline void int8_row_block(int64_t rows, const int8_t* q, const float* row_scales, int64_t K,
                            const uint8_t* panels, int64_t first, float* out, int64_t stride) {
   if constexpr (R > 1) {
     if (rows < R) {
-      int8_row_block<Halves, P, R - 1>(rows, q, row_scales, K, panels, first, out, stride);
+      int8_row_block<F, P, R - 1>(rows, q, row_scales, K, panels, first, out, stride);
       return;
     }
   }
-  int8_panel_product<Halves, R, P>(q, row_scales, K, panels, first, out, stride);
+  int8_panel_product<F, R, P>(q, row_scales, K, panels, first, out, stride);
 }
 
 // Panels [begin, end) of out[M, N] over quantized panels (F) with int8 activations: the rows
@@ -926,7 +962,6 @@ inline void int8_row_block(int64_t rows, const int8_t* q, const float* row_scale
 template <WeightFormat F>
 void int8_many_rows(int64_t M, const float* x, int64_t K, const uint8_t* panels, int64_t N,
                     float* out, int64_t begin, int64_t end) {
-  constexpr bool kHalves = F == kQ6K;
   constexpr int P = kInt8Panels;
   const int64_t num_blocks = K / kQBlock;
   thread_local std::vector<int8_t> q;
@@ -945,11 +980,11 @@ void int8_many_rows(int64_t M, const float* x, int64_t K, const uint8_t* panels,
       const int64_t rows = std::min<int64_t>(kInt8RowBlock, M - m);
       float* tile = out + m * N + p * kPanel;
       if (count == P) {
-        int8_row_block<kHalves, P>(rows, q.data() + m * K, row_scales.data() + m * num_blocks * 3,
+        int8_row_block<F, P>(rows, q.data() + m * K, row_scales.data() + m * num_blocks * 3,
                                    K, scratch.data(), 0, tile, N);
       } else {
         for (int64_t j = 0; j < count; ++j) {
-          int8_row_block<kHalves, 1>(rows, q.data() + m * K,
+          int8_row_block<F, 1>(rows, q.data() + m * K,
                                      row_scales.data() + m * num_blocks * 3, K, scratch.data(),
                                      j, tile, N);
         }
@@ -963,6 +998,14 @@ void int8_many_rows(int64_t M, const float* x, int64_t K, const uint8_t* panels,
 template <WeightFormat F>
 void format_share(int64_t M, const float* x, int64_t K, const void* panels, int64_t N,
                   float* out, int64_t begin, int64_t end) {
+#if defined(TIERGATE_INT8_DOTS)
+  if constexpr (int8_activations<F>()) {
+    if (M > kInt8Rows) {
+      int8_many_rows<F>(M, x, K, static_cast<const uint8_t*>(panels), N, out, begin, end);
+      return;
+    }
+  }
+#endif
   switch (M) {
     case 1: few_rows<F, 1>(x, K, panels, N, out, begin, end); break;
     case 2: few_rows<F, 2>(x, K, panels, N, out, begin, end); break;
@@ -975,14 +1018,6 @@ void format_share(int64_t M, const float* x, int64_t K, const void* panels, int6
     case 8: few_rows<F, 8>(x, K, panels, N, out, begin, end); break;
 #endif
     default: {
-#if defined(TIERGATE_INT8_DOTS)
-      if constexpr (int8_activations<F>()) {
-        if (M > kInt8Rows) {
-          int8_many_rows<F>(M, x, K, static_cast<const uint8_t*>(panels), N, out, begin, end);
-          return;
-        }
-      }
-#endif
       if constexpr (F != kF32) {
         if (M > kScratchRows) {
           quantized_many_rows<F>(M, x, K, static_cast<const uint8_t*>(panels), N, out, begin,

@@ -19,6 +19,7 @@ from engine import LoraRequest
 from engine.checkpoints.gguf_checkpoint import GGUFCheckpoint
 from engine.checkpoints.gguf_panels import load_gguf_model, load_stored_model
 from engine.config import CacheConfig, EngineConfig, RunnerConfig, SchedulerConfig
+from engine.models import cpu_decode
 from engine.models.config import ModelConfig
 from engine.models.cpu_decode import PanelEmbedding, PanelLinear
 from engine.models.decoder import CausalLM
@@ -40,9 +41,14 @@ T = GGMLQuantizationType
 _ARCH = {"llama": "llama", "llama_bias": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 
-def _runner(model: CausalLM, sampler: RecordingSampler, pack: bool = True) -> TorchModelRunner:
+def _runner(model: CausalLM, sampler: RecordingSampler,
+            reference: bool = False) -> TorchModelRunner:
+    """reference: every step on the model's torch layers (no C++ decode forward, no oneDNN
+    packing), so that hooks on its nn.Linear modules see every product."""
+    runner = RunnerConfig(num_kv_blocks=64, pack_cpu_weights=not reference,
+                          cpu_decode_rows=0 if reference else RunnerConfig.cpu_decode_rows)
     config = EngineConfig(SchedulerConfig(max_model_len=256), CacheConfig(block_size=BLOCK_SIZE),
-                          runner=RunnerConfig(num_kv_blocks=64, pack_cpu_weights=pack))
+                          runner=runner)
     return TorchModelRunner(model, config, sampler=sampler)
 
 
@@ -52,8 +58,8 @@ def _logits(model: CausalLM, prompts: list[list[int]], loras: list[LoraRequest |
     adapter or the base model; stored: the model's layers take their inputs as that model's
     products do (int8 activations above int8_activation_rows)."""
     sampler = RecordingSampler(model.config.vocab_size)
-    runner = _runner(model, sampler, pack=stored is None)
-    assert runner.decode_forward is not None  # decodes in the C++ forward
+    runner = _runner(model, sampler, reference=stored is not None)
+    assert (runner.decode_forward is None) == (stored is not None)  # else the C++ forward
     with nullcontext() if stored is None else rounded_like(model, stored):
         PagedDriver(runner).run([Sequence(f"r{i}", p, 12, lora=lora)
                                  for i, (p, lora) in enumerate(zip(prompts, loras, strict=True))],
@@ -67,11 +73,19 @@ def _served_alike(float_model: CausalLM, stored: CausalLM,
     loras = loras or [None] * len(prompts)
     expected = _logits(float_model, prompts, loras, stored)
     got = _logits(stored, prompts, loras)
+    # Products of more than int8_activation_rows rows round their activations to int8, and
+    # a quantized embedding's rows hold exact ties (k + 1/2 steps) that the kernels' and
+    # torch's last bits send either way: one step of one input, then carried through the
+    # layers and the steps. Float-only paths agree to 1e-4; the int8 ones here to 2e-3-7e-3.
+    rounds = any(cpu_decode.int8_activation_rows(m.panels.format) is not None
+                 for m in stored.modules() if isinstance(m, PanelLinear))
+    tolerance = 2e-2 if rounds else 1e-4
     assert sorted(got) == sorted(expected)
     for request, rows in expected.items():
         assert len(got[request]) == len(rows) == 12
         for want, have in zip(rows, got[request], strict=True):
-            assert float((have - want).norm() / want.norm()) < 1e-4, request
+            assert torch.equal(have.argmax(), want.argmax()), request
+            assert float((have - want).norm() / want.norm()) < tolerance, request
 
 
 def _stored_modules(model: CausalLM) -> tuple[int, int]:

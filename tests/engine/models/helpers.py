@@ -97,7 +97,9 @@ def make_checkpoint(
 def hf_greedy(model: PreTrainedModel, prompt: list[int], num_tokens: int) -> list[int]:
     """HF transformers greedy continuation of one prompt (no padding), on the model's device."""
     ids = torch.tensor([prompt], device=model.device)
-    out = model.generate(
+    # Any: mypy reads PreTrainedModel.generate as a Tensor attribute in some import orders.
+    generate: Any = model.generate
+    out = generate(
         ids,
         attention_mask=torch.ones_like(ids),
         max_new_tokens=num_tokens,

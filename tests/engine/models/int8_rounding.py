@@ -22,7 +22,9 @@ def rounded_activations(x: torch.Tensor) -> torch.Tensor:
     block, q = round(x * (127 / max |x|)) (half to even), in float32 as the kernels do."""
     blocks = x.reshape(*x.shape[:-1], -1, 32)
     largest = blocks.abs().amax(-1, keepdim=True)
-    inverse = torch.where(largest > 0, 127.0 / largest, torch.zeros_like(largest))
+    # A true division: `127.0 / largest` is reciprocal(largest) * 127, a rounding apart.
+    inverse = torch.where(largest > 0, torch.full_like(largest, 127.0) / largest,
+                          torch.zeros_like(largest))
     return (torch.round(blocks * inverse) * (largest / 127.0)).reshape(x.shape)
 
 

@@ -124,7 +124,7 @@ def test_minimums_past_float16_take_the_k_quant_layout(kind: GGMLQuantizationTyp
     matrix = gguf_panels(raw, kind, 16, 64)  # -8 (-16) x 10000 is past float16's 65504
     assert matrix.format is layout
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
-    expected = x @ reference(raw, kind).T
+    expected = product_input(x, matrix) @ reference(raw, kind).T
     got = cpu_decode.PanelLinear(matrix)(x)
     assert float((got - expected).norm() / expected.norm()) < 1e-5
     np.testing.assert_allclose(panels_in_numpy(matrix), reference(raw, kind).numpy(),
@@ -132,7 +132,7 @@ def test_minimums_past_float16_take_the_k_quant_layout(kind: GGMLQuantizationTyp
 
 
 @pytest.mark.parametrize("kind", sorted(PANEL_TYPES, key=int))
-@pytest.mark.parametrize("num_rows", [1, 3, 8, 9, 19])  # register paths; 9, 19: int8, tails
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 8, 9, 19])  # int8 above 2 or 8 rows; tails
 def test_products_over_blocks_equal_the_dequantized_product(
     kind: GGMLQuantizationType, num_rows: int,
 ) -> None:
@@ -146,6 +146,25 @@ def test_products_over_blocks_equal_the_dequantized_product(
     if product_input(x, matrix) is not x:  # int8 activations: within rounding of float ones
         exact = x @ reference(raw, kind).T
         assert 1e-4 < float((got - exact).norm() / exact.norm()) < 2e-2
+
+
+@pytest.mark.parametrize("kind", sorted(PANEL_TYPES, key=int))
+def test_int8_products_hold_the_largest_sums(kind: GGMLQuantizationType) -> None:
+    """Every value at its format's largest (all bits set; Q8_0: 127) against activations
+    that round to 127 everywhere: the byte products' largest sums, which 16-bit partial sums
+    without VNNI must hold without saturating."""
+    raw = random_blocks(kind, 32, 256, seed=1)
+    block, size = GGML_QUANT_SIZES[kind]
+    blocks = raw.reshape(32, 256 // block, size)
+    offset, fields = _SCALES[kind]
+    keep = blocks[..., offset:offset + 2 * fields].copy()
+    blocks[...] = 0x7F if kind == T.Q8_0 else 0xFF
+    blocks[..., offset:offset + 2 * fields] = keep
+    matrix = gguf_panels(raw, kind, 32, 256)
+    x = torch.ones(12, 256)
+    expected = product_input(x, matrix) @ reference(raw, kind).T
+    got = cpu_decode.PanelLinear(matrix)(x)
+    assert float((got - expected).norm() / expected.norm()) < 1e-5
 
 
 def test_activations_round_per_block_of_32() -> None:
