@@ -679,7 +679,8 @@ void quantized_many_rows(int64_t M, const float* x, int64_t K, const uint8_t* pa
 // It takes a quarter of the float products' instructions (ops/bench/journal.md, "Int8
 // activations"). The weights of a group of panels are first repacked into kInt8Block layout
 // (unsigned values, float scales and minimums), once for all the rows. Without VNNI the byte
-// products saturate at 16 bits past 6-bit values, so 8-bit weights keep the float products.
+// products' pairs are summed in 16 bits (vpmaddubsw), which 8-bit unsigned values would
+// saturate: 8-bit weights stay signed there, and a product takes |w| times x with w's sign.
 #if (defined(__AVX512F__) && defined(__AVX512BW__)) || (!defined(__AVX512F__) && defined(__AVX2__))
 #define TIERGATE_INT8_DOTS 1
 #if defined(__AVX512F__) ? defined(__AVX512VNNI__) : defined(__AVXVNNI__)
@@ -687,20 +688,14 @@ void quantized_many_rows(int64_t M, const float* x, int64_t K, const uint8_t* pa
 #endif
 #endif
 
-// Rows above which the int8 products pay: with VNNI from 3 rows (two stay bound by the
-// weights' stream, dequantized in registers), without it from 9.
-#if defined(TIERGATE_INT8_VNNI)
+// Rows above which the int8 products pay: from 3 rows with VNNI and without it (two stay
+// bound by the weights' stream, dequantized in registers; journal, "Int8 activations").
 constexpr int64_t kInt8Rows = 2;
-#else
-constexpr int64_t kInt8Rows = 8;
-#endif
 
 template <WeightFormat F>
 constexpr bool int8_activations() {
-#if defined(TIERGATE_INT8_VNNI)
+#if defined(TIERGATE_INT8_DOTS)
   return F != kF32;
-#elif defined(TIERGATE_INT8_DOTS)
-  return F != kF32 && F != kQ8;
 #else
   return false;
 #endif
@@ -709,7 +704,8 @@ constexpr bool int8_activations() {
 #if defined(TIERGATE_INT8_DOTS)
 
 // One panel's block in int8 layout: scale[2][16] and min[2][16] (inputs 0..15, 16..31; w =
-// scale u + min), then the unsigned values u as 8 groups of 4 inputs, [group][16 lanes][4].
+// scale u + min), then the values u (unsigned; 8-bit ones signed without VNNI, min 0) as 8
+// groups of 4 inputs, [group][16 lanes][4].
 constexpr int64_t kInt8Scales = 0, kInt8Mins = 2 * kPanel * 4, kInt8Values = 4 * kPanel * 4;
 constexpr int64_t kInt8Block = kInt8Values + kQBlock * kPanel;
 
@@ -749,6 +745,18 @@ inline ilvec add_byte_pairs(ilvec pairs, ilvec u, ilvec s) {
   return (ilvec)_mm256_add_epi16((__m256i)pairs, _mm256_maddubs_epi16((__m256i)u, (__m256i)s));
 #endif
 }
+// add_byte_pairs for signed w: |w| (at most 128) times s with w's sign.
+inline ilvec add_signed_byte_pairs(ilvec pairs, ilvec w, ilvec s) {
+#if defined(__AVX512F__)
+  const __mmask64 negative = _mm512_movepi8_mask((__m512i)w);
+  const __m512i signed_s = _mm512_mask_sub_epi8((__m512i)s, negative, _mm512_setzero_si512(),
+                                                (__m512i)s);
+  return add_byte_pairs(pairs, (ilvec)_mm512_abs_epi8((__m512i)w), (ilvec)signed_s);
+#else
+  return add_byte_pairs(pairs, (ilvec)_mm256_abs_epi8((__m256i)w),
+                        (ilvec)_mm256_sign_epi8((__m256i)s, (__m256i)w));
+#endif
+}
 inline ilvec widen_pairs(ilvec acc, ilvec pairs) {
 #if defined(__AVX512F__)
   return acc + (ilvec)_mm512_madd_epi16((__m512i)pairs, _mm512_set1_epi16(1));
@@ -757,10 +765,10 @@ inline ilvec widen_pairs(ilvec acc, ilvec pairs) {
 #endif
 }
 // Groups of four inputs whose byte products a 16-bit lane holds without saturating: two
-// products a group, each at most 127 times the largest value (15, 31 or 63).
+// products a group, each at most 127 times the largest value (15, 31, 63 or |-128|).
 template <WeightFormat F>
 constexpr int64_t groups_in_16_bits() {
-  return F == kQ4 || F == kQ4K ? 8 : F == kQ5 || F == kQ5K ? 4 : 2;
+  return F == kQ4 || F == kQ4K ? 8 : F == kQ5 || F == kQ5K ? 4 : F == kQ6K ? 2 : 1;
 }
 #endif
 
@@ -831,6 +839,14 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* scale
   }
 }
 
+// What 8-bit values add in int8 layout: 128 with VNNI (its byte products take unsigned
+// weights), none without (signed weights: add_signed_byte_pairs).
+#if defined(TIERGATE_INT8_VNNI)
+constexpr int32_t kQ8Offset = 128;
+#else
+constexpr int32_t kQ8Offset = 0;
+#endif
+
 // Panel p of quantized panels (F) in int8 layout: dst [K / 32][kInt8Block].
 template <WeightFormat F>
 void int8_panel(const uint8_t* panels, int64_t p, int64_t K, uint8_t* dst) {
@@ -845,8 +861,8 @@ void int8_panel(const uint8_t* panels, int64_t p, int64_t K, uint8_t* dst) {
       for (int half = 0; half < 2; ++half) {
         const lvec scale = lane_scales<F>(block, half, lane);
         store_lanes(scales + half * kPanel + lane, scale);
-        if constexpr (F == kQ8) {
-          store_lanes(mins + half * kPanel + lane, scale * -128.0f);  // u = q + 128
+        if constexpr (F == kQ8) {  // u = q + 128 with VNNI, else q (signed)
+          store_lanes(mins + half * kPanel + lane, scale * (kQ8Offset == 0 ? 0.0f : -128.0f));
         } else {
           store_lanes(mins + half * kPanel + lane, lane_mins<F>(block, scale, lane));
         }
@@ -857,8 +873,9 @@ void int8_panel(const uint8_t* panels, int64_t p, int64_t K, uint8_t* dst) {
           const int64_t i = 4 * group + j;
           ilvec lo, hi;
           if constexpr (F == kQ8) {
-            lo = widen_lanes<true>(block + kValues + i * kPanel + lane) + 128;
-            hi = widen_lanes<true>(block + kValues + (i + kQBlock / 2) * kPanel + lane) + 128;
+            lo = (widen_lanes<true>(block + kValues + i * kPanel + lane) + kQ8Offset) & 255;
+            hi = (widen_lanes<true>(block + kValues + (i + kQBlock / 2) * kPanel + lane) +
+                  kQ8Offset) & 255;
           } else {
             lane_values<F>(block, i, lane, lo, hi);
           }
@@ -902,7 +919,8 @@ inline void int8_panel_product(const int8_t* q, const float* row_scales, int64_t
 #if defined(TIERGATE_INT8_VNNI)
             dots[m][j] = dot_bytes(dots[m][j], w[j], s);
 #else
-            pairs[m][j] = add_byte_pairs(pairs[m][j], w[j], s);
+            pairs[m][j] = F == kQ8 ? add_signed_byte_pairs(pairs[m][j], w[j], s)
+                                   : add_byte_pairs(pairs[m][j], w[j], s);
             if ((group + 1) % groups_in_16_bits<F>() == 0) {
               dots[m][j] = widen_pairs(dots[m][j], pairs[m][j]);
               pairs[m][j] = ilvec{};
@@ -935,13 +953,10 @@ inline void int8_panel_product(const int8_t* q, const float* row_scales, int64_t
   }
 }
 
-// Rows an int8 product takes at once, and panels: M x P dot and float accumulators in
-// registers.
-#if defined(__AVX512F__)
+// Rows an int8 product takes at once, and panels: with AVX2 (two passes of 8 lanes a panel)
+// 3 or 4 rows took 0.63-0.65 of float32 panels' time at 32 rows, 2 rows 0.82 (ops/bench/
+// journal.md, "Int8 activations").
 constexpr int kInt8RowBlock = 4, kInt8Panels = 2;
-#else
-constexpr int kInt8RowBlock = 2, kInt8Panels = 2;
-#endif
 
 // int8_panel_product for rows <= R rows.
 template <WeightFormat F, int P, int R = kInt8RowBlock>
@@ -1508,12 +1523,10 @@ int tiergate_panel_rows(const TiergateMatrix* weight, int64_t N, int64_t K, cons
 }
 
 // Rows above which a product over panels of `format` takes its activations in int8
-// (cpu_decode.cpp, "int8 activations"), or 0 where it never does: float32 weights, 8-bit ones
-// without VNNI, a CPU without AVX2.
+// (see above), or 0 where it never does: float32 weights, a CPU without AVX2.
 int64_t tiergate_int8_rows(int64_t format) {
   switch (format) {
-    case kQ8: return int8_activations<kQ8>() ? kInt8Rows : 0;
-    case kQ4: case kQ4K: case kQ5: case kQ5K: case kQ6K:
+    case kQ8: case kQ4: case kQ4K: case kQ5: case kQ5K: case kQ6K:
       return int8_activations<kQ4>() ? kInt8Rows : 0;
     default: return 0;
   }

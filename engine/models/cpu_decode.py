@@ -144,8 +144,8 @@ def _library() -> ctypes.CDLL | None:
 def int8_activation_rows(fmt: PanelFormat) -> int | None:
     """Rows above which a product over quantized panels of `fmt` rounds its activations to
     int8 per block of 32 (cpu_decode.cpp: the dequantized weights times the rounded
-    activations), or None where it never does (float32 panels, 8-bit blocks without VNNI, a CPU
-    without AVX2) or the library is not built."""
+    activations), or None where it never does (float32 panels, a CPU without AVX2) or the
+    library is not built."""
     library = _library()
     rows = 0 if library is None else int(library.tiergate_int8_rows(int(fmt)))
     return rows or None

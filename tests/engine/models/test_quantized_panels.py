@@ -150,21 +150,22 @@ def test_products_over_blocks_equal_the_dequantized_product(
 
 @pytest.mark.parametrize("kind", sorted(PANEL_TYPES, key=int))
 def test_int8_products_hold_the_largest_sums(kind: GGMLQuantizationType) -> None:
-    """Every value at its format's largest (all bits set; Q8_0: 127) against activations
-    that round to 127 everywhere: the byte products' largest sums, which 16-bit partial sums
-    without VNNI must hold without saturating."""
-    raw = random_blocks(kind, 32, 256, seed=1)
-    block, size = GGML_QUANT_SIZES[kind]
-    blocks = raw.reshape(32, 256 // block, size)
-    offset, fields = _SCALES[kind]
-    keep = blocks[..., offset:offset + 2 * fields].copy()
-    blocks[...] = 0x7F if kind == T.Q8_0 else 0xFF
-    blocks[..., offset:offset + 2 * fields] = keep
-    matrix = gguf_panels(raw, kind, 32, 256)
-    x = torch.ones(12, 256)
-    expected = product_input(x, matrix) @ reference(raw, kind).T
-    got = cpu_decode.PanelLinear(matrix)(x)
-    assert float((got - expected).norm() / expected.norm()) < 1e-5
+    """Every value at its format's largest (all bits set; Q8_0: 127, then -128) against
+    activations that round to 127 everywhere: the byte products' largest sums, which 16-bit
+    partial sums without VNNI must hold without saturating."""
+    for fill in (0x7F, 0x80) if kind == T.Q8_0 else (0xFF,):
+        raw = random_blocks(kind, 32, 256, seed=1)
+        block, size = GGML_QUANT_SIZES[kind]
+        blocks = raw.reshape(32, 256 // block, size)
+        offset, fields = _SCALES[kind]
+        keep = blocks[..., offset:offset + 2 * fields].copy()
+        blocks[...] = fill
+        blocks[..., offset:offset + 2 * fields] = keep
+        matrix = gguf_panels(raw, kind, 32, 256)
+        x = torch.ones(12, 256)
+        expected = product_input(x, matrix) @ reference(raw, kind).T
+        got = cpu_decode.PanelLinear(matrix)(x)
+        assert float((got - expected).norm() / expected.norm()) < 1e-5, fill
 
 
 def test_activations_round_per_block_of_32() -> None:
