@@ -15,13 +15,14 @@
 // (gate 0, up 0, gate 1, ...) so that a thread computes SiLU-and-multiply on the panels it just
 // produced. engine/models/cpu_decode.py packs them and calls this.
 //
-// A matrix may instead be held quantized as GGUF stores it (engine/models/quantized_panels.py):
+// A matrix may instead be held quantized as GGUF stores it (engine/models/quantized/panels.py):
 // the same panels of 16 outputs, cut along the inputs into blocks of 32, each block a scale
 // (and, for 4 bits, a minimum) per output, in float16 as GGUF stores them (for K-quants, the
 // super-block's float16 and the sub-block's 6-bit factor), and the 32 x 16 quantized values,
 // k-major like the float panels. A product dequantizes each block in registers as it reads it
 // (the values times the scale, plus the minimum) and multiplies as for float weights, so it
 // reads 0.27 (8 bits) or 0.16-0.17 (4 bits) of the float32 bytes: about the blocks' own size.
+// Products of more than 2 rows take their activations in int8 instead (see kInt8Rows).
 //
 // Rows may run on LoRA adapters (BGMV style, inside the products): for each product an adapter
 // of the step targets, a shrink h[m] = A x[m] for the rows on such adapters (one more parallel
@@ -676,8 +677,8 @@ void quantized_many_rows(int64_t M, const float* x, int64_t K, const uint8_t* pa
 // (VNNI's vpdpbusd; vpmaddubsw and vpmaddwd without it), and per block, in float,
 //   out += (scale d) sum_k u_k q_k + min d sum_k q_k,
 // which is the dequantized weights times the rounded activations x^ = d q, in another order.
-// It takes a quarter of the float products' instructions (ops/bench/journal.md, "Int8
-// activations"). The weights of a group of panels are first repacked into kInt8Block layout
+// With VNNI it took 0.41-0.47 of float32 panels' time at 32-128 rows (ops/bench/journal.md,
+// "Int8 activations"). The weights of a group of panels are first repacked into kInt8Block layout
 // (unsigned values, float scales and minimums), once for all the rows. Without VNNI the byte
 // products' pairs are summed in 16 bits (vpmaddubsw), which 8-bit unsigned values would
 // saturate: 8-bit weights stay signed there, and a product takes |w| times x with w's sign.
