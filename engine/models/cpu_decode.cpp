@@ -806,8 +806,11 @@ inline void store_byte_lanes(int8_t* p, ilvec q) {
 #endif
 }
 
-// Rows x[M, K] in int8 (see above): q[M, K], and per row and block {d, d sum q of inputs
-// 0..15, of 16..31}.
+// Floats per row and block that a product's rows carry beside their bytes: d, and d sum q of
+// inputs 0..15, of 16..31 and of all 32.
+constexpr int64_t kRowScales = 4;
+
+// Rows x[M, K] in int8 (see above): q[M, K], and per row and block its kRowScales floats.
 void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* scales) {
   constexpr int kVecs = kQBlock / kLanes;
   const int64_t num_blocks = K / kQBlock;
@@ -832,10 +835,12 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* scale
         store_byte_lanes(q + m * K + b * kQBlock + i * kLanes, rounded);
         sums[i * kLanes / (kQBlock / 2)] += rounded;
       }
-      float* s = scales + (m * num_blocks + b) * 3;
+      float* s = scales + (m * num_blocks + b) * kRowScales;
+      const int32_t low = lanes_sum(sums[0]), high = lanes_sum(sums[1]);
       s[0] = d;
-      s[1] = d * static_cast<float>(lanes_sum(sums[0]));
-      s[2] = d * static_cast<float>(lanes_sum(sums[1]));
+      s[1] = d * static_cast<float>(low);
+      s[2] = d * static_cast<float>(high);
+      s[3] = d * static_cast<float>(low + high);
     }
   }
 }
@@ -936,8 +941,8 @@ inline void int8_panel_product(const int8_t* q, const float* row_scales, int64_t
             const lvec scale = load_lanes(floats + half * kPanel + lane);
             const lvec low = load_lanes(floats + (2 + half) * kPanel + lane);
             for (int m = 0; m < M; ++m) {
-              const float* s = row_scales + (m * num_blocks + b) * 3;
-              const float sum = kHalves ? s[1 + half] : s[1] + s[2];
+              const float* s = row_scales + (m * num_blocks + b) * kRowScales;
+              const float sum = s[kHalves ? 1 + half : 3];
               acc[m][j] += __builtin_convertvector(dots[m][j], lvec) * (scale * s[0]) +
                            low * sum;
               dots[m][j] = ilvec{};
@@ -984,7 +989,7 @@ void int8_many_rows(int64_t M, const float* x, int64_t K, const uint8_t* panels,
   thread_local std::vector<float> row_scales;
   thread_local std::vector<uint8_t> scratch;
   q.resize(static_cast<size_t>(M * K));
-  row_scales.resize(static_cast<size_t>(M * num_blocks * 3));
+  row_scales.resize(static_cast<size_t>(M * num_blocks * kRowScales));
   scratch.resize(static_cast<size_t>(P * num_blocks * kInt8Block));
   quantize_rows(x, M, K, q.data(), row_scales.data());
   for (int64_t p = begin; p < end; p += P) {
@@ -996,13 +1001,14 @@ void int8_many_rows(int64_t M, const float* x, int64_t K, const uint8_t* panels,
       const int64_t rows = std::min<int64_t>(kInt8RowBlock, M - m);
       float* tile = out + m * N + p * kPanel;
       if (count == P) {
-        int8_row_block<F, P>(rows, q.data() + m * K, row_scales.data() + m * num_blocks * 3,
-                                   K, scratch.data(), 0, tile, N);
+        int8_row_block<F, P>(rows, q.data() + m * K,
+                             row_scales.data() + m * num_blocks * kRowScales, K, scratch.data(),
+                             0, tile, N);
       } else {
         for (int64_t j = 0; j < count; ++j) {
           int8_row_block<F, 1>(rows, q.data() + m * K,
-                                     row_scales.data() + m * num_blocks * 3, K, scratch.data(),
-                                     j, tile, N);
+                               row_scales.data() + m * num_blocks * kRowScales, K,
+                               scratch.data(), j, tile, N);
         }
       }
     }
@@ -1526,11 +1532,8 @@ int tiergate_panel_rows(const TiergateMatrix* weight, int64_t N, int64_t K, cons
 // Rows above which a product over panels of `format` takes its activations in int8
 // (see above), or 0 where it never does: float32 weights, a CPU without AVX2.
 int64_t tiergate_int8_rows(int64_t format) {
-  switch (format) {
-    case kQ8: case kQ4: case kQ4K: case kQ5: case kQ5K: case kQ6K:
-      return int8_activations<kQ4>() ? kInt8Rows : 0;
-    default: return 0;
-  }
+  const bool quantized = format > kF32 && format <= kQ6K;  // every quantized format alike
+  return quantized && int8_activations<kQ4>() ? kInt8Rows : 0;
 }
 
 // Floats of workspace the model's max_rows rows need.
