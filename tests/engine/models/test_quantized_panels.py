@@ -132,7 +132,7 @@ def test_minimums_past_float16_take_the_k_quant_layout(kind: GGMLQuantizationTyp
 
 
 @pytest.mark.parametrize("kind", sorted(PANEL_TYPES, key=int))
-@pytest.mark.parametrize("num_rows", [1, 2, 3, 8, 9, 19])  # int8 above 2 or 8 rows; tails
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 8, 9, 19])  # float at 1-2, int8 above; tails
 def test_products_over_blocks_equal_the_dequantized_product(
     kind: GGMLQuantizationType, num_rows: int,
 ) -> None:
